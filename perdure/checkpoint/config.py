@@ -1,0 +1,33 @@
+"""Config of periodic checkpoints; none of it changes the math."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from perdure.config import Checker
+
+
+@dataclass(kw_only=True, frozen=True)
+class CheckpointConfig:
+    """When checkpoints are taken, what is kept, and how saves overlap training."""
+
+    every_steps: int = 50
+    """Save every this many steps (0 disables periodic saves; the final one is always
+    written)."""
+    keep_last: int = 3
+    """Keep the newest this many checkpoints."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+    on_busy: Literal["wait", "skip"] = "wait"
+    """When a save is due while the previous one is still being written: ``wait`` for it
+    (the step loop blocks) or ``skip`` this save (logged)."""
+    verify_on_load: bool = True
+    """Verify every file's checksum when loading."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.non_negative("every_steps", self.every_steps)
+        c.positive("keep_last", self.keep_last)
+        c.non_negative("keep_every", self.keep_every)
+        c.done()

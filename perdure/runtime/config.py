@@ -1,0 +1,180 @@
+"""Configs of the training task, the optimizer, the step schedule and the cluster."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from perdure.config import MATH, Checker
+
+
+@dataclass(kw_only=True, frozen=True)
+class TaskConfig:
+    """What is trained: an importable factory and its options."""
+
+    entry: str = field(default="examples.tiny_lm.task:make_task", metadata=MATH)
+    """``module:function`` returning a :class:`perdure.Task`; the module must be importable."""
+    options: dict[str, Any] = field(default_factory=dict, metadata=MATH)
+    """Keyword arguments passed to the factory (model sizes, dropout, ...)."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        mod, _, fn = self.entry.partition(":")
+        c.check(bool(mod and fn), "entry", "must be 'module:function'", self.entry)
+        c.done()
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimConfig:
+    """The optimizer and its learning-rate schedule; every field changes the math."""
+
+    name: Literal["adamw", "sgd"] = field(default="adamw", metadata=MATH)
+    """Optimizer: ``adamw`` (torch.optim.AdamW) or ``sgd`` (with momentum)."""
+    lr: float = field(default=3e-3, metadata=MATH)
+    """Peak learning rate."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95], metadata=MATH)
+    """AdamW betas (two numbers in [0, 1))."""
+    eps: float = field(default=1e-8, metadata=MATH)
+    """AdamW epsilon."""
+    weight_decay: float = field(default=0.0, metadata=MATH)
+    """Decoupled weight decay."""
+    momentum: float = field(default=0.9, metadata=MATH)
+    """SGD momentum (ignored by AdamW)."""
+    warmup_steps: int = field(default=0, metadata=MATH)
+    """Linear warm-up from 0 to ``lr`` over this many steps."""
+    schedule: Literal["constant", "cosine"] = field(default="cosine", metadata=MATH)
+    """Learning rate after warm-up: constant, or cosine decay to ``min_lr_ratio * lr``."""
+    min_lr_ratio: float = field(default=0.1, metadata=MATH)
+    """Floor of the cosine schedule as a fraction of ``lr``."""
+    grad_clip: float | None = field(default=1.0, metadata=MATH)
+    """Clip the global gradient norm to this value; unset disables clipping."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.positive("lr", self.lr)
+        ok = len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)
+        c.check(ok, "betas", "must be two numbers in [0, 1)", self.betas)
+        c.positive("eps", self.eps)
+        c.non_negative("weight_decay", self.weight_decay)
+        c.check(0 <= self.momentum < 1, "momentum", "must be in [0, 1)", self.momentum)
+        c.non_negative("warmup_steps", self.warmup_steps)
+        c.check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        if self.grad_clip is not None:
+            c.positive("grad_clip", self.grad_clip)
+        c.done()
+
+
+@dataclass(kw_only=True, frozen=True)
+class TrainConfig:
+    """The step schedule and the slot layout; every field changes the math."""
+
+    steps: int = field(default=300, metadata=MATH)
+    """Optimizer steps of the run (the LR schedule is laid over them)."""
+    global_batch: int = field(default=32, metadata=MATH)
+    """Samples per step (B), fixed whatever the number of workers."""
+    slots: int = field(default=16, metadata=MATH)
+    """Slots per step (S); B must be a multiple of S. More slots than workers lets the
+    planner balance load; each slot costs one forward/backward call."""
+    seed: int = field(default=1234, metadata=MATH)
+    """Root seed: model init, data order, and the per-(step, slot) dropout streams."""
+    threads_per_worker: int = field(default=1, metadata=MATH)
+    """Intra-op threads of every worker (torch.set_num_threads). The bits of a slot's
+    gradient depend on it on the CPU, so it is part of the math."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.positive("steps", self.steps)
+        c.positive("global_batch", self.global_batch)
+        c.positive("slots", self.slots)
+        if self.slots > 0:
+            c.check(
+                self.global_batch % self.slots == 0,
+                "global_batch",
+                f"must be a multiple of train.slots ({self.slots})",
+                self.global_batch,
+            )
+        c.non_negative("seed", self.seed)
+        c.positive("threads_per_worker", self.threads_per_worker)
+        c.done()
+
+    @property
+    def slot_size(self) -> int:
+        return self.global_batch // self.slots
+
+
+@dataclass(kw_only=True, frozen=True)
+class RegionConfig:
+    """A failure domain of nodes; on the local launcher, a label on worker processes."""
+
+    name: str
+    """Region name, unique in the cluster."""
+    workers: int = 2
+    """Workers started in this region."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.check(
+            bool(self.name) and self.name.isidentifier(), "name", "must be an identifier", self.name
+        )
+        c.non_negative("workers", self.workers)
+        c.done()
+
+
+@dataclass(kw_only=True, frozen=True)
+class ClusterConfig:
+    """Who runs the math and how failures are detected; none of it changes the math."""
+
+    regions: list[RegionConfig] = field(
+        default_factory=lambda: [RegionConfig(name="local", workers=2)]
+    )
+    """Regions and their worker counts."""
+    coordinator_region: str | None = None
+    """Region the coordinator is considered to live in (a ``region_down`` of it takes the
+    coordinator down too); default: the first region."""
+    standby_region: str | None = None
+    """Region of the standby coordinator that takes over when the primary is lost; unset
+    means no standby."""
+    host: str = "127.0.0.1"
+    """Address the coordinator's store listens on."""
+    port: int = 0
+    """Port of the coordinator's store; 0 picks a free one."""
+    heartbeat_ms: int = 100
+    """Interval of worker heartbeats."""
+    phi_threshold: float = 10.0
+    """Phi-accrual threshold above which a silent worker is declared dead (8 to 12 is the
+    usual practice)."""
+    min_collective_timeout_ms: int = 2000
+    """Floor of the adaptive collective timeout."""
+    join_timeout_ms: int = 60000
+    """How long a worker waits to be admitted or for a membership epoch to form."""
+    replace_after_ms: int = 500
+    """Delay before the local launcher starts a replacement for a dead worker; negative
+    disables replacement."""
+    spares: int = 0
+    """Warm standby workers started by the local launcher (imported, registered, holding
+    no slots) that take over a dead worker's place at once."""
+    fingerprint_every: int = 10
+    """Compare a fingerprint of every replica's parameters every this many steps."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        names = [r.name for r in self.regions]
+        c.check(len(self.regions) > 0, "regions", "must list at least one region", names)
+        c.check(len(set(names)) == len(names), "regions", "names must be unique", names)
+        c.check(sum(r.workers for r in self.regions) > 0, "regions", "need >= 1 worker", names)
+        for key in ("coordinator_region", "standby_region"):
+            v = getattr(self, key)
+            if v is not None:
+                c.check(v in names, key, f"must name a region of {names}", v)
+        c.check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
+        c.positive("heartbeat_ms", self.heartbeat_ms)
+        c.positive("phi_threshold", self.phi_threshold)
+        c.positive("min_collective_timeout_ms", self.min_collective_timeout_ms)
+        c.positive("join_timeout_ms", self.join_timeout_ms)
+        c.non_negative("spares", self.spares)
+        c.positive("fingerprint_every", self.fingerprint_every)
+        c.done()
+
+    @property
+    def workers(self) -> int:
+        return sum(r.workers for r in self.regions)

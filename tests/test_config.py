@@ -1,0 +1,119 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from perdure.config.errors import ConfigError
+from perdure.config.run import (
+    RunConfig,
+    canonical,
+    config_from_dict,
+    config_hash,
+    diff_canonical,
+    load_config,
+    with_overrides,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((ROOT / "configs").glob("*.toml"))
+
+
+def test_there_are_shipped_configs() -> None:
+    assert len(SHIPPED) >= 2
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path: Path) -> None:
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    assert config_hash(cfg).startswith("sha256:")
+
+
+def _problems(data: dict) -> list[tuple[str, str, object]]:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(data)
+    return [(p.key, p.rule, p.value) for p in info.value.problems]
+
+
+def test_error_names_key_rule_and_value() -> None:
+    problems = _problems({"optim": {"lr": -0.5}})
+    assert problems == [("optim.lr", "must be > 0", -0.5)]
+
+
+def test_every_problem_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        '[optim]\nlr = -1\nbogus = 3\n[train]\nsteps = "x"\nglobal_batch = 30\nslots = 16\n'
+        '[cluster]\nregions = [{ name = "a", workers = -1 }]\n'
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    keys = {p.key for p in info.value.problems}
+    assert keys == {
+        "optim.lr",
+        "optim.bogus",
+        "train.steps",
+        "train.global_batch",
+        "cluster.regions[0].workers",
+    }
+    text = str(info.value)
+    assert str(path) in text and "5 problems" in text
+    assert "must be an integer (got 'x')" in text
+
+
+def test_unknown_section_and_wrong_type_are_named() -> None:
+    problems = _problems({"trian": {}, "train": {"seed": True}})
+    assert ("train.seed", "must be an integer", True) in problems
+    assert any(k == "trian" and "unknown key" in r for k, r, _ in problems)
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text("[train\nsteps = 3")
+    with pytest.raises(ConfigError, match=r"broken\.toml.*not valid TOML"):
+        load_config(path)
+
+
+def test_fault_targets_are_checked_against_the_cluster() -> None:
+    problems = _problems(
+        {"chaos": {"faults": [{"kind": "kill", "target": "mars-0", "at_step": 3}]}}
+    )
+    assert problems == [("chaos.faults[0].target", "no such worker", "mars-0")]
+
+
+def test_hash_ignores_workers_regions_paths_and_checkpoint_settings() -> None:
+    base = RunConfig()
+    other = with_overrides(
+        base,
+        cluster={"regions": [{"name": "x", "workers": 7}, {"name": "y", "workers": 1}]},
+        data={"dataset": "/elsewhere", "cache_mb": 5},
+        checkpoint={"every_steps": 3},
+        run={"dir": "/tmp/somewhere"},
+    )
+    assert other != base
+    assert config_hash(other) == config_hash(base)
+
+
+@pytest.mark.parametrize(
+    "section,field,value",
+    [
+        ("optim", "lr", 1e-4),
+        ("train", "seed", 7),
+        ("train", "slots", 8),
+        ("train", "threads_per_worker", 2),
+    ],
+)
+def test_hash_changes_with_math_fields(section: str, field: str, value: object) -> None:
+    base = RunConfig()
+    other = with_overrides(base, **{section: {field: value}})
+    assert config_hash(other) != config_hash(base)
+    assert diff_canonical(canonical(base), canonical(other)) == [f"{section}.{field}"]
+
+
+def test_configs_are_keyword_only_and_frozen() -> None:
+    with pytest.raises(TypeError):
+        RunConfig(None)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RunConfig().train.steps = 3  # type: ignore[misc]
