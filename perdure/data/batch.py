@@ -1,0 +1,37 @@
+"""``Batch``: what one slot of one step hands to the training task."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The samples of slot ``slot`` of step ``step``.
+
+    ``weight`` is the per-sample loss weight: 1.0 normally, NaN for a sample whose shard is
+    poisoned (fault injection) or could not be read (``bad_shards``). The task multiplies
+    per-sample losses by it, so such a slot's gradient is non-finite, exactly as bad data
+    would make it, and the runtime's non-finite check attributes it to ``shards``.
+    """
+
+    step: int
+    slot: int
+    tokens: np.ndarray
+    """int64 ``[B/S, seq_len + 1]``: the model reads ``[:, :-1]``, predicts ``[:, 1:]``."""
+    sample_ids: np.ndarray
+    """int64 ``[B/S]``: the served sample ids, after quarantine resampling."""
+    positions: np.ndarray
+    """int64 ``[B/S]``: the global order positions of this slot."""
+    shards: np.ndarray
+    """int64 ``[B/S]``: shard of each sample."""
+    weight: np.ndarray
+    """float32 ``[B/S]``: loss weight per sample (see the class docstring)."""
+    bad_shards: tuple[int, ...] = ()
+    """Shards of this slot that failed to load (their rows are zero, weights NaN)."""
+
+    @property
+    def finite(self) -> bool:
+        return bool(np.isfinite(self.weight).all())

@@ -1,0 +1,154 @@
+"""``Dataset``: a built dataset opened from any fsspec URL, read by sample id."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from perdure.data.errors import DataError, ShardError
+from perdure.data.manifest import MANIFEST_NAME, Manifest, parse_manifest
+from perdure.data.store import ShardStore, open_fs
+
+
+class Dataset:
+    """Random access to the samples of one dataset version.
+
+    Samples are numbered across shards in shard order; shard ``k`` holds ids
+    ``[start_k, start_k + samples_k)``. Opening reads only ``manifest.json`` and one listing
+    of the dataset directory (to report missing or truncated shards up front); shard bytes
+    are read when a sample needs them (see :mod:`perdure.data.store`).
+    """
+
+    def __init__(self, url: str, manifest: Manifest, store: ShardStore) -> None:
+        self.url, self.manifest, self.store = url, manifest, store
+        counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        self._ends = self.starts + counts
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        *,
+        cache_dir: str | None = None,
+        cache_mb: int = 1024,
+        check_files: bool = True,
+    ) -> Dataset:
+        """Open the dataset at ``url`` (directory holding ``manifest.json``).
+
+        Raises :class:`DataError` naming the file for a missing or malformed manifest, and,
+        when ``check_files``, for a missing shard or one whose size differs from the
+        manifest's.
+        """
+        fs, root = open_fs(url)
+        root = root.rstrip("/")
+        murl = f"{url.rstrip('/')}/{MANIFEST_NAME}"
+        try:
+            text = fs.cat_file(f"{root}/{MANIFEST_NAME}").decode()
+        except FileNotFoundError:
+            raise DataError(f"{murl}: missing (is {url} a dataset built by perdure?)") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise DataError(f"{murl}: cannot be read ({e})") from None
+        manifest = parse_manifest(text, murl)
+        if check_files:
+            _check_files(fs, root, url, manifest)
+        store = ShardStore(fs, root, manifest, cache_dir=cache_dir, cache_mb=cache_mb)
+        return cls(url, manifest, store)
+
+    @property
+    def version_id(self) -> str:
+        return self.manifest.version_id
+
+    @property
+    def num_samples(self) -> int:
+        return int(self._ends[-1])
+
+    @property
+    def seq_len(self) -> int:
+        return self.manifest.seq_len
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.manifest.shards)
+
+    def shard_of(self, sample_id: int | np.ndarray) -> int | np.ndarray:
+        """Shard of a sample id (or of each id of an array)."""
+        ids = np.asarray(sample_id, dtype=np.int64)
+        self._check_ids(ids)
+        out = np.searchsorted(self.starts, ids, side="right") - 1
+        return int(out) if out.ndim == 0 else out
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        """Sample ids ``[start, end)`` of a shard."""
+        return int(self.starts[shard]), int(self._ends[shard])
+
+    def read(self, sample_ids: np.ndarray) -> np.ndarray:
+        """Rows ``[n, seq_len + 1]`` (stored dtype) of ``sample_ids``; raises ShardError."""
+        rows, bad = self.read_available(np.asarray(sample_ids, dtype=np.int64))
+        if bad:
+            raise next(iter(bad.values()))
+        return rows
+
+    def read_available(self, ids: np.ndarray) -> tuple[np.ndarray, dict[int, ShardError]]:
+        """Rows of ``ids``, with the rows of unreadable shards left zero and those shards'
+        errors returned instead of raised (the slot loader's path)."""
+        self._check_ids(ids)
+        out = np.empty((ids.size, self.seq_len + 1), dtype=self.manifest.np_dtype())
+        shards = np.searchsorted(self.starts, ids, side="right") - 1
+        bad: dict[int, ShardError] = {}
+        if ids.size == 0:
+            return out, bad
+        lo, hi = int(shards.min()), int(shards.max())
+        if lo == hi:
+            self._fill(out, slice(None), ids - self.starts[lo], lo, bad)
+            return out, bad
+        order = np.argsort(shards, kind="stable")
+        sorted_shards = shards[order]
+        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
+        for sel in np.split(order, cuts):
+            k = int(shards[sel[0]])
+            self._fill(out, sel, ids[sel] - self.starts[k], k, bad)
+        return out, bad
+
+    def _fill(
+        self, out: np.ndarray, sel: slice | np.ndarray, rows: np.ndarray, shard: int,
+        bad: dict[int, ShardError],
+    ) -> None:  # fmt: skip
+        try:
+            out[sel] = self.store.rows(shard)[rows]
+        except ShardError as e:
+            out[sel] = 0
+            bad[shard] = e
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):
+            lo, hi = int(ids.min()), int(ids.max())
+            raise DataError(
+                f"{self.url}: sample ids must be in [0, {self.num_samples}) (got [{lo}, {hi}])"
+            )
+
+    def close(self) -> None:
+        self.store.close()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_files(fs: object, root: str, url: str, manifest: Manifest) -> None:
+    try:
+        listing = fs.ls(root, detail=True)  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        raise DataError(f"{url}: directory missing") from None
+    sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
+    base = url.rstrip("/")
+    for info in manifest.shards:
+        if info.file not in sizes:
+            raise DataError(f"{base}/{info.file}: shard file missing (listed in manifest.json)")
+        size = sizes[info.file]
+        if size is not None and size != info.bytes:
+            raise DataError(
+                f"{base}/{info.file}: size must be {info.bytes} bytes as manifest.json says "
+                f"(got {size}; truncated, or written with another dtype or seq_len?)"
+            )

@@ -1,0 +1,236 @@
+"""``SlotLoader``: the samples and tokens of (step, slot), deterministic and random access.
+
+``samples(step, slot)`` is a pure function of (seed, step, slot, global batch, slot count,
+N, the quarantine in force at ``step``): any worker computing any slot at any time, with
+any cache or prefetch history, gets the same ids. Reading them is the only I/O.
+
+Bad shards (missing, unreadable, failing the checksum) do not crash the loader: the rows
+are served as zeros with weight NaN, a warning is logged once per shard, the shard goes to
+:meth:`SlotLoader.pending_quarantine` and ``on_bad_shard(shard, reason)`` is called. In a
+multi-worker run the runtime turns that into a decision-log entry that every worker applies
+at the same step (``loader.quarantine``); a worker must not quarantine on its own, since
+the others would not know. ``auto_quarantine=True`` does it locally at once, for
+single-process use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from perdure.data.batch import Batch
+from perdure.data.dataset import Dataset
+from perdure.data.errors import DataError, ShardError
+from perdure.data.order import positions_to_samples
+from perdure.data.prefetch import Prefetcher
+from perdure.data.quarantine import Quarantine, QuarantineEntry
+from perdure.data.slots import check_slots, slot_positions
+from perdure.data.state import DataState
+
+log = logging.getLogger("perdure.data")
+
+BadShardCallback = Callable[[int, str], None]
+
+
+class SlotLoader:
+    """Slot-addressed loading of one dataset for one run (seed, global batch, slots)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        seed: int,
+        global_batch: int,
+        slots: int,
+        quarantine: Quarantine | None = None,
+        prefetch_steps: int = 1,
+        on_bad_shard: BadShardCallback | None = None,
+        auto_quarantine: bool = False,
+        wait_timeout_s: float = 60.0,
+    ) -> None:
+        self.per_slot = check_slots(global_batch, slots)
+        if prefetch_steps < 0:
+            raise DataError(f"loader: prefetch_steps must be >= 0 (got {prefetch_steps})")
+        self.dataset, self.seed = dataset, seed
+        self.global_batch, self.slots = global_batch, slots
+        self.on_bad_shard, self.auto_quarantine = on_bad_shard, auto_quarantine
+        self._quarantine = quarantine or Quarantine()
+        self._check_ids(self._quarantine)
+        self._poisoned: set[int] = set()
+        self._pending: list[QuarantineEntry] = []
+        self._reported: set[int] = set()
+        self._lock = threading.RLock()
+        self._gen = 0
+        self.prefetch_steps = prefetch_steps
+        limit = max(1, prefetch_steps) * slots
+        self._prefetcher = Prefetcher(self._load_tagged, limit, wait_timeout_s)
+
+    @classmethod
+    def from_state(cls, dataset: Dataset, state: DataState, *, slots: int, **kw: Any) -> SlotLoader:
+        """A loader positioned by a checkpoint's data state (seed, batch, quarantine)."""
+        _check_version(state, dataset.version_id)
+        return cls(dataset, seed=state.seed, global_batch=state.global_batch, slots=slots,
+                   quarantine=state.quarantine, **kw)  # fmt: skip
+
+    # -- pure addressing ------------------------------------------------------------------
+
+    @property
+    def num_samples(self) -> int:
+        return self.dataset.num_samples
+
+    @property
+    def quarantine_list(self) -> Quarantine:
+        return self._quarantine
+
+    def positions(self, step: int, slot: int) -> np.ndarray:
+        return slot_positions(step, slot, self.global_batch, self.slots)
+
+    def samples(self, step: int, slot: int) -> np.ndarray:
+        """Sample ids of (step, slot) after quarantine resampling (int64 ``[B/S]``)."""
+        return self._samples(step, slot, self._quarantine)[1]
+
+    def _samples(self, step: int, slot: int, q: Quarantine) -> tuple[np.ndarray, np.ndarray]:
+        pos = self.positions(step, slot)
+        n = self.dataset.num_samples
+        ids = positions_to_samples(self.seed, pos, n)
+        active = q.active(step)
+        if active:
+            ids = active.resample(ids, pos, self.seed, n, self._shard_of)
+        return pos, ids
+
+    def _shard_of(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(self.dataset.shard_of(ids))
+
+    # -- reading --------------------------------------------------------------------------
+
+    def batch(self, step: int, slot: int) -> Batch:
+        """Tokens and metadata of (step, slot); uses a valid prefetched batch if one exists."""
+        got = self._prefetcher.take(step, slot, self._gen)
+        if got is not None:
+            return got
+        return self._load_checked(step, slot)
+
+    def prefetch(self, step: int, slots: Iterable[int]) -> None:
+        """Start reading (step, slot) for ``slots`` in the background (bounded; no-op when
+        ``prefetch_steps == 0``). Earlier steps' unread prefetches are dropped."""
+        if self.prefetch_steps:
+            self._prefetcher.submit(step, list(slots), self._gen)
+
+    def _load_tagged(self, step: int, slot: int) -> Batch:
+        return self._load_checked(step, slot)
+
+    def _load_checked(self, step: int, slot: int) -> Batch:
+        b = self._load(step, slot)
+        if b.bad_shards and self.auto_quarantine:
+            self.quarantine(list(b.bad_shards), step, "unreadable shard (auto)")
+            b = self._load(step, slot)
+        return b
+
+    def _load(self, step: int, slot: int) -> Batch:
+        with self._lock:
+            q, poisoned = self._quarantine, frozenset(self._poisoned)
+        pos, ids = self._samples(step, slot, q)
+        shards = self._shard_of(ids)
+        rows, bad = self.dataset.read_available(ids)
+        weight = np.ones(ids.size, dtype=np.float32)
+        hit = poisoned | bad.keys()
+        if hit:
+            weight[np.isin(shards, np.fromiter(hit, dtype=np.int64))] = np.nan
+        if bad:
+            self._report(bad, step)
+        tokens = rows.astype(np.int64)
+        return Batch(step, slot, tokens, ids, pos, shards, weight, tuple(sorted(bad)))
+
+    def _report(self, bad: dict[int, ShardError], step: int) -> None:
+        with self._lock:
+            new = [k for k in sorted(bad) if k not in self._reported]
+            self._reported.update(new)
+            for k in new:
+                self._pending.append(QuarantineEntry(step, (k,), (), bad[k].reason))
+        for k in new:
+            log.warning("data: %s; serving its samples with weight NaN and requesting "
+                        "quarantine from step %d", bad[k], step)  # fmt: skip
+            if self.on_bad_shard is not None:
+                self.on_bad_shard(k, bad[k].reason)
+
+    def pending_quarantine(self) -> list[QuarantineEntry]:
+        """Quarantine requests for bad shards seen so far, cleared by this call. The runtime
+        decides the step they apply from and calls :meth:`quarantine` on every worker."""
+        with self._lock:
+            out, self._pending = self._pending, []
+        return out
+
+    # -- decisions and faults -------------------------------------------------------------
+
+    def quarantine(
+        self, shards: list[int], step: int, reason: str, *, samples: Iterable[int] = ()
+    ) -> Quarantine:
+        """From ``step`` on, never serve ``shards`` (nor ``samples``); returns the new list."""
+        with self._lock:
+            q = self._quarantine.add(step, reason, shards=shards, samples=samples)
+            self._check_ids(q)
+            self._quarantine = q
+            self._gen += 1
+        self._prefetcher.invalidate()
+        log.info("data: quarantined shards %s samples %s from step %d (%s)", sorted(shards),
+                 sorted(samples), step, reason)  # fmt: skip
+        return q
+
+    def poison_shard(self, shard: int) -> None:
+        """Fault injection: every sample of ``shard`` gets loss weight NaN from now on."""
+        if not 0 <= shard < self.dataset.num_shards:
+            raise DataError(f"poison_shard: shard must be in [0, {self.dataset.num_shards}) "
+                            f"(got {shard})")  # fmt: skip
+        with self._lock:
+            self._poisoned.add(shard)
+            self._gen += 1
+        self._prefetcher.invalidate()
+
+    def _check_ids(self, q: Quarantine) -> None:
+        ns, n = self.dataset.num_shards, self.dataset.num_samples
+        for e in q.entries:
+            if any(not 0 <= s < ns for s in e.shards) or any(not 0 <= s < n for s in e.samples):
+                raise DataError(f"quarantine: entry {e.to_dict()} names ids outside the "
+                                f"dataset ({ns} shards, {n} samples)")  # fmt: skip
+
+    # -- state ----------------------------------------------------------------------------
+
+    def state(self, step: int) -> DataState:
+        """The data offset to checkpoint when ``step`` is the next step to run."""
+        return DataState(self.dataset.version_id, self.seed, step, self.global_batch,
+                         self.dataset.num_samples, self._quarantine)  # fmt: skip
+
+    def restore(self, state: DataState) -> int:
+        """Adopt a checkpoint's quarantine; returns its step. O(1): nothing is replayed."""
+        _check_version(state, self.dataset.version_id)
+        for name in ("seed", "global_batch"):
+            if getattr(state, name) != getattr(self, name):
+                raise DataError(f"data state: {name} is {getattr(state, name)} but the loader's "
+                                f"is {getattr(self, name)}")  # fmt: skip
+        self._check_ids(state.quarantine)
+        with self._lock:
+            self._quarantine = state.quarantine
+            self._gen += 1
+        self._prefetcher.invalidate()
+        return state.step
+
+    def close(self) -> None:
+        self._prefetcher.close()
+
+    def __enter__(self) -> SlotLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _check_version(state: DataState, version_id: str) -> None:
+    if state.version_id != version_id:
+        raise DataError(
+            f"data state: made for dataset version {state.version_id}, but the dataset "
+            f"opened is version {version_id}"
+        )
