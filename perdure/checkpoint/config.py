@@ -24,6 +24,12 @@ class CheckpointConfig:
     (the step loop blocks) or ``skip`` this save (logged)."""
     verify_on_load: bool = True
     """Verify every file's checksum when loading."""
+    snapshot_overlap: bool = True
+    """Let the snapshot copy run on a background thread after ``save()`` returns, so it
+    overlaps the next forward and backward; the step loop calls ``wait_snapshot()`` before
+    it mutates state (``optimizer.step``). Turn it off when forward mutates state the
+    checkpoint holds (e.g. BatchNorm running statistics): the copy then completes inside
+    ``save()``."""
 
     def __post_init__(self) -> None:
         c = Checker()

@@ -1,0 +1,194 @@
+"""Async save: the step loop blocks only for the snapshot; the rest runs on a thread.
+
+``save()`` flattens the state, encodes its JSON context (a deep copy, so the caller may
+mutate its dicts at once) and starts a background thread that first copies the tensors
+into reused buffers, then checksums, writes, fsyncs, commits and prunes. With
+``snapshot_overlap`` ``save()`` returns before the copy ends and ``wait_snapshot()``
+blocks for the rest, so the copy overlaps the next forward and backward, which read the
+parameters but do not write them. At most one save is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from perdure.checkpoint.config import CheckpointConfig
+from perdure.checkpoint.errors import CheckpointSaveError
+from perdure.checkpoint.snapshot import SnapshotBuffers, copy_into
+from perdure.checkpoint.state import CheckpointState
+from perdure.checkpoint.tensors import flatten
+from perdure.checkpoint.writer import Exchange, Prepared, context_of, write_checkpoint
+
+Log = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class _Job:
+    step: int
+    snapshot_done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    snapshot_error: BaseException | None = None
+    snapshot_seconds: float = 0.0
+
+
+class AsyncCheckpointer:
+    """Background checkpoint saves for the step loop (see module doc).
+
+    The caller's protocol per step: ``check()``; at a save step ``save(state)``; forward,
+    backward; ``wait_snapshot()``; ``optimizer.step()``. With ``world > 1`` every rank
+    runs the same protocol with the same steps, and ``exchange`` must match calls by their
+    payload's ``round`` (it may be called from the caller's and the background thread).
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        config: CheckpointConfig,
+        *,
+        rank: int = 0,
+        world: int = 1,
+        exchange: Exchange | None = None,
+        log: Log | None = None,
+    ) -> None:
+        if world > 1 and exchange is None:
+            raise ValueError(f"AsyncCheckpointer: world={world} needs an exchange")
+        self.root = Path(root)
+        self.config = config
+        self.rank, self.world, self.exchange = rank, world, exchange
+        self._log = log or (lambda _e: None)
+        self._buffers = SnapshotBuffers()
+        self._job: _Job | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step = -1
+        self._closed = False
+
+    def save(self, state: CheckpointState) -> bool:
+        """Start saving ``state``; False when skipped (a save in flight, ``on_busy=skip``)."""
+        if self._closed:
+            raise RuntimeError("AsyncCheckpointer.save after close()")
+        self.check()
+        if self._should_skip(state.step):
+            self._log(
+                {"event": "checkpoint_skipped", "step": state.step, "reason": "save in flight"}
+            )
+            return False
+        if self._busy():
+            t0 = time.perf_counter()
+            self.wait()
+            self._log(
+                {
+                    "event": "checkpoint_busy_wait",
+                    "step": state.step,
+                    "seconds": time.perf_counter() - t0,
+                }
+            )
+        tensors, structure = flatten(state.model, state.optimizer)
+        context = context_of(state, structure)
+        pairs = [(t, self._buffers.buffer_for(k, t)) for k, t in tensors.items()]
+        self._buffers.keep_only(set(tensors))
+        bufs = {k: dst for k, (_, dst) in zip(tensors, pairs, strict=True)}
+        job = _Job(int(state.step))
+        prep = Prepared(job.step, bufs, context)
+        self._job = job
+        self._thread = threading.Thread(
+            target=self._run, args=(job, pairs, prep), name=f"perdure-ckpt-{job.step}", daemon=True
+        )
+        self._thread.start()
+        if not self.config.snapshot_overlap:
+            self.wait_snapshot()
+        return True
+
+    def _busy(self) -> bool:
+        return self._job is not None and not self._job.done.is_set()
+
+    def _should_skip(self, step: int) -> bool:
+        if self.config.on_busy != "skip":
+            return False
+        busy = self._busy()
+        if self.world > 1:
+            assert self.exchange is not None
+            votes = self.exchange({"round": f"step-{step}/busy", "rank": self.rank, "busy": busy})
+            return any(v["busy"] for v in votes)
+        return busy
+
+    def _run(self, job: _Job, pairs: list, prep: Prepared) -> None:
+        t0 = time.perf_counter()
+        try:
+            try:
+                copy_into(pairs)
+            except BaseException as e:
+                job.snapshot_error = e
+                raise
+            finally:
+                job.snapshot_seconds = time.perf_counter() - t0
+                job.snapshot_done.set()
+            retention = self.config if self.rank == 0 else None
+            path = write_checkpoint(
+                self.root,
+                prep,
+                rank=self.rank,
+                world=self.world,
+                exchange=self.exchange,
+                retention=retention,
+            )
+            self._log(
+                {
+                    "event": "checkpoint_saved",
+                    "step": job.step,
+                    "path": str(path),
+                    "seconds": time.perf_counter() - t0,
+                    "snapshot_seconds": job.snapshot_seconds,
+                    "bytes": sum(t.numel() * t.element_size() for t in prep.tensors.values()),
+                }
+            )
+        except BaseException as e:
+            self._error, self._error_step = e, job.step
+            self._log(
+                {
+                    "event": "checkpoint_failed",
+                    "step": job.step,
+                    "error": f"{type(e).__name__}: {e}",
+                }
+            )
+        finally:
+            job.done.set()
+
+    def wait_snapshot(self) -> None:
+        """Block until the in-flight save's copy is complete: after this the caller may
+        mutate the state. Raises if the copy failed."""
+        job = self._job
+        if job is None:
+            return
+        job.snapshot_done.wait()
+        if job.snapshot_error is not None:
+            raise CheckpointSaveError(
+                f"snapshot of step {job.step} failed: {job.snapshot_error}"
+            ) from job.snapshot_error
+
+    def check(self) -> None:
+        """Raise a background save's error (once); the step loop calls this every step."""
+        if self._error is not None:
+            e, self._error = self._error, None
+            raise CheckpointSaveError(
+                f"background save of step {self._error_step} to {self.root} failed: {e}"
+            ) from e
+
+    def wait(self) -> None:
+        """Wait for the in-flight save to finish; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+        self.check()
+
+    def close(self) -> None:
+        """Wait for the in-flight save, release the buffers; raise a pending error."""
+        self._closed = True
+        try:
+            self.wait()
+        finally:
+            self._buffers = SnapshotBuffers()

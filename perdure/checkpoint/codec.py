@@ -1,0 +1,85 @@
+"""Tagged JSON: the context and the optimizer's non-tensor state, without pickle.
+
+Plain JSON loses tuples, non-finite floats and non-string dict keys, all of which occur
+in a torch optimizer's ``state_dict`` (``betas`` is a tuple, ``state`` is keyed by int).
+A round trip must be exact, so such values are written as one-key tagged objects:
+
+- ``{"$tuple": [...]}``            a tuple
+- ``{"$float": "nan"|"inf"|"-inf"}`` a non-finite float
+- ``{"$dict": [[key, value], ...]}`` a dict with a non-string key, or a key starting ``$``
+- ``{"$tensor": "name"}``          a tensor stored in a safetensors file under ``name``
+
+Everything else (None, bool, int, finite float, str, list, dict with plain string keys)
+is ordinary JSON. Python's ``json`` writes floats with ``repr``, which round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+TAGS = ("$tuple", "$float", "$dict", "$tensor")
+
+
+def encode(value: Any, on_tensor: Callable[[Any, str], str] | None = None, path: str = "") -> Any:
+    """``value`` as tagged JSON. ``on_tensor(tensor, path)`` stores a tensor and returns its
+    name; without it a tensor is an error naming its path."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        return {"$float": "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+    if isinstance(value, tuple):
+        return {"$tuple": [encode(v, on_tensor, f"{path}/{i}") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, on_tensor, f"{path}/{i}") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        return _encode_dict(value, on_tensor, path)
+    if on_tensor is not None and _is_tensor(value):
+        return {"$tensor": on_tensor(value, path)}
+    raise TypeError(f"{path or '<root>'}: cannot store a {type(value).__name__} in a checkpoint")
+
+
+def _encode_dict(value: dict, on_tensor: Callable[[Any, str], str] | None, path: str) -> Any:
+    plain = all(isinstance(k, str) and not k.startswith("$") for k in value)
+    if plain:
+        return {k: encode(v, on_tensor, f"{path}/{k}") for k, v in value.items()}
+    items = [
+        [encode(k, None, f"{path}/<key>"), encode(v, on_tensor, f"{path}/{k}")]
+        for k, v in value.items()
+    ]
+    return {"$dict": items}
+
+
+def decode(value: Any, on_tensor: Callable[[str], Any] | None = None) -> Any:
+    """Inverse of :func:`encode`; ``on_tensor(name)`` returns the tensor stored as ``name``
+    (without it, ``{"$tensor": name}`` is left as it is)."""
+    if isinstance(value, list):
+        return [decode(v, on_tensor) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) == 1:
+        ((tag, inner),) = value.items()
+        if tag == "$tuple":
+            return tuple(decode(v, on_tensor) for v in inner)
+        if tag == "$float":
+            return float(inner)
+        if tag == "$dict":
+            return {_hashable(decode(k)): decode(v, on_tensor) for k, v in inner}
+        if tag == "$tensor":
+            return on_tensor(inner) if on_tensor is not None else value
+    return {k: decode(v, on_tensor) for k, v in value.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor)

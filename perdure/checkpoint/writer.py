@@ -1,0 +1,277 @@
+"""The synchronous save: part files, context, manifest, commit.
+
+Commit protocol (local file system), for W writers holding identical replicas:
+
+1. The writers agree on a temporary directory ``step-N.tmp-<token>``: W = 1 draws the
+   token; W > 1 all-gathers every rank's draw and takes rank 0's.
+2. Each rank writes its part file (its 1/W of the tensor bytes, see ``plan``), computing
+   the CRC on threads from the same memory, and fsyncs it; rank 0 also writes
+   ``context.json``. Each rank all-gathers ``{file, bytes, checksum}`` or its error.
+3. Rank 0, when every part is durable and no rank failed, writes ``manifest.json``
+   (temporary name, fsync, rename, directory fsync), renames the directory to ``step-N``
+   and fsyncs the root. A last all-gather tells the other ranks that the commit happened.
+
+A crash before the rename leaves only a ``.tmp-`` directory, which readers ignore and
+retention removes; the older checkpoints are never touched before the commit.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perdure.checkpoint import codec, crc, layout
+from perdure.checkpoint.config import CheckpointConfig
+from perdure.checkpoint.errors import CheckpointSaveError
+from perdure.checkpoint.fsio import fsync_dir, write_all, write_durable
+from perdure.checkpoint.hooks import crash_point
+from perdure.checkpoint.plan import Chunk, plan_parts
+from perdure.checkpoint.sfile import build_header
+from perdure.checkpoint.state import CheckpointState
+from perdure.checkpoint.tensors import byte_view, flatten, meta_of, to_cpu_contiguous
+
+Exchange = Callable[[dict[str, Any]], list[dict[str, Any]]]
+"""All-gather of JSON-able dicts over the W writers, in rank order. Every payload has a
+``round`` key (e.g. ``step-1200/parts``), unique per collective; an implementation must
+pair the calls of the W ranks by it, because it may be called from several threads."""
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def checksum_pool() -> ThreadPoolExecutor:
+    """Threads that sum CRC blocks while the caller reads or writes the next one."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="perdure-crc")
+    return _POOL
+
+
+@dataclass
+class Prepared:
+    """A state ready to write: named contiguous CPU tensors and the context as JSON."""
+
+    step: int
+    tensors: dict[str, torch.Tensor]
+    context: dict[str, Any]
+
+
+def context_of(state: CheckpointState, optimizer_structure: Any) -> dict[str, Any]:
+    """The JSON context file's content (tagged JSON, see ``codec``)."""
+    return {
+        "step": int(state.step),
+        "optimizer": optimizer_structure,
+        "rng": codec.encode(state.rng),
+        "data": codec.encode(state.data),
+        "config_hash": state.config_hash,
+        "canonical_config": codec.encode(state.canonical_config),
+        "topology": codec.encode(state.topology),
+        "provenance": codec.encode(state.provenance),
+        "decisions": codec.encode(state.decisions),
+    }
+
+
+def prepare(state: CheckpointState) -> Prepared:
+    """Flatten a state for writing (copies only device or non-contiguous tensors)."""
+    tensors, structure = flatten(state.model, state.optimizer)
+    cpu = {k: to_cpu_contiguous(t) for k, t in tensors.items()}
+    return Prepared(int(state.step), cpu, context_of(state, structure))
+
+
+def save_checkpoint(
+    root: str | Path,
+    state: CheckpointState,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    exchange: Exchange | None = None,
+    retention: CheckpointConfig | None = None,
+) -> Path:
+    """Write ``ROOT/step-<step>/`` atomically and return its path (see module doc).
+
+    With ``world > 1`` every rank must call this with an identical state and an
+    ``exchange`` over the same W ranks; ``retention`` (rank 0 only) prunes old ones.
+    """
+    return write_checkpoint(
+        Path(root), prepare(state), rank=rank, world=world, exchange=exchange, retention=retention
+    )
+
+
+def write_checkpoint(
+    root: Path,
+    prep: Prepared,
+    *,
+    rank: int = 0,
+    world: int = 1,
+    exchange: Exchange | None = None,
+    retention: CheckpointConfig | None = None,
+) -> Path:
+    if world > 1 and exchange is None:
+        raise ValueError(f"save of step {prep.step}: world={world} needs an exchange")
+    if not 0 <= rank < world:
+        raise ValueError(f"save of step {prep.step}: rank {rank} not in [0, {world})")
+
+    def gather(phase: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        if exchange is None or world == 1:
+            return [payload]
+        return exchange({"round": f"step-{prep.step}/{phase}", **payload})
+
+    root.mkdir(parents=True, exist_ok=True)
+    token = gather("token", {"rank": rank, "token": secrets.token_hex(6)})[0]["token"]
+    tmp = root / layout.tmp_dir_name(prep.step, token)
+    tmp.mkdir(exist_ok=True)
+    crash_point("before_write")
+    metas = [meta_of(k, t) for k, t in prep.tensors.items()]
+    parts = plan_parts(metas, world)
+    own_error: BaseException | None = None
+    try:
+        files = [write_part(tmp, layout.part_file_name(rank, world), parts[rank], prep.tensors)]
+        if rank == 0:
+            files.append(_write_json(tmp, layout.CONTEXT, prep.context))
+        fsync_dir(tmp)
+        payload: dict[str, Any] = {"rank": rank, "files": files, "error": None}
+    except Exception as e:
+        own_error = e
+        payload = {"rank": rank, "files": [], "error": f"{type(e).__name__}: {e}"}
+    gathered = gather("parts", payload)
+    _raise_errors(gathered, prep.step, own_error, "writing its part")
+    final = root / layout.step_dir_name(prep.step)
+    status: dict[str, Any] = {"rank": rank, "error": None}
+    if rank == 0:
+        try:
+            _commit(root, tmp, final, prep, parts, gathered, world)
+        except Exception as e:
+            own_error = e
+            status["error"] = f"{type(e).__name__}: {e}"
+    _raise_errors(gather("commit", status), prep.step, own_error, "committing")
+    if rank == 0 and retention is not None:
+        from perdure.checkpoint.discovery import apply_retention
+
+        apply_retention(root, retention, newest_intact=final)
+    return final
+
+
+def _raise_errors(
+    gathered: list[dict[str, Any]], step: int, own: BaseException | None, what: str
+) -> None:
+    bad = [g for g in gathered if g.get("error")]
+    if bad:
+        lines = "; ".join(f"rank {g['rank']}: {g['error']}" for g in bad)
+        raise CheckpointSaveError(f"save of step {step} failed while {what}: {lines}") from own
+
+
+def write_part(
+    dirpath: Path, name: str, chunks: list[Chunk], tensors: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Write one safetensors file straight from tensor memory, CRC on threads; fsync it."""
+    entries, segments = [], []
+    for c in chunks:
+        a, b = c.byte_range
+        entries.append((c.file_key, c.meta.dtype, c.shape, b - a))
+        segments.append(byte_view(tensors[c.meta.key])[a:b])
+    header = build_header(entries)
+    pool = checksum_pool()
+    futures = []
+    size = 0
+    with open(dirpath / name, "wb", buffering=0) as f:
+        for block in crc.blocks([memoryview(header), *segments]):
+            futures.append(pool.submit(crc.crc_block, block))
+            for mv in block:
+                write_all(f, mv)
+                size += len(mv)
+                if size == len(header):
+                    crash_point("during_write")
+        os.fsync(f.fileno())
+    return {
+        "file": name,
+        "bytes": size,
+        "checksum": "crc32:" + crc.format_crc(crc.join_futures(futures)),
+    }
+
+
+def _write_json(dirpath: Path, name: str, obj: Any) -> dict[str, Any]:
+    data = (codec_dumps(obj) + "\n").encode()
+    write_durable(dirpath / name, data)
+    return {
+        "file": name,
+        "bytes": len(data),
+        "checksum": "crc32:" + crc.format_crc(zlib.crc32(data)),
+    }
+
+
+def codec_dumps(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False)
+
+
+def manifest_of(
+    prep: Prepared, parts: list[list[Chunk]], files: list[dict[str, Any]], world: int
+) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for c in sorted((c for p in parts for c in p), key=lambda c: (c.meta.key, c.start)):
+        t = tensors.setdefault(
+            c.meta.key, {"dtype": c.meta.dtype, "shape": list(c.meta.shape), "chunks": []}
+        )
+        rows = [c.start, c.stop] if c.meta.shape else None
+        t["chunks"].append(
+            {"file": layout.part_file_name(c.rank, world), "key": c.file_key, "rows": rows}
+        )
+    order = {k: i for i, k in enumerate(prep.tensors)}
+    ctx = prep.context
+    return {
+        "format": layout.FORMAT_NAME,
+        "version": {"major": layout.FORMAT_MAJOR, "minor": layout.FORMAT_MINOR},
+        "step": prep.step,
+        "created_unix": time.time(),
+        "writers": world,
+        "files": {f["file"]: {"bytes": f["bytes"], "checksum": f["checksum"]} for f in files},
+        "context": layout.CONTEXT,
+        "tensors": dict(sorted(tensors.items(), key=lambda kv: order[kv[0]])),
+        "summary": {
+            "config_hash": ctx["config_hash"],
+            "commit": codec.decode(ctx["provenance"]).get("sha"),
+            "tensor_bytes": sum(m.nbytes for m in (meta_of(k, t) for k, t in prep.tensors.items())),
+        },
+    }
+
+
+def _commit(
+    root: Path,
+    tmp: Path,
+    final: Path,
+    prep: Prepared,
+    parts: list[list[Chunk]],
+    gathered: list[dict[str, Any]],
+    world: int,
+) -> None:
+    files = [f for g in gathered for f in g["files"]]
+    crash_point("before_manifest")
+    manifest = manifest_of(prep, parts, files, world)
+    import json
+
+    write_durable(
+        tmp / (layout.MANIFEST + ".tmp"), (json.dumps(manifest, indent=1) + "\n").encode()
+    )
+    os.replace(tmp / (layout.MANIFEST + ".tmp"), tmp / layout.MANIFEST)
+    fsync_dir(tmp)
+    crash_point("after_manifest")
+    old = None
+    if final.exists():
+        # Re-saving a step (a resumed run): move the old one aside, swap, then delete it.
+        old = root / f"{final.name}.old-{secrets.token_hex(6)}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    crash_point("after_rename")
+    fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,118 @@
+"""Shared builders for the checkpoint tests: small states with every awkward dtype."""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from perdure.checkpoint import CheckpointState, capture_rng
+
+
+def trained_model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A small model after two Adam steps, so that the optimizer has real state."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.99))
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(5, 8)).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+def awkward_tensors() -> dict[str, torch.Tensor]:
+    """fp32, bf16, int64, empty and 0-d tensors, plus a non-contiguous one."""
+    g = torch.Generator().manual_seed(7)
+    return {
+        "w32": torch.randn(6, 5, generator=g),
+        "wbf16": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(-5, 7, dtype=torch.int64).reshape(3, 4),
+        "empty": torch.empty(0, 4),
+        "empty1d": torch.empty(0, dtype=torch.int64),
+        "scalar": torch.tensor(3.25),
+        "scalar_i": torch.tensor(-2, dtype=torch.int64),
+        "flag": torch.tensor([True, False, True]),
+        "half": torch.randn(7, generator=g).half(),
+        "transposed": torch.randn(3, 9, generator=g).t(),
+        "nan": torch.tensor([float("nan"), float("inf"), -0.0]),
+    }
+
+
+def make_state(step: int = 1200, seed: int = 0, extra: bool = True) -> CheckpointState:
+    model, opt = trained_model_and_optimizer(seed)
+    sd = model.state_dict()
+    if extra:
+        sd.update(awkward_tensors())
+    return CheckpointState(
+        step=step,
+        model=sd,
+        optimizer=opt.state_dict(),
+        rng=capture_rng(seed),
+        data={"dataset": "ds-abc123", "epoch": 2, "step": step, "cursor": 4096, "quarantine": [3, 9]},
+        config_hash="sha256:" + "ab" * 32,
+        canonical_config={"optim": {"lr": 0.001, "betas": (0.9, 0.99)}, "train": {"seed": seed}},
+        topology={"regions": ["eu", "us"], "workers": 3, "membership_epoch": 4, "slots": {0: [0, 1]}},
+        provenance={"sha": "deadbeef", "dirty": False, "versions": {"torch": torch.__version__}},
+        decisions=[{"step": 10, "kind": "quarantine", "details": {"shard": 3, "why": float("nan")}}],
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class StoreExchange:
+    """A test all-gather over a TCPStore: each rank sets ``<round>/<rank>``, waits for all."""
+
+    def __init__(self, port: int, rank: int, world: int) -> None:
+        from torch.distributed import TCPStore
+
+        self.store = TCPStore(
+            "127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=30)
+        )
+        self.rank, self.world = rank, world
+
+    def __call__(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        r = payload["round"]
+        self.store.set(f"{r}/{self.rank}", json.dumps(payload))
+        keys = [f"{r}/{i}" for i in range(self.world)]
+        self.store.wait(keys)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bytes (NaN payloads and -0.0 included)."""
+    from perdure.checkpoint.tensors import byte_view
+
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bytes(byte_view(a.contiguous())) == bytes(byte_view(b.contiguous()))
+
+
+def same_tree(a: Any, b: Any) -> bool:
+    """Structural equality with tensors compared bitwise and NaN equal to NaN."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict)
+            and list(a) == list(b)
+            and all(same_tree(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(same_tree(x, y) for x, y in zip(a, b, strict=True))
+        )
+    if isinstance(a, str):  # str subclasses (torch.__version__) come back as str
+        return isinstance(b, str) and a == b
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
+    return type(a) is type(b) and a == b
