@@ -78,7 +78,7 @@ def test_max_mb_caps_the_source_bytes_read(tmp_path: Path) -> None:
 
 
 def test_existing_output_is_an_error_unless_overwrite(tmp_path: Path) -> None:
-    out, m = make_dataset(tmp_path)
+    _, m = make_dataset(tmp_path)
     with pytest.raises(DataError, match="already exists"):
         make_dataset(tmp_path)
     _, again = make_dataset(tmp_path, overwrite=True)
@@ -119,7 +119,7 @@ def test_too_little_data_and_a_missing_source_are_errors_naming_them(tmp_path: P
     tiny.write_text("hi")
     with pytest.raises(DataError, match="fewer than one sample"):
         build_dataset([str(tiny)], str(tmp_path / "o"))
-    with pytest.raises(DataError, match="nope.txt"):
+    with pytest.raises(DataError, match=r"nope\.txt"):
         build_dataset([str(tmp_path / "nope.txt")], str(tmp_path / "o"))
     with pytest.raises(DataError, match="seq_len must be >= 1"):
         build_dataset([str(tiny)], str(tmp_path / "o"), seq_len=0)

@@ -126,7 +126,11 @@ class SlotLoader:
     def _load_checked(self, step: int, slot: int) -> Batch:
         b = self._load(step, slot)
         if b.bad_shards and self.auto_quarantine:
-            self.quarantine(list(b.bad_shards), step, "unreadable shard (auto)")
+            why = self.dataset.store.bad_shards()
+            for k in b.bad_shards:
+                self.quarantine([k], step, f"{why.get(k, 'unreadable')} (auto-quarantine)")
+            with self._lock:
+                self._pending = [e for e in self._pending if e.shards[0] not in b.bad_shards]
             b = self._load(step, slot)
         return b
 
