@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
 from perdure.checkpoint import CheckpointState, capture_rng
@@ -44,6 +46,8 @@ def awkward_tensors() -> dict[str, torch.Tensor]:
 
 def make_state(step: int = 1200, seed: int = 0, extra: bool = True) -> CheckpointState:
     model, opt = trained_model_and_optimizer(seed)
+    random.seed(seed)
+    np.random.seed(seed)
     sd = model.state_dict()
     if extra:
         sd.update(awkward_tensors())
