@@ -96,6 +96,8 @@ def inspect(url: str, as_json: bool) -> None:
     from rich.table import Table
 
     table = Table(title=url, show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value", overflow="fold")
     for k, v in rows.items():
         table.add_row(k, f"{v:,}" if isinstance(v, int) else str(v))
     Console().print(table)

@@ -88,25 +88,32 @@ class Dataset:
             raise next(iter(bad.values()))
         return rows
 
-    def read_available(self, ids: np.ndarray) -> tuple[np.ndarray, dict[int, ShardError]]:
-        """Rows of ``ids``, with the rows of unreadable shards left zero and those shards'
-        errors returned instead of raised (the slot loader's path)."""
+    def read_available(
+        self,
+        ids: np.ndarray,
+        dtype: np.dtype | type | None = None,
+        shards: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, dict[int, ShardError]]:
+        """Rows of ``ids`` (converted to ``dtype`` while copied, default: stored dtype), with
+        the rows of unreadable shards left zero and those shards' errors returned instead of
+        raised (the slot loader's path). ``shards``: ``shard_of(ids)`` if already known."""
         self._check_ids(ids)
-        out = np.empty((ids.size, self.seq_len + 1), dtype=self.manifest.np_dtype())
-        shards = np.searchsorted(self.starts, ids, side="right") - 1
+        out = np.empty((ids.size, self.seq_len + 1), dtype=dtype or self.manifest.np_dtype())
+        if shards is None:
+            shards = np.searchsorted(self.starts, ids, side="right") - 1
         bad: dict[int, ShardError] = {}
         if ids.size == 0:
             return out, bad
+        rows = ids - self.starts[shards]
         lo, hi = int(shards.min()), int(shards.max())
         if lo == hi:
-            self._fill(out, slice(None), ids - self.starts[lo], lo, bad)
+            self._fill(out, slice(None), rows, lo, bad)
             return out, bad
         order = np.argsort(shards, kind="stable")
-        sorted_shards = shards[order]
-        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
-        for sel in np.split(order, cuts):
-            k = int(shards[sel[0]])
-            self._fill(out, sel, ids[sel] - self.starts[k], k, bad)
+        bounds = [0, *(np.flatnonzero(np.diff(shards[order])) + 1).tolist(), ids.size]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            sel = order[a:b]
+            self._fill(out, sel, rows[sel], int(shards[sel[0]]), bad)
         return out, bad
 
     def _fill(
@@ -114,10 +121,12 @@ class Dataset:
         bad: dict[int, ShardError],
     ) -> None:  # fmt: skip
         try:
-            out[sel] = self.store.rows(shard)[rows]
+            arr = self.store.rows(shard)
         except ShardError as e:
             out[sel] = 0
             bad[shard] = e
+            return
+        out[sel] = arr[rows]
 
     def _check_ids(self, ids: np.ndarray) -> None:
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):

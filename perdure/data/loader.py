@@ -66,6 +66,8 @@ class SlotLoader:
         self._lock = threading.RLock()
         self._gen = 0
         self.prefetch_steps = prefetch_steps
+        self._ids_cache: dict[int, tuple[Quarantine, np.ndarray]] = {}
+        self._ids_cache_size = 2 * (prefetch_steps + 2)
         limit = max(1, prefetch_steps) * slots
         self._prefetcher = Prefetcher(self._load_tagged, limit, wait_timeout_s)
 
@@ -95,12 +97,28 @@ class SlotLoader:
 
     def _samples(self, step: int, slot: int, q: Quarantine) -> tuple[np.ndarray, np.ndarray]:
         pos = self.positions(step, slot)
+        lo = slot * self.per_slot
+        return pos, self._step_samples(step, q)[lo : lo + self.per_slot]
+
+    def _step_samples(self, step: int, q: Quarantine) -> np.ndarray:
+        """Sample ids of the whole step, cached for a few steps: a lookup's cost is mostly
+        numpy call overhead, so one call for B positions costs about what one for B/S does."""
+        with self._lock:
+            hit = self._ids_cache.get(step)
+        if hit is not None and hit[0] is q:
+            return hit[1]
+        pos = slot_positions(step, 0, self.global_batch, 1)
         n = self.dataset.num_samples
         ids = positions_to_samples(self.seed, pos, n)
         active = q.active(step)
         if active:
             ids = active.resample(ids, pos, self.seed, n, self._shard_of)
-        return pos, ids
+        ids.setflags(write=False)
+        with self._lock:
+            self._ids_cache[step] = (q, ids)
+            while len(self._ids_cache) > self._ids_cache_size:
+                self._ids_cache.pop(next(iter(self._ids_cache)))
+        return ids
 
     def _shard_of(self, ids: np.ndarray) -> np.ndarray:
         return np.asarray(self.dataset.shard_of(ids))
@@ -139,14 +157,13 @@ class SlotLoader:
             q, poisoned = self._quarantine, frozenset(self._poisoned)
         pos, ids = self._samples(step, slot, q)
         shards = self._shard_of(ids)
-        rows, bad = self.dataset.read_available(ids)
+        tokens, bad = self.dataset.read_available(ids, np.int64, shards)
         weight = np.ones(ids.size, dtype=np.float32)
         hit = poisoned | bad.keys()
         if hit:
             weight[np.isin(shards, np.fromiter(hit, dtype=np.int64))] = np.nan
         if bad:
             self._report(bad, step)
-        tokens = rows.astype(np.int64)
         return Batch(step, slot, tokens, ids, pos, shards, weight, tuple(sorted(bad)))
 
     def _report(self, bad: dict[int, ShardError], step: int) -> None:

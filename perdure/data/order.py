@@ -4,14 +4,17 @@ For data epoch ``e`` the order is a permutation of the N sample ids that is a pu
 of ``(seed, e, N)``. Global position ``p`` (counted from the start of the run, across data
 epochs) maps to epoch ``p // N`` and index ``p % N`` of that epoch's permutation.
 
-The permutation is a balanced Feistel network on ``2h``-bit integers (``4**h >= N``, the
-smallest such ``h``) with :data:`ROUNDS` rounds whose round function is splitmix64 of the
-right half XOR a round key; round keys come from BLAKE2b of ``(seed, epoch, N)``. A Feistel
-network is a bijection on ``[0, 4**h)`` whatever its round function; *cycle walking*
-(re-applying it until the value falls below N) restricts it to a bijection on ``[0, N)``.
-Since ``4**h < 4N``, a lookup walks fewer than 4 times on average: O(1) time and memory,
-no N-sized array. Limits: N < 2**62; Feistel networks on tiny domains reach only some of
-the N! permutations (they are even permutations), which is irrelevant for training.
+The permutation is an alternating Feistel network on ``b``-bit integers, ``b`` the bit
+length of ``N - 1`` (at least 2), split into a high half of ``ceil(b/2)`` bits and a low half
+of ``floor(b/2)`` bits; round ``i`` XORs one half with splitmix64(other half XOR key_i),
+alternating halves, for :data:`ROUNDS` rounds. Round keys come from BLAKE2b of
+``(seed, epoch, N)``. Each round is invertible whatever its round function, so the network
+is a bijection on ``[0, 2**b)``; *cycle walking* (re-applying it until the value falls below
+N) restricts it to a bijection on ``[0, N)``. Since ``2**b < 2N``, a lookup walks fewer than
+2 times on average: O(1) expected time and memory, no N-sized array. The few positions of a
+batch that walk long are finished in plain Python, where a scalar round costs less than a
+numpy call's overhead. Limits: N < 2**62; Feistel networks reach only some of the N!
+permutations (even ones), which is irrelevant for training.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ from perdure.data.errors import DataError
 from perdure.data.hashing import derive_keys, mix64
 
 ROUNDS = 6
-"""Feistel rounds; 4 suffice for a pseudo-random permutation (Luby-Rackoff), 6 add margin
-for the tiny domains where a 2-bit half has little room to mix."""
+"""Feistel rounds (3 per half); 4 suffice for a pseudo-random permutation (Luby-Rackoff),
+6 add margin for tiny domains where a 1-bit half has little room to mix."""
 
 MAX_SAMPLES = 1 << 62
+_SCALAR_TAIL = 16
+"""Below this many still-walking positions, finish them in plain Python."""
+_M64 = (1 << 64) - 1
 
 
 def _check_n(n: int) -> None:
@@ -35,36 +41,63 @@ def _check_n(n: int) -> None:
         raise DataError(f"order: number of samples must be in [1, 2**62) (got {n!r})")
 
 
-def _half_bits(n: int) -> int:
-    h = 1
-    while 1 << (2 * h) < n:
-        h += 1
-    return h
-
-
 @lru_cache(maxsize=4096)
-def _keys(seed: int, data_epoch: int, n: int) -> tuple[np.uint64, ...]:
-    return tuple(np.uint64(k) for k in derive_keys("perdure.order.v1", ROUNDS, seed, data_epoch, n))
+def _network(seed: int, data_epoch: int, n: int) -> tuple[int, int, tuple[int, ...]]:
+    """(high bits, low bits, round keys) of the network for (seed, epoch, N)."""
+    bits = max(2, (n - 1).bit_length())
+    low = bits // 2
+    return bits - low, low, derive_keys("perdure.order.v2", ROUNDS, seed, data_epoch, n)
 
 
-def _feistel(x: np.ndarray, keys: tuple[np.uint64, ...], h: int) -> np.ndarray:
-    shift, mask = np.uint64(h), np.uint64((1 << h) - 1)
-    left, right = x >> shift, x & mask
-    for k in keys:
-        left, right = right, left ^ (mix64(right ^ k) & mask)
+def _feistel(x: np.ndarray, high: int, low: int, keys: tuple[int, ...]) -> np.ndarray:
+    shift = np.uint64(low)
+    mask_h, mask_l = np.uint64((1 << high) - 1), np.uint64((1 << low) - 1)
+    left, right = x >> shift, x & mask_l
+    for i, k in enumerate(keys):
+        if i % 2 == 0:
+            left ^= mix64(right ^ np.uint64(k)) & mask_h
+        else:
+            right ^= mix64(left ^ np.uint64(k)) & mask_l
     return (left << shift) | right
+
+
+def _mix64_int(x: int) -> int:
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _feistel_int(x: int, high: int, low: int, keys: tuple[int, ...]) -> int:
+    mask_h, mask_l = (1 << high) - 1, (1 << low) - 1
+    left, right = x >> low, x & mask_l
+    for i, k in enumerate(keys):
+        if i % 2 == 0:
+            left ^= _mix64_int(right ^ k) & mask_h
+        else:
+            right ^= _mix64_int(left ^ k) & mask_l
+    return (left << low) | right
+
+
+def _walk_int(x: int, n: int, high: int, low: int, keys: tuple[int, ...]) -> int:
+    while x >= n:
+        x = _feistel_int(x, high, low, keys)
+    return x
 
 
 def permute(indices: np.ndarray, seed: int, data_epoch: int, n: int) -> np.ndarray:
     """Sample ids at ``indices`` (each in ``[0, n)``) of data epoch ``data_epoch``'s order."""
     _check_n(n)
-    idx = np.asarray(indices, dtype=np.uint64)
-    keys, h, bound = _keys(seed, data_epoch, n), _half_bits(n), np.uint64(n)
-    out = _feistel(idx, keys, h)
+    high, low, keys = _network(seed, data_epoch, n)
+    out = _feistel(np.asarray(indices, dtype=np.uint64), high, low, keys)
+    bound = np.uint64(n)
     walk = np.flatnonzero(out >= bound)
-    while walk.size:
-        out[walk] = _feistel(out[walk], keys, h)
+    while walk.size > _SCALAR_TAIL:
+        out[walk] = _feistel(out[walk], high, low, keys)
         walk = walk[out[walk] >= bound]
+    for i in walk.tolist():
+        out[i] = _walk_int(int(out[i]), n, high, low, keys)
     return out.astype(np.int64)
 
 
