@@ -56,12 +56,25 @@ def make_state(step: int = 1200, seed: int = 0, extra: bool = True) -> Checkpoin
         model=sd,
         optimizer=opt.state_dict(),
         rng=capture_rng(seed),
-        data={"dataset": "ds-abc123", "epoch": 2, "step": step, "cursor": 4096, "quarantine": [3, 9]},
+        data={
+            "dataset": "ds-abc123",
+            "epoch": 2,
+            "step": step,
+            "cursor": 4096,
+            "quarantine": [3, 9],
+        },
         config_hash="sha256:" + "ab" * 32,
         canonical_config={"optim": {"lr": 0.001, "betas": (0.9, 0.99)}, "train": {"seed": seed}},
-        topology={"regions": ["eu", "us"], "workers": 3, "membership_epoch": 4, "slots": {0: [0, 1]}},
+        topology={
+            "regions": ["eu", "us"],
+            "workers": 3,
+            "membership_epoch": 4,
+            "slots": {0: [0, 1]},
+        },
         provenance={"sha": "deadbeef", "dirty": False, "versions": {"torch": torch.__version__}},
-        decisions=[{"step": 10, "kind": "quarantine", "details": {"shard": 3, "why": float("nan")}}],
+        decisions=[
+            {"step": 10, "kind": "quarantine", "details": {"shard": 3, "why": float("nan")}}
+        ],
     )
 
 
@@ -104,11 +117,7 @@ def same_tree(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and same_bits(a, b)
     if isinstance(a, dict):
-        return (
-            isinstance(b, dict)
-            and list(a) == list(b)
-            and all(same_tree(a[k], b[k]) for k in a)
-        )
+        return isinstance(b, dict) and list(a) == list(b) and all(same_tree(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return (
             type(a) is type(b)

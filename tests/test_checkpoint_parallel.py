@@ -3,6 +3,7 @@ exactly like a checkpoint written by one writer."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 from pathlib import Path
 
@@ -54,8 +55,18 @@ def test_three_parallel_writers_load_identically_to_one(tmp_path: Path) -> None:
     three = _save_with_three_processes(tmp_path / "three")
     one = save_checkpoint(tmp_path / "one", _state())
     a, b = load_checkpoint(three), load_checkpoint(one)
-    for name in ("step", "model", "optimizer", "rng", "data", "config_hash", "canonical_config",
-                 "topology", "provenance", "decisions"):
+    for name in (
+        "step",
+        "model",
+        "optimizer",
+        "rng",
+        "data",
+        "config_hash",
+        "canonical_config",
+        "topology",
+        "provenance",
+        "decisions",
+    ):
         assert same_tree(getattr(a, name), getattr(b, name)), name
     assert state_digest(a.model, a.optimizer) == state_digest(b.model, b.optimizer)
     parts = sorted(p.name for p in three.glob("*.safetensors"))
@@ -80,11 +91,12 @@ def test_plan_covers_every_byte_once_and_balances() -> None:
     for world in (1, 2, 3, 5, 16):
         parts = plan_parts(metas, world)
         for m in metas:
-            chunks = sorted((c for p in parts for c in p if c.meta.key == m.key),
-                            key=lambda c: c.start)
+            chunks = sorted(
+                (c for p in parts for c in p if c.meta.key == m.key), key=lambda c: c.start
+            )
             rows = m.shape[0] if m.shape else 0
             assert chunks[0].start == 0 and chunks[-1].stop == rows
-            assert all(x.stop == y.start for x, y in zip(chunks, chunks[1:], strict=False))
+            assert all(x.stop == y.start for x, y in itertools.pairwise(chunks))
         loads = [sum(c.byte_range[1] - c.byte_range[0] for c in p) for p in parts]
         total = sum(m.nbytes for m in metas)
         assert sum(loads) == total

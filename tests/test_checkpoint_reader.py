@@ -63,7 +63,8 @@ def test_reference_reader_runs_without_torch(tmp_path: Path) -> None:
     path = save_checkpoint(tmp_path, make_state())
     code = (
         "import sys, runpy; sys.modules['torch'] = None; sys.modules['safetensors'] = None; "
-        f"sys.argv = ['reader', {str(path)!r}]; runpy.run_path({str(READER)!r}, run_name='__main__')"
+        f"sys.argv = ['reader', {str(path)!r}]; "
+        f"runpy.run_path({str(READER)!r}, run_name='__main__')"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
