@@ -91,3 +91,14 @@ def test_bad_order_arguments_are_errors() -> None:
         positions_to_samples(0, np.array([-1]), 10)
     with pytest.raises(IndexError):
         Order(0, 0, 3)[3]
+
+
+def test_consecutive_positions_are_jointly_uniform_across_seeds() -> None:
+    n, seeds = 64, 3000
+    counts = np.zeros((8, 8))
+    for seed in range(seeds):
+        perm = permute(np.arange(2), seed, 0, n)
+        counts[perm[0] // 8, perm[1] // 8] += 1
+    expected = seeds / 64
+    # chi-square with 63 degrees of freedom: the 99.9% quantile is 103.4
+    assert ((counts - expected) ** 2 / expected).sum() < 103.4

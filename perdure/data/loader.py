@@ -35,6 +35,9 @@ log = logging.getLogger("perdure.data")
 
 BadShardCallback = Callable[[int, str], None]
 
+ORDER_CHUNK = 8192
+"""Order positions looked up per call (whole steps; at least one step)."""
+
 
 class SlotLoader:
     """Slot-addressed loading of one dataset for one run (seed, global batch, slots)."""
@@ -67,6 +70,7 @@ class SlotLoader:
         self._gen = 0
         self.prefetch_steps = prefetch_steps
         self._ids_cache: dict[int, tuple[Quarantine, np.ndarray]] = {}
+        self._order_cache: dict[int, np.ndarray] = {}
         self._ids_cache_size = 2 * (prefetch_steps + 2)
         limit = max(1, prefetch_steps) * slots
         self._prefetcher = Prefetcher(self._load_tagged, limit, wait_timeout_s)
@@ -96,32 +100,53 @@ class SlotLoader:
         return self._samples(step, slot, self._quarantine)[1]
 
     def _samples(self, step: int, slot: int, q: Quarantine) -> tuple[np.ndarray, np.ndarray]:
-        pos = self.positions(step, slot)
+        if step < 0 or not 0 <= slot < self.slots:
+            self.positions(step, slot)  # raises the error naming the bad argument
         lo = slot * self.per_slot
+        start = step * self.global_batch + lo
+        pos = np.arange(start, start + self.per_slot, dtype=np.int64)
         return pos, self._step_samples(step, q)[lo : lo + self.per_slot]
 
     def _step_samples(self, step: int, q: Quarantine) -> np.ndarray:
-        """Sample ids of the whole step, cached for a few steps: a lookup's cost is mostly
-        numpy call overhead, so one call for B positions costs about what one for B/S does."""
+        """Sample ids of the whole step, after quarantine, cached for a few steps."""
         with self._lock:
             hit = self._ids_cache.get(step)
         if hit is not None and hit[0] is q:
             return hit[1]
-        pos = slot_positions(step, 0, self.global_batch, 1)
-        n = self.dataset.num_samples
-        ids = positions_to_samples(self.seed, pos, n)
+        ids = self._raw_step(step)
         active = q.active(step)
         if active:
+            pos = slot_positions(step, 0, self.global_batch, 1)
+            n = self.dataset.num_samples
             ids = active.resample(ids, pos, self.seed, n, self._shard_of)
-        ids.setflags(write=False)
+            ids.setflags(write=False)
         with self._lock:
             self._ids_cache[step] = (q, ids)
             while len(self._ids_cache) > self._ids_cache_size:
                 self._ids_cache.pop(next(iter(self._ids_cache)))
         return ids
 
+    def _raw_step(self, step: int) -> np.ndarray:
+        """Order lookups (before quarantine) for a step, computed a chunk of steps at a time:
+        a lookup's cost is mostly numpy call overhead, so one call for ``ORDER_CHUNK``
+        positions costs little more than one for a slot's."""
+        per_chunk = max(1, ORDER_CHUNK // self.global_batch)
+        chunk, off = divmod(step, per_chunk)
+        with self._lock:
+            ids = self._order_cache.get(chunk)
+        if ids is None:
+            start = chunk * per_chunk * self.global_batch
+            pos = np.arange(start, start + per_chunk * self.global_batch, dtype=np.int64)
+            ids = positions_to_samples(self.seed, pos, self.dataset.num_samples)
+            ids.setflags(write=False)
+            with self._lock:
+                self._order_cache[chunk] = ids
+                while len(self._order_cache) > 2:
+                    self._order_cache.pop(next(iter(self._order_cache)))
+        return ids[off * self.global_batch : (off + 1) * self.global_batch]
+
     def _shard_of(self, ids: np.ndarray) -> np.ndarray:
-        return np.asarray(self.dataset.shard_of(ids))
+        return self.dataset.shards_unchecked(ids)
 
     # -- reading --------------------------------------------------------------------------
 

@@ -6,8 +6,9 @@ epochs) maps to epoch ``p // N`` and index ``p % N`` of that epoch's permutation
 
 The permutation is an alternating Feistel network on ``b``-bit integers, ``b`` the bit
 length of ``N - 1`` (at least 2), split into a high half of ``ceil(b/2)`` bits and a low half
-of ``floor(b/2)`` bits; round ``i`` XORs one half with splitmix64(other half XOR key_i),
-alternating halves, for :data:`ROUNDS` rounds. Round keys come from BLAKE2b of
+of ``floor(b/2)`` bits; round ``i`` XORs one half with the top bits of
+``(other half + a_i) * m_i mod 2**64`` (multiply-add-shift, a universal hash family; ``m_i``
+odd), alternating halves, for :data:`ROUNDS` rounds. Round keys come from BLAKE2b of
 ``(seed, epoch, N)``. Each round is invertible whatever its round function, so the network
 is a bijection on ``[0, 2**b)``; *cycle walking* (re-applying it until the value falls below
 N) restricts it to a bijection on ``[0, N)``. Since ``2**b < 2N``, a lookup walks fewer than
@@ -24,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from perdure.data.errors import DataError
-from perdure.data.hashing import derive_keys, mix64
+from perdure.data.hashing import derive_keys
 
 ROUNDS = 6
 """Feistel rounds (3 per half); 4 suffice for a pseudo-random permutation (Luby-Rackoff),
@@ -51,32 +52,27 @@ def _network(seed: int, data_epoch: int, n: int) -> tuple[int, int, tuple[int, .
 
 def _feistel(x: np.ndarray, high: int, low: int, keys: tuple[int, ...]) -> np.ndarray:
     shift = np.uint64(low)
-    mask_h, mask_l = np.uint64((1 << high) - 1), np.uint64((1 << low) - 1)
+    mask_l = np.uint64((1 << low) - 1)
     left, right = x >> shift, x & mask_l
+    top_h, top_l = np.uint64(64 - high), np.uint64(64 - low)
     for i, k in enumerate(keys):
+        add, mul = np.uint64(k >> 32), np.uint64(k | 1)
         if i % 2 == 0:
-            left ^= mix64(right ^ np.uint64(k)) & mask_h
+            left ^= ((right + add) * mul) >> top_h
         else:
-            right ^= mix64(left ^ np.uint64(k)) & mask_l
+            right ^= ((left + add) * mul) >> top_l
     return (left << shift) | right
 
 
-def _mix64_int(x: int) -> int:
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & _M64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
 def _feistel_int(x: int, high: int, low: int, keys: tuple[int, ...]) -> int:
-    mask_h, mask_l = (1 << high) - 1, (1 << low) - 1
+    mask_l = (1 << low) - 1
     left, right = x >> low, x & mask_l
     for i, k in enumerate(keys):
+        add, mul = k >> 32, k | 1
         if i % 2 == 0:
-            left ^= _mix64_int(right ^ k) & mask_h
+            left ^= (((right + add) * mul) & _M64) >> (64 - high)
         else:
-            right ^= _mix64_int(left ^ k) & mask_l
+            right ^= (((left + add) * mul) & _M64) >> (64 - low)
     return (left << low) | right
 
 

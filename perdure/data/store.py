@@ -82,6 +82,10 @@ class ShardStore:
 
     def rows(self, shard: int) -> np.ndarray:
         """The shard as a read-only ``[samples, seq_len + 1]`` array; raises ShardError."""
+        if self.local:  # nothing is ever evicted: a plain dict read is safe without the lock
+            arr = self._maps.get(shard)
+            if arr is not None:
+                return arr
         with self._lock:
             if shard in self._bad:
                 raise ShardError(shard, self.url(shard), self._bad[shard])
