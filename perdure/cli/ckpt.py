@@ -1,0 +1,194 @@
+"""``perdure ckpt``: list, inspect, verify, diff and hash checkpoints.
+
+Every command that takes PATH also accepts a checkpoint root, meaning its newest
+committed checkpoint (said on stderr). Exit status: 0 ok, 1 corrupt or different, 2 usage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+
+def _resolve(path: str) -> Path:
+    from perdure.checkpoint import list_checkpoints
+    from perdure.checkpoint.layout import MANIFEST
+
+    p = Path(path)
+    if (p / MANIFEST).exists() or not p.is_dir():
+        return p
+    found = list_checkpoints(p)
+    if not found:
+        return p
+    click.echo(f"{p}: using the newest committed checkpoint, {found[-1].name}", err=True)
+    return found[-1]
+
+
+def _fail(e: Exception) -> NoReturn:
+    click.echo(f"corrupt: {e}", err=True)
+    sys.exit(1)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _short(value: Any, limit: int = 100) -> str:
+    text = json.dumps(value, sort_keys=True, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@click.group()
+def ckpt() -> None:
+    """Checkpoints: list, inspect, verify, diff and hash them."""
+
+
+@ckpt.command("ls")
+@click.argument("root", type=click.Path(file_okay=False))
+@click.option("--verify", is_flag=True, help="Also check every checksum (reads every byte).")
+def ls(root: str, verify: bool) -> None:
+    """List the committed checkpoints under ROOT, oldest first, with their state."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from perdure.checkpoint import CheckpointError, list_checkpoints, read_manifest
+    from perdure.checkpoint.loader import check_files_present, verify_checkpoint
+
+    table = Table("step", "directory", "tensors", "bytes", "writers", "config hash", "status")
+    for p in list_checkpoints(root):
+        try:
+            m = read_manifest(p)
+            check_files_present(p, m)
+            if verify:
+                verify_checkpoint(p)
+            status = "verified" if verify else "complete"
+        except CheckpointError as e:
+            m, status = {}, f"[red]bad: {e}[/red]"
+        s = m.get("summary", {})
+        size = sum(f["bytes"] for f in m.get("files", {}).values())
+        table.add_row(
+            str(m.get("step", "?")),
+            p.name,
+            str(len(m.get("tensors", {}))),
+            _size(size),
+            str(m.get("writers", "?")),
+            str(s.get("config_hash", "?"))[:19],
+            status,
+        )
+    Console().print(table)
+
+
+@ckpt.command("inspect")
+@click.argument("path", type=click.Path())
+def inspect(path: str) -> None:
+    """The seven fields of the checkpoint at PATH (reads the manifest and context only)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from perdure.checkpoint import CheckpointError, read_manifest
+    from perdure.checkpoint.loader import check_files_present, read_context
+
+    p = _resolve(path)
+    try:
+        m = read_manifest(p)
+        check_files_present(p, m)
+        ctx = read_context(p, m, verify=True)
+    except CheckpointError as e:
+        _fail(e)
+    from perdure.checkpoint.codec import decode
+
+    table = Table(
+        "field", "value", title=f"{p} (format {m['version']['major']}.{m['version']['minor']})"
+    )
+    table.add_row("step", str(m["step"]))
+    for label, prefix in (("weights", "model/"), ("optimizer state", "optimizer/")):
+        table.add_row(label, _tensor_summary(m["tensors"], prefix))
+    opt = decode(ctx["optimizer"])
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups", [])]
+    table.add_row("optimizer groups", _short(groups, 200))
+    rng = decode(ctx["rng"])
+    table.add_row(
+        "rng seeds",
+        f"seed {rng.get('seed')}; generators: {', '.join(k for k in rng if k != 'seed')}",
+    )
+    table.add_row("data offset", _short(decode(ctx["data"]), 200))
+    table.add_row("config hash", ctx["config_hash"])
+    table.add_row("cluster topology", _short(decode(ctx["topology"]), 200))
+    prov = decode(ctx["provenance"])
+    dirty = " (dirty)" if prov.get("dirty") else ""
+    table.add_row(
+        "commit sha", f"{prov.get('sha')}{dirty}; {_short(prov.get('versions', {}), 120)}"
+    )
+    table.add_row("decision log", f"{len(ctx['decisions'])} entries")
+    table.add_row("files", ", ".join(f"{n} ({_size(f['bytes'])})" for n, f in m["files"].items()))
+    Console().print(table)
+
+
+def _tensor_summary(tensors: dict[str, Any], prefix: str) -> str:
+    from perdure.checkpoint.tensors import Meta
+
+    metas = [
+        Meta(k, t["dtype"], tuple(t["shape"])) for k, t in tensors.items() if k.startswith(prefix)
+    ]
+    dtypes: dict[str, int] = {}
+    for m in metas:
+        dtypes[m.dtype] = dtypes.get(m.dtype, 0) + 1
+    total = sum(m.nbytes for m in metas)
+    kinds = ", ".join(f"{d} x{n}" for d, n in sorted(dtypes.items()))
+    return f"{len(metas)} tensors, {_size(total)} ({kinds or 'none'})"
+
+
+@ckpt.command("verify")
+@click.argument("path", type=click.Path())
+def verify(path: str) -> None:
+    """Check every file of PATH (presence, size, headers, checksums); exit 1 naming the bad
+    file."""
+    from perdure.checkpoint import CheckpointError, verify_checkpoint
+
+    p = _resolve(path)
+    try:
+        m = verify_checkpoint(p)
+    except CheckpointError as e:
+        _fail(e)
+    size = sum(f["bytes"] for f in m["files"].values())
+    click.echo(f"{p}: ok ({len(m['files'])} files, {_size(size)}, every crc32 matches)")
+
+
+@ckpt.command("hash")
+@click.argument("path", type=click.Path())
+def hash_(path: str) -> None:
+    """One digest over weights and optimizer state (equal digests: bitwise-equal state)."""
+    from perdure.checkpoint import CheckpointError, load_checkpoint, state_digest
+
+    try:
+        loaded = load_checkpoint(_resolve(path))
+    except CheckpointError as e:
+        _fail(e)
+    click.echo(state_digest(loaded.model, loaded.optimizer))
+
+
+@ckpt.command("diff")
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+def diff(a: str, b: str) -> None:
+    """Which fields and tensors differ between checkpoints A and B, and whether the weights
+    are bitwise equal. Exit 0 when everything is equal, 1 otherwise."""
+    from perdure.checkpoint import CheckpointError, load_checkpoint
+    from perdure.checkpoint.compare import compare
+
+    try:
+        x, y = load_checkpoint(_resolve(a)), load_checkpoint(_resolve(b))
+    except CheckpointError as e:
+        _fail(e)
+    lines, equal = compare(x, y)
+    for line in lines:
+        click.echo(line)
+    sys.exit(0 if equal else 1)
