@@ -17,6 +17,7 @@ _COMMANDS = {
     "data": "perdure.cli.data:data",
     "run": "perdure.cli.run:run",
     "worker": "perdure.cli.worker:worker",
+    "coordinator": "perdure.cli.worker:coordinator",
     "demo": "perdure.cli.demo:demo",
     "report": "perdure.cli.report:report",
 }

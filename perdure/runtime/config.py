@@ -143,6 +143,9 @@ class ClusterConfig:
     phi_threshold: float = 10.0
     """Phi-accrual threshold above which a silent worker is declared dead (8 to 12 is the
     usual practice)."""
+    acceptable_pause_ms: int = 4000
+    """Heartbeat silence tolerated before suspicion starts to grow: latency spikes shorter
+    than this evict nobody; a hung worker is declared dead a little after it."""
     min_collective_timeout_ms: int = 2000
     """Floor of the adaptive collective timeout."""
     join_timeout_ms: int = 60000
@@ -169,6 +172,7 @@ class ClusterConfig:
         c.check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
         c.positive("heartbeat_ms", self.heartbeat_ms)
         c.positive("phi_threshold", self.phi_threshold)
+        c.non_negative("acceptable_pause_ms", self.acceptable_pause_ms)
         c.positive("min_collective_timeout_ms", self.min_collective_timeout_ms)
         c.positive("join_timeout_ms", self.join_timeout_ms)
         c.non_negative("spares", self.spares)

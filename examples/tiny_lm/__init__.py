@@ -1,0 +1,1 @@
+"""The reference task: a small decoder-only transformer over byte-level tokens."""

@@ -1,0 +1,1 @@
+"""Fault schedules for the four failure classes, and their injection."""

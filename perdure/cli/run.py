@@ -1,0 +1,85 @@
+"""``perdure run CONFIG``: train on this machine with the local launcher."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+import tomllib
+
+from perdure.config.errors import ConfigError
+
+
+@click.command()
+@click.argument("config_file", metavar="CONFIG", type=click.Path(dir_okay=False))
+@click.option(
+    "--steps", type=int, default=None, help="Override train.steps (changes the config hash)."
+)
+@click.option(
+    "--workers",
+    type=int,
+    default=None,
+    help="Override the worker count, spread round robin over the configured regions.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: runs/<time>-<config hash>).",
+)
+@click.option(
+    "--resume",
+    default=None,
+    help="Continue from 'latest' (in --run-dir), a run directory or a checkpoint.",
+)
+@click.option(
+    "--chaos",
+    "chaos_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="TOML fault schedule ([[faults]] tables) replacing the config's [chaos].",
+)
+@click.option(
+    "--timeout-s",
+    type=float,
+    default=3600.0,
+    show_default=True,
+    help="Give up (and stop every process) after this many seconds.",
+)
+@click.option("--live/--no-live", default=None, help="Live terminal view (default: when a TTY).")
+def run(
+    config_file: str,
+    steps: int | None,
+    workers: int | None,
+    run_dir: str | None,
+    resume: str | None,
+    chaos_file: str | None,
+    timeout_s: float,
+    live: bool | None,
+) -> None:
+    """Train CONFIG: a coordinator and one process per worker on this machine."""
+    from perdure.config.run import load_config, with_overrides
+    from perdure.launch.api import run as run_api
+    from perdure.launch.api import spread_workers
+
+    try:
+        cfg = load_config(config_file)
+        if steps is not None:
+            cfg = with_overrides(cfg, train={"steps": steps})
+        if workers is not None:
+            cfg = spread_workers(cfg, workers)
+        if chaos_file:
+            with open(chaos_file, "rb") as f:
+                cfg = with_overrides(cfg, chaos=tomllib.load(f))
+    except ConfigError as e:
+        click.echo(str(e), err=True)
+        sys.exit(2)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        click.echo(f"--chaos {chaos_file}: {e}", err=True)
+        sys.exit(2)
+    show = sys.stdout.isatty() and cfg.run.live_view if live is None else live
+    summary = run_api(
+        cfg, run_dir=run_dir or cfg.run.dir, resume=resume, live=show, timeout_s=timeout_s
+    )
+    click.echo(json.dumps(summary, indent=2))

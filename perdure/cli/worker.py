@@ -1,0 +1,131 @@
+"""``perdure worker`` and ``perdure coordinator``: the entry points a cluster manager starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from perdure.launch.procs import TOKEN_ENV
+
+
+def _token() -> str:
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise click.UsageError(f"set the run token in the environment variable {TOKEN_ENV}")
+    return token
+
+
+def _addr(value: str) -> tuple[str, int]:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise click.BadParameter(f"must be HOST:PORT (got {value!r})", param_hint="--coordinator")
+    return host, int(port)
+
+
+@click.command()
+@click.option(
+    "--coordinator",
+    "coordinators",
+    multiple=True,
+    required=True,
+    help="HOST:PORT of the coordinator's control channel; repeat to name standbys, "
+    "tried in order when the current one is lost.",
+)
+@click.option("--name", required=True, help="Worker name, unique in the run (e.g. eu_west-1).")
+@click.option("--region", required=True, help="Region (failure domain) this worker runs in.")
+@click.option(
+    "--role",
+    type=click.Choice(["worker", "spare"]),
+    default="worker",
+    show_default=True,
+    help="'spare' registers as a warm standby that holds no slots until a member fails.",
+)
+@click.option(
+    "--join-timeout-s",
+    default=60.0,
+    show_default=True,
+    help="Seconds to keep trying to reach a coordinator before giving up.",
+)
+def worker(
+    coordinators: tuple[str, ...], name: str, region: str, role: str, join_timeout_s: float
+) -> None:
+    """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN."""
+    from perdure.runtime.worker import Worker
+
+    addrs = [_addr(c) for c in coordinators]
+    w = Worker(
+        name=name,
+        region=region,
+        coordinators=addrs,
+        token=_token(),
+        role=role,
+        timeout_s=join_timeout_s,
+    )
+    sys.exit(w.run())
+
+
+@click.command()
+@click.option(
+    "--config-json",
+    required=True,
+    type=click.Path(exists=True, dir_okay=False),
+    help="The run config as JSON (the launcher writes it to RUN_DIR/config.json).",
+)
+@click.option(
+    "--run-dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Run directory shared with the workers (events, metrics, checkpoints).",
+)
+@click.option(
+    "--ports-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write the chosen store and channel ports here as JSON.",
+)
+@click.option("--resume", default=None, help="Checkpoint directory the workers start from.")
+@click.option(
+    "--expected-workers",
+    type=int,
+    default=None,
+    help="Workers to wait for before the first membership epoch (default: config).",
+)
+def coordinator(
+    config_json: str,
+    run_dir: str,
+    ports_file: str | None,
+    resume: str | None,
+    expected_workers: int | None,
+) -> None:
+    """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
+    from perdure.config.run import config_from_dict
+    from perdure.runtime.coordinator import Coordinator
+
+    with open(config_json) as f:
+        config = config_from_dict(json.load(f), source=config_json)
+    c = Coordinator(
+        config,
+        run_dir=run_dir,
+        token=_token(),
+        resume=resume,
+        host=config.cluster.host,
+        store_port=config.cluster.port,
+        expected_workers=expected_workers,
+    )
+    if ports_file:
+        tmp = ports_file + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(
+                {
+                    "host": c.host,
+                    "store_port": c.store_port,
+                    "channel_port": c.channel_port,
+                    "pid": os.getpid(),
+                },
+                f,
+            )
+        os.replace(tmp, ports_file)
+    c.serve()

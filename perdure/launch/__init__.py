@@ -1,0 +1,1 @@
+"""Launchers: the local one (coordinator and workers as processes on this machine)."""

@@ -1,0 +1,71 @@
+"""``perdure.run(config)``: the programmatic twin of ``perdure run CONFIG``."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from perdure.config.run import RunConfig, config_hash, to_dict, with_overrides
+
+
+def spread_workers(config: RunConfig, workers: int) -> RunConfig:
+    """Spread ``workers`` over the configured regions, round robin, in region order."""
+    regions = config.cluster.regions
+    counts = [
+        workers // len(regions) + (1 if i < workers % len(regions) else 0)
+        for i in range(len(regions))
+    ]
+    new = [{"name": r.name, "workers": c} for r, c in zip(regions, counts, strict=True)]
+    return with_overrides(config, cluster={"regions": new})
+
+
+def default_run_dir(config: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{stamp}-{config_hash(config)[7:15]}"
+
+
+def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
+    """``latest`` (in this run dir), a run directory, or a checkpoint directory."""
+    if resume is None:
+        return None
+    from perdure.checkpoint import latest_checkpoint
+
+    if resume == "latest":
+        found = latest_checkpoint(run_dir / "checkpoints")
+        if found is None:
+            raise FileNotFoundError(
+                f"--resume latest: no intact checkpoint under {run_dir}/checkpoints"
+            )
+        return str(found)
+    p = Path(resume)
+    if (p / "checkpoints").is_dir():
+        found = latest_checkpoint(p / "checkpoints")
+        if found is None:
+            raise FileNotFoundError(f"--resume {resume}: no intact checkpoint in it")
+        return str(found)
+    if not p.exists():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint")
+    return str(p)
+
+
+def run(
+    config: RunConfig,
+    *,
+    run_dir: str | Path | None = None,
+    resume: str | None = None,
+    live: bool = False,
+    timeout_s: float = 3600.0,
+) -> dict[str, Any]:
+    """Train ``config`` on this machine with the local launcher; returns the summary."""
+    from perdure.chaos.launcher import ChaosLauncher
+
+    rd = Path(run_dir) if run_dir else default_run_dir(config)
+    rd.mkdir(parents=True, exist_ok=True)
+    launcher = ChaosLauncher(
+        config, rd, resume=resolve_resume(resume, rd), live=live, timeout_s=timeout_s
+    )
+    return launcher.run()
+
+
+__all__ = ["run", "spread_workers", "to_dict"]

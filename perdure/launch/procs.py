@@ -1,0 +1,81 @@
+"""Starting perdure's processes: the coordinator and workers, as a cluster manager would."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TOKEN_ENV = "PERDURE_RUN_TOKEN"
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "perdure", *args]
+
+
+def start_coordinator(
+    config_json: Path,
+    run_dir: Path,
+    token: str,
+    *,
+    resume: str | None,
+    name: str,
+    expected: int,
+    log: Path,
+) -> subprocess.Popen[bytes]:
+    args = [
+        "coordinator",
+        "--config-json",
+        str(config_json),
+        "--run-dir",
+        str(run_dir),
+        "--ports-file",
+        str(run_dir / f"{name}.json"),
+        "--expected-workers",
+        str(expected),
+    ]
+    if resume:
+        args += ["--resume", resume]
+    return _spawn(python_cmd(*args), token, log)
+
+
+def wait_ports(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> dict:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if path.exists():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError:
+                pass
+        if proc.poll() is not None:
+            raise RuntimeError(
+                f"the coordinator exited with code {proc.returncode} (see {path.parent})"
+            )
+        time.sleep(0.05)
+    raise TimeoutError(f"the coordinator did not publish its ports in {path} within {timeout_s} s")
+
+
+def start_worker(
+    name: str, region: str, coordinators: list[str], token: str, log: Path, *, role: str = "worker"
+) -> subprocess.Popen[bytes]:
+    args = ["worker", "--name", name, "--region", region, "--role", role]
+    for c in coordinators:
+        args += ["--coordinator", c]
+    return _spawn(python_cmd(*args), token, log)
+
+
+def _spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as out:
+        return subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )

@@ -1,0 +1,84 @@
+"""A membership epoch's data plane: one gloo (or NCCL) group whose operations can be abandoned.
+
+gloo's ``Work.wait`` cannot be interrupted from another thread (``abort()`` does not wake
+it), so every data-plane operation runs on a private thread and the step loop waits for it
+in short slices, checking an abort predicate between slices. When the coordinator declares a
+peer dead, the predicate turns true and the step loop leaves at once; the abandoned thread
+ends by itself when its own timeout expires, holding only the old group.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+T = TypeVar("T")
+_SLICE_S = 0.01
+
+
+class Abandoned(RuntimeError):
+    """The step loop gave up on a collective because the membership epoch changed."""
+
+
+class CommFailed(RuntimeError):
+    """A collective failed (a peer closed its connection, or the timeout expired)."""
+
+
+class Comm:
+    """One process group under a fresh store prefix, with abandonable operations."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout: timedelta,
+        should_abort: Callable[[], bool],
+        backend: str = "gloo",
+    ) -> None:
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.should_abort = should_abort
+        self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{prefix}")
+        self.pg: Any = self.call(lambda: _new_group(store, prefix, rank, size, timeout, backend))
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
+        fut = self._pool.submit(fn)
+        while True:
+            done, _ = cf.wait([fut], timeout=_SLICE_S)
+            if done:
+                break
+            if self.should_abort():
+                self.close()
+                raise Abandoned("membership epoch changed during a collective")
+        try:
+            return fut.result()
+        except RuntimeError as e:
+            raise CommFailed(_one_line(e)) from None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _new_group(
+    store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, backend: str
+) -> Any:
+    sub = dist.PrefixStore(prefix, store)
+    if backend == "nccl":  # pragma: no cover - needs a GPU
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(sub, rank, size, opts)
+    return dist.ProcessGroupGloo(sub, rank, size, timeout)
+
+
+def _one_line(e: BaseException) -> str:
+    """gloo's errors carry a C++ source path and a stack; keep the sentence a user needs."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "] " in text and text.startswith("["):
+        text = text.split("] ", 1)[1]
+    return text[:300]

@@ -1,0 +1,85 @@
+"""The task API: what a user hands perdure, and how perdure builds it deterministically.
+
+A task is an importable factory ``module:function`` returning a :class:`Task`. perdure seeds
+the global generator with the run seed before calling it, so every replica (and every
+replacement worker) builds bitwise-identical initial parameters without a broadcast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from perdure.runtime.config import OptimConfig, TaskConfig
+
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+OptimizerFactory = Callable[[Iterable[nn.Parameter], OptimConfig], torch.optim.Optimizer]
+
+
+@dataclass
+class Task:
+    """A model, its loss over a batch, and optionally its own optimizer factory.
+
+    ``loss_fn(model, batch)`` must return the *sum* over the batch's samples of each
+    sample's loss times ``batch["weight"]`` (1.0, or NaN for samples of a poisoned shard):
+    perdure divides the slot-ordered gradient sum by the global batch once.
+    """
+
+    model: nn.Module
+    loss_fn: LossFn
+    make_optimizer: OptimizerFactory | None = None
+
+
+def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW or SGD from the optim config, single-tensor (foreach=False) for stable bits."""
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, foreach=False)
+    b1, b2 = cfg.betas
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(b1, b2), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False
+    )
+
+
+def resolve(entry: str) -> Callable[..., Any]:
+    """Import ``module:function``; errors name the entry and what went wrong."""
+    module, _, name = entry.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"task.entry: cannot import module {module!r} ({e})") from None
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise ValueError(f"task.entry: {module!r} has no callable {name!r}")
+    return fn
+
+
+def build_task(cfg: TaskConfig, seed: int) -> Task:
+    """Build the task with the generator seeded by ``seed`` (identical on every replica)."""
+    torch.manual_seed(seed)
+    task = resolve(cfg.entry)(**cfg.options)
+    if not isinstance(task, Task):
+        raise ValueError(f"task.entry: {cfg.entry!r} returned {type(task).__name__}, not a Task")
+    return task
+
+
+def build_optimizer(task: Task, cfg: OptimConfig) -> torch.optim.Optimizer:
+    factory = task.make_optimizer or default_optimizer
+    return factory(task.model.parameters(), cfg)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """The learning rate of ``step``: a pure function of the step and the config."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.min_lr_ratio * cfg.lr
+    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,214 @@
+"""One replica: model, optimizer, data loader and the math of a step, minus the network.
+
+Everything here is a pure function of (config, dataset version, decision log, step), so
+every replica, and a single process replaying the run, computes the same bits.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from perdure.checkpoint import (
+    CheckpointState,
+    capture_rng,
+    check_compatible,
+    load_checkpoint,
+    restore_rng,
+    state_digest,
+)
+from perdure.config.run import RunConfig, canonical, config_hash
+from perdure.data import Dataset, DataState, SlotLoader
+from perdure.provenance import provenance
+from perdure.runtime.slots import SlotEngine, to_tensors
+from perdure.runtime.task import build_optimizer, build_task, lr_at
+
+
+def configure_torch(threads: int) -> None:
+    """Fix what changes bits: intra-op threads and deterministic algorithms."""
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+
+
+class Trainer:
+    """A replica's state and its step math."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        cache_dir: str | None = None,
+        poison: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        self.config = config
+        train = config.train
+        configure_torch(train.threads_per_worker)
+        task = build_task(config.task, train.seed)
+        self.model = task.model
+        self.optimizer = build_optimizer(task, config.optim)
+        self.engine = SlotEngine(self.model, task.loss_fn, train.seed, train.slots)
+        self.dataset = Dataset.open(
+            config.data.dataset,
+            cache_dir=config.data.cache_dir or cache_dir,
+            cache_mb=config.data.cache_mb,
+        )
+        self.loader = SlotLoader(
+            self.dataset,
+            seed=train.seed,
+            global_batch=train.global_batch,
+            slots=train.slots,
+            prefetch_steps=config.data.prefetch_steps,
+        )
+        self.poison = sorted(poison)
+        self.decisions: list[dict[str, Any]] = []
+        self.next_step = 0
+        self.config_hash = config_hash(config)
+        self.canonical = canonical(config)
+        self.provenance = provenance(config.task.entry)
+
+    # -- the math of a step ----------------------------------------------------------------
+
+    def poison_due(self, step: int) -> None:
+        """Fault injection: shards poisoned from a given step on (identically everywhere)."""
+        for shard, at in self.poison:
+            if step >= at:
+                self.loader.poison_shard(shard)
+
+    def compute_slots(
+        self,
+        step: int,
+        slots: range,
+        bufs: Sequence[torch.Tensor],
+        should_abort: Callable[[], bool] = lambda: False,
+    ) -> bool:
+        """Fill ``bufs`` with the gradients of ``slots`` of ``step``; False if aborted."""
+        if self.config.data.prefetch_steps:
+            self.loader.prefetch(step + 1, list(slots))
+        for buf, slot in zip(bufs, slots, strict=True):
+            if should_abort():
+                return False
+            batch = to_tensors(self.loader.batch(step, slot))
+            self.engine.compute(step, slot, batch, buf)
+        return True
+
+    def apply(self, step: int, total: torch.Tensor) -> float:
+        """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""
+        B = self.config.train.global_batch
+        loss = float(self.engine.slot_losses(total).sum()) / B
+        self.engine.assign_grads(total, B)
+        if self.config.optim.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(
+                self.model.parameters(), self.config.optim.grad_clip, foreach=False
+            )
+        lr = lr_at(step, self.config.optim, self.config.train.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.next_step = step + 1
+        return loss
+
+    def rerun_flags(self, step: int, slot: int) -> list[bool]:
+        """Re-run each sample of a slot alone: which ones give a non-finite gradient?"""
+        batch = self.loader.batch(step, slot)
+        buf = self.engine.new_buffer()
+        flags = []
+        for i in range(len(batch.sample_ids)):
+            one = to_tensors(_row(batch, i))
+            self.engine.compute(step, slot, one, buf)
+            flags.append(bool(buf[self.engine.numel + slot] != 0))
+        return flags
+
+    def quarantine(self, step: int, slot: int, flags: list[bool]) -> dict[str, Any]:
+        """Quarantine the shards of a slot's bad samples; returns the decision-log entry."""
+        batch = self.loader.batch(step, slot)
+        samples = sorted(int(s) for s, bad in zip(batch.sample_ids, flags, strict=True) if bad)
+        shards = sorted({int(h) for h, bad in zip(batch.shards, flags, strict=True) if bad})
+        reason = f"non-finite gradient in slot {slot}, reproduced on rerun"
+        self.loader.quarantine(shards, step, reason)
+        entry = {
+            "step": step,
+            "kind": "quarantine",
+            "shards": shards,
+            "samples": samples,
+            "slot": slot,
+            "reason": reason,
+        }
+        self.decisions.append(entry)
+        return entry
+
+    # -- state -----------------------------------------------------------------------------
+
+    def fingerprint(self) -> int:
+        """A cheap CRC of the parameters, compared across replicas every K steps."""
+        crc = 0
+        for p in self.model.parameters():
+            crc = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).numpy().data, crc)
+        return crc
+
+    def digest(self) -> str:
+        return state_digest(self.model.state_dict(), self.optimizer.state_dict())
+
+    def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
+        return CheckpointState(
+            step=self.next_step,
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            rng=capture_rng(self.config.train.seed),
+            data=self.loader.state(self.next_step).to_dict(),
+            config_hash=self.config_hash,
+            canonical_config=self.canonical,
+            topology=topology,
+            provenance=self.provenance,
+            decisions=list(self.decisions),
+        )
+
+    def load(self, path: str | Path, *, allow_config_change: bool = False) -> list[str]:
+        """Restore all seven fields from a checkpoint; returns any override records."""
+        ckpt = load_checkpoint(path)
+        notes = check_compatible(
+            ckpt,
+            self.config_hash,
+            self.canonical,
+            allow_config_change=allow_config_change,
+            provenance=self.provenance,
+        )
+        self.model.load_state_dict(ckpt.model)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        restore_rng(ckpt.rng)
+        self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
+        self.decisions = list(ckpt.decisions)
+        assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
+        return notes
+
+    def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """What a joiner needs: model, optimizer, and the JSON extras."""
+        extra = {
+            "next_step": self.next_step,
+            "data": self.loader.state(self.next_step).to_dict(),
+            "decisions": self.decisions,
+        }
+        return self.model.state_dict(), self.optimizer.state_dict(), extra
+
+    def adopt(
+        self, model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
+    ) -> None:
+        self.model.load_state_dict(model)
+        self.optimizer.load_state_dict(optim)
+        self.loader.restore(DataState.from_dict(extra["data"]))
+        self.decisions = list(extra["decisions"])
+        self.next_step = int(extra["next_step"])
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def _row(batch: Any, i: int) -> Any:
+    class _One:
+        tokens = batch.tokens[i : i + 1]
+        weight = batch.weight[i : i + 1]
+
+    return _One()
