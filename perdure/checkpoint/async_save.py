@@ -96,12 +96,17 @@ class AsyncCheckpointer:
         job = _Job(int(state.step))
         prep = Prepared(job.step, bufs, context)
         self._job = job
+        if not self.config.snapshot_overlap:
+            # Copy on the caller's thread (its intra-op pool), then hand off the rest.
+            t0 = time.perf_counter()
+            copy_into(pairs)
+            job.snapshot_seconds = time.perf_counter() - t0
+            job.snapshot_done.set()
+            pairs = []
         self._thread = threading.Thread(
             target=self._run, args=(job, pairs, prep), name=f"perdure-ckpt-{job.step}", daemon=True
         )
         self._thread.start()
-        if not self.config.snapshot_overlap:
-            self.wait_snapshot()
         return True
 
     def _busy(self) -> bool:
@@ -120,14 +125,15 @@ class AsyncCheckpointer:
     def _run(self, job: _Job, pairs: list, prep: Prepared) -> None:
         t0 = time.perf_counter()
         try:
-            try:
-                copy_into(pairs)
-            except BaseException as e:
-                job.snapshot_error = e
-                raise
-            finally:
-                job.snapshot_seconds = time.perf_counter() - t0
-                job.snapshot_done.set()
+            if not job.snapshot_done.is_set():
+                try:
+                    copy_into(pairs)
+                except BaseException as e:
+                    job.snapshot_error = e
+                    raise
+                finally:
+                    job.snapshot_seconds = time.perf_counter() - t0
+                    job.snapshot_done.set()
             retention = self.config if self.rank == 0 else None
             path = write_checkpoint(
                 self.root,
