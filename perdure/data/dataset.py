@@ -8,6 +8,9 @@ from perdure.data.errors import DataError, ShardError
 from perdure.data.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from perdure.data.store import ShardStore, open_fs
 
+SHORT_ROWS = 512
+"""Below this seq_len a read minimises numpy calls; at or above it, bytes copied."""
+
 
 class Dataset:
     """Random access to the samples of one dataset version.
@@ -113,15 +116,18 @@ class Dataset:
         if lo == hi:
             out[:] = self._gather(lo, rows, bad)
             return out, bad
-        # One gather per shard into a list, one concatenate, one scatter (with the dtype
-        # cast) back to the ids' order: fewer numpy calls than a scatter per shard.
         order = np.argsort(shards, kind="stable")
         ks, rs = shards[order], rows[order]
         cuts = [0, *(np.flatnonzero(np.diff(ks)) + 1).tolist(), ids.size]
-        firsts = ks[cuts[:-1]].tolist()
-        spans = zip(firsts, cuts[:-1], cuts[1:], strict=True)
-        parts = [self._gather(k, rs[a:b], bad) for k, a, b in spans]
-        out[order] = np.concatenate(parts)
+        spans = list(zip(ks[cuts[:-1]].tolist(), cuts[:-1], cuts[1:], strict=True))
+        if self.seq_len < SHORT_ROWS:
+            # Short rows: numpy call overhead dominates, so gather per shard into a list,
+            # concatenate, and scatter (with the dtype cast) once.
+            out[order] = np.concatenate([self._gather(k, rs[a:b], bad) for k, a, b in spans])
+        else:
+            # Long rows: bandwidth dominates, so copy each row only twice.
+            for k, a, b in spans:
+                out[order[a:b]] = self._gather(k, rs[a:b], bad)
         return out, bad
 
     def _gather(self, shard: int, rows: np.ndarray, bad: dict[int, ShardError]) -> np.ndarray:

@@ -52,16 +52,18 @@ def _network(seed: int, data_epoch: int, n: int) -> tuple[int, int, tuple[int, .
 
 def _feistel(x: np.ndarray, high: int, low: int, keys: tuple[int, ...]) -> np.ndarray:
     shift = np.uint64(low)
-    mask_l = np.uint64((1 << low) - 1)
-    left, right = x >> shift, x & mask_l
+    left, right = x >> shift, x & np.uint64((1 << low) - 1)
     top_h, top_l = np.uint64(64 - high), np.uint64(64 - low)
-    for i, k in enumerate(keys):
+    tmp = np.empty_like(left)
+    for i, k in enumerate(keys):  # in-place ufuncs: no temporaries per round
         add, mul = np.uint64(k >> 32), np.uint64(k | 1)
-        if i % 2 == 0:
-            left ^= ((right + add) * mul) >> top_h
-        else:
-            right ^= ((left + add) * mul) >> top_l
-    return (left << shift) | right
+        src, dst, top = (right, left, top_h) if i % 2 == 0 else (left, right, top_l)
+        np.add(src, add, out=tmp)
+        np.multiply(tmp, mul, out=tmp)
+        np.right_shift(tmp, top, out=tmp)
+        np.bitwise_xor(dst, tmp, out=dst)
+    np.left_shift(left, shift, out=left)
+    return np.bitwise_or(left, right, out=left)
 
 
 def _feistel_int(x: int, high: int, low: int, keys: tuple[int, ...]) -> int:
