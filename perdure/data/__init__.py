@@ -2,19 +2,37 @@
 
 Build a dataset (:func:`build_dataset`), open it from any fsspec URL (:class:`Dataset`),
 and read slot ``s`` of step ``t`` with :class:`SlotLoader`. See ``docs/data.md``.
+
+Exports are imported lazily (PEP 562), so that ``perdure.data.config``, which the run
+config imports, does not pull numpy and fsspec into every ``perdure`` command.
 """
 
-from perdure.data.batch import Batch
-from perdure.data.build import build_dataset
-from perdure.data.dataset import Dataset
-from perdure.data.errors import DataError, ShardError
-from perdure.data.loader import SlotLoader
-from perdure.data.manifest import Manifest, ShardInfo, parse_manifest
-from perdure.data.order import Order, permute, position_to_sample, positions_to_samples
-from perdure.data.quarantine import Quarantine, QuarantineEntry
-from perdure.data.slots import slot_positions
-from perdure.data.state import DataState
-from perdure.data.tokenize import byte_tokenizer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "Batch": "batch",
+    "DataError": "errors",
+    "DataState": "state",
+    "Dataset": "dataset",
+    "Manifest": "manifest",
+    "Order": "order",
+    "Quarantine": "quarantine",
+    "QuarantineEntry": "quarantine",
+    "ShardError": "errors",
+    "ShardInfo": "manifest",
+    "SlotLoader": "loader",
+    "build_dataset": "build",
+    "byte_tokenizer": "tokenize",
+    "parse_manifest": "manifest",
+    "permute": "order",
+    "position_to_sample": "order",
+    "positions_to_samples": "order",
+    "slot_positions": "slots",
+    "verify_dataset": "verify",
+}
 
 __all__ = [
     "Batch",
@@ -35,4 +53,32 @@ __all__ = [
     "position_to_sample",
     "positions_to_samples",
     "slot_positions",
+    "verify_dataset",
 ]
+
+if TYPE_CHECKING:
+    from perdure.data.batch import Batch
+    from perdure.data.build import build_dataset
+    from perdure.data.dataset import Dataset
+    from perdure.data.errors import DataError, ShardError
+    from perdure.data.loader import SlotLoader
+    from perdure.data.manifest import Manifest, ShardInfo, parse_manifest
+    from perdure.data.order import Order, permute, position_to_sample, positions_to_samples
+    from perdure.data.quarantine import Quarantine, QuarantineEntry
+    from perdure.data.slots import slot_positions
+    from perdure.data.state import DataState
+    from perdure.data.tokenize import byte_tokenizer
+    from perdure.data.verify import verify_dataset
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'perdure.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"perdure.data.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
