@@ -1,9 +1,171 @@
-"""The local launcher with the fault schedule applied (and, later, the live view)."""
+"""The local launcher with the fault schedule applied.
+
+Faults that a real cluster inflicts from outside are real here too: ``kill`` is SIGKILL,
+``hang`` is SIGSTOP (and SIGCONT after ``duration_s``), ``region_down`` kills every process
+labelled with the region at once, the coordinator included when it lives there. Faults that
+need the process's cooperation (``delay``, ``comm_error``) are posted in the store for the
+worker's heartbeat thread; ``poison_shard`` is applied by the loaders themselves at its
+step, so the reference run poisons exactly the same samples.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from perdure.chaos.config import FaultConfig
 from perdure.launch.local import LocalLauncher
 
 
 class ChaosLauncher(LocalLauncher):
     """Injects each fault of ``config.chaos`` when its trigger is reached."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.todo = list(enumerate(self.config.chaos.faults))
+        self.later: list[tuple[float, str, Any]] = []
+        self.down_regions: dict[str, float] = {}
+        self.seq = 0
+        self._store: dist.TCPStore | None = None
+        self._metrics_pos = 0
+        self.step = -1
+        self.first_step_t: float | None = None
+        self.view: Any = None
+
+    # -- triggers --------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self._read_progress()
+        now = time.time()
+        for i, fault in list(self.todo):
+            if self._due(fault, now):
+                self.todo.remove((i, fault))
+                self._inject(i, fault)
+        for item in [x for x in self.later if x[0] <= now]:
+            self.later.remove(item)
+            self._undo(item[1], item[2])
+        if self.view is not None:
+            self.view.update(self)
+
+    def _due(self, fault: FaultConfig, now: float) -> bool:
+        if fault.at_step is not None:
+            return self.step >= fault.at_step
+        assert fault.at_s is not None
+        return self.first_step_t is not None and now - self.first_step_t >= fault.at_s
+
+    def _read_progress(self) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        with open(path, "rb") as f:
+            f.seek(self._metrics_pos)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self._metrics_pos += end
+        for line in data[:end].splitlines():
+            rec = json.loads(line)
+            self.step = max(self.step, int(rec["step"]))
+            if self.first_step_t is None:
+                self.first_step_t = float(rec["t"])
+
+    # -- injection -------------------------------------------------------------------------
+
+    def _inject(self, index: int, fault: FaultConfig) -> None:
+        record = {
+            "event": "fault_injected",
+            "fault": index,
+            "kind": fault.kind,
+            "target": fault.target,
+            "step": self.step,
+        }
+        pids = getattr(self, f"_inject_{fault.kind}")(fault)
+        self.events.write({**record, "pids": pids})
+
+    def _worker_pid(self, name: str) -> list[int]:
+        p = self.procs.get(name)
+        return [p.popen.pid] if p is not None and p.alive else []
+
+    def _inject_kill(self, fault: FaultConfig) -> list[int]:
+        pids = self._worker_pid(fault.target)
+        for pid in pids:
+            self.procs[fault.target].expected_exit = True
+            os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def _inject_hang(self, fault: FaultConfig) -> list[int]:
+        pids = self._worker_pid(fault.target)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+            if fault.duration_s:
+                self.later.append((time.time() + fault.duration_s, "cont", pid))
+        return pids
+
+    def _inject_region_down(self, fault: FaultConfig) -> list[int]:
+        region = fault.target
+        victims = [p for p in self.procs.values() if p.region == region and p.alive]
+        victims += [c for c in self.coordinators if c.region == region and c.alive]
+        for p in victims:
+            p.expected_exit = True
+            os.kill(p.popen.pid, signal.SIGKILL)
+        self.down_regions[region] = time.time() + (fault.duration_s or float("inf"))
+        if fault.duration_s:
+            self.later.append((time.time() + fault.duration_s, "region_up", region))
+        return [p.popen.pid for p in victims]
+
+    def _inject_comm_error(self, fault: FaultConfig) -> list[int]:
+        self._post(fault.target, {"kind": "comm_error"})
+        return self._worker_pid(fault.target)
+
+    def _inject_delay(self, fault: FaultConfig) -> list[int]:
+        self._post(
+            fault.target,
+            {"kind": "delay", "delay_ms": fault.delay_ms, "duration_s": fault.duration_s},
+        )
+        if fault.duration_s:
+            self.later.append((time.time() + fault.duration_s, "delay_over", fault.target))
+        return []
+
+    def _inject_poison_shard(self, fault: FaultConfig) -> list[int]:
+        return []  # applied by every loader at its step (see module doc)
+
+    def _post(self, target: str, fault: dict[str, Any]) -> None:
+        self.seq += 1
+        store = self._chaos_store()
+        if store is not None:
+            store.set(f"chaos/{target}", json.dumps({**fault, "seq": self.seq}))
+
+    def _chaos_store(self) -> dist.TCPStore | None:
+        for host, port in self.store_addrs:
+            try:
+                if self._store is None:
+                    self._store = dist.TCPStore(
+                        host, port, is_master=False, timeout=dist.constants.default_pg_timeout
+                    )
+                return self._store
+            except (RuntimeError, dist.DistError):
+                self._store = None
+        return None
+
+    def _undo(self, what: str, arg: Any) -> None:
+        if what == "cont":
+            try:
+                os.kill(arg, signal.SIGCONT)
+            except ProcessLookupError:
+                return
+            self.events.write({"event": "fault_ended", "kind": "hang", "pid": arg})
+        elif what == "region_up":
+            self.down_regions.pop(arg, None)
+            self.events.write({"event": "fault_ended", "kind": "region_down", "target": arg})
+        elif what == "delay_over":
+            self.events.write({"event": "fault_ended", "kind": "delay", "target": arg})
+
+    def _may_replace(self, name: str) -> bool:
+        return self.procs[name].region not in self.down_regions
+
+
+__all__ = ["ChaosLauncher"]

@@ -33,6 +33,7 @@ class Proc:
     started: float = field(default_factory=time.time)
     generation: int = 0
     expected_exit: bool = False
+    reaped: bool = False
 
     @property
     def alive(self) -> bool:
@@ -63,6 +64,7 @@ class LocalLauncher:
         self.events = JsonLines(self.run_dir / "events.jsonl")
         self.started = time.time()
         self.replacements: dict[str, float] = {}
+        self.store_addrs: list[tuple[str, int]] = []
 
     # -- processes -------------------------------------------------------------------------
 
@@ -86,13 +88,7 @@ class LocalLauncher:
             region = region or self.config.cluster.regions[0].name
             self.coordinators.append(Proc(name, region, "coordinator", popen))
             self.addresses.append(f"{ports['host']}:{ports['channel_port']}")
-            self.store_addr = (
-                self.store_addr
-                if name != "coordinator"
-                else (ports["host"], int(ports["store_port"]))
-            )
-
-    store_addr: tuple[str, int] = ("127.0.0.1", 0)
+            self.store_addrs.append((ports["host"], int(ports["store_port"])))
 
     def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
@@ -152,12 +148,18 @@ class LocalLauncher:
         """Notice dead workers; start a replacement after the configured delay."""
         delay = self.config.cluster.replace_after_ms / 1000
         for p in list(self.procs.values()):
-            if p.alive or p.name in self.replacements:
+            if p.alive or p.reaped:
                 continue
-            if p.expected_exit or p.popen.returncode == 0:
+            p.reaped = True
+            if p.popen.returncode == 0:
                 continue
             self.events.write(
-                {"event": "process_exit", "worker": p.name, "code": p.popen.returncode}
+                {
+                    "event": "process_exit",
+                    "worker": p.name,
+                    "code": p.popen.returncode,
+                    "injected": p.expected_exit,
+                }
             )
             if delay >= 0 and p.kind == "worker":
                 self.replacements[p.name] = time.monotonic() + delay

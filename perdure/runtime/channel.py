@@ -39,6 +39,7 @@ class LineSocket:
         self.sock = sock
         self._buf = b""
         self._lock = threading.Lock()
+        self.queued: list[Message] = []
 
     def send(self, msg: Message) -> None:
         data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
@@ -55,11 +56,9 @@ class LineSocket:
         """Block for the next message (used during admission only)."""
         self.sock.settimeout(timeout_s)
         try:
-            while True:
-                msgs = self.feed(self.sock.recv(65536) or _eof())
-                if msgs:
-                    assert len(msgs) == 1, "admission is one message at a time"
-                    return msgs[0]
+            while not self.queued:
+                self.queued += self.feed(self.sock.recv(65536) or _eof())
+            return self.queued.pop(0)
         finally:
             self.sock.settimeout(None)
 
@@ -103,6 +102,9 @@ class Listener(threading.Thread):
         self.line, self.on_message, self.on_lost = line, on_message, on_lost
 
     def run(self) -> None:
+        for msg in self.line.queued:  # arrived together with the welcome
+            self.on_message(msg)
+        self.line.queued.clear()
         try:
             while True:
                 data = self.line.sock.recv(65536)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import math
+import os
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +51,8 @@ def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch
 def resolve(entry: str) -> Callable[..., Any]:
     """Import ``module:function``; errors name the entry and what went wrong."""
     module, _, name = entry.partition(":")
+    if os.getcwd() not in sys.path:  # as `python -m` does: tasks live beside the config
+        sys.path.append(os.getcwd())
     try:
         mod = importlib.import_module(module)
     except ImportError as e:

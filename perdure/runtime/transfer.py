@@ -1,9 +1,10 @@
 """Copy a live replica's state to joiners over the process group: replicate, resume, continue.
 
-The source packs model tensors, optimizer tensors and a JSON header (optimizer structure,
-data state, decision log, next step) into one byte buffer and broadcasts it; receivers
-rebuild their state from it. Bytes, not typed tensors, so every dtype travels the same way
-and nothing is pickled.
+The source flattens model and optimizer state with the checkpoint format's own codec
+(tensors by name plus the optimizer's structure as tagged JSON, lossless: tuples stay
+tuples, so a receiver's state digest equals the source's), packs every tensor's bytes into
+one buffer and broadcasts it with a JSON header. Bytes, not typed tensors, so every dtype
+travels the same way and nothing is pickled.
 """
 
 from __future__ import annotations
@@ -14,76 +15,42 @@ from typing import Any
 
 import torch
 
+from perdure.checkpoint.tensors import flatten, model_of, unflatten_optimizer
 from perdure.runtime.comm import Comm
 
 _DTYPES = {
     str(d): d
-    for d in (
-        torch.float32,
-        torch.float64,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+    for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+}  # fmt: skip
 
-
-def _flat_tensors(
-    model_state: dict[str, torch.Tensor], optim_state: dict[str, Any]
-) -> list[tuple[str, torch.Tensor]]:
-    out = [(f"model/{k}", v) for k, v in model_state.items()]
-    for pid in sorted(optim_state["state"], key=int):
-        for key, value in sorted(optim_state["state"][pid].items()):
-            if isinstance(value, torch.Tensor):
-                out.append((f"optim/{pid}/{key}", value))
-    return out
+State = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
 
 
 def pack(
-    model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], extra: dict[str, Any]
+    model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
 ) -> tuple[bytes, torch.Tensor]:
-    """(header JSON, one uint8 buffer holding every tensor's bytes)."""
-    tensors = _flat_tensors(model_state, optim_state)
-    meta = [[name, list(t.shape), str(t.dtype)] for name, t in tensors]
-    scalars = {
-        str(pid): {k: v for k, v in st.items() if not isinstance(v, torch.Tensor)}
-        for pid, st in optim_state["state"].items()
-    }
-    header = {
-        "tensors": meta,
-        "param_groups": optim_state["param_groups"],
-        "scalars": scalars,
-        "extra": extra,
-    }
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in tensors]
+    """(header JSON, one uint8 buffer holding every tensor's bytes in header order)."""
+    tensors, structure = flatten(model, optim)
+    meta = [[k, list(t.shape), str(t.dtype)] for k, t in tensors.items()]
+    header = {"tensors": meta, "optimizer": structure, "extra": extra}
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
     blob = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
     return json.dumps(header).encode(), blob
 
 
-def unpack(
-    header: bytes, blob: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+def unpack(header: bytes, blob: torch.Tensor) -> State:
     """Inverse of :func:`pack`: (model state, optimizer state dict, extra)."""
     h = json.loads(header)
-    model: dict[str, torch.Tensor] = {}
-    state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in h["scalars"].items()}
+    tensors: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, shape, dtype in h["tensors"]:
+    for key, shape, dtype in h["tensors"]:
         dt = _DTYPES[dtype]
         n = int(torch.Size(shape).numel()) * torch.empty(0, dtype=dt).element_size()
-        t = blob[offset : offset + n].clone().view(dt).reshape(shape)
+        tensors[key] = blob[offset : offset + n].clone().view(dt).reshape(shape)
         offset += n
-        kind, _, rest = name.partition("/")
-        if kind == "model":
-            model[rest] = t
-        else:
-            pid, _, key = rest.partition("/")
-            state.setdefault(int(pid), {})[key] = t
-    return model, {"state": state, "param_groups": h["param_groups"]}, h["extra"]
+    assert offset == blob.numel(), (offset, blob.numel())
+    return model_of(tensors), unflatten_optimizer(h["optimizer"], tensors), h["extra"]
 
 
 def broadcast_state(
@@ -93,14 +60,14 @@ def broadcast_state(
     sizes = torch.zeros(2, dtype=torch.int64)
     if payload is not None:
         sizes[0], sizes[1] = len(payload[0]), payload[1].numel()
-    comm.call(lambda: comm.pg.broadcast([sizes], src).wait(timeout))
+    comm.call(lambda: comm.pg.broadcast(sizes, src).wait(timeout))
     if payload is None:
         head = torch.zeros(int(sizes[0]), dtype=torch.uint8)
         blob = torch.zeros(int(sizes[1]), dtype=torch.uint8)
     else:
         head = torch.frombuffer(bytearray(payload[0]), dtype=torch.uint8)
         blob = payload[1]
-    comm.call(lambda: comm.pg.broadcast([head], src).wait(timeout))
+    comm.call(lambda: comm.pg.broadcast(head, src).wait(timeout))
     if blob.numel():
-        comm.call(lambda: comm.pg.broadcast([blob], src).wait(timeout))
+        comm.call(lambda: comm.pg.broadcast(blob, src).wait(timeout))
     return bytes(head.numpy().tobytes()), blob
