@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 import torch
-from checkpoint_support import make_state, same_tree
 
 from perdure.checkpoint import (
     AsyncCheckpointer,
@@ -16,6 +15,7 @@ from perdure.checkpoint import (
 )
 from perdure.checkpoint import async_save as async_mod
 from perdure.checkpoint.config import CheckpointConfig
+from tests.checkpoint_support import make_state, same_tree
 
 
 def _events() -> tuple[list[dict[str, Any]], Any]:

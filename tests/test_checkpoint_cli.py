@@ -3,11 +3,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from checkpoint_support import make_state
 from click.testing import CliRunner
 
 from perdure.checkpoint import save_checkpoint, state_digest
 from perdure.cli import main
+from tests.checkpoint_support import make_state
 
 
 def _run(*args: str) -> tuple[int, str]:

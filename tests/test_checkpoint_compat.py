@@ -4,7 +4,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-from checkpoint_support import make_state
 
 from perdure.checkpoint import (
     IncompatibleCheckpointError,
@@ -18,6 +17,7 @@ from perdure.checkpoint import (
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.checkpoint.discovery import retained
 from perdure.config.errors import ConfigError
+from tests.checkpoint_support import make_state
 
 
 def _loaded(tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -5,7 +5,6 @@ import struct
 from pathlib import Path
 
 import pytest
-from checkpoint_support import make_state
 
 from perdure.checkpoint import (
     CorruptCheckpointError,
@@ -16,6 +15,7 @@ from perdure.checkpoint import (
     verify_checkpoint,
 )
 from perdure.checkpoint.reference_reader import Checkpoint, ReaderError
+from tests.checkpoint_support import make_state
 
 
 def _saved(root: Path, step: int = 3) -> Path:
@@ -104,14 +104,18 @@ def test_unknown_optional_fields_and_newer_minor_are_ignored(tmp_path: Path) -> 
 
 
 def _rewrite_header(part: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    """Edit a part file's safetensors header, and the manifest's size for it."""
     data = part.read_bytes()
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
     edit(header)
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (n - len(raw))
-    assert len(raw) == n, "edited header must keep its length"
-    part.write_bytes(data[:8] + raw + data[8 + n :])
+    new = struct.pack("<Q", len(raw)) + raw + data[8 + n :]
+    part.write_bytes(new)
+    manifest = part.parent / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["files"][part.name]["bytes"] = len(new)
+    manifest.write_text(json.dumps(m))
 
 
 def test_header_offsets_past_the_file_name_the_file(tmp_path: Path) -> None:

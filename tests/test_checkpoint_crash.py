@@ -10,17 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from checkpoint_support import make_state, same_tree
 
 from perdure.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.checkpoint.hooks import ENV, POINTS
+from tests.checkpoint_support import make_state, same_tree
 
 HERE = Path(__file__).resolve().parent
 SAVE_STEP_2 = f"""
 import sys
-sys.path.insert(0, {str(HERE)!r})
-from checkpoint_support import make_state
+sys.path.insert(0, {str(HERE.parent)!r})
+from tests.checkpoint_support import make_state
 from perdure.checkpoint import save_checkpoint
 save_checkpoint(sys.argv[1], make_state(step=2, seed=2))
 """

@@ -8,12 +8,12 @@ import multiprocessing as mp
 from pathlib import Path
 
 import torch
-from checkpoint_support import StoreExchange, free_port, make_state, same_tree
 
 from perdure.checkpoint import load_checkpoint, save_checkpoint, state_digest
 from perdure.checkpoint.plan import plan_parts
 from perdure.checkpoint.reference_reader import Checkpoint
 from perdure.checkpoint.tensors import Meta
+from tests.checkpoint_support import StoreExchange, free_port, make_state, same_tree
 
 WORLD = 3
 

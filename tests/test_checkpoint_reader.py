@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from checkpoint_support import make_state, same_tree
 
 from perdure.checkpoint import load_checkpoint, save_checkpoint
 from perdure.checkpoint import reference_reader as rr
+from tests.checkpoint_support import make_state, same_tree
 
 READER = Path(rr.__file__)
 

@@ -6,7 +6,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from checkpoint_support import make_state, same_bits, same_tree, trained_model_and_optimizer
 from safetensors import safe_open
 
 from perdure.checkpoint import (
@@ -17,6 +16,7 @@ from perdure.checkpoint import (
     save_checkpoint,
     state_digest,
 )
+from tests.checkpoint_support import make_state, same_bits, same_tree, trained_model_and_optimizer
 
 FIELDS = ("step", "rng", "data", "config_hash", "canonical_config", "topology", "provenance")
 
@@ -133,3 +133,13 @@ def test_a_non_json_context_value_is_an_error_naming_its_path(tmp_path: Path) ->
 def test_state_is_a_dataclass_with_the_seven_fields() -> None:
     names = set(CheckpointState.__dataclass_fields__)
     assert {"model", "optimizer", "rng", "data", "config_hash", "topology", "provenance"} <= names
+
+
+def test_mapped_and_read_loads_are_bitwise_identical(tmp_path: Path) -> None:
+    state = make_state()
+    path = save_checkpoint(tmp_path, state)
+    mapped, read = load_checkpoint(path, mmap=True), load_checkpoint(path, mmap=False)
+    assert same_tree(mapped.model, read.model) and same_tree(mapped.model, state.model)
+    assert same_tree(mapped.optimizer, read.optimizer)
+    mapped.model["w32"].add_(1)  # copy-on-write: the file is not changed
+    assert same_tree(load_checkpoint(path).model, state.model)

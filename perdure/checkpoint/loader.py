@@ -23,18 +23,33 @@ from perdure.checkpoint.fsio import readinto_all
 from perdure.checkpoint.manifest import read_manifest, split_checksum
 from perdure.checkpoint.sfile import Header, read_header
 from perdure.checkpoint.state import LoadedCheckpoint
-from perdure.checkpoint.tensors import TORCH_DTYPES, byte_view, model_of, unflatten_optimizer
+from perdure.checkpoint.tensors import (
+    ITEMSIZE,
+    TORCH_DTYPES,
+    byte_view,
+    model_of,
+    unflatten_optimizer,
+)
 from perdure.checkpoint.writer import checksum_pool
 
 
-def load_checkpoint(path: str | Path, *, verify: bool = True) -> LoadedCheckpoint:
+def load_checkpoint(
+    path: str | Path, *, verify: bool = True, mmap: bool = True
+) -> LoadedCheckpoint:
     """Read the checkpoint directory ``path``. With ``verify`` every file's CRC is checked;
-    any problem raises :class:`CorruptCheckpointError` naming the file."""
+    any problem raises :class:`CorruptCheckpointError` naming the file.
+
+    With ``mmap`` (default) each tensor file is mapped privately (copy-on-write) and an
+    unsplit tensor is a view of the mapping: no copy, and the CRC pass is the only read.
+    The files of a committed checkpoint are never modified in place (retention deletes
+    them, which keeps a mapped inode alive), so this is safe; a write to such a tensor
+    copies the page. ``mmap=False`` reads into freshly allocated memory instead."""
     path = Path(path)
     manifest = read_manifest(path)
     check_files_present(path, manifest)
     ctx = read_context(path, manifest, verify=verify)
-    tensors = read_tensors(path, manifest, verify=verify)
+    reader = map_tensors if mmap else read_tensors
+    tensors = reader(path, manifest, verify=verify)
     where = str(path / layout.CONTEXT)
     try:
         optimizer = unflatten_optimizer(ctx["optimizer"], tensors)
@@ -116,6 +131,100 @@ def read_tensors(path: Path, manifest: dict[str, Any], *, verify: bool) -> dict[
             raise CorruptCheckpointError(mpath, f"chunk file {name!r} is not listed in 'files'")
         _read_part(path / name, manifest["files"][name], by_file[name], tensors, verify)
     return tensors
+
+
+def _chunk_index(
+    path: Path, manifest: dict[str, Any]
+) -> tuple[dict[str, tuple[Any, tuple[int, ...]]], dict[str, dict[str, tuple[str, int, int]]]]:
+    """({tensor: (torch dtype, shape)}, {file: {chunk key: (tensor, start, stop)}})."""
+    metas: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    by_file: dict[str, dict[str, tuple[str, int, int]]] = defaultdict(dict)
+    mpath = str(path / layout.MANIFEST)
+    for key, t in manifest["tensors"].items():
+        try:
+            metas[key] = (TORCH_DTYPES[t["dtype"]], tuple(int(d) for d in t["shape"]))
+            for c in t["chunks"]:
+                a, b = (0, 0) if c["rows"] is None else c["rows"]
+                by_file[c["file"]][c["key"]] = (key, a, b)
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(mpath, f"malformed tensor entry {key!r} ({e})") from None
+    for name in by_file:
+        if name not in manifest["files"]:
+            raise CorruptCheckpointError(mpath, f"chunk file {name!r} is not listed in 'files'")
+    return metas, by_file
+
+
+def map_tensors(path: Path, manifest: dict[str, Any], *, verify: bool) -> dict[str, torch.Tensor]:
+    """Every tensor of the manifest as views of privately mapped files (see load)."""
+    metas, by_file = _chunk_index(path, manifest)
+    pieces: dict[str, list[tuple[int, torch.Tensor]]] = defaultdict(list)
+    for name in sorted(by_file):
+        for key, a, view in _map_part(
+            path / name, manifest["files"][name], by_file[name], metas, verify
+        ):
+            pieces[key].append((a, view))
+    tensors: dict[str, torch.Tensor] = {}
+    for key, (dtype, shape) in metas.items():
+        parts = sorted(pieces.get(key, []), key=lambda p: p[0])
+        if len(parts) == 1 and tuple(parts[0][1].shape) == shape:
+            tensors[key] = parts[0][1]
+            continue
+        full = torch.empty(shape, dtype=dtype)
+        for a, view in parts:
+            full[a : a + view.shape[0]].copy_(view)
+        tensors[key] = full
+    return tensors
+
+
+def _map_part(
+    file: Path,
+    rec: dict[str, Any],
+    chunks: dict[str, tuple[str, int, int]],
+    metas: dict[str, tuple[Any, tuple[int, ...]]],
+    verify: bool,
+) -> list[tuple[str, int, torch.Tensor]]:
+    where, size = str(file), rec["bytes"]
+    with open(file, "rb") as f:
+        header = read_header(f, where, size)  # type: ignore[arg-type]
+    _check_entries(where, header, chunks, metas)
+    storage = torch.UntypedStorage.from_file(str(file), shared=False, nbytes=size)
+    u8 = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[arg-type]
+    if verify:
+        got = crc.crc_segments([byte_view(u8)], checksum_pool())
+        _check_crc(where, rec["checksum"], got)
+    out = []
+    for e in header.entries.values():
+        key, a, _ = chunks[e.key]
+        dtype = metas[key][0]
+        raw = u8[header.data_start + e.begin : header.data_start + e.end]
+        item = ITEMSIZE[e.dtype]
+        if (header.data_start + e.begin) % item:
+            raw = raw.clone()  # a file from another writer, not aligned: copy
+        out.append((key, a, raw.view(dtype).reshape(e.shape)))
+    return out
+
+
+def _check_entries(
+    where: str,
+    header: Header,
+    chunks: dict[str, tuple[str, int, int]],
+    metas: dict[str, tuple[Any, tuple[int, ...]]],
+) -> None:
+    missing = sorted(set(chunks) - set(header.entries))
+    extra = sorted(set(header.entries) - set(chunks))
+    if missing or extra:
+        raise CorruptCheckpointError(
+            where, f"header and manifest disagree: missing {missing[:5]}, unlisted {extra[:5]}"
+        )
+    for e in header.entries.values():
+        key, a, b = chunks[e.key]
+        dtype, shape = metas[key]
+        want = shape if not shape else (b - a, *shape[1:])
+        if TORCH_DTYPES.get(e.dtype) != dtype or e.shape != want:
+            raise CorruptCheckpointError(
+                where,
+                f"{e.key!r} is {e.dtype} {list(e.shape)}, the manifest says {dtype} {list(want)}",
+            )
 
 
 def _read_part(

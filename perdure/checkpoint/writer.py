@@ -38,7 +38,7 @@ from perdure.checkpoint.hooks import crash_point
 from perdure.checkpoint.plan import Chunk, plan_parts
 from perdure.checkpoint.sfile import build_header
 from perdure.checkpoint.state import CheckpointState
-from perdure.checkpoint.tensors import byte_view, flatten, meta_of, to_cpu_contiguous
+from perdure.checkpoint.tensors import ITEMSIZE, byte_view, flatten, meta_of, to_cpu_contiguous
 
 Exchange = Callable[[dict[str, Any]], list[dict[str, Any]]]
 """All-gather of JSON-able dicts over the W writers, in rank order. Every payload has a
@@ -174,7 +174,9 @@ def write_part(
 ) -> dict[str, Any]:
     """Write one safetensors file straight from tensor memory, CRC on threads; fsync it."""
     entries, segments = [], []
-    for c in chunks:
+    # Widest dtypes first, so every chunk starts aligned to its element size and a loader
+    # can map the file and view its bytes as tensors without copying.
+    for c in sorted(chunks, key=lambda c: -ITEMSIZE[c.meta.dtype]):
         a, b = c.byte_range
         entries.append((c.file_key, c.meta.dtype, c.shape, b - a))
         segments.append(byte_view(tensors[c.meta.key])[a:b])

@@ -62,7 +62,10 @@ def ls(root: str, verify: bool) -> None:
     from perdure.checkpoint import CheckpointError, list_checkpoints, read_manifest
     from perdure.checkpoint.loader import check_files_present, verify_checkpoint
 
-    table = Table("step", "directory", "tensors", "bytes", "writers", "config hash", "status")
+    table = Table("step")
+    table.add_column("directory", no_wrap=True, min_width=14)
+    for name in ("tensors", "bytes", "writers", "config hash", "status"):
+        table.add_column(name)
     for p in list_checkpoints(root):
         try:
             m = read_manifest(p)
