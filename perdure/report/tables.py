@@ -88,8 +88,10 @@ def header_facts(data: RunData) -> list[tuple[str, str]]:
     inj, absd = integer(s.get("faults_injected")), integer(s.get("faults_absorbed"))
     if inj is None and s.get("faults") is None:
         inj = sum(1 for e in data.events if e.get("event") == "fault_injected")
-    if inj is not None:
-        facts.append(("faults absorbed", f"{DASH if absd is None else absd} of {inj}"))
+    if inj is not None and absd is not None:
+        facts.append(("faults absorbed", f"{absd} of {inj}"))
+    elif inj is not None:
+        facts.append(("faults injected", str(inj)))
     gp = num(s.get("goodput"))
     facts.append(("goodput", DASH if gp is None else f"{gp:.1%}"))
     return facts

@@ -13,7 +13,6 @@ from typing import Any
 
 from perdure.report.load import num
 from perdure.report.svg import (
-    MARGIN_LEFT,
     MARGIN_RIGHT,
     WIDTH,
     Linear,
@@ -35,6 +34,9 @@ LANES: tuple[tuple[str, frozenset[str]], ...] = (
     ("decision", frozenset({"decision"})),
     ("checkpoint", frozenset({"checkpoint_saved"})),
 )
+# Wider than the per-step charts' margin: lane names are longer than tick labels, and
+# this chart's x axis is seconds, so it need not line up with them.
+MARGIN_LEFT = 92
 
 
 def lane_of(kind: str) -> str:
