@@ -157,7 +157,7 @@ def test_slot_chart_strips_reflect_counts() -> None:
     ms = metrics()
     root = parse(slot_chart(ms, []))
     x = step_scale([p.step for p in ms])
-    rows = {r.get("data-worker"): r for r in with_class(root, "slot-row")}
+    rows = {r.get("data-worker") or "": r for r in with_class(root, "slot-row")}
     assert list(rows) == ["a-0", "a-1", "b-0"]
     for worker, row in rows.items():
         got = [
@@ -345,3 +345,14 @@ def test_real_run_shape_lines_parse() -> None:
     )
     (p,) = parse_metrics([json.loads(line)])
     assert p.members == ("a-0", "b-0") and p.slots == (2, 2) and p.membership_epoch == 1
+
+
+def test_slot_colours_scale_to_the_runs_maximum() -> None:
+    from perdure.report.charts import slot_colour
+
+    assert slot_colour(1, 2) != slot_colour(2, 2)
+    assert slot_colour(2, 2) == slot_colour(8, 8)  # the maximum is always the darkest
+    assert slot_colour(0, 4) == "#ffffff"  # a member with no slots is not a non-member
+    root = parse(slot_chart(parse_metrics(metrics_rows())))
+    legend = [e.get("fill") for e in with_class(root, "legend")]
+    assert len(legend) == 2 and len(set(legend)) == 2

@@ -34,17 +34,10 @@ PLOT_TOP = 44  # room for two staggered rows of marker labels
 PLOT_BOTTOM_PAD = 40
 LABEL_CHARS = 22
 
-# Slot-count colours (index = number of slots a worker holds; 0 is drawn as absent).
-SLOT_COLOURS = (
-    "#f1f1f1",
-    "#c6dbef",
-    "#9ecae1",
-    "#6baed6",
-    "#4292c6",
-    "#2171b5",
-    "#08519c",
-    "#08306b",
-)
+# Slot-count colours run from LIGHT (1 slot) to DARK (the run's most slots per worker),
+# so the contrast is used whatever the slot count; 0 slots is the strip background.
+LIGHT = (0xC6, 0xDB, 0xEF)
+DARK = (0x08, 0x45, 0x94)
 
 
 @dataclass(frozen=True)
@@ -229,9 +222,24 @@ def slot_runs(metrics: Sequence[StepPoint], worker: str) -> list[tuple[int, int,
     return runs
 
 
-def slot_colour(n: int) -> str:
-    """Darker for more slots; beyond the palette the darkest colour is reused."""
-    return SLOT_COLOURS[max(0, min(n, len(SLOT_COLOURS) - 1))]
+def slot_shade(n: int, max_n: int) -> float:
+    """Where ``n`` slots sit between the lightest (1) and darkest (``max_n``) colour, 0..1."""
+    if max_n <= 1:
+        return 1.0
+    return min(max((n - 1) / (max_n - 1), 0.0), 1.0)
+
+
+def slot_colour(n: int, max_n: int) -> str:
+    """Darker for more slots, interpolated linearly in RGB from LIGHT to DARK.
+
+    A member holding 0 slots (possible when the planner moves all work off a slow
+    worker) is white, unlike a non-member, which shows the grey strip background.
+    """
+    if n <= 0:
+        return "#ffffff"
+    f = slot_shade(n, max_n)
+    r, g, b = (round(lo + (hi - lo) * f) for lo, hi in zip(LIGHT, DARK, strict=True))
+    return f"#{r:02x}{g:02x}{b:02x}"
 
 
 def slot_chart(
@@ -245,6 +253,7 @@ def slot_chart(
     step-time chart.
     """
     workers = worker_order(metrics)
+    max_n = max((n for p in metrics for n in p.slots), default=1)
     x = step_scale([p.step for p in metrics] or [0])
     top = PLOT_TOP
     height = top + max(len(workers), 1) * row_h + PLOT_BOTTOM_PAD + 18
@@ -266,10 +275,11 @@ def slot_chart(
             out.append(
                 f'<rect class="slot-run" data-from="{a}" data-to="{b}" data-slots="{n}" '
                 f'x="{fmt(x0)}" y="{y0 + 2}" width="{fmt(max(x1 - x0, 0.5))}" '
-                f'height="{row_h - 4}" fill="{slot_colour(n)}"><title>{esc(tip)}</title></rect>'
+                f'height="{row_h - 4}" fill="{slot_colour(n, max_n)}">'
+                f"<title>{esc(tip)}</title></rect>"
             )
             if x1 - x0 >= 14:
-                colour = "#fff" if n >= 4 else "#222"
+                colour = "#fff" if slot_shade(n, max_n) > 0.5 else "#222"
                 out.append(
                     f'<text class="slot-count" x="{fmt((x0 + x1) / 2)}" '
                     f'y="{fmt(y0 + row_h / 2)}" text-anchor="middle" dominant-baseline="middle" '
@@ -284,15 +294,17 @@ def slot_chart(
     y_bottom = top + max(len(workers), 1) * row_h
     out.append(_markers_svg(epoch_markers(epochs), x, top, y_bottom))
     out.append(x_axis(x, y_bottom))
-    max_n = max((n for p in metrics for n in p.slots), default=0)
     lx = x.r0
     ly = y_bottom + 40
     out.append(f'<text class="tick-label" x="{fmt(lx)}" y="{ly + 9}">slots:</text>')
-    for n in range(1, max(max_n, 1) + 1):
-        bx = lx + 40 + (n - 1) * 34
+    legend = list(range(1, max_n + 1))
+    if len(legend) > 12:  # many slots per worker: a sample of the scale
+        legend = sorted({1 + round(i * (max_n - 1) / 7) for i in range(8)})
+    for i, n in enumerate(legend):
+        bx = lx + 40 + i * 34
         out.append(
             f'<rect class="legend" x="{fmt(bx)}" y="{ly}" width="14" height="12" '
-            f'fill="{slot_colour(n)}"/><text class="tick-label" x="{fmt(bx + 18)}" '
+            f'fill="{slot_colour(n, max_n)}"/><text class="tick-label" x="{fmt(bx + 18)}" '
             f'y="{ly + 10}">{n}</text>'
         )
     out.append("</svg>")
