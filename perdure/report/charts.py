@@ -30,7 +30,7 @@ from perdure.report.svg import (
     y_axis,
 )
 
-PLOT_TOP = 44  # room for two staggered rows of marker labels
+PLOT_TOP = 56  # room for the title and two staggered rows of marker labels
 PLOT_BOTTOM_PAD = 40
 LABEL_CHARS = 22
 
@@ -190,6 +190,7 @@ def step_time_chart(metrics: Sequence[StepPoint], epochs: Sequence[EpochMark]) -
         markers=epoch_markers(epochs),
         all_steps=[p.step for p in metrics],
         log_y=True,
+        smooth=True,
         css_class="chart step-time",
     )
 

@@ -55,7 +55,8 @@ svg .grid { stroke: #eee; stroke-width: 1; }
 svg .series { fill: none; stroke: #1f6fb4; stroke-width: 1.4; }
 svg .series.raw { stroke: #9cc3e6; stroke-width: 1; }
 svg .series.smooth { stroke: #1f4f8f; stroke-width: 1.8; }
-svg .step-time .series { stroke: #5a5a5a; stroke-width: 1; }
+svg.step-time .series.raw { stroke: #c4c4c4; }
+svg.step-time .series.smooth { stroke: #444; stroke-width: 1.6; }
 svg .marker line { stroke-width: 1.2; stroke-dasharray: 4 3; }
 svg .marker.fault line { stroke: #d62728; } svg .marker.fault text { fill: #b71c1c; }
 svg .marker.membership line { stroke: #7b4fd6; }
@@ -94,6 +95,8 @@ def render_html(data: RunData) -> str:
         loss_chart(data.metrics, faults),
         "<h2>Step time and membership</h2>",
         step_time_chart(data.metrics, epochs),
+        '<p class="note">Markers: the first step of a new membership epoch, with its '
+        "number of workers in brackets; hover for the members and the reason.</p>",
         "<h2>Slot assignment</h2>",
         '<p class="note">Each strip is one worker; its colour is the number of slots it '
         "computed at that step. The global batch and its slots never change; only who "
