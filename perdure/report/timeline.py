@@ -28,7 +28,12 @@ from perdure.report.svg import (
 LANES: tuple[tuple[str, frozenset[str]], ...] = (
     ("run", frozenset({"run_start", "coordinator_up", "worker_done", "run_end"})),
     ("fault", frozenset({"fault_injected", "fault_ended"})),
-    ("failure", frozenset({"collective_failed", "process_exit", "checkpoint_abandoned"})),
+    (
+        "failure",
+        frozenset(
+            {"collective_failed", "process_exit", "checkpoint_failed", "checkpoint_abandoned"}
+        ),
+    ),
     ("membership", frozenset({"join", "leave", "epoch_announced", "epoch_started"})),
     ("recovery", frozenset({"replacement_started", "state_received"})),
     ("decision", frozenset({"decision"})),
