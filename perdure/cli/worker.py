@@ -11,6 +11,14 @@ import click
 from perdure.launch.procs import TOKEN_ENV
 
 
+def _exit(code: int) -> None:
+    """Leave without running C++ destructors: a collective abandoned on a comm thread may
+    still hold its process group, and tearing gloo down under it aborts the process."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _token() -> str:
     token = os.environ.get(TOKEN_ENV)
     if not token:
@@ -64,7 +72,7 @@ def worker(
         role=role,
         timeout_s=join_timeout_s,
     )
-    sys.exit(w.run())
+    _exit(w.run())
 
 
 @click.command()
@@ -129,3 +137,4 @@ def coordinator(
             )
         os.replace(tmp, ports_file)
     c.serve()
+    _exit(0)

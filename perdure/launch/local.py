@@ -125,7 +125,8 @@ class LocalLauncher:
         while time.monotonic() < end:
             if self._run_complete():
                 return
-            self._reap()
+            if not self._run_ended():
+                self._reap()
             self._tick()
             time.sleep(0.05)
         raise TimeoutError(f"run did not finish within {self.timeout_s} s (see {self.run_dir})")
@@ -143,6 +144,18 @@ class LocalLauncher:
                 f"every coordinator is gone without completing the run ({self.run_dir})"
             )
         return True
+
+    def _run_ended(self) -> bool:
+        """The coordinator logged the end of the run: exits from here on are shutdown."""
+        path = self.run_dir / "events.jsonl"
+        if self._ended or not path.exists():
+            return self._ended
+        with open(path, "rb") as f:
+            f.seek(max(0, path.stat().st_size - 4096))
+            self._ended = b'"run_end"' in f.read()
+        return self._ended
+
+    _ended = False
 
     def _reap(self) -> None:
         """Notice dead workers; start a replacement after the configured delay."""

@@ -22,11 +22,33 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
         "steps": len(steps),
         "last_step": steps[-1] if steps else None,
         "wall_s": round(time.time() - started, 3),
-        "membership_changes": max(0, len(epochs) - 1),
-        "restarts": 0,
+        "membership_changes": _membership_changes(epochs),
+        "restarts": _restarts(events),
         "final_hash": hashes[-1] if len(hashes) == 1 else None,
         "replica_hashes_agree": len(hashes) == 1,
         "decisions": [e for e in events if e.get("event") == "decision"],
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _membership_changes(epochs: list[dict[str, Any]]) -> int:
+    """Epochs whose member set differs from the previous one (re-plans are not counted)."""
+    sets = [frozenset(e["plan"]["members"]) for e in epochs]
+    return sum(1 for a, b in zip(sets, sets[1:], strict=False) if a != b)
+
+
+def _restarts(events: list[dict[str, Any]]) -> int:
+    """Worker processes that died without a fault being injected into them, before the end.
+
+    A worker killed by the fault schedule (or in a region taken down) and replaced is not
+    a restart; any other exit of a worker during the run is, since that process's work had
+    to be started again.
+    """
+    out = 0
+    for e in events:
+        if e.get("event") == "run_end":
+            break
+        if e.get("event") == "process_exit" and not e.get("injected"):
+            out += 1
+    return out

@@ -156,6 +156,13 @@ class ClusterConfig:
     spares: int = 0
     """Warm standby workers started by the local launcher (imported, registered, holding
     no slots) that take over a dead worker's place at once."""
+    slow_ratio: float = 2.0
+    """A member is slow when its seconds per slot exceed this multiple of the median; the
+    planner then moves slots away from it."""
+    max_slot_moves: int = 2
+    """Most slots one re-plan moves (bounded, so that plans do not oscillate)."""
+    replan_interval_ms: int = 2000
+    """Least time between two re-plans, and between an epoch's start and a re-plan."""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
 
@@ -176,6 +183,9 @@ class ClusterConfig:
         c.positive("min_collective_timeout_ms", self.min_collective_timeout_ms)
         c.positive("join_timeout_ms", self.join_timeout_ms)
         c.non_negative("spares", self.spares)
+        c.check(self.slow_ratio > 1, "slow_ratio", "must be > 1", self.slow_ratio)
+        c.positive("max_slot_moves", self.max_slot_moves)
+        c.positive("replan_interval_ms", self.replan_interval_ms)
         c.positive("fingerprint_every", self.fingerprint_every)
         c.done()
 

@@ -314,7 +314,19 @@ class Coordinator:
         in_pending = self.pending is not None and info.name in self.pending.members
         if (in_current or in_pending) and not self.finished:
             survivors = [m for m in self._members_now() if m != info.name]
+            survivors += self._promote_spare(info)
             self._announce(survivors, after=-1, reason=f"{info.name} left: {reason}")
+
+    def _promote_spare(self, lost: WorkerInfo) -> list[str]:
+        """A warm spare (imported, admitted, idle) takes the lost member's place at once,
+        preferring one in the same region."""
+        spares = sorted(self._alive("spare"), key=lambda w: (w.region != lost.region, w.name))
+        if not spares:
+            return []
+        spare = spares[0]
+        spare.role = "worker"
+        self.events.write({"event": "spare_promoted", "worker": spare.name, "for": lost.name})
+        return [spare.name]
 
     def _alive(self, role: str | None = None) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
@@ -342,16 +354,25 @@ class Coordinator:
             self._announce(names, after=after, reason="join")
 
     def _maybe_replan(self, now: float) -> None:
-        """Move slots away from slow members (bounded), and back once they recover."""
-        plan = self.current
-        if plan is None or len(plan.members) < 2 or now - self.last_replan < 1.0:
+        """Move slots away from slow members (bounded), and back once they recover.
+
+        A member is slow when its seconds per slot exceed ``slow_ratio`` times the median;
+        its target share is then proportional to its speed. Re-plans happen at most every
+        ``replan_interval_ms`` and move at most ``max_slot_moves`` slots, so noisy timings
+        cannot make plans oscillate.
+        """
+        plan, c = self.current, self.cluster
+        if plan is None or len(plan.members) < 2:
+            return
+        if now - self.last_replan < c.replan_interval_ms / 1000:
             return
         times = [self.workers[m].slot_s for m in plan.members]
         if any(t is None for t in times):
             return
-        median = statistics.median(t for t in times if t is not None)
-        speeds = [1.0 if t <= 1.5 * median else median / t for t in times if t is not None]
-        new = rebalance(plan, speeds, max_moves=2)
+        known = [t for t in times if t is not None]
+        median = statistics.median(known)
+        speeds = [1.0 if t <= c.slow_ratio * median else median / t for t in known]
+        new = rebalance(plan, speeds, max_moves=c.max_slot_moves)
         if new.counts() != plan.counts():
             self.last_replan = now
             after = max(self.workers[m].next_step for m in plan.members) + 1
@@ -430,6 +451,7 @@ class Coordinator:
             self._send(self.workers[m], msg)
             self.workers[m].next_step = start
         self.current, self.pending = plan, None
+        self.last_replan = time.monotonic()
         self._fail_epoch = None
         self.events.write(
             {

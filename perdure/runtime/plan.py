@@ -64,7 +64,7 @@ def apportion(slots: int, weights: Sequence[float]) -> list[int]:
     exact = [slots * w / total if total > 0 else slots / n for w in weights]
     counts = [max(1, int(x)) for x in exact]
     while sum(counts) > slots:
-        i = max(range(n), key=lambda j: (counts[j] - exact[j], counts[j] > 1, -j))
+        i = max((j for j in range(n) if counts[j] > 1), key=lambda j: (counts[j] - exact[j], -j))
         counts[i] -= 1
     while sum(counts) < slots:
         i = max(range(n), key=lambda j: (exact[j] - counts[j], -j))

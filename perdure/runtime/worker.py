@@ -150,6 +150,8 @@ class Worker:
         self.events = JsonLines(self.run_dir / "events.jsonl")
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.config: RunConfig = config
+        # Beat from admission on: building the trainer can take seconds on a busy machine.
+        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.trainer = Trainer(
             config, cache_dir=str(self.run_dir / "cache"), poison=_poison_schedule(config)
         )
@@ -159,7 +161,6 @@ class Worker:
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
         self.has_state = self.role == "worker" and int(welcome.get("epoch", -1)) < 0
         self._send({"type": "hb", "next_step": self.trainer.next_step})
-        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         try:
             self._loop()
         finally:

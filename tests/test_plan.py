@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from perdure.runtime.plan import apportion, chain_order, make_plan, rebalance
+
+
+@given(st.integers(1, 64), st.lists(st.floats(0.01, 100), min_size=1, max_size=64))
+def test_apportion_gives_every_member_at_least_one_slot_and_sums_to_s(
+    slots: int, weights: list[float]
+) -> None:
+    if len(weights) > slots:
+        with pytest.raises(ValueError, match="at least one"):
+            apportion(slots, weights)
+        return
+    counts = apportion(slots, weights)
+    assert sum(counts) == slots and min(counts) >= 1
+
+
+def test_even_weights_give_an_even_plan_with_contiguous_ranges() -> None:
+    plan = make_plan(["a", "b", "c"], 8)
+    assert plan.counts() == [3, 3, 2]
+    assert plan.ranges == ((0, 3), (3, 6), (6, 8))
+
+
+def test_chain_order_keeps_a_regions_workers_adjacent() -> None:
+    workers = [("eu-1", "eu"), ("us-0", "us"), ("eu-0", "eu"), ("us-1", "us")]
+    assert chain_order(workers, ["us", "eu"]) == ["us-0", "us-1", "eu-0", "eu-1"]
+
+
+def test_rebalance_moves_at_most_max_moves_slots_per_call() -> None:
+    plan = make_plan(["a", "b", "c", "d"], 16)
+    slow = rebalance(plan, [1.0, 0.1, 1.0, 1.0], max_moves=2)
+    moved = sum(abs(x - y) for x, y in zip(plan.counts(), slow.counts(), strict=True)) // 2
+    assert moved == 2 and slow.counts()[1] == 2
+
+
+def test_rebalance_returns_slots_once_the_slow_member_recovers() -> None:
+    plan = make_plan(["a", "b"], 8)
+    for _ in range(5):
+        plan = rebalance(plan, [1.0, 0.2], max_moves=1)
+    assert plan.counts() == [7, 1]
+    for _ in range(5):
+        plan = rebalance(plan, [1.0, 1.0], max_moves=1)
+    assert plan.counts() == [4, 4]

@@ -1,0 +1,84 @@
+"""End-to-end runs with real processes: the final parameters do not depend on who computed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from perdure.config.run import with_overrides
+from tests.runtime_support import events, run_to_end, small_config
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def reference(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The one-worker run every other run must match bit for bit."""
+    run_dir = tmp_path_factory.mktemp("ref")
+    s = run_to_end(small_config(small_dataset, workers=1, steps=STEPS), run_dir)
+    return {**s, "run_dir": run_dir}
+
+
+def test_one_worker_run_commits_every_step_and_the_loss_falls(reference: dict) -> None:
+    assert reference["steps"] == STEPS and reference["restarts"] == 0
+    assert reference["final_hash"].startswith("sha256:")
+
+
+@pytest.mark.parametrize("workers,regions", [(2, 1), (4, 2)])
+def test_worker_count_does_not_change_final_weights(
+    reference: dict, small_dataset: Path, tmp_path: Path, workers: int, regions: int
+) -> None:
+    cfg = small_config(small_dataset, workers=workers, regions=regions, steps=STEPS)
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == reference["final_hash"]
+    assert s["membership_changes"] == 0 and s["restarts"] == 0, events(tmp_path)
+
+
+def test_resume_with_another_worker_count_follows_the_same_trajectory(
+    reference: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    half = reference["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
+    assert half.is_dir()
+    cfg = small_config(small_dataset, workers=3, regions=2, steps=STEPS)
+    s = run_to_end(cfg, tmp_path, resume=str(half))
+    assert s["final_hash"] == reference["final_hash"]
+    first = min(e["start_step"] for e in events(tmp_path, "epoch_started"))
+    assert first == STEPS // 2
+
+
+def test_resume_under_another_config_is_refused_naming_both_hashes(
+    reference: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    from perdure.checkpoint import IncompatibleCheckpointError
+    from perdure.runtime.trainer import Trainer
+
+    half = reference["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
+    cfg = small_config(small_dataset, workers=1, steps=STEPS)
+    other = with_overrides(cfg, optim={"lr": 1e-4})
+    trainer = Trainer(other, cache_dir=str(tmp_path))
+    with pytest.raises(IncompatibleCheckpointError, match=r"optim\.lr"):
+        trainer.load(half)
+    trainer.close()
+
+
+def test_killed_worker_does_not_change_final_weights(
+    reference: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """4 workers and a warm spare; one worker is SIGKILLed at T/3. The spare takes its
+    slots at once after copying a live peer's state; the killed one's replacement joins
+    later the same way."""
+    steps = STEPS * 4
+    faults = [{"kind": "kill", "target": "r1-0", "at_step": steps // 3}]
+    cfg = small_config(small_dataset, workers=4, regions=2, steps=steps,
+                       cluster={"spares": 1}, chaos={"faults": faults})  # fmt: skip
+    ref = run_to_end(small_config(small_dataset, workers=1, steps=steps), tmp_path / "ref")
+    s = run_to_end(cfg, tmp_path / "run")
+    assert s["final_hash"] == ref["final_hash"]
+    assert s["restarts"] == 0
+    assert [e["worker"] for e in events(tmp_path / "run", "leave")] == ["r1-0"]
+    assert [e["worker"] for e in events(tmp_path / "run", "spare_promoted")] == ["spare-0"]
+    received = {e["worker"]: e for e in events(tmp_path / "run", "state_received")}
+    assert received["spare-0"]["next_step"] >= steps // 3
+    started = events(tmp_path / "run", "epoch_started")
+    assert started[1]["start_step"] >= steps // 3 and "spare-0" in started[1]["plan"]["members"]
