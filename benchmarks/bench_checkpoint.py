@@ -120,7 +120,7 @@ def busy_cpu(seconds: float) -> None:
 
 
 def bench_snapshot(
-    state: CheckpointState, work: Path, repeats: int, step_s: float
+    state: CheckpointState, work: Path, repeats: int, step_s: float | None
 ) -> dict[str, Any]:
     tensors = all_tensors(state)
     bufs = {k: torch.empty_like(t) for k, t in tensors.items()}
