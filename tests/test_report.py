@@ -1,5 +1,7 @@
 """Unit tests of the report: SVG builders, tables, defensive loading, the written file."""
 
+# mypy: disable-error-code="no-redef"
+
 from __future__ import annotations
 
 import json
@@ -29,16 +31,30 @@ from perdure.report.load import (
 from perdure.report.svg import esc, log_ticks, nice_ticks, step_scale
 from perdure.report.tables import fault_rows, header_facts
 from perdure.report.timeline import timeline_chart
-from tests.test_report_fixtures import (
-    EPOCH1_STEP,
-    EPOCH2_STEP,
-    KILL_STEP,
-    STEPS,
-    SUMMARY,
-    events_rows,
-    make_run_dir,
-    metrics_rows,
-)
+
+# tests/ may or may not be a package (tests/__init__.py): import the fixtures either way.
+try:
+    from tests.test_report_fixtures import (
+        EPOCH1_STEP,
+        EPOCH2_STEP,
+        KILL_STEP,
+        STEPS,
+        SUMMARY,
+        events_rows,
+        make_run_dir,
+        metrics_rows,
+    )
+except ModuleNotFoundError:  # rootdir not on sys.path; pytest put tests/ there instead
+    from test_report_fixtures import (
+        EPOCH1_STEP,
+        EPOCH2_STEP,
+        KILL_STEP,
+        STEPS,
+        SUMMARY,
+        events_rows,
+        make_run_dir,
+        metrics_rows,
+    )  # type: ignore[no-redef]
 
 
 def parse(svg: str) -> ET.Element:

@@ -21,7 +21,12 @@ from pathlib import Path
 import pytest
 
 from perdure.report import write_report
-from tests.test_report_fixtures import make_run_dir
+
+# tests/ may or may not be a package (tests/__init__.py): import the fixtures either way.
+try:
+    from tests.test_report_fixtures import make_run_dir
+except ModuleNotFoundError:  # rootdir not on sys.path; pytest put tests/ there instead
+    from test_report_fixtures import make_run_dir  # type: ignore[no-redef]
 
 PROBE = """<script>
 (function () {
