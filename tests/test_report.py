@@ -372,3 +372,10 @@ def test_slot_colours_scale_to_the_runs_maximum() -> None:
     root = parse(slot_chart(parse_metrics(metrics_rows())))
     legend = [e.get("fill") for e in with_class(root, "legend")]
     assert len(legend) == 2 and len(set(legend)) == 2
+
+
+def test_config_shown_escaped(tmp_path: Path) -> None:
+    run = make_run_dir(tmp_path / "run")
+    (run / "config.json").write_text(json.dumps({"task": {"entry": "<x>"}}))
+    page = render_html(load_run(run))
+    assert "<summary>config.json</summary>" in page and "&lt;x&gt;" in page

@@ -8,6 +8,7 @@ renders without console errors because there is no code to raise any. Tooltips a
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ th { background: #f6f6f6; font-weight: 600; }
 table.events td:nth-child(3) { font-family: ui-monospace, monospace; font-size: 12px;
   overflow-wrap: anywhere; }
 summary { cursor: pointer; color: #444; }
+pre { font-size: 12px; background: #f8f8f8; padding: 8px; overflow-x: auto; }
 svg.chart { display: block; max-width: 100%; height: auto; margin: 8px 0; }
 svg text { font: 11px system-ui, sans-serif; fill: #444; }
 svg .chart-title { font-size: 13px; font-weight: 600; fill: #222; }
@@ -71,6 +73,14 @@ svg .lane-membership .event { fill: #7b4fd6; } svg .lane-recovery .event { fill:
 svg .lane-decision .event { fill: #8c564b; } svg .lane-checkpoint .event { fill: #1f77b4; }
 footer { margin-top: 36px; color: #888; font-size: 12px; }
 """
+
+
+def config_html(data: RunData) -> str:
+    """The run config as indented JSON in a collapsed block (it is long and rarely needed)."""
+    if not data.config:
+        return '<p class="note">No config.json in the run directory.</p>'
+    text = json.dumps(data.config, indent=2, sort_keys=False, default=str)
+    return f"<details><summary>config.json</summary><pre>{esc(text)}</pre></details>"
 
 
 def render_html(data: RunData) -> str:
@@ -109,6 +119,8 @@ def render_html(data: RunData) -> str:
         "<h2>Events</h2>",
         timeline_chart(data.events),
         event_table_html(data),
+        "<h2>Config</h2>",
+        config_html(data),
         "<footer>Written by <code>perdure report</code>. Self-contained: no scripts, "
         "no external resources.</footer>",
     ]
