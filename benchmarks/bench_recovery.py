@@ -1,0 +1,443 @@
+"""Recovery from a worker kill: perdure vs torchrun --max-restarts vs torchft 0.2.0; goodput.
+
+    .venv/bin/python benchmarks/bench_recovery.py            # 2 repeats, goodput 300 steps
+    .venv/bin/python benchmarks/bench_recovery.py --quick    # 1 repeat, goodput 60 steps
+
+Same workload for the three: 3 replicas (one process each, one intra-op thread), the
+tiny_lm task with ~2M parameters (d_model 128, 10 layers), global batch 6, AdamW; one
+replica SIGKILLed right after step ``--kill-at`` committed.
+
+- perdure: ``perdure run`` with a ``kill`` fault (``[[faults]] kind = "kill"``). Recovery =
+  first ``metrics.jsonl`` line after the ``fault_injected`` event. Also: time to the new
+  membership epoch (``epoch_started``), and the recovery minus the step time before the
+  fault (what the fault added beyond redoing the in-flight step).
+- torchrun: ``torchrun --max-restarts 3`` (c10d rendezvous, ``--monitor-interval 0.1``,
+  ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) of ``peers/ddp_torchrun.py``: plain DDP, a
+  ``torch.save`` + fsync checkpoint every ``--ckpt-every`` steps; the killed worker kills
+  itself after its commit. All workers restart and resume from the checkpoint. Recovery =
+  first commit after the fault; ``caught_up`` = first commit of a step beyond the fault step.
+- torchft: ``torchft_lighthouse`` (min_replicas 1, default heartbeat timeout 5000 ms) and 3
+  ``peers/torchft_replica.py`` processes (Manager, DDP, optimizer wrapper); the killed
+  replica is restarted by this script at once (as a cluster manager would). Recovery = the
+  survivors' first commit after the fault.
+
+Goodput: the same 3-replica workload, smaller model (d_model 64, 2 layers, global batch 12),
+``--goodput-steps`` steps, a kill every 50 steps (steps 50, 100, ...; alternating targets),
+against the same run without faults: goodput = fault-free span / faulty span, where a span
+is the time from the first to the last committed step (process start-up excluded).
+
+Results: ``benchmarks/results/recovery.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO, ensure_dataset, free_port, machine, stats, write_result  # noqa: E402
+from bench_step import perdure_run  # noqa: E402
+
+PEERS = Path(__file__).resolve().parent / "peers"
+VENV_BIN = REPO / ".venv" / "bin"
+REC_MODEL = {"d_model": 128, "n_layers": 10, "n_heads": 4}
+GP_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
+
+
+def perdure_cfg(model: dict, B: int, dataset: str, workers: int = 3) -> dict:
+    return {
+        "task": {"entry": "examples.tiny_lm.task:make_task", "options": {**model, "dropout": 0.1}},
+        "optim": {"name": "adamw", "lr": 1e-3, "grad_clip": 1.0},
+        "train": {"steps": 30, "global_batch": B, "slots": B},
+        "data": {"dataset": dataset},
+        "cluster": {"regions": [{"name": "local", "workers": workers}]},
+        "checkpoint": {"every_steps": 0},
+    }
+
+
+def kill_schedule(steps_at: list[int], targets: list[str]) -> str:
+    out = []
+    for i, s in enumerate(steps_at):
+        out.append(
+            f'[[faults]]\nkind = "kill"\ntarget = "{targets[i % len(targets)]}"\nat_step = {s}\n'
+        )
+    return "\n".join(out)
+
+
+def read_jsonl(p: Path) -> list[dict]:
+    if not p.exists():
+        return []
+    return [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+
+
+def span(commits: list[dict]) -> float | None:
+    if len(commits) < 2:
+        return None
+    return commits[-1]["t"] - commits[0]["t"]
+
+
+# -- perdure --------------------------------------------------------------------------------
+
+
+def perdure_recovery(dataset: str, steps: int, kill_at: int) -> dict:
+    cfg = perdure_cfg(REC_MODEL, 6, dataset)
+    with tempfile.TemporaryDirectory(prefix="perdure-bench-rec-") as d:
+        r = perdure_run(cfg, steps, Path(d) / "run", chaos=kill_schedule([kill_at], ["local-1"]))
+    out = {"rc": r["rc"], "wall_s": r["wall_s"], "summary_restarts": r["summary"].get("restarts")}
+    faults = [e for e in r["events"] if e.get("event") == "fault_injected"]
+    if r["rc"] != 0 or not faults:
+        out["error"] = r["stderr_tail"]
+        return out
+    tf = faults[0]["t"]
+    after = [m for m in r["metrics"] if m["t"] > tf]
+    before = [m["step_s"] for m in r["metrics"] if m["t"] <= tf][3:]
+    ep = [e for e in r["events"] if e.get("event") == "epoch_started" and e["t"] > tf]
+    joins = [e for e in r["events"] if e.get("event") == "join" and e["t"] > tf]
+    out.update(
+        fault_step=faults[0].get("step"),
+        recovery_s=after[0]["t"] - tf if after else None,
+        next_step=after[0]["step"] if after else None,
+        step_s_before=statistics.median(before) if before else None,
+        new_epoch_s=ep[0]["t"] - tf if ep else None,
+        replacement_join_s=joins[0]["t"] - tf if joins else None,
+        lost_steps=0,
+    )
+    if after and before:
+        out["recovery_minus_step_s"] = out["recovery_s"] - out["step_s_before"]
+    # the stall when the replacement joins: the gap between commits around its epoch
+    if len(ep) >= 2:
+        tj = ep[1]["t"]
+        pre = [m for m in r["metrics"] if m["t"] <= tj]
+        post = [m for m in r["metrics"] if m["t"] > tj]
+        if pre and post:
+            out["join_commit_gap_s"] = post[0]["t"] - pre[-1]["t"]
+            out["join_epoch_announce_to_start_s"] = tj - next(
+                (e["t"] for e in r["events"] if e.get("event") == "epoch_announced" and e["t"] > tf
+                 and e.get("reason") == "join"), tj)
+    return out
+
+
+def perdure_goodput(dataset: str, steps: int) -> dict:
+    cfg = perdure_cfg(GP_MODEL, 12, dataset)
+    kills = list(range(50, steps, 50))
+    res = {}
+    with tempfile.TemporaryDirectory(prefix="perdure-bench-gp-") as d:
+        for name, chaos in (("clean", None), ("faulty", kill_schedule(kills, ["local-1", "local-2"]))):
+            r = perdure_run(cfg, steps, Path(d) / name, chaos=chaos, timeout_s=900)
+            res[name] = {
+                "rc": r["rc"],
+                "span_s": span(r["metrics"]),
+                "committed": len(r["metrics"]),
+                "final_hash": r["summary"].get("final_hash"),
+                "restarts": r["summary"].get("restarts"),
+                "runtime_goodput": r["summary"].get("goodput"),
+            }
+            if r["rc"]:
+                res[name]["error"] = r["stderr_tail"]
+    out = {"faults": len(kills), "kill_steps": kills, **res}
+    if res["clean"]["span_s"] and res["faulty"]["span_s"]:
+        out["goodput"] = res["clean"]["span_s"] / res["faulty"]["span_s"]
+    out["bitwise_equal"] = res["clean"]["final_hash"] == res["faulty"]["final_hash"]
+    return out
+
+
+# -- torchrun -------------------------------------------------------------------------------
+
+
+def torchrun_run(
+    work: Path, steps: int, kill_at: int | list[int], model: dict, B: int, ckpt_every: int
+) -> dict:
+    log = work / "log.jsonl"
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        str(VENV_BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
+        "--max-restarts", "10", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(PEERS / "ddp_torchrun.py"),
+        "--step-log", str(log), "--ckpt-dir", str(work), "--steps", str(steps),
+        "--global-batch", str(B), "--ckpt-every", str(ckpt_every),
+        "--kill-at", str(kill_at), "--d-model", str(model["d_model"]),
+        "--n-layers", str(model["n_layers"]), "--n-heads", str(model["n_heads"]),
+    ]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    return {"rc": p.returncode, "wall_s": time.perf_counter() - t0, "log": read_jsonl(log),
+            "stderr_tail": p.stderr[-1500:]}
+
+
+def peer_recovery(log: list[dict], survivor_filter=lambda e: True) -> dict:
+    faults = [e for e in log if e.get("event") == "fault"]
+    if not faults:
+        return {"error": "no fault logged"}
+    tf, fstep = faults[0]["t"], faults[0]["step"]
+    commits = [e for e in log if e.get("event") == "commit" and survivor_filter(e)]
+    after = [e for e in commits if e["t"] > tf]
+    beyond = [e for e in after if e["step"] > fstep]
+    before = [b["t"] - a["t"] for a, b in zip(commits, commits[1:]) if b["t"] <= tf][3:]
+    out = {
+        "fault_step": fstep,
+        "recovery_s": after[0]["t"] - tf if after else None,
+        "next_step": after[0]["step"] if after else None,
+        "caught_up_s": beyond[0]["t"] - tf if beyond else None,
+        "lost_steps": (fstep + 1 - after[0]["step"]) if after else None,
+        "step_s_before": statistics.median(before) if before else None,
+    }
+    return out
+
+
+def torchrun_recovery(steps: int, kill_at: int, ckpt_every: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="perdure-bench-tr-") as d:
+        r = torchrun_run(Path(d), steps, kill_at, REC_MODEL, 6, ckpt_every)
+    out = {"rc": r["rc"], "wall_s": r["wall_s"], "ckpt_every": ckpt_every}
+    if r["rc"] != 0:
+        out["error"] = r["stderr_tail"]
+    out.update(peer_recovery(r["log"]))
+    return out
+
+
+# -- torchft --------------------------------------------------------------------------------
+
+
+def torchft_run(
+    work: Path, steps: int, kills: list[int], model: dict, B: int, hb_ms: int = 5000,
+    timeout_s: float = 600,
+) -> dict:
+    """3 replicas under a lighthouse; replica 1 is killed after each step of ``kills`` and
+    restarted at once by this function."""
+    work.mkdir(parents=True, exist_ok=True)
+    log = work / "log.jsonl"
+    lport = free_port()
+    lh = subprocess.Popen(
+        [str(VENV_BIN / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
+         "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(hb_ms),
+         "--bind", f"127.0.0.1:{lport}"],
+        stdout=open(work / "lighthouse.log", "w"), stderr=subprocess.STDOUT,
+    )
+    procs: dict[int, subprocess.Popen] = {}
+    kills = sorted(kills)
+
+    def start(i: int, kill_at: int) -> subprocess.Popen:
+        env = {
+            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+            "RANK": "0", "WORLD_SIZE": "1", "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lport}",
+            "OMP_NUM_THREADS": "1",
+        }
+        marker = work / f"killed-{kill_at}"
+        return subprocess.Popen(
+            [str(VENV_BIN / "python"), str(PEERS / "torchft_replica.py"), "--step-log", str(log),
+             "--marker", str(marker), "--replica", str(i), "--replicas", "3",
+             "--steps", str(steps), "--global-batch", str(B), "--kill-at", str(kill_at),
+             "--kill-replica", "1", "--d-model", str(model["d_model"]),
+             "--n-layers", str(model["n_layers"]), "--n-heads", str(model["n_heads"])],
+            cwd=REPO, env=env, stdout=open(work / f"replica{i}.log", "a"),
+            stderr=subprocess.STDOUT,
+        )
+
+    t0 = time.perf_counter()
+    err = None
+    try:
+        time.sleep(0.3)
+        k = 0
+        for i in range(3):
+            procs[i] = start(i, kills[0] if (i == 1 and kills) else -1)
+        while True:
+            if time.perf_counter() - t0 > timeout_s:
+                err = "timeout"
+                break
+            if procs[1].poll() is not None and procs[1].returncode != 0:
+                k += 1  # killed: restart at once with the next kill step (if any)
+                procs[1] = start(1, kills[k] if k < len(kills) else -1)
+            if all(p.poll() == 0 for p in procs.values()):
+                break
+            if any(p.poll() not in (None, 0, -9) for p in procs.values()):
+                err = f"replica exit codes {[p.poll() for p in procs.values()]}"
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.send_signal(signal.SIGTERM)
+        try:
+            lh.wait(5)
+        except subprocess.TimeoutExpired:
+            lh.kill()
+    out = {"wall_s": time.perf_counter() - t0, "log": read_jsonl(log)}
+    if err:
+        tails = {}
+        for f in sorted(work.glob("*.log")):
+            tails[f.name] = f.read_text()[-800:]
+        out["error"] = err
+        out["log_tails"] = tails
+    return out
+
+
+def torchft_recovery(steps: int, kill_at: int, hb_ms: int = 5000) -> dict:
+    with tempfile.TemporaryDirectory(prefix="perdure-bench-ft-") as d:
+        r = torchft_run(Path(d), steps, [kill_at], REC_MODEL, 6, hb_ms)
+    out = {"wall_s": r["wall_s"], "heartbeat_timeout_ms": hb_ms}
+    if "error" in r:
+        out["error"] = r["error"]
+        out["log_tails"] = r.get("log_tails")
+    # the survivors: replica 0 (never killed)
+    out.update(peer_recovery(r["log"], lambda e: e.get("replica") == 0))
+    return out
+
+
+# -- goodput for the peers ------------------------------------------------------------------
+
+
+def torchrun_goodput(steps: int, ckpt_every: int) -> dict:
+    res = {}
+    kills = list(range(50, steps, 50))
+    with tempfile.TemporaryDirectory(prefix="perdure-bench-trgp-") as d:
+        clean = torchrun_run(Path(d) / "clean", steps, -1, GP_MODEL, 12, ckpt_every)
+        res["clean"] = {"rc": clean["rc"], "span_s": span(_commits(clean["log"]))}
+        # torchrun: one kill per restart generation; the worker kills itself at each kill
+        # step once (a marker per kill step), so chain the kills through --kill-at per run
+        faulty = _torchrun_multi_kill(Path(d) / "faulty", steps, kills, ckpt_every)
+        res["faulty"] = faulty
+    out = {"faults": len(kills), "kill_steps": kills, "ckpt_every": ckpt_every, **res}
+    if res["clean"]["span_s"] and faulty.get("span_s"):
+        out["goodput"] = res["clean"]["span_s"] / faulty["span_s"]
+    return out
+
+
+def _commits(log: list[dict]) -> list[dict]:
+    return [e for e in log if e.get("event") == "commit"]
+
+
+def _torchrun_multi_kill(work: Path, steps: int, kills: list[int], ckpt_every: int) -> dict:
+    """Kills at several steps: the peer script takes one --kill-at, so the env var
+    BENCH_KILL_STEPS lists them all (see peers/ddp_torchrun.py)."""
+    os.environ["BENCH_KILL_STEPS"] = ",".join(map(str, kills))
+    try:
+        r = torchrun_run(work, steps, -1, GP_MODEL, 12, ckpt_every)
+    finally:
+        os.environ.pop("BENCH_KILL_STEPS", None)
+    commits = _commits(r["log"])
+    return {"rc": r["rc"], "span_s": span(commits), "commits": len(commits),
+            "faults_logged": sum(e.get("event") == "fault" for e in r["log"])}
+
+
+def torchft_goodput(steps: int, hb_ms: int = 5000) -> dict:
+    kills = list(range(50, steps, 50))
+    res = {}
+    with tempfile.TemporaryDirectory(prefix="perdure-bench-ftgp-") as d:
+        for name, ks in (("clean", []), ("faulty", kills)):
+            r = torchft_run(Path(d) / name, steps, ks, GP_MODEL, 12, hb_ms, timeout_s=900)
+            commits = [e for e in r["log"] if e.get("event") == "commit" and e.get("replica") == 0]
+            res[name] = {"span_s": span(commits), "commits": len(commits)}
+            if "error" in r:
+                res[name]["error"] = r["error"]
+    out = {"faults": len(kills), "kill_steps": kills, "heartbeat_timeout_ms": hb_ms, **res}
+    if res["clean"]["span_s"] and res["faulty"]["span_s"]:
+        out["goodput"] = res["clean"]["span_s"] / res["faulty"]["span_s"]
+    return out
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def summarize(runs: list[dict], key: str) -> dict | None:
+    return stats([r[key] for r in runs if r.get(key) is not None])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--steps", type=int, help="steps of a recovery run")
+    ap.add_argument("--kill-at", type=int)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--goodput-steps", type=int)
+    ap.add_argument("--skip", nargs="*", default=[], help="perdure torchrun torchft goodput")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    dataset = ensure_dataset()
+    repeats = a.repeats or (1 if a.quick else 2)
+    steps = a.steps or (16 if a.quick else 30)
+    kill_at = a.kill_at or (8 if a.quick else 15)
+    gp_steps = a.goodput_steps or (60 if a.quick else 300)
+    t_start = time.perf_counter()
+    systems = {}
+    for r in range(repeats):
+        order = ["perdure", "torchrun", "torchft"]
+        order = order[r % 3:] + order[: r % 3]
+        for name in order:
+            if name in a.skip:
+                continue
+            if name == "perdure":
+                res = perdure_recovery(dataset, steps, kill_at)
+            elif name == "torchrun":
+                res = torchrun_recovery(steps, kill_at, a.ckpt_every)
+            else:
+                res = torchft_recovery(steps, kill_at)
+            systems.setdefault(name, []).append(res)
+            print(f"{name}: recovery {res.get('recovery_s')} s, caught up "
+                  f"{res.get('caught_up_s', res.get('recovery_s'))} s"
+                  + (f"  ERROR {str(res['error'])[-300:]}" if res.get("error") else ""),
+                  flush=True)
+    recovery = {}
+    for name, runs in systems.items():
+        recovery[name] = {
+            "runs": runs,
+            "recovery_s": summarize(runs, "recovery_s"),
+            "caught_up_s": summarize(runs, "caught_up_s") or summarize(runs, "recovery_s"),
+            "step_s_before": summarize(runs, "step_s_before"),
+        }
+    ratios = {}
+    p = recovery.get("perdure", {}).get("recovery_s")
+    for peer in ("torchrun", "torchft"):
+        q = recovery.get(peer, {}).get("caught_up_s")
+        if p and q:
+            ratios[f"{peer}_over_perdure_median"] = q["median"] / p["median"]
+    goodput = {}
+    if "goodput" not in a.skip:
+        goodput["perdure"] = perdure_goodput(dataset, gp_steps)
+        print(f"perdure goodput {goodput['perdure'].get('goodput')}", flush=True)
+        if "torchrun" not in a.skip:
+            goodput["torchrun"] = torchrun_goodput(gp_steps, a.ckpt_every)
+            print(f"torchrun goodput {goodput['torchrun'].get('goodput')}", flush=True)
+        if "torchft" not in a.skip:
+            goodput["torchft"] = torchft_goodput(gp_steps)
+            print(f"torchft goodput {goodput['torchft'].get('goodput')}", flush=True)
+    pr = (recovery.get("perdure") or {}).get("recovery_s") or {}
+    pg = (goodput.get("perdure") or {}).get("goodput")
+    data = {
+        "name": "recovery",
+        "machine": machine(),
+        "quick": a.quick,
+        "workload": {
+            "replicas": 3, "model": REC_MODEL, "params_approx": 2.06e6, "global_batch": 6,
+            "steps": steps, "kill_at": kill_at, "threads_per_process": 1,
+            "goodput_model": GP_MODEL, "goodput_global_batch": 12, "goodput_steps": gp_steps,
+        },
+        "goals": {
+            "recovery_s <= 0.5": pr.get("median") is not None and pr["median"] <= 0.5,
+            "torchrun/perdure >= 10": ratios.get("torchrun_over_perdure_median", 0) >= 10,
+            "faster than torchft": ratios.get("torchft_over_perdure_median", 0) > 1,
+            "goodput >= 0.95": pg is not None and pg >= 0.95,
+        },
+        "recovery": recovery,
+        "ratios": ratios,
+        "goodput": goodput,
+        "seconds": time.perf_counter() - t_start,
+    }
+    print(json.dumps({"ratios": ratios, "goals": data["goals"]}, indent=1))
+    print(f"wrote {write_result('recovery', data, a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

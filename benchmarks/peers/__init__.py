@@ -1,0 +1,1 @@
+"""Peer training scripts (plain DDP under torchrun, torchft) run by the benchmarks."""
