@@ -61,6 +61,8 @@ def worker(
     coordinators: tuple[str, ...], name: str, region: str, role: str, join_timeout_s: float
 ) -> None:
     """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN."""
+    import signal
+
     from perdure.runtime.worker import Worker
 
     addrs = [_addr(c) for c in coordinators]
@@ -72,6 +74,7 @@ def worker(
         role=role,
         timeout_s=join_timeout_s,
     )
+    signal.signal(signal.SIGTERM, lambda *_: w.leave())
     _exit(w.run())
 
 
@@ -96,6 +99,12 @@ def worker(
 )
 @click.option("--resume", default=None, help="Checkpoint directory the workers start from.")
 @click.option(
+    "--standby",
+    is_flag=True,
+    help="Start as a standby: take over the run when workers lose the primary coordinator "
+    "and reconnect here.",
+)
+@click.option(
     "--expected-workers",
     type=int,
     default=None,
@@ -106,6 +115,7 @@ def coordinator(
     run_dir: str,
     ports_file: str | None,
     resume: str | None,
+    standby: bool,
     expected_workers: int | None,
 ) -> None:
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
@@ -122,6 +132,7 @@ def coordinator(
         host=config.cluster.host,
         store_port=config.cluster.port,
         expected_workers=expected_workers,
+        standby=standby,
     )
     if ports_file:
         tmp = ports_file + ".tmp"

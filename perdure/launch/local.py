@@ -135,15 +135,15 @@ class LocalLauncher:
         """Hook for fault injection and the live view (see ChaosLauncher)."""
 
     def _run_complete(self) -> bool:
-        primary = [c for c in self.coordinators if c.alive]
-        if primary:
-            return False
-        ok = any(c.popen.returncode == 0 for c in self.coordinators)
-        if not ok:
+        """A coordinator exited 0: it saw every member finish. (A standby that never took
+        over is stopped afterwards.)"""
+        if any(c.popen.poll() == 0 for c in self.coordinators):
+            return True
+        if all(not c.alive for c in self.coordinators):
             raise RuntimeError(
-                f"every coordinator is gone without completing the run ({self.run_dir})"
+                f"every coordinator is gone before the run completed ({self.run_dir})"
             )
-        return True
+        return False
 
     def _run_ended(self) -> bool:
         """The coordinator logged the end of the run: exits from here on are shutdown."""

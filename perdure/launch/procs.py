@@ -39,6 +39,8 @@ def start_coordinator(
     ]
     if resume:
         args += ["--resume", resume]
+    if name == "standby":
+        args.append("--standby")
     return _spawn(python_cmd(*args), token, log)
 
 

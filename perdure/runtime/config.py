@@ -146,8 +146,13 @@ class ClusterConfig:
     acceptable_pause_ms: int = 4000
     """Heartbeat silence tolerated before suspicion starts to grow: latency spikes shorter
     than this evict nobody; a hung worker is declared dead a little after it."""
-    min_collective_timeout_ms: int = 2000
-    """Floor of the adaptive collective timeout."""
+    min_collective_timeout_ms: int = 10000
+    """Floor of the adaptive collective timeout. The failure detector, not this timeout,
+    decides that a peer is dead; the timeout is a backstop for a stuck collective, so it
+    stays above the detection horizon (acceptable pause plus a few heartbeats)."""
+    takeover_settle_ms: int = 1000
+    """A standby coordinator that takes over waits this long after the last worker
+    reconnects before it forms the next membership epoch."""
     join_timeout_ms: int = 60000
     """How long a worker waits to be admitted or for a membership epoch to form."""
     replace_after_ms: int = 500
@@ -181,6 +186,7 @@ class ClusterConfig:
         c.positive("phi_threshold", self.phi_threshold)
         c.non_negative("acceptable_pause_ms", self.acceptable_pause_ms)
         c.positive("min_collective_timeout_ms", self.min_collective_timeout_ms)
+        c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.positive("join_timeout_ms", self.join_timeout_ms)
         c.non_negative("spares", self.spares)
         c.check(self.slow_ratio > 1, "slow_ratio", "must be > 1", self.slow_ratio)

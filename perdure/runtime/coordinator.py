@@ -85,6 +85,7 @@ class Coordinator:
         store_port: int = 0,
         channel_port: int = 0,
         expected_workers: int | None = None,
+        standby: bool = False,
     ) -> None:
         self.config = config
         self.cluster = config.cluster
@@ -109,6 +110,8 @@ class Coordinator:
         self.started = time.time()
         self.last_replan = 0.0
         self.finished = False
+        self.standby = standby
+        self.last_admission = 0.0
 
     @property
     def store_port(self) -> int:
@@ -208,6 +211,12 @@ class Coordinator:
         )
         info.detector.heartbeat(time.monotonic())
         self.workers[info.name] = info
+        self.last_admission = time.monotonic()
+        if self.standby and self.epoch < 0 and not self.workers_seen_takeover:
+            self.workers_seen_takeover = True
+            self.events.write({"event": "coordinator_takeover", "by": "standby"})
+        # Epoch numbers only grow, across coordinators too: a worker ignores older ones.
+        self.epoch = max(self.epoch, int(hello.get("epoch", -1)))
         self.sel.modify(sock, selectors.EVENT_READ, info)
         line.send(
             {
@@ -250,6 +259,8 @@ class Coordinator:
             self._on_fail(info, msg)
         elif kind == "event":
             self.events.write({k: v for k, v in msg.items() if k != "type"})
+        elif kind == "leave":
+            self._on_leave(info)
         elif kind == "done":
             info.done = True
             info.next_step = int(msg["next_step"])
@@ -261,6 +272,16 @@ class Coordinator:
         p = self.pending
         if p is not None and msg.get("epoch") == p.epoch and info.name in p.members:
             p.ready[info.name] = msg
+
+    def _on_leave(self, info: WorkerInfo) -> None:
+        """A graceful stop: finish the step in flight, then go on without the worker."""
+        self.events.write({"event": "leave_requested", "worker": info.name})
+        info.role = "leaving"
+        members = self._members_now()
+        if info.name in members:
+            rest = [m for m in members if m != info.name] + self._promote_spare(info)
+            after = max(self.workers[m].next_step for m in members) + 1
+            self._announce(rest, after=after, reason=f"{info.name} left gracefully")
 
     def _on_fail(self, info: WorkerInfo, msg: Message) -> None:
         self.events.write(
@@ -290,7 +311,7 @@ class Coordinator:
             self._fail_epoch = None
             self._announce(self._members_now(), after=-1, reason="collective failed")
             return
-        if self.epoch < 0:
+        if self.current is None:
             self._maybe_first_epoch(now)
             return
         self._maybe_grow(now)
@@ -337,8 +358,15 @@ class Coordinator:
         )
         return [m for m in base if self.workers[m].alive]
 
+    workers_seen_takeover = False
+
     def _maybe_first_epoch(self, now: float) -> None:
         workers = self._alive("worker")
+        if self.standby:
+            settled = now - self.last_admission > self.cluster.takeover_settle_ms / 1000
+            if workers and settled:
+                self._announce([w.name for w in workers], after=-1, reason="takeover")
+            return
         waited = now - self.started > self.cluster.join_timeout_ms / 1000
         if len(workers) >= self.expected or (workers and waited):
             self._announce([w.name for w in workers], after=-1, reason="start")

@@ -83,6 +83,12 @@ class Worker:
         self.trainer: Trainer | None = None
         self.line: LineSocket | None = None
         self.final_saved = -1
+        self.leaving = False
+
+    def leave(self) -> None:
+        """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
+        self.leaving = True
+        self._send({"type": "leave"})
 
     # -- connection ------------------------------------------------------------------------
 
@@ -95,6 +101,7 @@ class Worker:
             "pid": os.getpid(),
             "next_step": t.next_step if t else 0,
             "has_state": self.has_state,
+            "epoch": self.epoch_no,
         }
 
     def _connect(self) -> Message:
@@ -174,6 +181,15 @@ class Worker:
                 return
             if self.name not in msg["members"]:
                 self.epoch_no = int(msg["epoch"])  # not a member: idle until included
+                if self.leaving:
+                    self.events.write(
+                        {
+                            "event": "left",
+                            "worker": self.name,
+                            "next_step": self.trainer.next_step if self.trainer else 0,
+                        }
+                    )
+                    return
                 continue
             start = self._ready(msg)
             if start is not None:
@@ -198,8 +214,10 @@ class Worker:
                 self.cond.wait(timeout=1.0)
 
     def _reconnect(self) -> None:
-        self.events.write({"event": "reconnect", "worker": self.name})
-        self._connect()
+        """The coordinator is gone (or evicted us): reach it or its standby again."""
+        self.events.write({"event": "reconnect", "worker": self.name, "epoch": self.epoch_no})
+        welcome = self._connect()
+        self.store_port = int(welcome["store_port"])
 
     def _ready(self, msg: Message) -> Message | None:
         """Report ready for the announced epoch and wait for its start (None: superseded)."""
@@ -273,9 +291,12 @@ class Worker:
         log.warning("%s: collective failed in epoch %d: %s", self.name, self.epoch_no, e)
 
     def _timeout(self) -> timedelta:
-        floor = self.config.cluster.min_collective_timeout_ms / 1000
-        step = 20 * (self.slot_s or 0) * self.config.train.slots
-        return timedelta(seconds=max(floor, step))
+        """Adaptive collective timeout: well above the detection horizon and ten recent
+        step times, so that only a stuck collective ever hits it."""
+        c = self.config.cluster
+        horizon = (c.acceptable_pause_ms + 10 * c.heartbeat_ms) / 1000
+        step = 10 * (self.slot_s or 0) * self.config.train.slots
+        return timedelta(seconds=max(c.min_collective_timeout_ms / 1000, 2 * horizon, step))
 
     def _transfer(self, ep: Epoch) -> None:
         receivers = ep.start["receivers"]
