@@ -52,6 +52,18 @@ class ChaosLauncher(LocalLauncher):
         if self.view is not None:
             self.view.update(self)
 
+    def run(self) -> dict[str, Any]:
+        if not self.live:
+            return super().run()
+        from perdure.launch.view import LiveView
+
+        with LiveView(self.run_dir, self.config.train.steps) as view:
+            self.view = view
+            try:
+                return super().run()
+            finally:
+                self.view = None
+
     def _due(self, fault: FaultConfig, now: float) -> bool:
         if fault.at_step is not None:
             return self.step >= fault.at_step

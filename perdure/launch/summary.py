@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from pathlib import Path
 from typing import Any
 
 from perdure.config.run import RunConfig
+from perdure.chaos.summary import fault_report, goodput, totals
 from perdure.runtime.events import read_jsonl
 
 
@@ -18,6 +20,7 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
     hashes = sorted({e["final_hash"] for e in done if "final_hash" in e})
     epochs = [e for e in events if e.get("event") == "epoch_started"]
     steps = sorted({m["step"] for m in metrics})
+    faults = fault_report(events, metrics)
     summary = {
         "steps": len(steps),
         "last_step": steps[-1] if steps else None,
@@ -27,6 +30,9 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
         "final_hash": hashes[-1] if len(hashes) == 1 else None,
         "replica_hashes_agree": len(hashes) == 1,
         "decisions": [e for e in events if e.get("event") == "decision"],
+        "faults": faults,
+        **totals(faults),
+        "goodput": goodput(metrics),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
@@ -35,7 +41,7 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
 def _membership_changes(epochs: list[dict[str, Any]]) -> int:
     """Epochs whose member set differs from the previous one (re-plans are not counted)."""
     sets = [frozenset(e["plan"]["members"]) for e in epochs]
-    return sum(1 for a, b in zip(sets, sets[1:], strict=False) if a != b)
+    return sum(1 for a, b in itertools.pairwise(sets) if a != b)
 
 
 def _restarts(events: list[dict[str, Any]]) -> int:

@@ -150,7 +150,7 @@ class ClusterConfig:
     """Floor of the adaptive collective timeout. The failure detector, not this timeout,
     decides that a peer is dead; the timeout is a backstop for a stuck collective, so it
     stays above the detection horizon (acceptable pause plus a few heartbeats)."""
-    takeover_settle_ms: int = 1000
+    takeover_settle_ms: int = 500
     """A standby coordinator that takes over waits this long after the last worker
     reconnects before it forms the next membership epoch."""
     join_timeout_ms: int = 60000

@@ -1,0 +1,144 @@
+"""The live terminal view of a local run: progress, loss, throughput, regions, events.
+
+It only reads the run's own logs (metrics.jsonl, events.jsonl) and the launcher's process
+table, so what it shows is what a post-mortem would see.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+_SHOWN = {
+    "fault_injected": "red",
+    "fault_ended": "yellow",
+    "leave": "red",
+    "join": "green",
+    "epoch_started": "cyan",
+    "state_received": "green",
+    "spare_promoted": "green",
+    "coordinator_takeover": "magenta",
+    "decision": "magenta",
+    "checkpoint_saved": "blue",
+    "step_abandoned": "yellow",
+    "run_end": "bold green",
+}
+
+
+class Tail:
+    """Reads the complete lines appended to a JSON-lines file since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.pos = path, 0
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.pos)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.pos += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+
+
+def describe(e: dict[str, Any]) -> str:
+    """One line per event, for people."""
+    kind = e["event"]
+    if kind == "fault_injected":
+        return f"fault: {e['kind']} {e['target']} at step {e.get('step')}"
+    if kind == "epoch_started":
+        n = len(e["plan"]["members"])
+        return f"membership epoch {e['epoch']}: {n} workers from step {e['start_step']} ({e['reason']})"
+    if kind == "state_received":
+        return f"{e['worker']} copied state from {e['from']} in {e['seconds']:.3f} s"
+    if kind == "decision":
+        return f"quarantined shards {e['shards']} at step {e['step']}"
+    if kind == "checkpoint_saved":
+        return f"checkpoint step {e['step']} ({e['seconds']:.2f} s in background)"
+    rest = {k: v for k, v in e.items() if k not in ("t", "event", "pid", "pids", "plan")}
+    return f"{kind} " + " ".join(f"{k}={v}" for k, v in rest.items())
+
+
+class LiveView:
+    """Refreshes a rich Live display from the run directory."""
+
+    def __init__(self, run_dir: Path, steps: int, console: Console | None = None) -> None:
+        self.metrics = Tail(run_dir / "metrics.jsonl")
+        self.events = Tail(run_dir / "events.jsonl")
+        self.steps = steps
+        self.last: dict[str, Any] = {}
+        self.log: deque[tuple[float, str, str]] = deque(maxlen=12)
+        self.progress = Progress(
+            TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeElapsedColumn(),
+            TextColumn("eta"), TimeRemainingColumn(),
+        )  # fmt: skip
+        self.task = self.progress.add_task("train", total=steps)
+        self.live = Live(console=console or Console(), refresh_per_second=8, transient=False)
+        self.started = time.time()
+        self.last_draw = 0.0
+
+    def __enter__(self) -> LiveView:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.__exit__(None, None, None)
+
+    def update(self, launcher: Any) -> None:
+        for m in self.metrics.read():
+            self.last = m
+        for e in self.events.read():
+            if e["event"] in _SHOWN:
+                self.log.append((e["t"], _SHOWN[e["event"]], describe(e)))
+        if self.last:
+            self.progress.update(self.task, completed=self.last["step"] + 1)
+        if time.time() - self.last_draw > 0.1:
+            self.last_draw = time.time()
+            self.live.update(self.render(launcher))
+
+    def render(self, launcher: Any) -> Panel:
+        m = self.last
+        head = Table.grid(padding=(0, 3))
+        head.add_row(
+            f"loss [bold]{m.get('loss', float('nan')):.4f}[/]",
+            f"tokens/s [bold]{m.get('tokens_per_s') or 0:,.0f}[/]",
+            f"step time [bold]{1000 * m.get('step_s', 0):.0f} ms[/]",
+            f"membership epoch [bold]{m.get('membership_epoch', '-')}[/]",
+        )
+        return Panel(Group(self.progress, head, self._regions(launcher, m), self._log()),
+                     title="perdure run", border_style="cyan")  # fmt: skip
+
+    def _regions(self, launcher: Any, m: dict[str, Any]) -> Table:
+        t = Table(box=None, padding=(0, 2), show_header=True, header_style="bold")
+        t.add_column("region")
+        t.add_column("workers (slots)")
+        members = dict(zip(m.get("members", []), m.get("slots", []), strict=False))
+        for region in launcher.config.cluster.regions:
+            cells = []
+            for p in launcher.procs.values():
+                if p.region != region.name:
+                    continue
+                if not p.alive:
+                    cells.append(f"[red]{p.name} down[/]")
+                elif p.name in members:
+                    cells.append(f"[green]{p.name}[/] ({members[p.name]})")
+                else:
+                    cells.append(f"[yellow]{p.name} idle[/]")
+            t.add_row(region.name, "  ".join(cells))
+        return t
+
+    def _log(self) -> Table:
+        t = Table(box=None, show_header=False, padding=(0, 1))
+        for ts, style, text in self.log:
+            t.add_row(f"{ts - self.started:7.2f}s", f"[{style}]{text}[/]")
+        return t
