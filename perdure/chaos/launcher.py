@@ -94,6 +94,7 @@ class ChaosLauncher(LocalLauncher):
             "kind": fault.kind,
             "target": fault.target,
             "step": self.step,
+            "at_step": fault.at_step,
         }
         pids = getattr(self, f"_inject_{fault.kind}")(fault)
         self.events.write({**record, "pids": pids})

@@ -52,15 +52,20 @@ def fault_report(events: list[Record], metrics: list[Record]) -> list[Record]:
     """One record per injected fault (see module doc), in injection order."""
     events = sorted(events, key=lambda e: e["t"])
     region_of = {e["worker"]: e.get("region") for e in events if e["event"] == "join"}
-    return [
-        _one(f, events, metrics, region_of)
-        for f in events
-        if f["event"] == "fault_injected"
-    ]
+    return [_one(f, events, metrics, region_of) for f in events if f["event"] == "fault_injected"]
+
+
+def _start_t(f: Record, metrics: list[Record]) -> float:
+    """When a fault took effect. A poisoned shard is applied by the loaders at exactly its
+    step, possibly before the launcher noticed that step: it starts when that step did."""
+    if f["kind"] != "poison_shard" or f.get("at_step") is None:
+        return float(f["t"])
+    before = [m["t"] for m in metrics if m["step"] < f["at_step"]]
+    return max(before) if before else min((m["t"] for m in metrics), default=float(f["t"]))
 
 
 def _one(f: Record, events: list[Record], metrics: list[Record], region_of: dict) -> Record:
-    t0 = f["t"]
+    t0 = _start_t(f, metrics)
     region_workers = {w for w, r in region_of.items() if r == f["target"]}
     detect = _first(events, t0, lambda e: _detected(e, f, region_workers))
     replan = _first(events, t0, lambda e: e["event"] == "epoch_started")

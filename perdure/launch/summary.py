@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perdure.config.run import RunConfig
 from perdure.chaos.summary import fault_report, goodput, totals
+from perdure.config.run import RunConfig
 from perdure.runtime.events import read_jsonl
 
 

@@ -168,6 +168,9 @@ class ClusterConfig:
     """Most slots one re-plan moves (bounded, so that plans do not oscillate)."""
     replan_interval_ms: int = 2000
     """Least time between two re-plans, and between an epoch's start and a re-plan."""
+    evict_after_suspect: int = 2
+    """Evict a worker after this many non-finite slots that did not reproduce on another
+    worker (a hardware suspect rather than bad data)."""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
 
@@ -192,6 +195,7 @@ class ClusterConfig:
         c.check(self.slow_ratio > 1, "slow_ratio", "must be > 1", self.slow_ratio)
         c.positive("max_slot_moves", self.max_slot_moves)
         c.positive("replan_interval_ms", self.replan_interval_ms)
+        c.positive("evict_after_suspect", self.evict_after_suspect)
         c.positive("fingerprint_every", self.fingerprint_every)
         c.done()
 

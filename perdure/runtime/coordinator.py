@@ -261,6 +261,10 @@ class Coordinator:
             self.events.write({k: v for k, v in msg.items() if k != "type"})
         elif kind == "leave":
             self._on_leave(info)
+        elif kind == "evict":
+            target = self.workers.get(str(msg.get("worker")))
+            if target is not None:
+                self._declare_dead(target, f"evicted: {msg.get('reason')}")
         elif kind == "done":
             info.done = True
             info.next_step = int(msg["next_step"])
@@ -398,8 +402,7 @@ class Coordinator:
         if any(t is None for t in times):
             return
         known = [t for t in times if t is not None]
-        median = statistics.median(known)
-        speeds = [1.0 if t <= c.slow_ratio * median else median / t for t in known]
+        speeds = [_speed(i, known, c.slow_ratio) for i in range(len(known))]
         new = rebalance(plan, speeds, max_moves=c.max_slot_moves)
         if new.counts() != plan.counts():
             self.last_replan = now
@@ -512,6 +515,14 @@ class Coordinator:
             w.line.close()
         self.server.close()
         self.sel.close()
+
+
+def _speed(i: int, times: list[float], slow_ratio: float) -> float:
+    """1.0 unless member ``i`` takes over ``slow_ratio`` times the median of the others per
+    slot; then the ratio of that median to its time (its fair share of the slots)."""
+    others = times[:i] + times[i + 1 :]
+    base = statistics.median(others)
+    return 1.0 if times[i] <= slow_ratio * base else base / times[i]
 
 
 __all__ = ["Coordinator", "apportion"]

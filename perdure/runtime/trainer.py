@@ -122,21 +122,25 @@ class Trainer:
             flags.append(bool(buf[self.engine.numel + slot] != 0))
         return flags
 
-    def quarantine(self, step: int, slot: int, flags: list[bool]) -> dict[str, Any]:
-        """Quarantine the shards of a slot's bad samples; returns the decision-log entry."""
-        batch = self.loader.batch(step, slot)
-        samples = sorted(int(s) for s, bad in zip(batch.sample_ids, flags, strict=True) if bad)
-        shards = sorted({int(h) for h, bad in zip(batch.shards, flags, strict=True) if bad})
-        reason = f"non-finite gradient in slot {slot}, reproduced on rerun"
-        self.loader.quarantine(shards, step, reason)
-        entry = {
-            "step": step,
-            "kind": "quarantine",
-            "shards": shards,
-            "samples": samples,
-            "slot": slot,
-            "reason": reason,
-        }
+    def quarantine(self, step: int, found: dict[int, list[bool]]) -> dict[str, Any]:
+        """Quarantine the shards of the bad samples of several slots at once.
+
+        ``found`` maps a slot to its per-sample rerun flags. All batches are read before the
+        quarantine takes effect: afterwards the same positions hold resampled data.
+        """
+        samples: set[int] = set()
+        shards: set[int] = set()
+        for slot, flags in found.items():
+            batch = self.loader.batch(step, slot)
+            for sid, shard, bad in zip(batch.sample_ids, batch.shards, flags, strict=True):
+                if bad:
+                    samples.add(int(sid))
+                    shards.add(int(shard))
+        slots = sorted(found)
+        reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
+        self.loader.quarantine(sorted(shards), step, reason)
+        entry = {"step": step, "kind": "quarantine", "shards": sorted(shards),
+                 "samples": sorted(samples), "slots": slots, "reason": reason}  # fmt: skip
         self.decisions.append(entry)
         return entry
 

@@ -84,6 +84,7 @@ class Worker:
         self.line: LineSocket | None = None
         self.final_saved = -1
         self.leaving = False
+        self.suspects: dict[str, int] = {}
 
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
@@ -441,21 +442,29 @@ class Worker:
                 flags = tr.rerun_flags(t, s)
                 vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
         verdict = self._reduce(ep, [vec])
+        found: dict[int, list[bool]] = {}
         for s in bad:
             flags = [bool(x) for x in verdict[s * per : (s + 1) * per]]
             if any(flags):
-                entry = tr.quarantine(t, s, flags)
-                if ep.rank == 0:
-                    self.events.write({"event": "decision", **entry})
-            elif ep.rank == 0:
-                self.events.write(
-                    {
-                        "event": "suspect_worker",
-                        "step": t,
-                        "slot": s,
-                        "worker": ep.plan.members[owner[s]],
-                    }
-                )
+                found[s] = flags
+            else:
+                self._suspect(ep, t, s, ep.plan.members[owner[s]])
+        if found:
+            entry = tr.quarantine(t, found)
+            if ep.rank == 0:
+                self.events.write({"event": "decision", **entry})
+
+    def _suspect(self, ep: Epoch, step: int, slot: int, worker: str) -> None:
+        """A non-finite slot that did not reproduce elsewhere: the worker, not the data.
+        Its result is discarded (the step is recomputed); past the configured count it is
+        evicted. Every member counts identically, so rank 0 alone reports."""
+        self.suspects[worker] = self.suspects.get(worker, 0) + 1
+        if ep.rank != 0:
+            return
+        self.events.write({"event": "suspect_worker", "step": step, "slot": slot,
+                           "worker": worker, "count": self.suspects[worker]})  # fmt: skip
+        if self.suspects[worker] >= self.config.cluster.evict_after_suspect:
+            self._send({"type": "evict", "worker": worker, "reason": "non-finite results"})
 
     def _compare_fingerprints(self, ep: Epoch) -> None:
         assert self.trainer is not None

@@ -1,0 +1,132 @@
+"""The four failure classes, injected live with real signals: zero survivor restarts, zero
+committed steps lost, and final parameters bitwise-equal to the fault-free run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perdure.runtime.detector import PhiAccrual
+from tests.runtime_support import events, run_to_end, small_config
+
+STEPS = 400
+POISON = {"kind": "poison_shard", "target": "3", "at_step": 40}
+
+
+def _config(dataset: Path, faults: list[dict[str, Any]], **cluster: Any) -> Any:
+    return small_config(
+        dataset, workers=3, regions=2, steps=STEPS, slots=8,
+        cluster={"coordinator_region": "r0", "standby_region": "r1", **cluster},
+        checkpoint={"every_steps": 100}, chaos={"faults": faults},
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clean_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_to_end(_config(small_dataset, []), tmp_path_factory.mktemp("clean"))
+
+
+@pytest.fixture(scope="module")
+def poison_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("poison")
+    return {**run_to_end(_config(small_dataset, [POISON]), run_dir), "run_dir": run_dir}
+
+
+def _assert_absorbed(s: dict, ref: dict, kinds: list[str]) -> None:
+    assert s["final_hash"] == ref["final_hash"]
+    assert s["restarts"] == 0 and s["steps_lost"] == 0
+    assert [f["kind"] for f in s["faults"]] == kinds
+    assert all(f["absorbed"] for f in s["faults"]), s["faults"]
+
+
+def _decisions(s: dict) -> list[dict]:
+    return [{k: v for k, v in d.items() if k not in ("t", "event")} for d in s["decisions"]]
+
+
+def test_sigstopped_worker_is_detected_within_the_horizon(
+    clean_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    faults = [{"kind": "hang", "target": "r0-1", "at_step": 100, "duration_s": 3.0}]
+    cfg = _config(small_dataset, faults, acceptable_pause_ms=1000)
+    s = run_to_end(cfg, tmp_path)
+    _assert_absorbed(s, clean_ref, ["hang"])
+    horizon = PhiAccrual(expected_interval_s=0.1, acceptable_pause_s=1.0).horizon_s(10.0)
+    leave = events(tmp_path, "leave")
+    assert [e["worker"] for e in leave] == ["r0-1"] and "phi" in leave[0]["reason"]
+    assert s["faults"][0]["detect_s"] <= horizon + 0.5
+
+
+def test_dropped_link_reforms_the_same_members_without_changing_a_bit(
+    clean_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    s = run_to_end(_config(small_dataset, [{"kind": "comm_error", "target": "r1-0",
+                                            "at_step": 100}]), tmp_path)  # fmt: skip
+    _assert_absorbed(s, clean_ref, ["comm_error"])
+    assert events(tmp_path, "leave") == []
+    assert s["membership_changes"] == 0
+
+
+def test_three_second_delay_evicts_nobody_and_moves_slots_away_and_back(
+    clean_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    faults = [{"kind": "delay", "target": "r1-0", "at_step": 60, "delay_ms": 3000,
+               "duration_s": 4.0}]  # fmt: skip
+    s = run_to_end(_config(small_dataset, faults, replan_interval_ms=500), tmp_path)
+    _assert_absorbed(s, clean_ref, ["delay"])
+    assert events(tmp_path, "leave") == []
+    plans = [e["plan"] for e in events(tmp_path, "epoch_started")]
+    share = [p["ranges"][p["members"].index("r1-0")] for p in plans]
+    counts = [hi - lo for lo, hi in share]
+    assert min(counts) < counts[0], f"slots never moved away from r1-0: {counts}"
+    assert counts[-1] == counts[0], f"slots did not come back to r1-0: {counts}"
+
+
+def test_region_loss_with_its_coordinator_is_absorbed_by_the_standby(
+    clean_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    faults = [{"kind": "region_down", "target": "r0", "at_step": 100, "duration_s": 1.0}]
+    s = run_to_end(_config(small_dataset, faults), tmp_path)
+    _assert_absorbed(s, clean_ref, ["region_down"])
+    assert len(events(tmp_path, "coordinator_takeover")) == 1
+    reasons = [e["reason"] for e in events(tmp_path, "epoch_started")]
+    assert reasons[:2] == ["start", "takeover"]
+
+
+def test_poisoned_shard_is_quarantined_exactly_as_in_the_reference(
+    poison_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    faults = [POISON, {"kind": "kill", "target": "r0-0", "at_step": 30}]
+    s = run_to_end(_config(small_dataset, faults), tmp_path)
+    _assert_absorbed(s, poison_ref, ["kill", "poison_shard"])
+    assert _decisions(s) == _decisions(poison_ref) != []
+    assert all(d["shards"] == [3] for d in _decisions(s))
+
+
+def test_resume_after_a_quarantine_reproduces_it(
+    poison_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    ckpt = poison_ref["run_dir"] / "checkpoints" / "step-000000200"
+    s = run_to_end(small_config(small_dataset, workers=2, steps=STEPS, slots=8,
+                                chaos={"faults": [POISON]}), tmp_path, resume=str(ckpt))  # fmt: skip
+    assert s["final_hash"] == poison_ref["final_hash"]
+    assert s["decisions"] == [], "the quarantine came back with the checkpoint, not anew"
+    from perdure.checkpoint import load_checkpoint
+
+    final = load_checkpoint(tmp_path / "checkpoints" / f"step-{STEPS:09d}")
+    assert final.decisions == _decisions(poison_ref)
+
+
+def test_all_four_classes_in_one_run_change_no_bit(
+    poison_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    faults = [
+        POISON,
+        {"kind": "kill", "target": "r0-1", "at_step": 80},
+        {"kind": "delay", "target": "r1-0", "at_step": 150, "delay_ms": 500, "duration_s": 1.5},
+        {"kind": "region_down", "target": "r0", "at_step": 250, "duration_s": 1.0},
+    ]
+    s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=55)
+    _assert_absorbed(s, poison_ref, ["poison_shard", "kill", "delay", "region_down"])
+    assert _decisions(s) == _decisions(poison_ref)
