@@ -44,6 +44,13 @@ def main() -> None:
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
 
+    # the replica group's store (torchrun would host it; one process per group here)
+    from torch.distributed import TCPStore
+
+    store = TCPStore(  # noqa: F841 - kept alive for the Manager
+        "127.0.0.1", int(os.environ["MASTER_PORT"]), 1, True, timedelta(seconds=30),
+        wait_for_workers=False,
+    )
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
         min_replica_size=1,

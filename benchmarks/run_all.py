@@ -1,0 +1,220 @@
+"""Run the whole benchmark suite and write the result files and a markdown table.
+
+    .venv/bin/python benchmarks/run_all.py            # full suite (< 30 min on 2 cores)
+    .venv/bin/python benchmarks/run_all.py --quick    # smoke run (~3-5 min), results/quick/
+    .venv/bin/python benchmarks/run_all.py --only reduce step
+
+Each benchmark runs in its own process (a failure is recorded, the suite goes on) and
+writes ``<results>/<name>.json``; this script then adds the machine description where a
+benchmark lacks it and writes ``<results>/README.md``: one table per benchmark, ratios as
+min / median / max over repeats. ``make bench`` calls it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PY, REPO, RESULTS, ensure_dataset, fmt, machine  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+# name, script, full args, quick args
+SUITE = [
+    ("reduce", "bench_reduce.py", [], ["--quick"]),
+    ("step", "bench_step.py", [], ["--quick"]),
+    ("recovery", "bench_recovery.py", [], ["--quick", "--skip", "torchft"]),
+    ("scaling", "bench_scaling.py", [], ["--quick"]),
+    ("data", "bench_data.py", [], ["--quick"]),
+    ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "3"], ["--quick"]),
+]
+
+
+def run_one(name: str, script: str, args: list[str], out: Path, timeout: float) -> dict:
+    path = HERE / script
+    if not path.exists():
+        return {"name": name, "status": "absent"}
+    cmd = [PY, str(path), *args, "--out", str(out / f"{name}.json")]
+    t0 = time.perf_counter()
+    print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+    try:
+        p = subprocess.run(cmd, cwd=REPO, timeout=timeout, capture_output=True, text=True)
+        status = "ok" if p.returncode == 0 else f"failed (rc {p.returncode})"
+        tail = (p.stdout + p.stderr)[-3000:]
+    except subprocess.TimeoutExpired as e:
+        status, tail = f"timeout after {timeout:.0f} s", str(e.stdout or "")[-3000:]
+    secs = time.perf_counter() - t0
+    print(tail if status != "ok" else (tail[-1500:]), flush=True)
+    print(f"== {name}: {status} in {secs:.1f} s", flush=True)
+    return {"name": name, "status": status, "seconds": round(secs, 1), "command": " ".join(
+        [".venv/bin/python", f"benchmarks/{script}", *args])}
+
+
+# -- markdown -------------------------------------------------------------------------------
+
+
+def ms(s: dict | None) -> str:
+    return f"{s['median'] * 1e3:.1f}" if s else "-"
+
+
+def table(head: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def md_reduce(d: dict) -> str:
+    rows = [[r["workers"], r["mb"], ms(r["all_reduce_s"]), ms(r["chain_s"]),
+             fmt(r["ratio_chain_over_all_reduce"], 2), r["best_chunk_elems"],
+             fmt(r["ratio_best_chunk_over_all_reduce"], 2)] for r in d["rows"]]
+    t = table(["W", "MB", "all_reduce ms", "chain ms", "chain/all_reduce", "best chunk (elems)",
+               "best chunk / all_reduce"], rows)
+    g = ", ".join(f"{k}: {v:.2f}" for k, v in d["chunk_geomean_ratio"].items())
+    return (f"{t}\n\nDefault chunk {d['default_chunk_elems']} elems. Geometric mean of median "
+            f"ratios per chunk size: {g}; best overall: {d['best_chunk_elems_overall']}. "
+            f"Goal <= 1.2x met in {d['summary']['rows_meeting_goal']}/{d['summary']['rows']} rows.")
+
+
+def md_step(d: dict) -> str:
+    rows = []
+    for r in d["rows"]:
+        rt = r.get("runtime", {})
+        rows.append([
+            r["model"], f"{r['params'] / 1e6:.2f}M", r["workers"], r["global_batch"], r["slots"],
+            ms(r["ddp_step_s"]), ms(r["perdure_step_s"]), fmt(r["ratio_perdure_over_ddp"]),
+            fmt(r["ratio_prealloc_over_ddp"]),
+            ms(rt.get("step_s")) if rt.get("step_s") else rt.get("error", "-")[:40] if rt else "-",
+            f"{r['ratio_runtime_over_ddp_median']:.3f}" if "ratio_runtime_over_ddp_median" in r
+            else "-",
+        ])
+    return table(["model", "params", "W", "B", "slots", "DDP ms", "perdure ms",
+                  "perdure/DDP", "prealloc/DDP", "`perdure run` step_s ms", "run/DDP"], rows)
+
+
+def md_recovery(d: dict) -> str:
+    rows = []
+    for name, r in d["recovery"].items():
+        rows.append([name, fmt(r["recovery_s"]), fmt(r.get("step_s_before")),
+                     "; ".join(str(x.get("error"))[:60] for x in r["runs"] if x.get("error"))
+                     or "-"])
+    t = table(["system", "kill -> next new step, s", "step s before", "errors"], rows)
+    gp = [[n, f"{g.get('goodput'):.3f}" if g.get("goodput") else "-", g.get("faults"),
+           f"{g.get('clean', {}).get('span_s') or 0:.1f}",
+           f"{g.get('faulty', {}).get('span_s') or 0:.1f}",
+           g.get("bitwise_equal", "-")] for n, g in d.get("goodput", {}).items()]
+    t2 = table(["system", "goodput", "kills", "clean span s", "faulty span s",
+                "bitwise equal"], gp)
+    rat = ", ".join(f"{k}: {v:.1f}x" for k, v in d.get("ratios", {}).items())
+    goals = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in d["goals"].items())
+    return f"{t}\n\nRatios (peer / perdure, medians): {rat or '-'}\n\n{t2}\n\nGoals: {goals}"
+
+
+def md_scaling(d: dict) -> str:
+    parts = []
+    for name, pts in d["series"].items():
+        if not pts:
+            continue
+        rows = [[p["model"], p.get("params", "-"), p["workers"], p["global_batch"], p["slots"],
+                 f"{p['step_s'] * 1e3:.1f}" if p.get("step_s") else "-",
+                 f"{p['checkpoint_s']:.3f}" if p.get("checkpoint_s") else "-",
+                 f"{p['checkpoint_snapshot_s']:.3f}" if p.get("checkpoint_snapshot_s") else "-",
+                 f"{p['recovery_s']:.3f}" if p.get("recovery_s") else "-",
+                 "ok" if not p.get("rc") else "rc " + str(p["rc"])] for p in pts]
+        parts.append(f"**{name}**\n\n" + table(
+            ["model", "params", "W", "B", "slots", "step ms", "ckpt write s", "ckpt snapshot s",
+             "recovery s", "run"], rows))
+    parts.append("Plots: " + ", ".join(f"![{p}]({p})" for p in d.get("plots", [])))
+    return "\n\n".join(parts)
+
+
+def md_generic(d: dict) -> str:
+    """Every ``ratio*`` min/median/max found in a result file (other teams' benchmarks)."""
+    rows = []
+
+    def walk(x, path):
+        if isinstance(x, dict):
+            if {"min", "median", "max"} <= set(x) and "ratio" in path.split(".")[-1]:
+                rows.append([f"`{path}`", fmt(x)])
+                return
+            for k, v in x.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(x, list):
+            for i, v in enumerate(x):
+                walk(v, f"{path}[{i}]")
+
+    walk(d, "")
+    return table(["ratio", "min / median / max"], rows) if rows else "(no ratios found)"
+
+
+RENDER = {"reduce": md_reduce, "step": md_step, "recovery": md_recovery,
+          "scaling": md_scaling}
+
+
+def write_readme(out: Path, runs: list[dict], quick: bool, wall: float) -> None:
+    m = machine()
+    lines = [
+        "# Benchmark results" + (" (quick smoke run)" if quick else ""),
+        "",
+        "Written by `benchmarks/run_all.py`" + (" --quick" if quick else "") + "; see "
+        "`docs/performance.md` for what limits each number. Ratios are min / median / max "
+        "over repeats (each repeat runs both sides back to back).",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['ram_gib']} GiB RAM, torch {m['torch']}, "
+        f"Python {m['python']}; load average at the end {m['loadavg_at_start']} "
+        "(the machine is shared: other test suites ran during these measurements).",
+        f"Suite wall time: {wall / 60:.1f} min.",
+        "",
+        table(["benchmark", "status", "seconds", "command"],
+              [[r["name"], r["status"], r.get("seconds", "-"), f"`{r.get('command', '-')}`"]
+               for r in runs]),
+        "",
+    ]
+    for r in runs:
+        p = out / f"{r['name']}.json"
+        if not p.exists() or r["status"] == "absent":
+            continue
+        d = json.loads(p.read_text())
+        try:
+            body = RENDER.get(r["name"], md_generic)(d)
+        except Exception as e:  # a schema change must not lose the other tables
+            body = f"(could not render: {e!r})"
+        lines += [f"## {r['name']}", "", body, ""]
+    (out / "README.md").write_text("\n".join(lines))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", nargs="*")
+    ap.add_argument("--results", type=Path)
+    ap.add_argument("--timeout", type=float, default=900, help="per benchmark, seconds")
+    a = ap.parse_args(argv)
+    out = a.results or (RESULTS / "quick" if a.quick else RESULTS)
+    out.mkdir(parents=True, exist_ok=True)
+    ensure_dataset()
+    t0 = time.perf_counter()
+    runs = []
+    for name, script, full, quick in SUITE:
+        if a.only and name not in a.only:
+            continue
+        r = run_one(name, script, quick if a.quick else full, out, a.timeout)
+        runs.append(r)
+        p = out / f"{name}.json"
+        if p.exists() and r["status"] == "ok":
+            d = json.loads(p.read_text())
+            if "cpu" not in d.get("machine", {}):
+                d["machine_suite"] = machine()
+                p.write_text(json.dumps(d, indent=2, default=str) + "\n")
+    wall = time.perf_counter() - t0
+    write_readme(out, runs, a.quick, wall)
+    print(f"suite done in {wall / 60:.1f} min; wrote {out / 'README.md'}")
+    return 0 if all(r["status"] in ("ok", "absent") for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
