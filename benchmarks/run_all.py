@@ -187,14 +187,45 @@ def write_readme(out: Path, runs: list[dict], quick: bool, wall: float) -> None:
     (out / "README.md").write_text("\n".join(lines))
 
 
+def sync_doc(out: Path, doc: Path = REPO / "docs" / "performance.md") -> bool:
+    """Replace the text between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in the
+    performance document with the table rendered from ``<out>/NAME.json``, so that the
+    document's tables are the result files' numbers."""
+    import re
+
+    if not doc.exists():
+        return False
+    text = doc.read_text()
+
+    def repl(m: re.Match) -> str:
+        name = m.group(1)
+        p = out / f"{name}.json"
+        if not p.exists():
+            return m.group(0)
+        d = json.loads(p.read_text())
+        body = RENDER.get(name, md_generic)(d)
+        if name == "scaling":  # plots live in benchmarks/results/, the doc in docs/
+            body = body.replace("](scaling_", "](../benchmarks/results/scaling_")
+        return f"<!-- bench:{name} -->\n{body}\n<!-- /bench:{name} -->"
+
+    new = re.sub(r"<!-- bench:(\w+) -->.*?<!-- /bench:\1 -->", repl, text, flags=re.S)
+    doc.write_text(new)
+    return new != text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--results", type=Path)
     ap.add_argument("--timeout", type=float, default=900, help="per benchmark, seconds")
+    ap.add_argument("--sync-doc", action="store_true",
+                    help="only re-render docs/performance.md's tables from the result files")
     a = ap.parse_args(argv)
     out = a.results or (RESULTS / "quick" if a.quick else RESULTS)
+    if a.sync_doc:
+        print("updated" if sync_doc(out) else "unchanged", "docs/performance.md")
+        return 0
     out.mkdir(parents=True, exist_ok=True)
     ensure_dataset()
     t0 = time.perf_counter()
@@ -212,6 +243,8 @@ def main(argv=None) -> int:
                 p.write_text(json.dumps(d, indent=2, default=str) + "\n")
     wall = time.perf_counter() - t0
     write_readme(out, runs, a.quick, wall)
+    if out == RESULTS:
+        sync_doc(out)
     print(f"suite done in {wall / 60:.1f} min; wrote {out / 'README.md'}")
     return 0 if all(r["status"] in ("ok", "absent") for r in runs) else 1
 
