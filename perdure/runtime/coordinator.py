@@ -447,7 +447,11 @@ class Coordinator:
         p = self.pending
         assert p is not None
         if not p.members:
-            return  # nobody left: wait for joiners (handled when they arrive)
+            # Every member is gone: start over with whoever is (or comes back) alive.
+            idle = [w.name for w in self._alive("worker") if not w.done]
+            if idle:
+                self._announce(idle, after=-1, reason="all members lost")
+            return
         if all(m in p.ready for m in p.members):
             self._start(p)
             return
@@ -460,14 +464,20 @@ class Coordinator:
     def _start(self, p: Pending) -> None:
         ready = p.ready
         with_state = [m for m in p.members if ready[m]["has_state"]]
-        if not with_state:
-            self.events.write({"event": "no_state", "epoch": p.epoch, "members": p.members})
-            return
-        start = max(int(ready[m]["next_step"]) for m in with_state)
-        source = next(m for m in p.members if m in with_state and ready[m]["next_step"] == start)
-        receivers = [
-            m for m in p.members if not ready[m]["has_state"] or ready[m]["next_step"] != start
-        ]
+        reload: str | None = None
+        if with_state:
+            start = max(int(ready[m]["next_step"]) for m in with_state)
+            source = next(
+                m for m in p.members if m in with_state and ready[m]["next_step"] == start
+            )
+            receivers = [
+                m for m in p.members if not ready[m]["has_state"] or ready[m]["next_step"] != start
+            ]
+        else:
+            reload, start = self._newest_checkpoint()
+            source, receivers = p.members[0], []
+            self.events.write({"event": "recovered_from_checkpoint", "epoch": p.epoch,
+                               "checkpoint": reload, "start_step": start})  # fmt: skip
         plan = self._plan(p)
         msg = {
             "type": "start",
@@ -476,6 +486,8 @@ class Coordinator:
             "start_step": start,
             "source": source,
             "receivers": receivers,
+            "recover": not with_state,
+            "reload": reload,
             "prefix": f"pg/{p.epoch}/{secrets.token_hex(4)}/",
         }
         for m in p.members:
@@ -495,6 +507,16 @@ class Coordinator:
                 "reason": p.reason,
             }
         )
+
+    def _newest_checkpoint(self) -> tuple[str | None, int]:
+        """Where a run whose every replica is lost starts again: the newest intact
+        checkpoint (or the resume point, or step 0, rebuilt from the seed)."""
+        from perdure.checkpoint import latest_checkpoint, read_manifest
+
+        found = latest_checkpoint(f"{self.run_dir}/checkpoints") or self.resume
+        if found is None:
+            return None, 0
+        return str(found), int(read_manifest(found)["step"])
 
     def _plan(self, p: Pending) -> Plan:
         S = self.config.train.slots

@@ -64,6 +64,12 @@ class Trainer:
             prefetch_steps=config.data.prefetch_steps,
         )
         self.poison = sorted(poison)
+        for shard, _ in self.poison:
+            if not 0 <= shard < self.dataset.num_shards:
+                raise ValueError(
+                    f"chaos.faults: poison_shard target must be a shard of {config.data.dataset} "
+                    f"in [0, {self.dataset.num_shards}) (got {shard})"
+                )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
         self.config_hash = config_hash(config)

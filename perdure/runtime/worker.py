@@ -300,6 +300,9 @@ class Worker:
         return timedelta(seconds=max(c.min_collective_timeout_ms / 1000, 2 * horizon, step))
 
     def _transfer(self, ep: Epoch) -> None:
+        if ep.start.get("recover"):
+            self._reload(ep.start.get("reload"))
+            return
         receivers = ep.start["receivers"]
         if not receivers:
             return
@@ -321,6 +324,15 @@ class Worker:
                     "next_step": self.trainer.next_step,
                 }
             )
+
+    def _reload(self, path: str | None) -> None:
+        """Every replica was lost: start again from a checkpoint (or from the seed)."""
+        assert self.trainer is not None
+        if path is not None:
+            self.trainer.load(path)
+        elif self.trainer.next_step != 0 or self.has_state:
+            raise RuntimeError("no checkpoint to recover from, and this replica is not at step 0")
+        self.has_state = True
 
     def _checkpointer(self, ep: Epoch) -> AsyncCheckpointer:
         ex = StoreExchange(
