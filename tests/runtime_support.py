@@ -18,32 +18,50 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 def build_small_dataset(out: Path) -> Path:
     """About 300 KB of the stdlib's own source, 64-token samples, many small shards."""
     if not (out / "manifest.json").exists():
-        build_dataset([str(STDLIB / "json"), str(STDLIB / "email")], str(out), seq_len=64,
-                      shard_mb=0.05, include="*.py")  # fmt: skip
+        build_dataset(
+            [str(STDLIB / "json"), str(STDLIB / "email")],
+            str(out),
+            seq_len=64,
+            shard_mb=0.05,
+            include="*.py",
+        )
     return out
 
 
-def small_config(dataset: Path, *, workers: int = 2, regions: int = 1, steps: int = 40,
-                 slots: int = 8, batch: int = 16, **sections: dict[str, Any]) -> RunConfig:  # fmt: skip
+def small_config(
+    dataset: Path,
+    *,
+    workers: int = 2,
+    regions: int = 1,
+    steps: int = 40,
+    slots: int = 8,
+    batch: int = 16,
+    **sections: dict[str, Any],
+) -> RunConfig:
     """A tiny_lm run small enough for a test: about 30 ms a step per worker."""
     per = [workers // regions + (1 if i < workers % regions else 0) for i in range(regions)]
     data: dict[str, Any] = {
-        "task": {"options": {"d_model": 32, "n_layers": 1, "n_heads": 2, "dropout": 0.1,
-                             "max_len": 128}},
+        "task": {
+            "options": {"d_model": 32, "n_layers": 1, "n_heads": 2, "dropout": 0.1, "max_len": 128}
+        },
         "train": {"steps": steps, "global_batch": batch, "slots": slots},
         "optim": {"warmup_steps": 5},
         "data": {"dataset": str(dataset), "prefetch_steps": 1},
-        "cluster": {"regions": [{"name": f"r{i}", "workers": n} for i, n in enumerate(per)],
-                    "replace_after_ms": 300, "min_collective_timeout_ms": 3000},
+        "cluster": {
+            "regions": [{"name": f"r{i}", "workers": n} for i, n in enumerate(per)],
+            "replace_after_ms": 300,
+            "min_collective_timeout_ms": 3000,
+        },
         "checkpoint": {"every_steps": max(1, steps // 2), "keep_last": 5},
-    }  # fmt: skip
+    }
     for name, fields in sections.items():
         data.setdefault(name, {}).update(fields)
     return config_from_dict(data)
 
 
-def run_to_end(config: RunConfig, run_dir: Path, *, resume: str | None = None,
-               timeout_s: float = 50.0) -> dict[str, Any]:  # fmt: skip
+def run_to_end(
+    config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 50.0
+) -> dict[str, Any]:
     return run(config, run_dir=run_dir, resume=resume, timeout_s=timeout_s)
 
 

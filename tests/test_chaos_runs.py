@@ -17,10 +17,15 @@ POISON = {"kind": "poison_shard", "target": "3", "at_step": 40}
 
 def _config(dataset: Path, faults: list[dict[str, Any]], **cluster: Any) -> Any:
     return small_config(
-        dataset, workers=3, regions=2, steps=STEPS, slots=8,
+        dataset,
+        workers=3,
+        regions=2,
+        steps=STEPS,
+        slots=8,
         cluster={"coordinator_region": "r0", "standby_region": "r1", **cluster},
-        checkpoint={"every_steps": 100}, chaos={"faults": faults},
-    )  # fmt: skip
+        checkpoint={"every_steps": 100},
+        chaos={"faults": faults},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +66,9 @@ def test_sigstopped_worker_is_detected_within_the_horizon(
 def test_dropped_link_reforms_the_same_members_without_changing_a_bit(
     clean_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
-    s = run_to_end(_config(small_dataset, [{"kind": "comm_error", "target": "r1-0",
-                                            "at_step": 100}]), tmp_path)  # fmt: skip
+    s = run_to_end(
+        _config(small_dataset, [{"kind": "comm_error", "target": "r1-0", "at_step": 100}]), tmp_path
+    )
     _assert_absorbed(s, clean_ref, ["comm_error"])
     assert events(tmp_path, "leave") == []
     assert s["membership_changes"] == 0
@@ -71,8 +77,9 @@ def test_dropped_link_reforms_the_same_members_without_changing_a_bit(
 def test_three_second_delay_evicts_nobody_and_moves_slots_away_and_back(
     clean_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
-    faults = [{"kind": "delay", "target": "r1-0", "at_step": 60, "delay_ms": 3000,
-               "duration_s": 4.0}]  # fmt: skip
+    faults = [
+        {"kind": "delay", "target": "r1-0", "at_step": 60, "delay_ms": 3000, "duration_s": 4.0}
+    ]
     s = run_to_end(_config(small_dataset, faults, replan_interval_ms=500), tmp_path)
     _assert_absorbed(s, clean_ref, ["delay"])
     assert events(tmp_path, "leave") == []
@@ -108,8 +115,11 @@ def test_resume_after_a_quarantine_reproduces_it(
     poison_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     ckpt = poison_ref["run_dir"] / "checkpoints" / "step-000000200"
-    s = run_to_end(small_config(small_dataset, workers=2, steps=STEPS, slots=8,
-                                chaos={"faults": [POISON]}), tmp_path, resume=str(ckpt))  # fmt: skip
+    s = run_to_end(
+        small_config(small_dataset, workers=2, steps=STEPS, slots=8, chaos={"faults": [POISON]}),
+        tmp_path,
+        resume=str(ckpt),
+    )
     assert s["final_hash"] == poison_ref["final_hash"]
     assert s["decisions"] == [], "the quarantine came back with the checkpoint, not anew"
     from perdure.checkpoint import load_checkpoint

@@ -70,8 +70,14 @@ def test_killed_worker_does_not_change_final_weights(
     later the same way."""
     steps = STEPS * 4
     faults = [{"kind": "kill", "target": "r1-0", "at_step": steps // 3}]
-    cfg = small_config(small_dataset, workers=4, regions=2, steps=steps,
-                       cluster={"spares": 1}, chaos={"faults": faults})  # fmt: skip
+    cfg = small_config(
+        small_dataset,
+        workers=4,
+        regions=2,
+        steps=steps,
+        cluster={"spares": 1},
+        chaos={"faults": faults},
+    )
     ref = run_to_end(small_config(small_dataset, workers=1, steps=steps), tmp_path / "ref")
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"]

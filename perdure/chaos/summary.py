@@ -110,8 +110,10 @@ def _absorbed(f: Record, events: list[Record], detect: Record | None) -> bool:
     """The run went on to its end with the fault handled as its class requires."""
     ended = any(e["event"] == "run_end" for e in events)
     if f["kind"] == "delay":
-        evicted = any(e["event"] == "leave" and e.get("worker") == f["target"]
-                      and e["t"] >= f["t"] for e in events)  # fmt: skip
+        evicted = any(
+            e["event"] == "leave" and e.get("worker") == f["target"] and e["t"] >= f["t"]
+            for e in events
+        )
         return ended and not evicted
     return ended and detect is not None
 

@@ -11,12 +11,24 @@ import click
 
 
 @click.command()
-@click.option("--quick", is_flag=True,
-              help="The shortened schedule (configs/demo_quick.toml): 2 regions, 160 steps.")  # fmt: skip
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="Run this config instead of configs/demo.toml.")  # fmt: skip
-@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
-              help="Run directory (default: runs/demo-<time>).")  # fmt: skip
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="The shortened schedule (configs/demo_quick.toml): 2 regions, 160 steps.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Run this config instead of configs/demo.toml.",
+)
+@click.option(
+    "--run-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Run directory (default: runs/demo-<time>).",
+)
 @click.option("--live/--no-live", default=None, help="Live terminal view (default: when a TTY).")
 def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool | None) -> None:
     """Train tiny_lm across simulated regions while all four failure classes strike, then
@@ -36,12 +48,17 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
     ref, source = reference(config, version, console)
     rd = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     show = sys.stdout.isatty() if live is None else live
-    console.print(f"training {config.cluster.workers} workers in "
-                  f"{len(config.cluster.regions)} regions; run directory {rd}")  # fmt: skip
+    console.print(
+        f"training {config.cluster.workers} workers in "
+        f"{len(config.cluster.regions)} regions; run directory {rd}"
+    )
     summary = run(config, run_dir=rd, live=show, timeout_s=3600)
     equal = summary["final_hash"] is not None and summary["final_hash"] == ref["final_hash"]
-    summary["reference"] = {"final_hash": ref["final_hash"], "bitwise_equal": equal,
-                            "source": source}  # fmt: skip
+    summary["reference"] = {
+        "final_hash": ref["final_hash"],
+        "bitwise_equal": equal,
+        "source": source,
+    }
     (rd / "summary.json").write_text(json.dumps(summary, indent=2))
     console.print(fault_table(summary))
     console.print(
@@ -50,7 +67,9 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
         f"goodput {summary['goodput']}"
     )
     verdict = "[bold green]YES[/]" if equal else "[bold red]NO[/]"
-    console.print(f"final parameters bitwise-equal to the fault-free reference ({source}): "
-                  f"{verdict}  {summary['final_hash']}")  # fmt: skip
+    console.print(
+        f"final parameters bitwise-equal to the fault-free reference ({source}): "
+        f"{verdict}  {summary['final_hash']}"
+    )
     console.print(f"report: {write_report(rd)}")
     sys.exit(0 if equal and summary["faults_absorbed"] == summary["faults_injected"] else 1)

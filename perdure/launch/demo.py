@@ -29,8 +29,7 @@ def ensure_dataset(path: Path, console: Console, *, max_mb: float = 8.0) -> str:
     if not (path / "manifest.json").exists():
         src = sysconfig.get_paths()["stdlib"]
         console.print(f"building dataset {path} from {src} (*.py, {max_mb:g} MB) ...")
-        build_dataset([src], str(path), seq_len=128, shard_mb=0.5, include="*.py",
-                      max_mb=max_mb)  # fmt: skip
+        build_dataset([src], str(path), seq_len=128, shard_mb=0.5, include="*.py", max_mb=max_mb)
     return Dataset.open(str(path)).version_id
 
 
@@ -39,10 +38,14 @@ def reference_config(config: RunConfig) -> RunConfig:
     data_faults = [to_dict(f) for f in config.chaos.faults if f.kind == "poison_shard"]
     region = config.cluster.regions[0].name
     return with_overrides(
-        config, chaos={"faults": data_faults},
-        cluster={"regions": [{"name": region, "workers": 2}], "standby_region": None,
-                 "coordinator_region": None},
-    )  # fmt: skip
+        config,
+        chaos={"faults": data_faults},
+        cluster={
+            "regions": [{"name": region, "workers": 2}],
+            "standby_region": None,
+            "coordinator_region": None,
+        },
+    )
 
 
 def reference(config: RunConfig, version: str, console: Console) -> tuple[dict[str, Any], str]:
@@ -59,13 +62,29 @@ def reference(config: RunConfig, version: str, console: Console) -> tuple[dict[s
 
 def fault_table(summary: dict[str, Any]) -> Table:
     t = Table(title="faults injected and how each was absorbed")
-    for col in ("class", "kind", "target", "step", "detect s", "re-plan s", "copy s",
-                "recover s", "steps lost", "absorbed"):  # fmt: skip
+    for col in (
+        "class",
+        "kind",
+        "target",
+        "step",
+        "detect s",
+        "re-plan s",
+        "copy s",
+        "recover s",
+        "steps lost",
+        "absorbed",
+    ):
         t.add_column(col)
     for f in summary.get("faults", []):
-        t.add_row(f["class"], f["kind"], f["target"], str(f.get("injected_step")),
-                  *(_s(f.get(k)) for k in ("detect_s", "replan_s", "state_copy_s", "recover_s")),
-                  str(f["steps_lost"]), "[green]yes[/]" if f["absorbed"] else "[red]no[/]")  # fmt: skip
+        t.add_row(
+            f["class"],
+            f["kind"],
+            f["target"],
+            str(f.get("injected_step")),
+            *(_s(f.get(k)) for k in ("detect_s", "replan_s", "state_copy_s", "recover_s")),
+            str(f["steps_lost"]),
+            "[green]yes[/]" if f["absorbed"] else "[red]no[/]",
+        )
     return t
 
 

@@ -58,7 +58,8 @@ def describe(e: dict[str, Any]) -> str:
         return f"fault: {e['kind']} {e['target']} at step {e.get('step')}"
     if kind == "epoch_started":
         n = len(e["plan"]["members"])
-        return f"membership epoch {e['epoch']}: {n} workers from step {e['start_step']} ({e['reason']})"
+        epoch, start = e["epoch"], e["start_step"]
+        return f"membership epoch {epoch}: {n} workers from step {start} ({e['reason']})"
     if kind == "state_received":
         return f"{e['worker']} copied state from {e['from']} in {e['seconds']:.3f} s"
     if kind == "decision":
@@ -79,9 +80,12 @@ class LiveView:
         self.last: dict[str, Any] = {}
         self.log: deque[tuple[float, str, str]] = deque(maxlen=12)
         self.progress = Progress(
-            TextColumn("step {task.completed}/{task.total}"), BarColumn(), TimeElapsedColumn(),
-            TextColumn("eta"), TimeRemainingColumn(),
-        )  # fmt: skip
+            TextColumn("step {task.completed}/{task.total}"),
+            BarColumn(),
+            TimeElapsedColumn(),
+            TextColumn("eta"),
+            TimeRemainingColumn(),
+        )
         self.task = self.progress.add_task("train", total=steps)
         self.live = Live(console=console or Console(), refresh_per_second=8, transient=False)
         self.started = time.time()
@@ -115,8 +119,11 @@ class LiveView:
             f"step time [bold]{1000 * m.get('step_s', 0):.0f} ms[/]",
             f"membership epoch [bold]{m.get('membership_epoch', '-')}[/]",
         )
-        return Panel(Group(self.progress, head, self._regions(launcher, m), self._log()),
-                     title="perdure run", border_style="cyan")  # fmt: skip
+        return Panel(
+            Group(self.progress, head, self._regions(launcher, m), self._log()),
+            title="perdure run",
+            border_style="cyan",
+        )
 
     def _regions(self, launcher: Any, m: dict[str, Any]) -> Table:
         t = Table(box=None, padding=(0, 2), show_header=True, header_style="bold")

@@ -476,8 +476,14 @@ class Coordinator:
         else:
             reload, start = self._newest_checkpoint()
             source, receivers = p.members[0], []
-            self.events.write({"event": "recovered_from_checkpoint", "epoch": p.epoch,
-                               "checkpoint": reload, "start_step": start})  # fmt: skip
+            self.events.write(
+                {
+                    "event": "recovered_from_checkpoint",
+                    "epoch": p.epoch,
+                    "checkpoint": reload,
+                    "start_step": start,
+                }
+            )
         plan = self._plan(p)
         msg = {
             "type": "start",

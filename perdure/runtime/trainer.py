@@ -145,8 +145,14 @@ class Trainer:
         slots = sorted(found)
         reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
         self.loader.quarantine(sorted(shards), step, reason)
-        entry = {"step": step, "kind": "quarantine", "shards": sorted(shards),
-                 "samples": sorted(samples), "slots": slots, "reason": reason}  # fmt: skip
+        entry = {
+            "step": step,
+            "kind": "quarantine",
+            "shards": sorted(shards),
+            "samples": sorted(samples),
+            "slots": slots,
+            "reason": reason,
+        }
         self.decisions.append(entry)
         return entry
 

@@ -20,9 +20,19 @@ from perdure.runtime.comm import Comm
 
 _DTYPES = {
     str(d): d
-    for d in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-}  # fmt: skip
+    for d in (
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 State = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
 

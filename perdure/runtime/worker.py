@@ -473,8 +473,15 @@ class Worker:
         self.suspects[worker] = self.suspects.get(worker, 0) + 1
         if ep.rank != 0:
             return
-        self.events.write({"event": "suspect_worker", "step": step, "slot": slot,
-                           "worker": worker, "count": self.suspects[worker]})  # fmt: skip
+        self.events.write(
+            {
+                "event": "suspect_worker",
+                "step": step,
+                "slot": slot,
+                "worker": worker,
+                "count": self.suspects[worker],
+            }
+        )
         if self.suspects[worker] >= self.config.cluster.evict_after_suspect:
             self._send({"type": "evict", "worker": worker, "reason": "non-finite results"})
 
