@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh machine: `make demo` and `make test`.
 # Each creates .venv/ on first use (from the exact pins in requirements-dev.txt) and
 # reuses it afterwards.
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
@@ -14,8 +14,10 @@ $(STAMP): requirements-dev.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
+DEMO_ARGS ?=
+
 demo: $(STAMP)
-	$(PY) -m perdure demo
+	$(PY) -m perdure demo $(DEMO_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

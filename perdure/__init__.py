@@ -18,15 +18,36 @@ _EXPORTS = {
     "load_config": "perdure.config.run",
     "config_hash": "perdure.config.run",
     "provenance": "perdure.provenance",
+    "Task": "perdure.runtime.task",
+    "run": "perdure.launch.api",
+    "load_checkpoint": "perdure.checkpoint",
+    "state_digest": "perdure.checkpoint",
+    "write_report": "perdure.report",
 }
 
-__all__ = ["ConfigError", "RunConfig", "__version__", "config_hash", "load_config", "provenance"]
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "Task",
+    "__version__",
+    "config_hash",
+    "load_checkpoint",
+    "load_config",
+    "provenance",
+    "run",
+    "state_digest",
+    "write_report",
+]
 assert set(__all__) == {"__version__", *_EXPORTS}
 
 if TYPE_CHECKING:
+    from perdure.checkpoint import load_checkpoint, state_digest
     from perdure.config.errors import ConfigError
     from perdure.config.run import RunConfig, config_hash, load_config
+    from perdure.launch.api import run
     from perdure.provenance import provenance
+    from perdure.report import write_report
+    from perdure.runtime.task import Task
 
 
 def __getattr__(name: str) -> Any:

@@ -117,3 +117,25 @@ def test_configs_are_keyword_only_and_frozen() -> None:
         RunConfig(None)  # type: ignore[misc]
     with pytest.raises(dataclasses.FrozenInstanceError):
         RunConfig().train.steps = 3  # type: ignore[misc]
+
+
+def test_configuration_reference_is_generated_from_the_code() -> None:
+    from perdure.config.docs import reference_markdown
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    assert page == reference_markdown(), "run: perdure config fields > docs/configuration.md"
+
+
+def test_every_config_field_has_a_docstring() -> None:
+    import dataclasses
+
+    from perdure.chaos.config import FaultConfig
+    from perdure.config.docs import field_docs
+    from perdure.runtime.config import RegionConfig
+
+    sections = [f.default_factory().__class__ for f in dataclasses.fields(RunConfig)]  # type: ignore[misc]
+    for cls in [*sections, RegionConfig, FaultConfig]:
+        if cls is RunConfig:
+            continue
+        missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
+        assert not missing, f"{cls.__name__}: fields without a docstring: {missing}"

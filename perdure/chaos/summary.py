@@ -49,10 +49,18 @@ def _detected(e: Record, fault: Record, region_workers: set[str]) -> bool:
 
 
 def fault_report(events: list[Record], metrics: list[Record]) -> list[Record]:
-    """One record per injected fault (see module doc), in injection order."""
+    """One record per injected fault (see module doc), in injection order. A fault's
+    phases are looked for before the next fault strikes, so that one fault's recovery is
+    never credited to another."""
     events = sorted(events, key=lambda e: e["t"])
     region_of = {e["worker"]: e.get("region") for e in events if e["event"] == "join"}
-    return [_one(f, events, metrics, region_of) for f in events if f["event"] == "fault_injected"]
+    faults = [e for e in events if e["event"] == "fault_injected"]
+    out = []
+    for i, f in enumerate(faults):
+        end = faults[i + 1]["t"] if i + 1 < len(faults) else float("inf")
+        window = [e for e in events if e["t"] < end or e["event"] in ("run_end", "leave")]
+        out.append(_one(f, window, metrics, region_of))
+    return out
 
 
 def _start_t(f: Record, metrics: list[Record]) -> float:
@@ -71,7 +79,9 @@ def _one(f: Record, events: list[Record], metrics: list[Record], region_of: dict
     replan = _first(events, t0, lambda e: e["event"] == "epoch_started")
     if f["kind"] in ("poison_shard",):
         replan = None
-    copy = _first(events, t0, lambda e: e["event"] == "state_received")
+    copy = None
+    if f["kind"] in ("kill", "hang", "region_down"):
+        copy = _first(events, t0, lambda e: e["event"] == "state_received")
     after = replan["t"] if replan else (detect["t"] if detect else t0)
     commit = next((m for m in metrics if m["t"] > after), None)
     return {

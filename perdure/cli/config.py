@@ -34,3 +34,11 @@ def check(file: str, canonical: bool) -> None:
     click.echo(f"config hash: {config_hash(cfg)}")
     if canonical:
         click.echo(json.dumps(canon(cfg), indent=2, sort_keys=True))
+
+
+@config.command("fields")
+def fields() -> None:
+    """Print the reference of every config field (the source of docs/configuration.md)."""
+    from perdure.config.docs import reference_markdown
+
+    click.echo(reference_markdown(), nl=False)

@@ -40,7 +40,7 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
     from perdure.launch.demo import DATASET, ensure_dataset, fault_table, reference
     from perdure.report import write_report
 
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=120)
     root = Path(__file__).resolve().parents[2]
     default = root / "configs" / ("demo_quick.toml" if quick else "demo.toml")
     config = load_config(config_file or default)

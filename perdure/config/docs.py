@@ -1,0 +1,73 @@
+"""Every config field, documented from the dataclasses themselves (docs/configuration.md).
+
+The docstring under each field is the one source of its documentation: this module reads
+them from the source with ``ast``, so the reference page cannot drift from the code (a test
+regenerates it and compares).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import textwrap
+from typing import Any
+
+from perdure.config.run import RunConfig
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` from the string literal that follows each field."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                out[node.target.id] = " ".join(str(nxt.value.value).split())
+    return out
+
+
+def _default(f: dataclasses.Field[Any]) -> str:
+    if f.default is not dataclasses.MISSING:
+        return repr(f.default)
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+        return repr(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+    return "(required)"
+
+
+def _type(f: dataclasses.Field[Any]) -> str:
+    return str(f.type).replace("typing.", "")
+
+
+def section_markdown(name: str, cls: type) -> list[str]:
+    docs = field_docs(cls)
+    lines = [f"## `[{name}]` ({cls.__name__})", "", " ".join((cls.__doc__ or "").split()), ""]
+    lines += ["| key | type | default | math | meaning |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(cls):
+        math = "yes" if f.metadata.get("math") else ""
+        text = docs.get(f.name, "").replace("|", "\\|")
+        lines.append(f"| `{f.name}` | `{_type(f)}` | `{_default(f)}` | {math} | {text} |")
+    return [*lines, ""]
+
+
+def reference_markdown() -> str:
+    """The whole configuration reference page."""
+    from perdure.chaos.config import FaultConfig
+    from perdure.runtime.config import RegionConfig
+
+    lines = [
+        "# Configuration reference",
+        "",
+        "Generated from the config dataclasses by `perdure config fields` (a test keeps it in",
+        "sync). A run config is one TOML file whose tables map onto these sections. Fields",
+        "marked *math* enter the config hash; the others decide who computes what and",
+        "cannot change a bit of the result.",
+        "",
+    ]
+    for f in dataclasses.fields(RunConfig):
+        lines += section_markdown(f.name, f.default_factory().__class__)  # type: ignore[misc]
+    lines += section_markdown("cluster.regions[]", RegionConfig)
+    lines += section_markdown("chaos.faults[]", FaultConfig)
+    return "\n".join(lines).rstrip() + "\n"
