@@ -34,7 +34,8 @@ def _default(f: dataclasses.Field[Any]) -> str:
         return repr(f.default)
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
-        return repr(dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value)
+        plain = dataclasses.is_dataclass(value) and not isinstance(value, type)
+        return repr(dataclasses.asdict(value) if plain else value)  # type: ignore[arg-type]
     return "(required)"
 
 
@@ -53,6 +54,10 @@ def section_markdown(name: str, cls: type) -> list[str]:
     return [*lines, ""]
 
 
+def _section(name: str) -> type:
+    return type(getattr(RunConfig(), name))
+
+
 def reference_markdown() -> str:
     """The whole configuration reference page."""
     from perdure.chaos.config import FaultConfig
@@ -68,7 +73,7 @@ def reference_markdown() -> str:
         "",
     ]
     for f in dataclasses.fields(RunConfig):
-        lines += section_markdown(f.name, f.default_factory().__class__)  # type: ignore[misc]
+        lines += section_markdown(f.name, f.type if isinstance(f.type, type) else _section(f.name))
     lines += section_markdown("cluster.regions[]", RegionConfig)
     lines += section_markdown("chaos.faults[]", FaultConfig)
     return "\n".join(lines).rstrip() + "\n"
