@@ -200,10 +200,15 @@ def sync_doc(out: Path, doc: Path = REPO / "docs" / "performance.md") -> bool:
     def repl(m: re.Match) -> str:
         name = m.group(1)
         p = out / f"{name}.json"
+        note = ""
+        if not p.exists() and (out / "quick" / f"{name}.json").exists():
+            p = out / "quick" / f"{name}.json"  # only a quick (smoke) result exists
+            note = (f"*From the quick smoke run (`benchmarks/results/quick/{name}.json`), not "
+                    "the full suite.*\n\n")
         if not p.exists():
             return m.group(0)
         d = json.loads(p.read_text())
-        body = RENDER.get(name, md_generic)(d)
+        body = note + RENDER.get(name, md_generic)(d)
         if name == "scaling":  # plots live in benchmarks/results/, the doc in docs/
             body = body.replace("](scaling_", "](../benchmarks/results/scaling_")
         return f"<!-- bench:{name} -->\n{body}\n<!-- /bench:{name} -->"
