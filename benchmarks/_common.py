@@ -49,7 +49,9 @@ def machine() -> dict[str, Any]:
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
-        "affinity_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "affinity_cores": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else None,
         "ram_gib": ram,
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -111,9 +113,20 @@ def ensure_dataset(path: str = "runs/datasets/stdlib", max_mb: float = 10) -> st
         return str(full)
     src = os.path.dirname(os.__file__)
     subprocess.run(
-        [str(REPO / ".venv/bin/perdure"), "data", "build", src, "--include", "*.py",
-         "--max-mb", str(max_mb), "--out", str(full)],
-        check=True, cwd=REPO,
+        [
+            str(REPO / ".venv/bin/perdure"),
+            "data",
+            "build",
+            src,
+            "--include",
+            "*.py",
+            "--max-mb",
+            str(max_mb),
+            "--out",
+            str(full),
+        ],
+        check=True,
+        cwd=REPO,
     )
     return str(full)
 

@@ -32,9 +32,9 @@ Results: ``benchmarks/results/recovery.json``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, ensure_dataset, free_port, machine, stats, write_result  # noqa: E402
-from bench_step import perdure_run  # noqa: E402
+from _common import REPO, ensure_dataset, free_port, machine, stats, write_result
+from bench_step import perdure_run
 
 PEERS = Path(__file__).resolve().parent / "peers"
 VENV_BIN = REPO / ".venv" / "bin"
@@ -121,8 +121,15 @@ def perdure_recovery(dataset: str, steps: int, kill_at: int) -> dict:
         if pre and post:
             out["join_commit_gap_s"] = post[0]["t"] - pre[-1]["t"]
             out["join_epoch_announce_to_start_s"] = tj - next(
-                (e["t"] for e in r["events"] if e.get("event") == "epoch_announced" and e["t"] > tf
-                 and e.get("reason") == "join"), tj)
+                (
+                    e["t"]
+                    for e in r["events"]
+                    if e.get("event") == "epoch_announced"
+                    and e["t"] > tf
+                    and e.get("reason") == "join"
+                ),
+                tj,
+            )
     return out
 
 
@@ -131,7 +138,10 @@ def perdure_goodput(dataset: str, steps: int) -> dict:
     kills = list(range(50, steps, 50))
     res = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-gp-") as d:
-        for name, chaos in (("clean", None), ("faulty", kill_schedule(kills, ["local-1", "local-2"]))):
+        for name, chaos in (
+            ("clean", None),
+            ("faulty", kill_schedule(kills, ["local-1", "local-2"])),
+        ):
             r = perdure_run(cfg, steps, Path(d) / name, chaos=chaos, timeout_s=900)
             res[name] = {
                 "rc": r["rc"],
@@ -160,18 +170,47 @@ def torchrun_run(
     work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
     cmd = [
-        str(VENV_BIN / "torchrun"), "--nnodes", "1", "--nproc-per-node", "3",
-        "--max-restarts", "10", "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"127.0.0.1:{free_port()}", str(PEERS / "ddp_torchrun.py"),
-        "--step-log", str(log), "--ckpt-dir", str(work), "--steps", str(steps),
-        "--global-batch", str(B), "--ckpt-every", str(ckpt_every),
-        "--kill-at", str(kill_at), "--d-model", str(model["d_model"]),
-        "--n-layers", str(model["n_layers"]), "--n-heads", str(model["n_heads"]),
+        str(VENV_BIN / "torchrun"),
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "3",
+        "--max-restarts",
+        "10",
+        "--monitor-interval",
+        "0.1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        str(PEERS / "ddp_torchrun.py"),
+        "--step-log",
+        str(log),
+        "--ckpt-dir",
+        str(work),
+        "--steps",
+        str(steps),
+        "--global-batch",
+        str(B),
+        "--ckpt-every",
+        str(ckpt_every),
+        "--kill-at",
+        str(kill_at),
+        "--d-model",
+        str(model["d_model"]),
+        "--n-layers",
+        str(model["n_layers"]),
+        "--n-heads",
+        str(model["n_heads"]),
     ]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    return {"rc": p.returncode, "wall_s": time.perf_counter() - t0, "log": read_jsonl(log),
-            "stderr_tail": p.stderr[-1500:]}
+    return {
+        "rc": p.returncode,
+        "wall_s": time.perf_counter() - t0,
+        "log": read_jsonl(log),
+        "stderr_tail": p.stderr[-1500:],
+    }
 
 
 def peer_recovery(log: list[dict], survivor_filter=lambda e: True) -> dict:
@@ -182,7 +221,7 @@ def peer_recovery(log: list[dict], survivor_filter=lambda e: True) -> dict:
     commits = [e for e in log if e.get("event") == "commit" and survivor_filter(e)]
     after = [e for e in commits if e["t"] > tf]
     beyond = [e for e in after if e["step"] > fstep]
-    before = [b["t"] - a["t"] for a, b in zip(commits, commits[1:]) if b["t"] <= tf][3:]
+    before = [b["t"] - a["t"] for a, b in itertools.pairwise(commits) if b["t"] <= tf][3:]
     out = {
         "fault_step": fstep,
         # the run's first new step (a step beyond the one committed before the kill)
@@ -210,7 +249,12 @@ def torchrun_recovery(steps: int, kill_at: int, ckpt_every: int) -> dict:
 
 
 def torchft_run(
-    work: Path, steps: int, kills: list[int], model: dict, B: int, hb_ms: int = 5000,
+    work: Path,
+    steps: int,
+    kills: list[int],
+    model: dict,
+    B: int,
+    hb_ms: int = 5000,
     timeout_s: float = 600,
 ) -> dict:
     """3 replicas under a lighthouse; replica 1 is killed after each step of ``kills`` and
@@ -219,28 +263,66 @@ def torchft_run(
     log = work / "log.jsonl"
     lport = free_port()
     lh = subprocess.Popen(
-        [str(VENV_BIN / "torchft_lighthouse"), "--min_replicas", "1", "--quorum_tick_ms", "100",
-         "--join_timeout_ms", "1000", "--heartbeat_timeout_ms", str(hb_ms),
-         "--bind", f"127.0.0.1:{lport}"],
-        stdout=open(work / "lighthouse.log", "w"), stderr=subprocess.STDOUT,
+        [
+            str(VENV_BIN / "torchft_lighthouse"),
+            "--min_replicas",
+            "1",
+            "--quorum_tick_ms",
+            "100",
+            "--join_timeout_ms",
+            "1000",
+            "--heartbeat_timeout_ms",
+            str(hb_ms),
+            "--bind",
+            f"127.0.0.1:{lport}",
+        ],
+        stdout=open(work / "lighthouse.log", "w"),  # noqa: SIM115 - lives with the process
+        stderr=subprocess.STDOUT,
     )
     procs: dict[int, subprocess.Popen] = {}
     kills = sorted(kills)
 
     def start(i: int, kill_at: int) -> subprocess.Popen:
         env = {
-            **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-            "RANK": "0", "WORLD_SIZE": "1", "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lport}",
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{lport}",
             "OMP_NUM_THREADS": "1",
         }
         marker = work / f"killed-{kill_at}"
         return subprocess.Popen(
-            [str(VENV_BIN / "python"), str(PEERS / "torchft_replica.py"), "--step-log", str(log),
-             "--marker", str(marker), "--replica", str(i), "--replicas", "3",
-             "--steps", str(steps), "--global-batch", str(B), "--kill-at", str(kill_at),
-             "--kill-replica", "1", "--d-model", str(model["d_model"]),
-             "--n-layers", str(model["n_layers"]), "--n-heads", str(model["n_heads"])],
-            cwd=REPO, env=env, stdout=open(work / f"replica{i}.log", "a"),
+            [
+                str(VENV_BIN / "python"),
+                str(PEERS / "torchft_replica.py"),
+                "--step-log",
+                str(log),
+                "--marker",
+                str(marker),
+                "--replica",
+                str(i),
+                "--replicas",
+                "3",
+                "--steps",
+                str(steps),
+                "--global-batch",
+                str(B),
+                "--kill-at",
+                str(kill_at),
+                "--kill-replica",
+                "1",
+                "--d-model",
+                str(model["d_model"]),
+                "--n-layers",
+                str(model["n_layers"]),
+                "--n-heads",
+                str(model["n_heads"]),
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=open(work / f"replica{i}.log", "a"),
             stderr=subprocess.STDOUT,
         )
 
@@ -328,8 +410,12 @@ def _torchrun_multi_kill(work: Path, steps: int, kills: list[int], ckpt_every: i
     finally:
         os.environ.pop("BENCH_KILL_STEPS", None)
     commits = _commits(r["log"])
-    return {"rc": r["rc"], "span_s": span(commits), "commits": len(commits),
-            "faults_logged": sum(e.get("event") == "fault" for e in r["log"])}
+    return {
+        "rc": r["rc"],
+        "span_s": span(commits),
+        "commits": len(commits),
+        "faults_logged": sum(e.get("event") == "fault" for e in r["log"]),
+    }
 
 
 def torchft_goodput(steps: int, hb_ms: int = 5000) -> dict:
@@ -375,7 +461,7 @@ def main(argv=None) -> int:
     systems = {}
     for r in range(repeats):
         order = ["perdure", "torchrun", "torchft"]
-        order = order[r % 3:] + order[: r % 3]
+        order = order[r % 3 :] + order[: r % 3]
         for name in order:
             if name in a.skip:
                 continue
@@ -386,10 +472,12 @@ def main(argv=None) -> int:
             else:
                 res = torchft_recovery(steps, kill_at)
             systems.setdefault(name, []).append(res)
-            print(f"{name}: recovery {res.get('recovery_s')} s, step before "
-                  f"{res.get('step_s_before')} s"
-                  + (f"  ERROR {str(res['error'])[-300:]}" if res.get("error") else ""),
-                  flush=True)
+            print(
+                f"{name}: recovery {res.get('recovery_s')} s, step before "
+                f"{res.get('step_s_before')} s"
+                + (f"  ERROR {str(res['error'])[-300:]}" if res.get("error") else ""),
+                flush=True,
+            )
     recovery = {}
     for name, runs in systems.items():
         recovery[name] = {
@@ -420,9 +508,16 @@ def main(argv=None) -> int:
         "machine": machine(),
         "quick": a.quick,
         "workload": {
-            "replicas": 3, "model": REC_MODEL, "params_approx": 2.06e6, "global_batch": 6,
-            "steps": steps, "kill_at": kill_at, "threads_per_process": 1,
-            "goodput_model": GP_MODEL, "goodput_global_batch": 12, "goodput_steps": gp_steps,
+            "replicas": 3,
+            "model": REC_MODEL,
+            "params_approx": 2.06e6,
+            "global_batch": 6,
+            "steps": steps,
+            "kill_at": kill_at,
+            "threads_per_process": 1,
+            "goodput_model": GP_MODEL,
+            "goodput_global_batch": 12,
+            "goodput_steps": gp_steps,
         },
         "goals": {
             "recovery_s <= 0.5": pr.get("median") is not None and pr["median"] <= 0.5,

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt, free_port, gloo_group, machine, ratios, stats, write_result  # noqa: E402
+from _common import fmt, free_port, gloo_group, machine, ratios, stats, write_result
 
 MB = 1 << 20
 
@@ -36,7 +36,7 @@ def _worker(rank, size, port, sizes_mb, chunks, repeats, q):  # pragma: no cover
 
     from perdure.runtime.reduce import chain_reduce
 
-    store, pg = gloo_group(rank, size, port, prefix="reduce")
+    _store, pg = gloo_group(rank, size, port, prefix="reduce")
     timeout = timedelta(seconds=300)
     results = []
     g = torch.Generator().manual_seed(rank)
@@ -45,11 +45,12 @@ def _worker(rank, size, port, sizes_mb, chunks, repeats, q):  # pragma: no cover
         src = torch.rand(n, generator=g)
         ar = src.clone()
         partial, out = torch.empty(n), torch.empty(n)
-        partial.zero_(), out.zero_()  # touch the pages: timing the op, not page faults
+        partial.zero_()  # touch the pages: timing the op, not page faults
+        out.zero_()
         ops = [("all_reduce", None)] + [(f"chain_{c}", c) for c in chunks]
 
-        def run(op):
-            name, c = op
+        def run(op, ar=ar, src=src, partial=partial, out=out):
+            _, c = op
             if c is None:
                 ar.copy_(src)  # all_reduce is in place: restore the input (copy timed outside)
                 pg.barrier().wait()
@@ -74,11 +75,9 @@ def _worker(rank, size, port, sizes_mb, chunks, repeats, q):  # pragma: no cover
         pg.allreduce([t], opts=_max_opts()).wait()
         if rank == 0:
             results.append({"mb": mb, "times": {nm: t[i].tolist() for i, nm in enumerate(names)}})
-        del src, ar, partial, out
     pg.barrier().wait()
     if rank == 0:
         q.put(results)
-    del pg, store
 
 
 def _max_opts():
@@ -158,7 +157,8 @@ def main(argv=None) -> int:
             row["ratio_best_chunk_over_all_reduce"] = row["chunks"][best]["ratio_over_all_reduce"]
             rows.append(row)
             print(
-                f"W={w} {res['mb']:>6g} MB  all_reduce {row['all_reduce_s']['median'] * 1e3:8.2f} ms"
+                f"W={w} {res['mb']:>6g} MB"
+                f"  all_reduce {row['all_reduce_s']['median'] * 1e3:8.2f} ms"
                 f"  chain {row['chain_s']['median'] * 1e3:8.2f} ms"
                 f"  ratio {fmt(row['ratio_chain_over_all_reduce'], 2)}"
                 f"  best chunk {best} ({fmt(row['ratio_best_chunk_over_all_reduce'], 2)})",

@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, ensure_dataset, machine, write_result  # noqa: E402
-from bench_recovery import kill_schedule  # noqa: E402
-from bench_step import perdure_run  # noqa: E402
+from _common import RESULTS, ensure_dataset, machine, write_result
+from bench_recovery import kill_schedule
+from bench_step import perdure_run
 
 MODELS = {
     "1M": {"d_model": 128, "n_layers": 5, "n_heads": 4},
@@ -43,8 +43,10 @@ MODELS = {
 
 def cfg(model: str, W: int, B: int, S: int, dataset: str) -> dict:
     return {
-        "task": {"entry": "examples.tiny_lm.task:make_task",
-                 "options": {**MODELS[model], "dropout": 0.1}},
+        "task": {
+            "entry": "examples.tiny_lm.task:make_task",
+            "options": {**MODELS[model], "dropout": 0.1},
+        },
         "optim": {"name": "adamw", "lr": 1e-3, "grad_clip": 1.0},
         "train": {"steps": 10, "global_batch": B, "slots": S},
         "data": {"dataset": dataset},
@@ -58,12 +60,22 @@ def point(model: str, W: int, B: int, S: int, steps: int, dataset: str, kill_at=
     chaos = kill_schedule([kill_at], ["local-1"]) if kill_at is not None else None
     with tempfile.TemporaryDirectory(prefix="perdure-bench-scale-") as d:
         r = perdure_run(c, steps, Path(d) / "run", chaos=chaos, timeout_s=900)
-    out = {"model": model, "workers": W, "global_batch": B, "slots": S, "steps": steps,
-           "rc": r["rc"], "wall_s": r["wall_s"]}
+    out = {
+        "model": model,
+        "workers": W,
+        "global_batch": B,
+        "slots": S,
+        "steps": steps,
+        "rc": r["rc"],
+        "wall_s": r["wall_s"],
+    }
     if r["rc"]:
         out["error"] = r["stderr_tail"][-800:]
-    ms = [m["step_s"] for m in r["metrics"] if m["step"] >= 2 and
-          (kill_at is None or m["step"] < kill_at)]
+    ms = [
+        m["step_s"]
+        for m in r["metrics"]
+        if m["step"] >= 2 and (kill_at is None or m["step"] < kill_at)
+    ]
     out["step_s"] = statistics.median(ms) if ms else None
     saved = [e for e in r["events"] if e.get("event") == "checkpoint_saved"]
     if saved:
@@ -138,8 +150,7 @@ def main(argv=None) -> int:
             point("100M", 2, 2, 2, 4, dataset),
         ]
         series["slots"] = [point("small", 2, 32, s, 20, dataset) for s in (2, 8, 32)]
-        series["recovery"] = [point("small", w, 32, 16, 24, dataset, kill_at=12)
-                              for w in (2, 4, 8)]
+        series["recovery"] = [point("small", w, 32, 16, 24, dataset, kill_at=12) for w in (2, 4, 8)]
     # parameter counts (no process group needed)
     import torch
 
@@ -155,8 +166,15 @@ def main(argv=None) -> int:
     out_dir = Path(a.out).parent if a.out else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot(series, out_dir / "scaling")
-    data = {"name": "scaling", "machine": machine(), "quick": a.quick, "models": MODELS,
-            "series": series, "plots": pngs, "seconds": time.perf_counter() - t0}
+    data = {
+        "name": "scaling",
+        "machine": machine(),
+        "quick": a.quick,
+        "models": MODELS,
+        "series": series,
+        "plots": pngs,
+        "seconds": time.perf_counter() - t0,
+    }
     print(f"wrote {write_result('scaling', data, a.out)}")
     return 0
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     REPO,
     ensure_dataset,
     fmt,
@@ -90,7 +89,7 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
     config = config_from_dict(cfg)
     tr = Trainer(config)  # sets threads_per_worker and deterministic algorithms
     comm = Comm(store, "perdure-bench", rank, W, timeout, lambda: False)
-    S, B = config.train.slots, config.train.global_batch
+    S = config.train.slots
     per = S // W
     my = range(rank * per, (rank + 1) * per)
     bufs = [tr.engine.new_buffer() for _ in my]
@@ -170,9 +169,7 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
             dist.barrier()
             times[nm].append((time.perf_counter() - t0) / steps)
     total = steps * repeats
-    breakdown = {
-        nm: {k: v / total for k, v in a.items() if v} for nm, a in acc.items()
-    }
+    breakdown = {nm: {k: v / total for k, v in a.items() if v} for nm, a in acc.items()}
     gathered = [None] * W
     dist.all_gather_object(gathered, breakdown)
     if rank == 0:
@@ -193,7 +190,9 @@ def in_loop(cfg: dict, W: int, steps: int, repeats: int) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, W, port, cfg, steps, repeats, q)) for r in range(W)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, W, port, cfg, steps, repeats, q)) for r in range(W)
+    ]
     for p in procs:
         p.start()
     try:
@@ -237,8 +236,16 @@ def perdure_run(
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "bench.toml"
     path.write_text(to_toml(cfg))
-    cmd = [str(REPO / ".venv/bin/perdure"), "run", str(path), "--run-dir", str(run_dir),
-           "--no-live", "--timeout-s", str(timeout_s)]
+    cmd = [
+        str(REPO / ".venv/bin/perdure"),
+        "run",
+        str(path),
+        "--run-dir",
+        str(run_dir),
+        "--no-live",
+        "--timeout-s",
+        str(timeout_s),
+    ]
     if chaos:
         cp = run_dir / "chaos.toml"
         cp.write_text(chaos)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PY, REPO, RESULTS, ensure_dataset, fmt, machine  # noqa: E402
+from _common import PY, REPO, RESULTS, ensure_dataset, fmt, machine
 
 HERE = Path(__file__).resolve().parent
 
@@ -51,8 +51,12 @@ def run_one(name: str, script: str, args: list[str], out: Path, timeout: float) 
     secs = time.perf_counter() - t0
     print(tail if status != "ok" else (tail[-1500:]), flush=True)
     print(f"== {name}: {status} in {secs:.1f} s", flush=True)
-    return {"name": name, "status": status, "seconds": round(secs, 1), "command": " ".join(
-        [".venv/bin/python", f"benchmarks/{script}", *args])}
+    return {
+        "name": name,
+        "status": status,
+        "seconds": round(secs, 1),
+        "command": " ".join([".venv/bin/python", f"benchmarks/{script}", *args]),
+    }
 
 
 # -- markdown -------------------------------------------------------------------------------
@@ -69,46 +73,105 @@ def table(head: list[str], rows: list[list]) -> str:
 
 
 def md_reduce(d: dict) -> str:
-    rows = [[r["workers"], r["mb"], ms(r["all_reduce_s"]), ms(r["chain_s"]),
-             fmt(r["ratio_chain_over_all_reduce"], 2), r["best_chunk_elems"],
-             fmt(r["ratio_best_chunk_over_all_reduce"], 2)] for r in d["rows"]]
-    t = table(["W", "MB", "all_reduce ms", "chain ms", "chain/all_reduce", "best chunk (elems)",
-               "best chunk / all_reduce"], rows)
+    rows = [
+        [
+            r["workers"],
+            r["mb"],
+            ms(r["all_reduce_s"]),
+            ms(r["chain_s"]),
+            fmt(r["ratio_chain_over_all_reduce"], 2),
+            r["best_chunk_elems"],
+            fmt(r["ratio_best_chunk_over_all_reduce"], 2),
+        ]
+        for r in d["rows"]
+    ]
+    t = table(
+        [
+            "W",
+            "MB",
+            "all_reduce ms",
+            "chain ms",
+            "chain/all_reduce",
+            "best chunk (elems)",
+            "best chunk / all_reduce",
+        ],
+        rows,
+    )
     g = ", ".join(f"{k}: {v:.2f}" for k, v in d["chunk_geomean_ratio"].items())
-    return (f"{t}\n\nDefault chunk {d['default_chunk_elems']} elems. Geometric mean of median "
-            f"ratios per chunk size: {g}; best overall: {d['best_chunk_elems_overall']}. "
-            f"Goal <= 1.2x met in {d['summary']['rows_meeting_goal']}/{d['summary']['rows']} rows.")
+    return (
+        f"{t}\n\nDefault chunk {d['default_chunk_elems']} elems. Geometric mean of median "
+        f"ratios per chunk size: {g}; best overall: {d['best_chunk_elems_overall']}. "
+        f"Goal <= 1.2x met in {d['summary']['rows_meeting_goal']}/{d['summary']['rows']} rows."
+    )
 
 
 def md_step(d: dict) -> str:
     rows = []
     for r in d["rows"]:
         rt = r.get("runtime", {})
-        rows.append([
-            r["model"], f"{r['params'] / 1e6:.2f}M", r["workers"], r["global_batch"], r["slots"],
-            ms(r["ddp_step_s"]), ms(r["perdure_step_s"]), fmt(r["ratio_perdure_over_ddp"]),
-            fmt(r["ratio_prealloc_over_ddp"]),
-            ms(rt.get("step_s")) if rt.get("step_s") else rt.get("error", "-")[:40] if rt else "-",
-            f"{r['ratio_runtime_over_ddp_median']:.3f}" if "ratio_runtime_over_ddp_median" in r
-            else "-",
-        ])
-    return table(["model", "params", "W", "B", "slots", "DDP ms", "perdure ms",
-                  "perdure/DDP", "prealloc/DDP", "`perdure run` step_s ms", "run/DDP"], rows)
+        rows.append(
+            [
+                r["model"],
+                f"{r['params'] / 1e6:.2f}M",
+                r["workers"],
+                r["global_batch"],
+                r["slots"],
+                ms(r["ddp_step_s"]),
+                ms(r["perdure_step_s"]),
+                fmt(r["ratio_perdure_over_ddp"]),
+                fmt(r["ratio_prealloc_over_ddp"]),
+                ms(rt.get("step_s"))
+                if rt.get("step_s")
+                else rt.get("error", "-")[:40]
+                if rt
+                else "-",
+                f"{r['ratio_runtime_over_ddp_median']:.3f}"
+                if "ratio_runtime_over_ddp_median" in r
+                else "-",
+            ]
+        )
+    return table(
+        [
+            "model",
+            "params",
+            "W",
+            "B",
+            "slots",
+            "DDP ms",
+            "perdure ms",
+            "perdure/DDP",
+            "prealloc/DDP",
+            "`perdure run` step_s ms",
+            "run/DDP",
+        ],
+        rows,
+    )
 
 
 def md_recovery(d: dict) -> str:
     rows = []
     for name, r in d["recovery"].items():
-        rows.append([name, fmt(r["recovery_s"]), fmt(r.get("step_s_before")),
-                     "; ".join(str(x.get("error"))[:60] for x in r["runs"] if x.get("error"))
-                     or "-"])
+        rows.append(
+            [
+                name,
+                fmt(r["recovery_s"]),
+                fmt(r.get("step_s_before")),
+                "; ".join(str(x.get("error"))[:60] for x in r["runs"] if x.get("error")) or "-",
+            ]
+        )
     t = table(["system", "kill -> next new step, s", "step s before", "errors"], rows)
-    gp = [[n, f"{g.get('goodput'):.3f}" if g.get("goodput") else "-", g.get("faults"),
-           f"{g.get('clean', {}).get('span_s') or 0:.1f}",
-           f"{g.get('faulty', {}).get('span_s') or 0:.1f}",
-           g.get("bitwise_equal", "-")] for n, g in d.get("goodput", {}).items()]
-    t2 = table(["system", "goodput", "kills", "clean span s", "faulty span s",
-                "bitwise equal"], gp)
+    gp = [
+        [
+            n,
+            f"{g.get('goodput'):.3f}" if g.get("goodput") else "-",
+            g.get("faults"),
+            f"{g.get('clean', {}).get('span_s') or 0:.1f}",
+            f"{g.get('faulty', {}).get('span_s') or 0:.1f}",
+            g.get("bitwise_equal", "-"),
+        ]
+        for n, g in d.get("goodput", {}).items()
+    ]
+    t2 = table(["system", "goodput", "kills", "clean span s", "faulty span s", "bitwise equal"], gp)
     rat = ", ".join(f"{k}: {v:.1f}x" for k, v in d.get("ratios", {}).items())
     goals = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in d["goals"].items())
     return f"{t}\n\nRatios (peer / perdure, medians): {rat or '-'}\n\n{t2}\n\nGoals: {goals}"
@@ -119,15 +182,39 @@ def md_scaling(d: dict) -> str:
     for name, pts in d["series"].items():
         if not pts:
             continue
-        rows = [[p["model"], p.get("params", "-"), p["workers"], p["global_batch"], p["slots"],
-                 f"{p['step_s'] * 1e3:.1f}" if p.get("step_s") else "-",
-                 f"{p['checkpoint_s']:.3f}" if p.get("checkpoint_s") else "-",
-                 f"{p['checkpoint_snapshot_s']:.3f}" if p.get("checkpoint_snapshot_s") else "-",
-                 f"{p['recovery_s']:.3f}" if p.get("recovery_s") else "-",
-                 "ok" if not p.get("rc") else "rc " + str(p["rc"])] for p in pts]
-        parts.append(f"**{name}**\n\n" + table(
-            ["model", "params", "W", "B", "slots", "step ms", "ckpt write s", "ckpt snapshot s",
-             "recovery s", "run"], rows))
+        rows = [
+            [
+                p["model"],
+                p.get("params", "-"),
+                p["workers"],
+                p["global_batch"],
+                p["slots"],
+                f"{p['step_s'] * 1e3:.1f}" if p.get("step_s") else "-",
+                f"{p['checkpoint_s']:.3f}" if p.get("checkpoint_s") else "-",
+                f"{p['checkpoint_snapshot_s']:.3f}" if p.get("checkpoint_snapshot_s") else "-",
+                f"{p['recovery_s']:.3f}" if p.get("recovery_s") else "-",
+                "ok" if not p.get("rc") else "rc " + str(p["rc"]),
+            ]
+            for p in pts
+        ]
+        parts.append(
+            f"**{name}**\n\n"
+            + table(
+                [
+                    "model",
+                    "params",
+                    "W",
+                    "B",
+                    "slots",
+                    "step ms",
+                    "ckpt write s",
+                    "ckpt snapshot s",
+                    "recovery s",
+                    "run",
+                ],
+                rows,
+            )
+        )
     parts.append("Plots: " + ", ".join(f"![{p}]({p})" for p in d.get("plots", [])))
     return "\n\n".join(parts)
 
@@ -151,8 +238,7 @@ def md_generic(d: dict) -> str:
     return table(["ratio", "min / median / max"], rows) if rows else "(no ratios found)"
 
 
-RENDER = {"reduce": md_reduce, "step": md_step, "recovery": md_recovery,
-          "scaling": md_scaling}
+RENDER = {"reduce": md_reduce, "step": md_step, "recovery": md_recovery, "scaling": md_scaling}
 
 
 def write_readme(out: Path, runs: list[dict], quick: bool, wall: float) -> None:
@@ -169,9 +255,13 @@ def write_readme(out: Path, runs: list[dict], quick: bool, wall: float) -> None:
         "(the machine is shared: other test suites ran during these measurements).",
         f"Suite wall time: {wall / 60:.1f} min.",
         "",
-        table(["benchmark", "status", "seconds", "command"],
-              [[r["name"], r["status"], r.get("seconds", "-"), f"`{r.get('command', '-')}`"]
-               for r in runs]),
+        table(
+            ["benchmark", "status", "seconds", "command"],
+            [
+                [r["name"], r["status"], r.get("seconds", "-"), f"`{r.get('command', '-')}`"]
+                for r in runs
+            ],
+        ),
         "",
     ]
     for r in runs:
@@ -203,8 +293,10 @@ def sync_doc(out: Path, doc: Path = REPO / "docs" / "performance.md") -> bool:
         note = ""
         if not p.exists() and (out / "quick" / f"{name}.json").exists():
             p = out / "quick" / f"{name}.json"  # only a quick (smoke) result exists
-            note = (f"*From the quick smoke run (`benchmarks/results/quick/{name}.json`), not "
-                    "the full suite.*\n\n")
+            note = (
+                f"*From the quick smoke run (`benchmarks/results/quick/{name}.json`), not "
+                "the full suite.*\n\n"
+            )
         if not p.exists():
             return m.group(0)
         d = json.loads(p.read_text())
@@ -224,8 +316,11 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*")
     ap.add_argument("--results", type=Path)
     ap.add_argument("--timeout", type=float, default=900, help="per benchmark, seconds")
-    ap.add_argument("--sync-doc", action="store_true",
-                    help="only re-render docs/performance.md's tables from the result files")
+    ap.add_argument(
+        "--sync-doc",
+        action="store_true",
+        help="only re-render docs/performance.md's tables from the result files",
+    )
     a = ap.parse_args(argv)
     out = a.results or (RESULTS / "quick" if a.quick else RESULTS)
     if a.sync_doc:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, maybe_kill, model_and_loss, batch  # noqa: E402
+from common import batch, log, maybe_kill, model_and_loss
 
 
 def main() -> None:
@@ -45,7 +45,12 @@ def main() -> None:
         start = int(sd["step"])
     ddp = DDP(model)
     if rank == 0:
-        log(a.log, event="start", step=start, restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
+        log(
+            a.log,
+            event="start",
+            step=start,
+            restart=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
+        )
     per = a.global_batch // world
     # several kills (goodput runs): BENCH_KILL_STEPS=50,100,...; each fires once
     env_kills = os.environ.get("BENCH_KILL_STEPS", "")
@@ -62,7 +67,10 @@ def main() -> None:
             if rank == 0:
                 tmp = ckpt.with_suffix(".tmp")
                 with open(tmp, "wb") as f:
-                    torch.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": step + 1}, f)
+                    torch.save(
+                        {"model": model.state_dict(), "optim": opt.state_dict(), "step": step + 1},
+                        f,
+                    )
                     f.flush()
                     os.fsync(f.fileno())
                 os.replace(tmp, ckpt)

@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import log, maybe_kill, model_and_loss, batch  # noqa: E402
+from common import batch, log, maybe_kill, model_and_loss
 
 
 def main() -> None:
@@ -48,7 +48,11 @@ def main() -> None:
     from torch.distributed import TCPStore
 
     store = TCPStore(  # noqa: F841 - kept alive for the Manager
-        "127.0.0.1", int(os.environ["MASTER_PORT"]), 1, True, timedelta(seconds=30),
+        "127.0.0.1",
+        int(os.environ["MASTER_PORT"]),
+        1,
+        True,
+        timedelta(seconds=30),
         wait_for_workers=False,
     )
     manager = Manager(
@@ -72,8 +76,13 @@ def main() -> None:
         ok = manager.should_commit()
         if ok:
             opt.step()
-            log(a.log, event="commit", step=step, replica=a.replica,
-                participants=manager.num_participants())
+            log(
+                a.log,
+                event="commit",
+                step=step,
+                replica=a.replica,
+                participants=manager.num_participants(),
+            )
         else:
             log(a.log, event="abort", step=step, replica=a.replica)
         maybe_kill(a.log, a.marker, step, a.kill_at, ok and a.replica == a.kill_replica)
