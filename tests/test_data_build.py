@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data_support import ROW, SEQ_LEN, SHARD_MB, make_dataset, write_corpus
 
 from perdure.data import DataError, Dataset, build_dataset
+from tests.test_data_support import ROW, SEQ_LEN, SHARD_MB, make_dataset, write_corpus
 
 
 def _shard_bytes(out: Path) -> dict[str, bytes]:

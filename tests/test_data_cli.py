@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 from click.testing import CliRunner
-from test_data_support import write_corpus
 
 from perdure.cli import main
+from tests.test_data_support import write_corpus
 
 
 def _build(tmp_path: Path, *extra: str) -> tuple[Path, str]:

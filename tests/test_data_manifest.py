@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 import pytest
-from test_data_support import make_dataset
 
 from perdure.data import DataError, Dataset
+from tests.test_data_support import make_dataset
 
 
 def _edit_manifest(out: Path, edit) -> None:  # type: ignore[no-untyped-def]

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data_support import make_dataset
 
 from perdure.data import DataError, Dataset, DataState, Quarantine, SlotLoader
+from tests.test_data_support import make_dataset
 
 B, S, SEED = 16, 4, 3
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_data_support import copy_to_memory, make_dataset
 
 from perdure.data import DataError, Dataset, DataState, SlotLoader, slot_positions
+from tests.test_data_support import copy_to_memory, make_dataset
 
 B, S, SEED = 24, 6, 77
 

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import fsspec
 import numpy as np
-from test_data_support import ROW, copy_to_memory, make_dataset
 
 from perdure.data import Dataset, SlotLoader
+from tests.test_data_support import ROW, copy_to_memory, make_dataset
 
 
 def test_a_dataset_streams_from_memory_urls_like_a_local_one(tmp_path: Path) -> None:

@@ -21,6 +21,10 @@ from perdure.config.run import RunConfig, to_dict
 from perdure.launch.procs import start_coordinator, start_worker, wait_ports
 from perdure.runtime.events import JsonLines
 
+MAX_CRASHES = 3
+"""A worker that crashes this often without a fault being injected is a bug, not a fault:
+the launcher stops instead of replacing it for ever."""
+
 
 @dataclass
 class Proc:
@@ -65,6 +69,7 @@ class LocalLauncher:
         self.started = time.time()
         self.replacements: dict[str, float] = {}
         self.store_addrs: list[tuple[str, int]] = []
+        self.crashes: dict[str, int] = {}
 
     # -- processes -------------------------------------------------------------------------
 
@@ -174,6 +179,13 @@ class LocalLauncher:
                     "injected": p.expected_exit,
                 }
             )
+            if not p.expected_exit:
+                self.crashes[p.name] = self.crashes.get(p.name, 0) + 1
+                if self.crashes[p.name] >= MAX_CRASHES:
+                    raise RuntimeError(
+                        f"worker {p.name} crashed {MAX_CRASHES} times; giving up "
+                        f"(see {self.run_dir}/logs/{p.name}.log)"
+                    )
             if delay >= 0 and p.kind == "worker":
                 self.replacements[p.name] = time.monotonic() + delay
         now = time.monotonic()

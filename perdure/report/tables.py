@@ -231,7 +231,13 @@ def decision_rows(data: RunData) -> list[list[str]]:
             if isinstance(samples, list)
             else str(samples if samples is not None else DASH)
         )
+        slots = d.get("slots")
         slot = integer(d.get("slot"))
+        slot_text = (
+            ", ".join(map(str, slots))
+            if isinstance(slots, list)
+            else (DASH if slot is None else str(slot))
+        )
         step = integer(d.get("step"))
         rows.append(
             [
@@ -239,7 +245,7 @@ def decision_rows(data: RunData) -> list[list[str]]:
                 str(d.get("kind") or DASH),
                 shard_text,
                 sample_text,
-                DASH if slot is None else str(slot),
+                slot_text,
                 str(d.get("reason") or DASH),
             ]
         )
@@ -251,7 +257,7 @@ def decision_table_html(data: RunData) -> str:
     rows = decision_rows(data)
     if not rows:
         return '<p class="note">The decision log is empty: no shard was quarantined.</p>'
-    return table(("step", "kind", "shards", "samples", "slot", "reason"), rows, "decisions")
+    return table(("step", "kind", "shards", "samples", "slots", "reason"), rows, "decisions")
 
 
 # Keys shown as the event's own columns; everything else goes into "details".

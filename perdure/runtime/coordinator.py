@@ -56,6 +56,8 @@ class WorkerInfo:
     slot_s: float | None = None
     alive: bool = True
     done: bool = False
+    prepared: bool = False
+    """Its trainer is built: it can enter an epoch without making the members wait."""
 
 
 @dataclass
@@ -251,6 +253,7 @@ class Coordinator:
         info.detector.heartbeat(time.monotonic())
         if kind == "hb":
             info.next_step = int(msg.get("next_step", info.next_step))
+            info.prepared = info.prepared or bool(msg.get("prepared"))
             if msg.get("slot_s") is not None:
                 info.slot_s = float(msg["slot_s"])
         elif kind == "ready":
@@ -345,7 +348,8 @@ class Coordinator:
     def _promote_spare(self, lost: WorkerInfo) -> list[str]:
         """A warm spare (imported, admitted, idle) takes the lost member's place at once,
         preferring one in the same region."""
-        spares = sorted(self._alive("spare"), key=lambda w: (w.region != lost.region, w.name))
+        ready = [w for w in self._alive("spare") if w.prepared]
+        spares = sorted(ready, key=lambda w: (w.region != lost.region, w.name))
         if not spares:
             return []
         spare = spares[0]
@@ -378,10 +382,13 @@ class Coordinator:
     def _maybe_grow(self, now: float) -> None:
         """Admit idle workers (new or returning) at a step boundary, up to S members."""
         members = set(self.current.members if self.current else ())
-        idle = [w for w in self._alive("worker") if w.name not in members and not w.done]
+        idle = [
+            w for w in self._alive("worker") if w.name not in members and not w.done and w.prepared
+        ]
         room = self.config.train.slots - len(members)
-        if idle and room > 0:
-            after = max(self.workers[m].next_step for m in members) + 1
+        last = max((self.workers[m].next_step for m in members), default=0)
+        if idle and room > 0 and last + 1 < self.config.train.steps:
+            after = last + 1
             names = sorted(members | {w.name for w in idle[:room]})
             self._announce(names, after=after, reason="join")
 

@@ -49,6 +49,7 @@ class Epoch:
     comm: Comm
     ckpt: AsyncCheckpointer | None = None
     bufs: list[torch.Tensor] = field(default_factory=list)
+    scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -168,7 +169,7 @@ class Worker:
         # A worker admitted before the first epoch holds valid initial state (built from the
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
         self.has_state = self.role == "worker" and int(welcome.get("epoch", -1)) < 0
-        self._send({"type": "hb", "next_step": self.trainer.next_step})
+        self._send({"type": "hb", "next_step": self.trainer.next_step, "prepared": True})
         try:
             self._loop()
         finally:
@@ -421,8 +422,12 @@ class Worker:
             self._on_nonfinite(ep, t, bad)
 
     def _reduce(self, ep: Epoch, bufs: list[torch.Tensor], delay: float = 0.0) -> torch.Tensor:
+        """The slot-ordered sum of every member's ``bufs``. Scratch buffers live as long as
+        the epoch: an abandoned collective may still write into the old epoch's."""
         n = bufs[0].numel()
-        partial, out = torch.empty(n), torch.empty(n)
+        if n not in ep.scratch:
+            ep.scratch[n] = (torch.empty(n), torch.empty(n))
+        partial, out = ep.scratch[n]
         if self.chaos.take_comm_error():
             self.events.write({"event": "fault_hit", "kind": "comm_error", "worker": self.name})
             raise CommFailed("injected link drop (comm_error)")
@@ -560,7 +565,14 @@ class Worker:
             if delay:
                 time.sleep(delay)
             t = self.trainer
-            self._send({"type": "hb", "next_step": t.next_step if t else 0, "slot_s": self.slot_s})
+            self._send(
+                {
+                    "type": "hb",
+                    "next_step": t.next_step if t else 0,
+                    "slot_s": self.slot_s,
+                    "prepared": t is not None,
+                }
+            )
 
 
 def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:
