@@ -27,8 +27,15 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+BENCH_STAMP := $(VENV)/.bench-installed
+
+# --no-deps: torchft declares torch, and any resolution of it would fetch a CUDA build.
+$(BENCH_STAMP): $(STAMP) requirements-bench.txt
+	$(PY) -m pip install -q --no-deps -r requirements-bench.txt
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
+	$(PY) benchmarks/run_all.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) runs
