@@ -88,3 +88,24 @@ def test_killed_worker_does_not_change_final_weights(
     assert received["spare-0"]["next_step"] >= steps // 3
     started = events(tmp_path / "run", "epoch_started")
     assert started[1]["start_step"] >= steps // 3 and "spare-0" in started[1]["plan"]["members"]
+
+
+def test_graceful_stop_and_a_later_join_do_not_change_final_weights(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """4 workers; one leaves gracefully (SIGTERM) at T/3 and a new process joins later."""
+    steps = STEPS * 10
+    faults = [{"kind": "stop", "target": "r1-0", "at_step": steps // 3, "duration_s": 0.5}]
+    cfg = small_config(small_dataset, workers=4, regions=2, steps=steps, chaos={"faults": faults})
+    ref = run_to_end(small_config(small_dataset, workers=2, steps=steps), tmp_path / "ref")
+    s = run_to_end(cfg, tmp_path / "run")
+    assert s["final_hash"] == ref["final_hash"]
+    assert s["restarts"] == 0 and s["steps_lost"] == 0
+    run = tmp_path / "run"
+    assert [e["worker"] for e in events(run, "leave_requested")] == ["r1-0"]
+    assert [e["worker"] for e in events(run, "left")] == ["r1-0"]
+    epochs = events(run, "epoch_started")
+    without = next(e for e in epochs if "r1-0" not in e["plan"]["members"])
+    assert without["start_step"] >= steps // 3 and without["receivers"] == []
+    rejoined = [e for e in events(run, "state_received") if e["worker"] == "r1-0"]
+    assert rejoined and rejoined[0]["next_step"] > without["start_step"]

@@ -110,6 +110,16 @@ class ChaosLauncher(LocalLauncher):
             os.kill(pid, signal.SIGKILL)
         return pids
 
+    def _inject_stop(self, fault: FaultConfig) -> list[int]:
+        """A planned departure: SIGTERM makes the worker leave at a step boundary and exit 0
+        (not replaced); after ``duration_s`` a new process joins under the same name."""
+        pids = self._worker_pid(fault.target)
+        for pid in pids:
+            os.kill(pid, signal.SIGTERM)
+        if fault.duration_s:
+            self.later.append((time.time() + fault.duration_s, "rejoin", fault.target))
+        return pids
+
     def _inject_hang(self, fault: FaultConfig) -> list[int]:
         pids = self._worker_pid(fault.target)
         for pid in pids:
@@ -171,6 +181,13 @@ class ChaosLauncher(LocalLauncher):
             except ProcessLookupError:
                 return
             self.events.write({"event": "fault_ended", "kind": "hang", "pid": arg})
+        elif what == "rejoin":
+            old = self.procs[arg]
+            if old.alive:  # still leaving: try again shortly
+                self.later.append((time.time() + 0.2, "rejoin", arg))
+                return
+            self._start_worker(arg, old.region, gen=old.generation + 1)
+            self.events.write({"event": "fault_ended", "kind": "stop", "target": arg})
         elif what == "region_up":
             self.down_regions.pop(arg, None)
             self.events.write({"event": "fault_ended", "kind": "region_down", "target": arg})

@@ -21,6 +21,7 @@ from typing import Any
 
 CLASSES = {
     "kill": "hardware",
+    "stop": "planned",
     "hang": "hardware",
     "comm_error": "hardware",
     "delay": "network",
@@ -43,7 +44,7 @@ def _detected(e: Record, fault: Record, region_workers: set[str]) -> bool:
     if kind == "delay":
         return ev == "epoch_announced" and e.get("reason") == "rebalance"
     hit = {target} | region_workers
-    if ev in ("leave", "collective_failed"):
+    if ev in ("leave", "collective_failed", "leave_requested"):
         return e.get("worker") in hit or kind == "comm_error"
     return ev == "coordinator_takeover"
 
@@ -80,7 +81,7 @@ def _one(f: Record, events: list[Record], metrics: list[Record], region_of: dict
     if f["kind"] in ("poison_shard",):
         replan = None
     copy = None
-    if f["kind"] in ("kill", "hang", "region_down"):
+    if f["kind"] in ("kill", "stop", "hang", "region_down"):
         copy = _first(events, t0, lambda e: e["event"] == "state_received")
     after = replan["t"] if replan else (detect["t"] if detect else t0)
     commit = next((m for m in metrics if m["t"] > after), None)

@@ -14,7 +14,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -581,7 +580,3 @@ def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:
         for f in config.chaos.faults
         if f.kind == "poison_shard"
     ]
-
-
-def fingerprint_of(values: list[int]) -> int:
-    return zlib.crc32(repr(values).encode())
