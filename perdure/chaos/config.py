@@ -17,12 +17,12 @@ class FaultConfig:
     """One fault. Exactly one trigger (``at_step`` or ``at_s``) is set."""
 
     kind: FaultKind
-    """``kill`` (SIGKILL a worker), ``stop`` (SIGTERM: a graceful leave at the next step
-    boundary; a new process takes the name after ``duration_s``), ``hang`` (SIGSTOP,
-    SIGCONT after ``duration_s``), ``comm_error`` (the worker's next collective fails), ``delay`` (extra latency on a
-    worker's or region's communication and heartbeats), ``region_down`` (every worker of a
-    region killed at once, the coordinator too if it lives there), ``poison_shard`` (a
-    shard's samples yield NaN, injected at the loader)."""
+    """``kill`` (SIGKILL a worker); ``stop`` (SIGTERM: a graceful leave at the next step
+    boundary, and a new process takes the name after ``duration_s``); ``hang`` (SIGSTOP,
+    then SIGCONT after ``duration_s``); ``comm_error`` (the worker's next collective fails);
+    ``delay`` (extra latency on a worker's or region's communication and heartbeats);
+    ``region_down`` (every worker of a region killed at once, the coordinator too if it
+    lives there); ``poison_shard`` (a shard's samples yield NaN, injected at the loader)."""
     target: str
     """A worker name (``REGION-INDEX``, e.g. ``eu-1``) for kill, stop, hang, comm_error; a worker
     or region name for delay; a region name for region_down; a shard index for
