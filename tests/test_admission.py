@@ -1,0 +1,62 @@
+"""Admission to a run: the token proves membership without ever crossing the wire."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from perdure.config.run import RunConfig
+from perdure.runtime.channel import AdmissionRefused, connect, mac, verify
+from perdure.runtime.coordinator import Coordinator
+from perdure.runtime.events import read_jsonl
+
+TOKEN = "s3cret-run-token"
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
+    c = Coordinator(RunConfig(), run_dir=str(tmp_path), token=TOKEN, expected_workers=99)
+    thread = threading.Thread(target=c.serve, kwargs={"deadline_s": 30}, daemon=True)
+    thread.start()
+    yield c
+    c.finished = True
+    thread.join(10)
+
+
+def _hello(name: str) -> dict:
+    return {"name": name, "region": "local", "role": "worker", "pid": 1}
+
+
+def test_worker_with_the_run_token_is_admitted_and_gets_the_config(
+    coordinator: Coordinator,
+) -> None:
+    line, welcome = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    assert welcome["type"] == "welcome"
+    assert welcome["store_port"] == coordinator.store_port
+    assert welcome["config"]["train"]["slots"] == RunConfig().train.slots
+    line.close()
+
+
+def test_unauthorised_worker_is_refused_and_logged(
+    coordinator: Coordinator, tmp_path: Path
+) -> None:
+    with pytest.raises(AdmissionRefused, match="bad run token"):
+        connect("127.0.0.1", coordinator.channel_port, "wrong", _hello("intruder"), 5.0)
+    refused = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "refused"]
+    assert refused == [{**refused[0], "worker": "intruder", "reason": "bad run token"}]
+    assert "intruder" not in coordinator.workers
+
+
+def test_a_second_live_worker_with_the_same_name_is_refused(coordinator: Coordinator) -> None:
+    line, _ = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    with pytest.raises(AdmissionRefused, match="already in use"):
+        connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    line.close()
+
+
+def test_the_answer_depends_on_the_nonce_so_a_replayed_answer_fails() -> None:
+    assert verify(TOKEN, "nonce-a", mac(TOKEN, "nonce-a"))
+    assert not verify(TOKEN, "nonce-b", mac(TOKEN, "nonce-a"))
