@@ -133,8 +133,11 @@ def perdure_recovery(dataset: str, steps: int, kill_at: int) -> dict:
     return out
 
 
-def perdure_goodput(dataset: str, steps: int) -> dict:
+def perdure_goodput(dataset: str, steps: int, spares: int = 0) -> dict:
+    """``spares``: warm standby workers; a kill then promotes one at once, and the killed
+    worker's replacement refills the spare pool instead of entering the membership."""
     cfg = perdure_cfg(GP_MODEL, 12, dataset)
+    cfg["cluster"]["spares"] = spares
     kills = list(range(50, steps, 50))
     res = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-gp-") as d:
@@ -495,6 +498,8 @@ def main(argv=None) -> int:
     if "goodput" not in a.skip:
         goodput["perdure"] = perdure_goodput(dataset, gp_steps)
         print(f"perdure goodput {goodput['perdure'].get('goodput')}", flush=True)
+        goodput["perdure, 1 warm spare"] = perdure_goodput(dataset, gp_steps, spares=1)
+        print(f"perdure+spare goodput {goodput['perdure, 1 warm spare'].get('goodput')}")
         if "torchrun" not in a.skip:
             goodput["torchrun"] = torchrun_goodput(gp_steps, a.ckpt_every)
             print(f"torchrun goodput {goodput['torchrun'].get('goodput')}", flush=True)

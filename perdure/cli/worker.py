@@ -52,17 +52,30 @@ def _addr(value: str) -> tuple[str, int]:
     help="'spare' registers as a warm standby that holds no slots until a member fails.",
 )
 @click.option(
+    "--yield-cpu-until-ready",
+    is_flag=True,
+    help="Start at the lowest CPU priority and take normal priority once ready to train "
+    "(for replacements started on a machine whose cores the survivors are using).",
+)
+@click.option(
     "--join-timeout-s",
     default=60.0,
     show_default=True,
     help="Seconds to keep trying to reach a coordinator before giving up.",
 )
 def worker(
-    coordinators: tuple[str, ...], name: str, region: str, role: str, join_timeout_s: float
+    coordinators: tuple[str, ...],
+    name: str,
+    region: str,
+    role: str,
+    yield_cpu_until_ready: bool,
+    join_timeout_s: float,
 ) -> None:
     """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN."""
     import signal
 
+    if yield_cpu_until_ready:
+        os.setpriority(os.PRIO_PROCESS, 0, 19)
     from perdure.runtime.worker import Worker
 
     addrs = [_addr(c) for c in coordinators]
@@ -73,6 +86,7 @@ def worker(
         token=_token(),
         role=role,
         timeout_s=join_timeout_s,
+        restore_priority=yield_cpu_until_ready,
     )
     signal.signal(signal.SIGTERM, lambda *_: w.leave())
     _exit(w.run())

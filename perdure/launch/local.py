@@ -97,7 +97,9 @@ class LocalLauncher:
 
     def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
-        popen = start_worker(name, region, self.addresses, self.token, log, role=role)
+        popen = start_worker(
+            name, region, self.addresses, self.token, log, role=role, yield_cpu=gen > 0
+        )
         self.procs[name] = Proc(name, region, role, popen, generation=gen)
 
     def _start_workers(self) -> None:

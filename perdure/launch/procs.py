@@ -61,9 +61,21 @@ def wait_ports(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.
 
 
 def start_worker(
-    name: str, region: str, coordinators: list[str], token: str, log: Path, *, role: str = "worker"
+    name: str,
+    region: str,
+    coordinators: list[str],
+    token: str,
+    log: Path,
+    *,
+    role: str = "worker",
+    yield_cpu: bool = False,
 ) -> subprocess.Popen[bytes]:
+    """Start a worker process. ``yield_cpu`` (for replacements on a shared machine): it
+    starts at a low CPU priority so that its start-up (Python, torch, the model) does not
+    slow the survivors, and takes normal priority once ready to train."""
     args = ["worker", "--name", name, "--region", region, "--role", role]
+    if yield_cpu:
+        args.append("--yield-cpu-until-ready")
     for c in coordinators:
         args += ["--coordinator", c]
     return _spawn(python_cmd(*args), token, log)

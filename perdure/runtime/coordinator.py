@@ -380,17 +380,21 @@ class Coordinator:
             self._announce([w.name for w in workers], after=-1, reason="start")
 
     def _maybe_grow(self, now: float) -> None:
-        """Admit idle workers (new or returning) at a step boundary, up to S members."""
+        """Admit idle workers (new or returning) at a step boundary, up to the configured
+        worker count (and S). Past it, a ready worker becomes a warm spare: the next
+        failure is then absorbed by promoting it, with no wait for a process to start."""
         members = set(self.current.members if self.current else ())
         idle = [
             w for w in self._alive("worker") if w.name not in members and not w.done and w.prepared
         ]
-        room = self.config.train.slots - len(members)
+        room = min(self.config.train.slots, self.expected) - len(members)
+        for w in idle[max(0, room) :]:
+            w.role = "spare"
+            self.events.write({"event": "became_spare", "worker": w.name})
         last = max((self.workers[m].next_step for m in members), default=0)
         if idle and room > 0 and last + 1 < self.config.train.steps:
-            after = last + 1
             names = sorted(members | {w.name for w in idle[:room]})
-            self._announce(names, after=after, reason="join")
+            self._announce(names, after=last + 1, reason="join")
 
     def _maybe_replan(self, now: float) -> None:
         """Move slots away from slow members (bounded), and back once they recover.

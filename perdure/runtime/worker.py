@@ -67,8 +67,10 @@ class Worker:
         token: str,
         role: str = "worker",
         timeout_s: float = 60.0,
+        restore_priority: bool = False,
     ) -> None:
         self.name, self.region, self.role = name, region, role
+        self.restore_priority = restore_priority
         self.coordinators, self.token, self.timeout_s = coordinators, token, timeout_s
         self.cond = threading.Condition()
         self.announce: Message | None = None
@@ -168,6 +170,8 @@ class Worker:
         # A worker admitted before the first epoch holds valid initial state (built from the
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
         self.has_state = self.role == "worker" and int(welcome.get("epoch", -1)) < 0
+        if self.restore_priority:
+            _normal_priority()
         self._send({"type": "hb", "next_step": self.trainer.next_step, "prepared": True})
         try:
             self._loop()
@@ -580,3 +584,12 @@ def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:
         for f in config.chaos.faults
         if f.kind == "poison_shard"
     ]
+
+
+def _normal_priority() -> None:
+    """Back to normal CPU priority once ready to train (lowering niceness needs root or
+    CAP_SYS_NICE; without it the worker stays slow and the planner gives it fewer slots)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        log.warning("could not restore normal CPU priority; staying niced")
