@@ -102,6 +102,13 @@ class StoreExchange:
         self.store.wait(keys)
         return [json.loads(self.store.get(k)) for k in keys]
 
+    def close(self) -> None:
+        """A last barrier: the rank hosting the store leaves only after every rank has
+        read its last round (else their final ``get`` meets a closed connection)."""
+        self.store.set(f"done/{self.rank}", "1")
+        if self.rank == 0:
+            self.store.wait([f"done/{i}" for i in range(self.world)])
+
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal dtype, shape and bytes (NaN payloads and -0.0 included)."""

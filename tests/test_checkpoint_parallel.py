@@ -30,6 +30,7 @@ def _writer(root: str, port: int, rank: int, out: mp.Queue) -> None:
     try:
         ex = StoreExchange(port, rank, WORLD)
         path = save_checkpoint(root, _state(), rank=rank, world=WORLD, exchange=ex)
+        ex.close()
         out.put((rank, str(path)))
     except BaseException as e:
         out.put((rank, f"error: {e!r}"))
