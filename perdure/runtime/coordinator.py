@@ -179,8 +179,10 @@ class Coordinator:
         hello = msgs[0]
         reason = self._refusal(hello, nonce)
         if reason:
-            line.send({"type": "refused", "reason": reason})
+            # Logged before the answer: whoever is refused can read why at once.
             self.events.write({"event": "refused", "worker": hello.get("name"), "reason": reason})
+            with contextlib.suppress(OSError):
+                line.send({"type": "refused", "reason": reason})
             self._drop_socket(sock)
             return
         del self.unadmitted[sock]
