@@ -11,7 +11,9 @@ In-loop comparison (no coordinator): W spawned processes, one intra-op thread ea
   contiguous slot range (per-slot seeding, forward, backward, flatten, finiteness flags),
   two fresh ``torch.empty(n)`` buffers, ``chain_reduce`` on the comm thread
   (``perdure.runtime.comm.Comm``), ``bad_slots``, ``Trainer.apply`` (scale, clip, AdamW);
-- ``perdure_prealloc``: the same, with the two reduction buffers allocated once;
+- ``perdure_prealloc``: the step as ``worker.py`` runs it now: buffers allocated once per
+  epoch, and the chain reduction streaming behind the last slot's backward (``Readiness``);
+  the plain ``perdure`` arm is the sequential variant (compute all, then reduce);
 - a DDP replica: the same task (same init), the same optimizer (AdamW, foreach=False) and
   clipping, ``DistributedDataParallel`` over the default gloo group, one forward/backward
   per step over this rank's B/W samples (read from the same SlotLoader slots), the loss
@@ -80,6 +82,7 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
     from perdure.config.run import config_from_dict
     from perdure.runtime.comm import Comm
     from perdure.runtime.reduce import chain_reduce
+    from perdure.runtime.slots import Readiness
     from perdure.runtime.task import build_optimizer, build_task
     from perdure.runtime.trainer import Trainer
 
@@ -110,13 +113,30 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
         a = acc["perdure_prealloc" if prealloc else "perdure"]
         t = step_no["perdure"]
         t0 = time.perf_counter()
-        tr.compute_slots(t, my, bufs)
-        t1 = time.perf_counter()
-        if prealloc:
+        if prealloc:  # as worker.py runs it: the chain streams behind the last backward
             partial, out = pre_partial, pre_out
-        else:
+            tr.compute_slots(t, my[:-1], bufs[:-1])
+            ready = Readiness()
+            fut = comm.submit(
+                lambda: chain_reduce(
+                    comm.pg,
+                    rank,
+                    W,
+                    bufs,
+                    partial,
+                    out,
+                    timeout=timeout,
+                    wait_last=lambda hi: ready.wait(hi, lambda: False, 60.0),
+                )
+            )
+            tr.compute_slots(t, my[-1:], bufs[-1:], ready=ready)
+            t1 = time.perf_counter()
+            comm.result(fut)
+        else:  # sequential: compute every slot, then reduce, with fresh buffers
+            tr.compute_slots(t, my, bufs)
+            t1 = time.perf_counter()
             partial, out = torch.empty(n), torch.empty(n)
-        comm.call(lambda: chain_reduce(comm.pg, rank, W, bufs, partial, out, timeout=timeout))
+            comm.call(lambda: chain_reduce(comm.pg, rank, W, bufs, partial, out, timeout=timeout))
         t2 = time.perf_counter()
         assert not tr.engine.bad_slots(out)
         tr.apply(t, out)

@@ -48,7 +48,14 @@ class Comm:
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
-        fut = self._pool.submit(fn)
+        return self.result(self.submit(fn))
+
+    def submit(self, fn: Callable[[], T]) -> cf.Future[T]:
+        """Start ``fn`` on the comm thread (the step loop goes on; see :meth:`result`)."""
+        return self._pool.submit(fn)
+
+    def result(self, fut: cf.Future[T]) -> T:
+        """Wait for ``fut`` in short slices, leaving at once if the epoch changes."""
         while True:
             done, _ = cf.wait([fut], timeout=_SLICE_S)
             if done:
@@ -58,7 +65,7 @@ class Comm:
                 raise Abandoned("membership epoch changed during a collective")
         try:
             return fut.result()
-        except RuntimeError as e:
+        except (RuntimeError, TimeoutError) as e:
             raise CommFailed(_one_line(e)) from None
 
     def close(self) -> None:

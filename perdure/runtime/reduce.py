@@ -15,7 +15,7 @@ keep each of their slot gradients until the running sum arrives (memory: slots x
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -51,15 +51,19 @@ def chain_reduce(
     timeout: timedelta,
     chunk: int = CHUNK_ELEMS,
     send_delay_s: float = 0.0,
+    wait_last: Callable[[int], None] | None = None,
 ) -> None:
     """Reduce the slot buffers of all ranks into ``out`` on every rank (see module doc).
 
     ``bufs`` are this rank's slot gradients in slot order; ``partial`` is scratch space of
     the same size. ``send_delay_s`` injects link latency before this rank's first send (the
-    ``delay`` fault).
+    ``delay`` fault). ``wait_last(hi)`` blocks until ``bufs[-1][:hi]`` is final: the last
+    slot's backward may still be running, and the chain streams behind it.
     """
+    wait = wait_last or (lambda hi: None)
     assert bufs, "every member of a membership epoch holds at least one slot"
     if size == 1:
+        wait(out.numel())
         local_fold(bufs, out)
         return
     chunks = chunk_ranges(out.numel(), chunk)
@@ -79,6 +83,7 @@ def chain_reduce(
     delayed = send_delay_s <= 0
     for c, (lo, hi) in enumerate(chunks):
         acc = fwd[lo:hi]
+        wait(hi)
         if rank == 0:
             acc.copy_(bufs[0][lo:hi])
             fold_into(acc, bufs[1:], lo, hi)

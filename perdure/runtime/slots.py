@@ -9,7 +9,10 @@ slots were non-finite and what each slot's loss was, with no extra message.
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,8 +42,13 @@ class SlotEngine:
         self.loss_fn = loss_fn
         self.seed = seed
         self.slots = slots
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.numel = sum(p.numel() for p in self.params)
+        # Reversed: backward produces the last layers' gradients first, so the reduction can
+        # stream the front of the buffer while the rest of the backward runs.
+        self.params = [p for p in model.parameters() if p.requires_grad][::-1]
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]
         self.size = self.numel + 2 * slots
 
     def new_buffer(self) -> torch.Tensor:
@@ -53,29 +61,64 @@ class SlotEngine:
         batch: dict[str, torch.Tensor],
         out: torch.Tensor,
         seed_rng: Callable[[int], None] | None = None,
+        ready: Readiness | None = None,
     ) -> float:
-        """Fill ``out`` with slot ``slot`` of ``step``'s gradient; return the slot loss."""
+        """Fill ``out`` with slot ``slot`` of ``step``'s gradient; return the slot loss.
+
+        With ``ready``, each parameter's gradient is copied the moment backward has
+        accumulated it, and ``ready`` learns how much of ``out`` is final: the reduction
+        streams behind the backward instead of after it (the values are the same bits).
+        """
         (seed_rng or _seed_all)(slot_seed(self.seed, step, slot))
         self.model.train()
         for p in self.params:
             p.grad = None
-        loss = self.loss_fn(self.model, batch)
-        loss.backward()
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            dst = out[offset : offset + n]
-            if p.grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(p.grad.reshape(-1))
-            offset += n
+        done = [False] * len(self.params)
+        hooks = [] if ready is None else self._hooks(out, done, ready)
+        try:
+            loss = self.loss_fn(self.model, batch)
+            loss.backward()
+        finally:
+            for h in hooks:
+                h.remove()
+        for i, p in enumerate(self.params):
+            if not done[i]:
+                self._copy(i, p, out)
         out[self.numel :].zero_()
         value = float(loss.detach())
         finite = bool(torch.isfinite(out[: self.numel]).all()) and np.isfinite(value)
         out[self.numel + slot] = 0.0 if finite else 1.0
         out[self.numel + self.slots + slot] = value if np.isfinite(value) else 0.0
+        if ready is not None:
+            ready.advance(self.size)
         return value
+
+    def _copy(self, i: int, p: torch.Tensor, out: torch.Tensor) -> None:
+        dst = out[self.offsets[i] : self.offsets[i + 1]]
+        if p.grad is None:
+            dst.zero_()
+        else:
+            dst.copy_(p.grad.reshape(-1))
+
+    def _hooks(self, out: torch.Tensor, done: list[bool], ready: Readiness) -> list[Any]:
+        """Post-accumulate hooks that copy each gradient as soon as it is final and advance
+        the ready prefix of ``out`` (a parameter's gradient is final once: autograd sums
+        every use of a leaf before accumulating it)."""
+        state = {"next": 0}
+
+        def hook_for(i: int) -> Callable[[torch.Tensor], None]:
+            def hook(p: torch.Tensor) -> None:
+                self._copy(i, p, out)
+                done[i] = True
+                while state["next"] < len(done) and done[state["next"]]:
+                    state["next"] += 1
+                ready.advance(self.offsets[state["next"]])
+
+            return hook
+
+        return [
+            p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(self.params)
+        ]
 
     def assign_grads(self, flat: torch.Tensor, scale: float) -> None:
         """Point each parameter's ``.grad`` at ``flat[:P] * scale`` (in place)."""
@@ -93,6 +136,35 @@ class SlotEngine:
 
     def slot_losses(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[self.numel + self.slots :]
+
+
+class Readiness:
+    """How much of a slot buffer is final, for a reduction that streams behind backward.
+
+    Only a prefix counts: the reduction reads the buffer front to back, and a prefix is
+    final once every parameter laid out in it has its gradient.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._upto = 0
+
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            if upto > self._upto:
+                self._upto = upto
+                self._cond.notify_all()
+
+    def wait(self, upto: int, should_abort: Callable[[], bool], timeout_s: float) -> None:
+        """Block until ``[0, upto)`` is final; raise if the step is abandoned or times out."""
+        end = time.monotonic() + timeout_s
+        with self._cond:
+            while self._upto < upto:
+                if should_abort():
+                    raise RuntimeError("step abandoned while its gradient was being computed")
+                if time.monotonic() > end:
+                    raise TimeoutError(f"slot gradient not ready within {timeout_s} s")
+                self._cond.wait(0.01)
 
 
 def _seed_all(seed: int) -> None:

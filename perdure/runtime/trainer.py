@@ -24,7 +24,7 @@ from perdure.checkpoint import (
 from perdure.config.run import RunConfig, canonical, config_hash
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
-from perdure.runtime.slots import SlotEngine, to_tensors
+from perdure.runtime.slots import Readiness, SlotEngine, to_tensors
 from perdure.runtime.task import build_optimizer, build_task, lr_at
 
 
@@ -90,16 +90,22 @@ class Trainer:
         slots: range,
         bufs: Sequence[torch.Tensor],
         should_abort: Callable[[], bool] = lambda: False,
+        ready: Readiness | None = None,
     ) -> bool:
-        """Fill ``bufs`` with the gradients of ``slots`` of ``step``; False if aborted."""
-        if self.config.data.prefetch_steps:
-            self.loader.prefetch(step + 1, list(slots))
-        for buf, slot in zip(bufs, slots, strict=True):
+        """Fill ``bufs`` with the gradients of ``slots`` of ``step``; False if aborted.
+        ``ready`` follows the last slot's buffer as its backward fills it."""
+        for i, (buf, slot) in enumerate(zip(bufs, slots, strict=True)):
             if should_abort():
                 return False
             batch = to_tensors(self.loader.batch(step, slot))
-            self.engine.compute(step, slot, batch, buf)
+            last = i == len(bufs) - 1
+            self.engine.compute(step, slot, batch, buf, ready=ready if last else None)
         return True
+
+    def prefetch(self, step: int, slots: range) -> None:
+        """Read ``step``'s samples of ``slots`` in the background."""
+        if self.config.data.prefetch_steps:
+            self.loader.prefetch(step, list(slots))
 
     def apply(self, step: int, total: torch.Tensor) -> float:
         """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""

@@ -14,6 +14,8 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -30,6 +32,7 @@ from perdure.runtime.events import JsonLines
 from perdure.runtime.exchange import StoreExchange
 from perdure.runtime.plan import Plan
 from perdure.runtime.reduce import chain_reduce
+from perdure.runtime.slots import Readiness
 from perdure.runtime.trainer import Trainer
 from perdure.runtime.transfer import broadcast_state, pack, unpack
 from perdure.runtime.wchaos import ChaosState
@@ -403,29 +406,51 @@ class Worker:
             ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
 
     def _reduced_gradient(self, ep: Epoch, t: int, slots: range, t0: float) -> torch.Tensor:
-        """Compute, reduce, and handle non-finite slots until step ``t`` has a clean sum."""
+        """Compute, reduce, and handle non-finite slots until step ``t`` has a clean sum.
+
+        The reduction starts once every slot but the last is computed, and streams behind
+        the last slot's backward (as DDP overlaps its buckets): a chunk is added as soon as
+        every gradient laid out in it is final.
+        """
         tr = self.trainer
         assert tr is not None
+        abort = lambda: self._should_stop(t)  # noqa: E731
+        tr.prefetch(t + 1, slots)
         while True:
             if len(ep.bufs) != len(slots):
                 ep.bufs = [tr.engine.new_buffer() for _ in slots]
-            if not tr.compute_slots(t, slots, ep.bufs, lambda: self._should_stop(t)):
+            if not tr.compute_slots(t, slots[:-1], ep.bufs[:-1], abort):
                 raise Abandoned("membership epoch changed during compute")
             delay = self.chaos.delay_s()
+            ready = Readiness()
+            fut = self._start_reduce(ep, ep.bufs, delay, ready, abort)
+            if not tr.compute_slots(t, slots[-1:], ep.bufs[-1:], abort, ready=ready):
+                raise Abandoned("membership epoch changed during compute")
             busy = time.monotonic() - t0 + delay
             self.slot_s = (
                 busy / len(slots)
                 if self.slot_s is None
                 else (0.7 * self.slot_s + 0.3 * busy / len(slots))
             )
-            total = self._reduce(ep, ep.bufs, delay)
+            total = ep.comm.result(fut)
             bad = tr.engine.bad_slots(total)
             if not bad:
                 return total
             self._on_nonfinite(ep, t, bad)
 
-    def _reduce(self, ep: Epoch, bufs: list[torch.Tensor], delay: float = 0.0) -> torch.Tensor:
-        """The slot-ordered sum of every member's ``bufs``. Scratch buffers live as long as
+    def _reduce(self, ep: Epoch, bufs: list[torch.Tensor]) -> torch.Tensor:
+        """The slot-ordered sum of every member's ``bufs`` (all final already)."""
+        return ep.comm.result(self._start_reduce(ep, bufs, 0.0, None, lambda: False))
+
+    def _start_reduce(
+        self,
+        ep: Epoch,
+        bufs: list[torch.Tensor],
+        delay: float,
+        ready: Readiness | None,
+        abort: Callable[[], bool],
+    ) -> Future[torch.Tensor]:
+        """Start the chain reduction on the comm thread. Scratch buffers live as long as
         the epoch: an abandoned collective may still write into the old epoch's."""
         n = bufs[0].numel()
         if n not in ep.scratch:
@@ -435,8 +460,12 @@ class Worker:
             self.events.write({"event": "fault_hit", "kind": "comm_error", "worker": self.name})
             raise CommFailed("injected link drop (comm_error)")
         timeout = self._timeout()
-        ep.comm.call(
-            lambda: chain_reduce(
+        wait = (
+            None if ready is None else (lambda hi: ready.wait(hi, abort, timeout.total_seconds()))
+        )
+
+        def run() -> torch.Tensor:
+            chain_reduce(
                 ep.comm.pg,
                 ep.rank,
                 ep.size,
@@ -445,9 +474,11 @@ class Worker:
                 out,
                 timeout=timeout,
                 send_delay_s=delay,
+                wait_last=wait,
             )
-        )
-        return out
+            return out
+
+        return ep.comm.submit(run)
 
     def _on_nonfinite(self, ep: Epoch, t: int, bad: list[int]) -> None:
         """Re-run each bad slot on another member to tell bad data from a bad worker."""
