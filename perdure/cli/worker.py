@@ -94,10 +94,17 @@ def worker(
 
 @click.command()
 @click.option(
-    "--config-json",
-    required=True,
+    "--config",
+    "config_toml",
     type=click.Path(exists=True, dir_okay=False),
-    help="The run config as JSON (the launcher writes it to RUN_DIR/config.json).",
+    default=None,
+    help="The run config (TOML), as for `perdure run`.",
+)
+@click.option(
+    "--config-json",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The run config as JSON (what the local launcher writes to RUN_DIR/config.json).",
 )
 @click.option(
     "--run-dir",
@@ -125,7 +132,8 @@ def worker(
     help="Workers to wait for before the first membership epoch (default: config).",
 )
 def coordinator(
-    config_json: str,
+    config_toml: str | None,
+    config_json: str | None,
     run_dir: str,
     ports_file: str | None,
     resume: str | None,
@@ -133,11 +141,22 @@ def coordinator(
     expected_workers: int | None,
 ) -> None:
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
-    from perdure.config.run import config_from_dict
+    from perdure.config.errors import ConfigError
+    from perdure.config.run import config_from_dict, load_config
     from perdure.runtime.coordinator import Coordinator
 
-    with open(config_json) as f:
-        config = config_from_dict(json.load(f), source=config_json)
+    if (config_toml is None) == (config_json is None):
+        raise click.UsageError("give exactly one of --config (TOML) and --config-json")
+    try:
+        if config_toml is not None:
+            config = load_config(config_toml)
+        else:
+            assert config_json is not None
+            with open(config_json) as f:
+                config = config_from_dict(json.load(f), source=config_json)
+    except ConfigError as e:
+        click.echo(str(e), err=True)
+        sys.exit(2)
     c = Coordinator(
         config,
         run_dir=run_dir,

@@ -83,7 +83,10 @@ def start_worker(
 
 def _spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
     log.parent.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    # torch's C++ layer prints a warning with a long native stack for every store call that
+    # meets a closed connection (e.g. a heartbeat racing the coordinator's exit); perdure
+    # handles those and logs one line, so only C++ errors are let through.
+    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as out:
         return subprocess.Popen(
             cmd,
