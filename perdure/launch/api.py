@@ -68,4 +68,4 @@ def run(
     return launcher.run()
 
 
-__all__ = ["run", "spread_workers", "to_dict"]
+__all__ = ["resolve_resume", "run", "spread_workers"]
