@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perdure.config.run import RunConfig, config_hash, to_dict, with_overrides
+from perdure.config.run import RunConfig, config_hash, with_overrides
 
 
 def spread_workers(config: RunConfig, workers: int) -> RunConfig:
