@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from perdure.checkpoint import CheckpointState, capture_rng
+from perdure.checkpoint.compare import same_bits  # one definition of bitwise equality
 
 
 def trained_model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -108,15 +109,6 @@ class StoreExchange:
         self.store.set(f"done/{self.rank}", "1")
         if self.rank == 0:
             self.store.wait([f"done/{i}" for i in range(self.world)])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bytes (NaN payloads and -0.0 included)."""
-    from perdure.checkpoint.tensors import byte_view
-
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return bytes(byte_view(a.contiguous())) == bytes(byte_view(b.contiguous()))
 
 
 def same_tree(a: Any, b: Any) -> bool:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from perdure.chaos.config import FaultConfig
 from perdure.launch.local import LocalLauncher
+from perdure.runtime.events import Tail
 
 
 class ChaosLauncher(LocalLauncher):
@@ -32,7 +33,7 @@ class ChaosLauncher(LocalLauncher):
         self.down_regions: dict[str, float] = {}
         self.seq = 0
         self._store: dist.TCPStore | None = None
-        self._metrics_pos = 0
+        self._metrics = Tail(self.run_dir / "metrics.jsonl")
         self.step = -1
         self.first_step_t: float | None = None
         self.view: Any = None
@@ -71,16 +72,7 @@ class ChaosLauncher(LocalLauncher):
         return self.first_step_t is not None and now - self.first_step_t >= fault.at_s
 
     def _read_progress(self) -> None:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return
-        with open(path, "rb") as f:
-            f.seek(self._metrics_pos)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self._metrics_pos += end
-        for line in data[:end].splitlines():
-            rec = json.loads(line)
+        for rec in self._metrics.read():
             self.step = max(self.step, int(rec["step"]))
             if self.first_step_t is None:
                 self.first_step_t = float(rec["t"])

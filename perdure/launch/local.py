@@ -19,7 +19,7 @@ from typing import Any
 
 from perdure.config.run import RunConfig, to_dict
 from perdure.launch.procs import start_coordinator, start_worker, wait_ports
-from perdure.runtime.events import JsonLines
+from perdure.runtime.events import JsonLines, Tail
 
 MAX_CRASHES = 3
 """A worker that crashes this often without a fault being injected is a bug, not a fault:
@@ -70,6 +70,8 @@ class LocalLauncher:
         self.replacements: dict[str, float] = {}
         self.store_addrs: list[tuple[str, int]] = []
         self.crashes: dict[str, int] = {}
+        self._events_tail = Tail(self.run_dir / "events.jsonl")
+        self._ended = False
 
     # -- processes -------------------------------------------------------------------------
 
@@ -154,15 +156,9 @@ class LocalLauncher:
 
     def _run_ended(self) -> bool:
         """The coordinator logged the end of the run: exits from here on are shutdown."""
-        path = self.run_dir / "events.jsonl"
-        if self._ended or not path.exists():
-            return self._ended
-        with open(path, "rb") as f:
-            f.seek(max(0, path.stat().st_size - 4096))
-            self._ended = b'"run_end"' in f.read()
+        if not self._ended:
+            self._ended = any(e["event"] == "run_end" for e in self._events_tail.read())
         return self._ended
-
-    _ended = False
 
     def _reap(self) -> None:
         """Notice dead workers; start a replacement after the configured delay."""

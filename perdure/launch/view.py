@@ -6,7 +6,6 @@ table, so what it shows is what a post-mortem would see.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from pathlib import Path
@@ -17,6 +16,8 @@ from rich.live import Live
 from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
+
+from perdure.runtime.events import Tail
 
 _SHOWN = {
     "fault_injected": "red",
@@ -32,23 +33,6 @@ _SHOWN = {
     "step_abandoned": "yellow",
     "run_end": "bold green",
 }
-
-
-class Tail:
-    """Reads the complete lines appended to a JSON-lines file since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.pos = path, 0
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.pos)
-            data = f.read()
-        end = data.rfind(b"\n") + 1
-        self.pos += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
 
 def describe(e: dict[str, Any]) -> str:

@@ -46,3 +46,22 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return out
+
+
+class Tail:
+    """The complete lines appended to a JSON-lines file since the last call (a torn last
+    line waits for the next call). Readers that poll a live run use it, so each byte of
+    the log is read once."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path, self.pos = Path(path), 0
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.pos)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.pos += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
