@@ -9,6 +9,7 @@ slots were non-finite and what each slot's loss was, with no extra message.
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -86,7 +87,7 @@ class SlotEngine:
                 self._copy(i, p, out)
         out[self.numel :].zero_()
         value = float(loss.detach())
-        finite = bool(torch.isfinite(out[: self.numel]).all()) and np.isfinite(value)
+        finite = all_finite(out[: self.numel]) and np.isfinite(value)
         out[self.numel + slot] = 0.0 if finite else 1.0
         out[self.numel + self.slots + slot] = value if np.isfinite(value) else 0.0
         if ready is not None:
@@ -165,6 +166,18 @@ class Readiness:
                 if time.monotonic() > end:
                     raise TimeoutError(f"slot gradient not ready within {timeout_s} s")
                 self._cond.wait(0.01)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether every element of ``x`` is finite, in one read-only pass in the common case.
+
+    A finite sum implies finite elements (a NaN or an infinity makes the sum NaN or
+    infinite), and ``sum`` is one vectorised pass, where ``isfinite(x).all()`` writes a
+    mask and is ~40x slower on CPU here (~100 ms for 11M elements, against ~3 ms: see
+    docs/performance.md). Only a non-finite sum, which finite elements can also give by
+    overflow, pays for the exact elementwise test.
+    """
+    return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
 
 def _seed_all(seed: int) -> None:
