@@ -75,7 +75,9 @@ def worker(
     import signal
 
     if yield_cpu_until_ready:
-        os.setpriority(os.PRIO_PROCESS, 0, 19)
+        from perdure.runtime.priority import yield_cpu
+
+        yield_cpu()
     from perdure.runtime.worker import Worker
 
     addrs = [_addr(c) for c in coordinators]

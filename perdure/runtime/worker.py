@@ -31,6 +31,7 @@ from perdure.runtime.comm import Abandoned, Comm, CommFailed
 from perdure.runtime.events import JsonLines
 from perdure.runtime.exchange import StoreExchange
 from perdure.runtime.plan import Plan
+from perdure.runtime.priority import normal_priority
 from perdure.runtime.reduce import chain_reduce
 from perdure.runtime.slots import Readiness
 from perdure.runtime.trainer import Trainer
@@ -174,7 +175,7 @@ class Worker:
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
         self.has_state = self.role == "worker" and int(welcome.get("epoch", -1)) < 0
         if self.restore_priority:
-            _normal_priority()
+            normal_priority()
         self._send({"type": "hb", "next_step": self.trainer.next_step, "prepared": True})
         try:
             self._loop()
@@ -615,12 +616,3 @@ def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:
         for f in config.chaos.faults
         if f.kind == "poison_shard"
     ]
-
-
-def _normal_priority() -> None:
-    """Back to normal CPU priority once ready to train (lowering niceness needs root or
-    CAP_SYS_NICE; without it the worker stays slow and the planner gives it fewer slots)."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except PermissionError:
-        log.warning("could not restore normal CPU priority; staying niced")

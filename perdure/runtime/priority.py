@@ -1,0 +1,82 @@
+"""CPU priority of a worker that starts while others train on the same machine.
+
+A replacement worker's start-up (Python, ``import torch``, building the model) takes
+seconds of CPU; on a shared machine it should take only what the training members leave
+idle, then compete normally once it is ready. Two Linux details make a plain ``nice``
+insufficient, and both are handled here:
+
+- With ``sched_autogroup`` (the default on desktop and many cloud kernels), every session
+  is its own scheduling group, and ``nice`` only ranks threads *within* a group. Workers are
+  started in their own sessions, so the group's nice (``/proc/self/autogroup``) must be set.
+- The nice value is per thread: threads started while niced inherit it, and resetting the
+  calling thread alone leaves them (the control channel's reader, gloo's) at the lowest
+  priority, where one of them in the reduction path slows every step of every member.
+
+Lowering niceness again needs root or CAP_SYS_NICE; without it the worker stays niced (a
+warning), runs slower, and the planner gives it fewer slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+LOWEST = 19
+AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def yield_cpu() -> None:
+    """Take the lowest CPU priority (before start-up work)."""
+    _set(LOWEST)
+
+
+def normal_priority() -> None:
+    """Back to normal priority, for every thread and the autogroup."""
+    _set(0)
+
+
+def _set(nice: int) -> None:
+    try:
+        _set_autogroup(nice)
+        for tid in thread_ids():
+            _set_thread(tid, nice)
+    except PermissionError:
+        log.warning("could not set CPU priority to nice %d (needs CAP_SYS_NICE)", nice)
+
+
+def _set_thread(tid: int, nice: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+        os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+def _set_autogroup(nice: int) -> None:
+    """Only a session leader's autogroup is its own: a worker started from a shell shares
+    the shell's, which must not be niced."""
+    if not AUTOGROUP.exists() or os.getsid(0) != os.getpid():
+        return
+    try:
+        AUTOGROUP.write_text(f"{nice}\n")
+    except OSError as e:
+        if isinstance(e, PermissionError):
+            raise
+        log.debug("autogroup nice not set: %s", e)
+
+
+def thread_ids() -> list[int]:
+    """This process's thread ids (Linux), or just the calling thread elsewhere."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def autogroup_nice() -> int | None:
+    """The autogroup's nice value, or None without autogroups."""
+    try:
+        return int(AUTOGROUP.read_text().split("nice")[-1])
+    except (OSError, ValueError):
+        return None
