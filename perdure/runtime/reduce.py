@@ -84,7 +84,9 @@ def chain_reduce(
     for c, (lo, hi) in enumerate(chunks):
         acc = fwd[lo:hi]
         wait(hi)
-        if rank == 0:
+        if rank == 0 and len(bufs) == 1:
+            acc = bufs[0][lo:hi]  # nothing to fold: send the slot itself, not a copy of it
+        elif rank == 0:
             acc.copy_(bufs[0][lo:hi])
             fold_into(acc, bufs[1:], lo, hi)
         else:
