@@ -9,6 +9,7 @@ view, and writes ``summary.json`` once the coordinator reports the run complete.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import signal
 import subprocess
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config.run import RunConfig, to_dict
-from perdure.launch.procs import start_coordinator, start_worker, wait_ports
+from perdure.launch.procs import Process, child_env, start_coordinator, start_worker, wait_ports
+from perdure.launch.zygote import Zygote
 from perdure.runtime.events import JsonLines, Tail
 
 MAX_CRASHES = 3
@@ -33,7 +35,7 @@ class Proc:
     name: str
     region: str
     kind: str  # "worker", "spare", "coordinator"
-    popen: subprocess.Popen[bytes]
+    popen: Process
     started: float = field(default_factory=time.time)
     generation: int = 0
     expected_exit: bool = False
@@ -72,6 +74,7 @@ class LocalLauncher:
         self.crashes: dict[str, int] = {}
         self._events_tail = Tail(self.run_dir / "events.jsonl")
         self._ended = False
+        self.zygote: Zygote | None = None
 
     # -- processes -------------------------------------------------------------------------
 
@@ -100,7 +103,14 @@ class LocalLauncher:
     def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         popen = start_worker(
-            name, region, self.addresses, self.token, log, role=role, yield_cpu=gen > 0
+            name,
+            region,
+            self.addresses,
+            self.token,
+            log,
+            role=role,
+            yield_cpu=gen > 0,
+            zygote=self.zygote if gen > 0 else None,
         )
         self.procs[name] = Proc(name, region, role, popen, generation=gen)
 
@@ -122,12 +132,19 @@ class LocalLauncher:
         try:
             self._start_coordinators()
             self._start_workers()
+            self._start_zygote()
             self._monitor()
         finally:
             self._stop_all()
         from perdure.launch.summary import write_summary
 
         return write_summary(self.run_dir, self.config, started=self.started)
+
+    def _start_zygote(self) -> None:
+        """A fork server for replacements (see ``launch/zygote.py``), where ``fork`` exists
+        and replacements are enabled."""
+        if hasattr(os, "fork") and self.config.cluster.replace_after_ms >= 0:
+            self.zygote = Zygote(child_env(self.token), self.run_dir / "logs" / "zygote.log")
 
     def _monitor(self) -> None:
         end = time.monotonic() + self.timeout_s
@@ -209,3 +226,5 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 p.popen.kill()
                 p.popen.wait(timeout=5)
+        if self.zygote is not None:
+            self.zygote.close()

@@ -8,8 +8,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Protocol
+
+from perdure.launch.zygote import Zygote
 
 TOKEN_ENV = "PERDURE_RUN_TOKEN"
+
+
+class Process(Protocol):
+    """What the launcher needs of a process: ``subprocess.Popen`` or a zygote's child."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def terminate(self) -> None: ...
+    def kill(self) -> None: ...
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -69,24 +85,35 @@ def start_worker(
     *,
     role: str = "worker",
     yield_cpu: bool = False,
-) -> subprocess.Popen[bytes]:
+    zygote: Zygote | None = None,
+) -> Process:
     """Start a worker process. ``yield_cpu`` (for replacements on a shared machine): it
     starts at a low CPU priority so that its start-up (Python, torch, the model) does not
-    slow the survivors, and takes normal priority once ready to train."""
+    slow the survivors, and takes normal priority once ready to train. With a ready
+    ``zygote``, the process is forked from it and skips ``import torch``."""
     args = ["worker", "--name", name, "--region", region, "--role", role]
     if yield_cpu:
         args.append("--yield-cpu-until-ready")
     for c in coordinators:
         args += ["--coordinator", c]
+    if zygote is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        forked = zygote.spawn(args, child_env(token), log)
+        if forked is not None:
+            return forked
     return _spawn(python_cmd(*args), token, log)
+
+
+def child_env(token: str) -> dict[str, str]:
+    # torch's C++ layer prints a warning with a long native stack for every store call that
+    # meets a closed connection (e.g. a heartbeat racing the coordinator's exit); perdure
+    # handles those and logs one line, so only C++ errors are let through.
+    return {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
 
 
 def _spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
     log.parent.mkdir(parents=True, exist_ok=True)
-    # torch's C++ layer prints a warning with a long native stack for every store call that
-    # meets a closed connection (e.g. a heartbeat racing the coordinator's exit); perdure
-    # handles those and logs one line, so only C++ errors are let through.
-    env = {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    env = child_env(token)
     with open(log, "ab") as out:
         return subprocess.Popen(
             cmd,

@@ -1,0 +1,251 @@
+"""A fork server for replacement workers: ``import torch`` once, fork per replacement.
+
+Starting a worker costs ~2 s of CPU before it does anything useful, most of it ``import
+torch``. On a machine whose cores the survivors are using, that start-up either slows them
+or, niced, takes seconds of wall time during which the run is a member short. The zygote is
+a process started with the run that imports torch and perdure's worker, then waits; a
+replacement is a ``fork`` of it (copy-on-write, no imports) that becomes ``perdure worker``
+in a new session with its own log. The same idea as ``multiprocessing``'s forkserver and
+PyTorch's fork-started DataLoader workers: the zygote never runs a torch op, so no thread
+pool or device state is forked.
+
+Protocol: JSON lines. The launcher writes ``{"id", "argv", "env", "log", "cwd"}`` on the
+zygote's stdin; the zygote answers ``{"id", "pid"}`` and, when a child exits, ``{"exit":
+pid, "code": code}`` (negative: killed by that signal, as ``subprocess`` reports it).
+
+Limits: the zygote must outlive its children to report their exit codes; if it dies, a
+child that ends afterwards reports code -1. Linux and macOS only (``fork``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+UNKNOWN_EXIT = -1
+
+
+# -- the server (``python -m perdure.launch.zygote``) --------------------------------------
+
+
+def serve() -> None:
+    from perdure.runtime.priority import yield_cpu
+
+    yield_cpu()  # a zygote only ever waits; its start-up must not slow anyone
+    import torch  # noqa: F401  (the point of the zygote)
+
+    import perdure.cli
+    import perdure.runtime.worker  # noqa: F401
+
+    _reply({"ready": True, "pid": os.getpid()})
+    pending = b""
+    while True:
+        readable, _, _ = select.select([0], [], [], 0.05)
+        if readable:
+            chunk = os.read(0, 65536)
+            if not chunk:
+                return  # the launcher is gone; children live on in their own sessions
+            pending += chunk
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                req = json.loads(line)
+                _reply({"id": req["id"], "pid": _fork(req)})
+        _reap()
+
+
+def _reply(msg: dict[str, Any]) -> None:
+    os.write(1, (json.dumps(msg) + "\n").encode())
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        _reply({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _fork(req: dict[str, Any]) -> int:
+    pid = os.fork()
+    if pid == 0:
+        _child(req)
+    return pid
+
+
+def _child(req: dict[str, Any]) -> NoReturn:
+    code = 1
+    try:
+        os.setsid()
+        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.dup2(null, 0)
+        os.close(out)
+        os.close(null)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        from perdure.cli import main
+
+        main.main(args=req["argv"], prog_name="perdure", standalone_mode=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)
+
+
+# -- the launcher's side -------------------------------------------------------------------
+
+
+class Zygote:
+    """The launcher's handle on a fork server; ``spawn`` returns a Popen-like process."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "perdure.launch.zygote"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                start_new_session=True,
+            )
+        self._cond = threading.Condition()
+        self._ready = False
+        self._pids: dict[int, int] = {}
+        self.exits: dict[int, int] = {}
+        self._next_id = 0
+        self._reader = threading.Thread(target=self._read, name="zygote-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready and self.proc.poll() is None
+
+    def spawn(
+        self, argv: list[str], env: dict[str, str], log: Path, timeout_s: float = 10.0
+    ) -> ForkedProcess | None:
+        """Fork a ``perdure`` process with ``argv``; None if the zygote is not ready."""
+        if not self.ready or self.proc.stdin is None:
+            return None
+        with self._cond:
+            self._next_id += 1
+            rid = self._next_id
+        req = {"id": rid, "argv": argv, "env": env, "log": str(log), "cwd": os.getcwd()}
+        try:
+            self.proc.stdin.write((json.dumps(req) + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        with self._cond:
+            if not self._cond.wait_for(lambda: rid in self._pids or not self.alive, timeout_s):
+                raise TimeoutError(f"the zygote did not fork within {timeout_s} s")
+            pid = self._pids.get(rid)
+        return None if pid is None else ForkedProcess(pid, self)
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._cond:
+            if pid in self.exits:
+                return self.exits[pid]
+        if self.alive:
+            return None
+        return UNKNOWN_EXIT if not _exists(pid) else None
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=5)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                if msg.get("ready"):
+                    self._ready = True
+                elif "exit" in msg:
+                    self.exits[int(msg["exit"])] = int(msg["code"])
+                else:
+                    self._pids[int(msg["id"])] = int(msg["pid"])
+                self._cond.notify_all()
+        with self._cond:
+            self._cond.notify_all()
+
+
+class ForkedProcess:
+    """The parts of ``subprocess.Popen`` the launcher uses, for a zygote's child."""
+
+    def __init__(self, pid: int, zygote: Zygote) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._zygote = zygote
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            time.sleep(0.02)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+if __name__ == "__main__":
+    serve()
