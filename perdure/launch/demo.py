@@ -2,8 +2,10 @@
 
 The proof needs a reference: the same config and dataset version with no fault but the
 data fault (a poisoned shard changes the math through the decision log, so the reference
-keeps it). Its summary is cached under ``runs/reference/<key>/`` keyed by the config hash
-and the dataset version id, and reused when present; the demo says which.
+keeps it). Its summary is cached under ``runs/reference/<key>/`` keyed by the config hash,
+the dataset version id and a digest of the code that does the math (perdure's sources and
+the task's module: a cached reference from other code would prove nothing), and reused when
+present; the demo says which.
 """
 
 from __future__ import annotations
@@ -48,11 +50,28 @@ def reference_config(config: RunConfig) -> RunConfig:
     )
 
 
+def code_digest(entry: str) -> str:
+    """SHA-256 over perdure's Python sources and the task's module file."""
+    import importlib.util
+
+    import perdure
+
+    files = sorted(Path(perdure.__file__).parent.rglob("*.py"))
+    spec = importlib.util.find_spec(entry.split(":")[0])
+    if spec is not None and spec.origin:
+        files.append(Path(spec.origin))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()
+
+
 def reference(config: RunConfig, version: str, console: Console) -> tuple[dict[str, Any], str]:
     """(reference summary, 'cached' or 'ran')."""
     from perdure.launch.api import run
 
-    key = hashlib.sha256(f"{config_hash(config)}|{version}".encode()).hexdigest()[:16]
+    code = code_digest(config.task.entry)
+    key = hashlib.sha256(f"{config_hash(config)}|{version}|{code}".encode()).hexdigest()[:16]
     cached = Path("runs/reference") / key / "summary.json"
     if cached.exists():
         return json.loads(cached.read_text()), "cached"

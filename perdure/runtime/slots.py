@@ -121,10 +121,12 @@ class SlotEngine:
             p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(self.params)
         ]
 
-    def assign_grads(self, flat: torch.Tensor, scale: float) -> None:
-        """Point each parameter's ``.grad`` at ``flat[:P] * scale`` (in place)."""
+    def assign_grads(self, flat: torch.Tensor, batch: int) -> None:
+        """Point each parameter's ``.grad`` at ``flat[:P] / batch`` (in place): the slot
+        losses are sums over samples, so this is the gradient of the mean loss. A division,
+        not a multiplication by ``1 / batch``, which is inexact for most batch sizes."""
         grads = flat[: self.numel]
-        grads.mul_(scale)
+        grads.div_(batch)
         offset = 0
         for p in self.params:
             n = p.numel()
