@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from perdure.runtime.priority import autogroup_nice, normal_priority, thread_ids
+from perdure.runtime.priority import autogroup_nice, normal_priority, policy_of, thread_ids
 
 linux_root = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice is Linux's"),
@@ -23,6 +23,7 @@ def test_normal_priority_resets_threads_started_while_niced() -> None:
     main = threading.get_native_id()
     before = os.getpriority(os.PRIO_PROCESS, main)
     os.setpriority(os.PRIO_PROCESS, main, 19)
+    os.sched_setscheduler(main, os.SCHED_IDLE, os.sched_param(0))
     stop = threading.Event()
     started = threading.Event()
     tids: list[int] = []
@@ -37,13 +38,16 @@ def test_normal_priority_resets_threads_started_while_niced() -> None:
         t.start()
         assert started.wait(10)
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == 19  # inherited from its creator
+        assert policy_of(tids[0]) == os.SCHED_IDLE
         assert tids[0] in thread_ids()
         normal_priority()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == 0
         assert os.getpriority(os.PRIO_PROCESS, main) == 0
+        assert policy_of(tids[0]) == policy_of(main) == os.SCHED_OTHER
     finally:
         stop.set()
         t.join(10)
+        os.sched_setscheduler(main, os.SCHED_OTHER, os.sched_param(0))
         os.setpriority(os.PRIO_PROCESS, main, before)
 
 
@@ -51,9 +55,9 @@ PROBE = """
 import os, sys
 from perdure.runtime.priority import autogroup_nice, normal_priority, yield_cpu
 yield_cpu()
-print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))
+print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
 normal_priority()
-print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))
+print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
 """
 
 
@@ -71,7 +75,7 @@ def test_a_worker_in_its_own_session_yields_through_its_autogroup() -> None:
         start_new_session=True,
         check=True,
     ).stdout.split("\n")
-    assert out[:2] == ["19 19", "0 0"]
+    assert out[:2] == [f"19 19 {os.SCHED_IDLE}", f"0 0 {os.SCHED_OTHER}"]
 
 
 @linux_root[0]
@@ -80,4 +84,4 @@ def test_a_worker_started_from_a_shell_leaves_the_shells_autogroup_alone() -> No
     out = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
     ).stdout.split("\n")
-    assert out[0] == f"{autogroup_nice()} 19"
+    assert out[0] == f"{autogroup_nice()} 19 {os.SCHED_IDLE}"
