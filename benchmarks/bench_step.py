@@ -310,8 +310,8 @@ CASES_FULL = [
     # model, global batch, slots multiplier (slots = mult * W), steps/repeat, repeats, runtime steps
     ("small", 32, 1, 10, 5, 40),
     ("small", 32, 4, 10, 5, 40),
-    ("10M", 8, 1, 2, 3, 8),
-    ("10M", 8, 4, 2, 3, 8),
+    ("10M", 8, 1, 4, 5, 20),
+    ("10M", 8, 4, 3, 5, 16),
 ]
 CASES_QUICK = [("small", 32, 1, 5, 3, 15), ("small", 32, 4, 5, 3, 15)]
 
