@@ -45,3 +45,12 @@ def test_rebalance_returns_slots_once_the_slow_member_recovers() -> None:
     for _ in range(5):
         plan = rebalance(plan, [1.0, 1.0], max_moves=1)
     assert plan.counts() == [4, 4]
+
+
+def test_a_planned_epoch_change_leaves_room_for_stale_heartbeats() -> None:
+    from perdure.runtime.coordinator import boundary_margin
+
+    assert boundary_margin(None, 0.1) == 1  # no timing yet: the next step
+    assert boundary_margin(2.0, 0.1) == 1  # long steps: a heartbeat is never a step late
+    assert boundary_margin(0.06, 0.1) == 4  # 60 ms steps, 100 ms heartbeats
+    assert boundary_margin(1e-4, 0.1) == 20  # capped

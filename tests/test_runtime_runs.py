@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,31 @@ def test_resume_with_another_worker_count_follows_the_same_trajectory(
     assert s["final_hash"] == reference["final_hash"]
     first = min(e["start_step"] for e in events(tmp_path, "epoch_started"))
     assert first == STEPS // 2
+
+
+def test_a_new_run_into_a_used_run_dir_is_refused(reference: dict, small_dataset: Path) -> None:
+    from perdure.launch.api import run
+
+    cfg = small_config(small_dataset, workers=1, steps=STEPS)
+    with pytest.raises(FileExistsError, match=r"already holds a run .* --resume latest"):
+        run(cfg, run_dir=reference["run_dir"])
+
+
+def test_resume_latest_in_the_interrupted_runs_own_dir_follows_the_same_trajectory(
+    reference: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """The directory keeps everything of the first run (its events, even its end, and its
+    coordinator's stale ports file); the resumed run must act on its own only."""
+    rd = tmp_path / "run"
+    shutil.copytree(reference["run_dir"], rd)
+    shutil.rmtree(rd / "checkpoints" / f"step-{STEPS:09d}")
+    (rd / "summary.json").unlink()
+    assert (rd / "coordinator.json").exists() and events(rd, "run_end")
+    cfg = small_config(small_dataset, workers=2, steps=STEPS)
+    s = run_to_end(cfg, rd, resume="latest")
+    assert s["final_hash"] == reference["final_hash"]
+    assert s["steps"] == STEPS // 2 and s["restarts"] == 0
+    assert len(events(rd, "run_start")) == 2
 
 
 def test_resume_under_another_config_is_refused_naming_both_hashes(

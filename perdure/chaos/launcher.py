@@ -33,7 +33,7 @@ class ChaosLauncher(LocalLauncher):
         self.down_regions: dict[str, float] = {}
         self.seq = 0
         self._store: dist.TCPStore | None = None
-        self._metrics = Tail(self.run_dir / "metrics.jsonl")
+        self._metrics = Tail(self.run_dir / "metrics.jsonl", from_end=True)
         self.step = -1
         self.first_step_t: float | None = None
         self.view: Any = None

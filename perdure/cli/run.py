@@ -79,7 +79,11 @@ def run(
         click.echo(f"--chaos {chaos_file}: {e}", err=True)
         sys.exit(2)
     show = sys.stdout.isatty() and cfg.run.live_view if live is None else live
-    summary = run_api(
-        cfg, run_dir=run_dir or cfg.run.dir, resume=resume, live=show, timeout_s=timeout_s
-    )
+    try:
+        summary = run_api(
+            cfg, run_dir=run_dir or cfg.run.dir, resume=resume, live=show, timeout_s=timeout_s
+        )
+    except (FileExistsError, FileNotFoundError) as e:  # --run-dir and --resume problems
+        click.echo(str(e), err=True)
+        sys.exit(2)
     click.echo(json.dumps(summary, indent=2))

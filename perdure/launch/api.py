@@ -61,6 +61,11 @@ def run(
     from perdure.chaos.launcher import ChaosLauncher
 
     rd = Path(run_dir) if run_dir else default_run_dir(config)
+    if resume is None and (rd / "events.jsonl").exists():
+        raise FileExistsError(
+            f"--run-dir {rd}: already holds a run (events.jsonl); a new run needs a new "
+            "directory, and --resume latest continues this one from its newest checkpoint"
+        )
     rd.mkdir(parents=True, exist_ok=True)
     launcher = ChaosLauncher(
         config, rd, resume=resolve_resume(resume, rd), live=live, timeout_s=timeout_s

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,8 @@ def reference(config: RunConfig, version: str, console: Console) -> tuple[dict[s
     cached = Path("runs/reference") / key / "summary.json"
     if cached.exists():
         return json.loads(cached.read_text()), "cached"
+    if cached.parent.exists():  # a reference run that never finished: start it again
+        shutil.rmtree(cached.parent)
     console.print("running the fault-free reference (same config and dataset, 2 workers) ...")
     return run(reference_config(config), run_dir=cached.parent, timeout_s=1800), "ran"
 

@@ -72,7 +72,7 @@ class LocalLauncher:
         self.replacements: dict[str, float] = {}
         self.store_addrs: list[tuple[str, int]] = []
         self.crashes: dict[str, int] = {}
-        self._events_tail = Tail(self.run_dir / "events.jsonl")
+        self._events_tail = Tail(self.run_dir / "events.jsonl", from_end=True)
         self._ended = False
         self.zygote: Zygote | None = None
 
@@ -85,6 +85,7 @@ class LocalLauncher:
         if self.config.cluster.standby_region:
             names.append(("standby", self.config.cluster.standby_region))
         for name, region in names:
+            (self.run_dir / f"{name}.json").unlink(missing_ok=True)  # a previous run's ports
             popen = start_coordinator(
                 cfg_path,
                 self.run_dir,
@@ -131,8 +132,8 @@ class LocalLauncher:
         )
         try:
             self._start_coordinators()
-            self._start_workers()
             self._start_zygote()
+            self._start_workers()
             self._monitor()
         finally:
             self._stop_all()

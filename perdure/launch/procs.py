@@ -61,11 +61,14 @@ def start_coordinator(
 
 
 def wait_ports(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> dict:
+    """The ports ``proc`` published in ``path`` (a file from another process is ignored)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if path.exists():
             try:
-                return json.loads(path.read_text())
+                ports = json.loads(path.read_text())
+                if ports.get("pid") == proc.pid:
+                    return dict(ports)
             except json.JSONDecodeError:
                 pass
         if proc.poll() is not None:

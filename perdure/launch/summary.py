@@ -14,8 +14,9 @@ from perdure.runtime.events import read_jsonl
 
 
 def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[str, Any]:
-    events = read_jsonl(run_dir / "events.jsonl")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    # this launch only: a run resumed in its own directory appends to the previous logs
+    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", started) >= started]
+    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("t", started) >= started]
     done = [e for e in events if e.get("event") == "worker_done"]
     hashes = sorted({e["final_hash"] for e in done if "final_hash" in e})
     epochs = [e for e in events if e.get("event") == "epoch_started"]

@@ -58,8 +58,8 @@ class LiveView:
     """Refreshes a rich Live display from the run directory."""
 
     def __init__(self, run_dir: Path, steps: int, console: Console | None = None) -> None:
-        self.metrics = Tail(run_dir / "metrics.jsonl")
-        self.events = Tail(run_dir / "events.jsonl")
+        self.metrics = Tail(run_dir / "metrics.jsonl", from_end=True)
+        self.events = Tail(run_dir / "events.jsonl", from_end=True)
         self.steps = steps
         self.last: dict[str, Any] = {}
         self.log: deque[tuple[float, str, str]] = deque(maxlen=12)

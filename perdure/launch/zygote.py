@@ -39,10 +39,11 @@ UNKNOWN_EXIT = -1
 
 
 def serve() -> None:
-    from perdure.runtime.priority import yield_cpu
-
-    yield_cpu()  # a zygote only ever waits; its start-up must not slow anyone
-    import torch  # noqa: F401  (the point of the zygote)
+    """Import, then fork on request. The imports run at normal priority, alongside the
+    workers' own start-up: niced, they took seconds on a busy machine, and a kill in that
+    window got a cold-started replacement."""
+    # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
+    import torch._inductor.config  # noqa: F401
 
     import perdure.cli
     import perdure.runtime.worker  # noqa: F401

@@ -21,6 +21,7 @@ An epoch change goes through three phases:
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import selectors
 import socket
@@ -393,10 +394,10 @@ class Coordinator:
         for w in idle[max(0, room) :]:
             w.role = "spare"
             self.events.write({"event": "became_spare", "worker": w.name})
-        last = max((self.workers[m].next_step for m in members), default=0)
-        if idle and room > 0 and last + 1 < self.config.train.steps:
+        after = self._boundary()
+        if idle and room > 0 and after < self.config.train.steps:
             names = sorted(members | {w.name for w in idle[:room]})
-            self._announce(names, after=last + 1, reason="join")
+            self._announce(names, after=after, reason="join")
 
     def _maybe_replan(self, now: float) -> None:
         """Move slots away from slow members (bounded), and back once they recover.
@@ -419,8 +420,33 @@ class Coordinator:
         new = rebalance(plan, speeds, max_moves=c.max_slot_moves)
         if new.counts() != plan.counts():
             self.last_replan = now
-            after = max(self.workers[m].next_step for m in plan.members) + 1
-            self._announce(list(plan.members), after=after, reason="rebalance", counts=new.counts())
+            self._announce(
+                list(plan.members), after=self._boundary(), reason="rebalance", counts=new.counts()
+            )
+
+    def _boundary(self) -> int:
+        """The first step of a planned (not failure-driven) epoch change: far enough ahead
+        that no member has started it when the notice arrives. Heartbeats report a member's
+        step up to a heartbeat interval late, and a member that has begun step ``after``
+        must abandon it; with steps shorter than a heartbeat, ``last + 1`` meant one
+        abandoned step per join."""
+        plan = self.current
+        members = plan.members if plan else []
+        last = max((self.workers[m].next_step for m in members), default=0)
+        return last + 1 + boundary_margin(self._step_s(), self.cluster.heartbeat_ms / 1000)
+
+    def _step_s(self) -> float | None:
+        """The slowest member's step time, from its reported per-slot time."""
+        plan = self.current
+        if plan is None:
+            return None
+        times = []
+        for r, m in enumerate(plan.members):
+            slot_s = self.workers[m].slot_s
+            if slot_s is None:
+                return None
+            times.append(slot_s * len(plan.slots_of(r)))
+        return max(times, default=None)
 
     def _maybe_finish(self) -> None:
         if self.current is None:
@@ -556,6 +582,14 @@ class Coordinator:
             w.line.close()
         self.server.close()
         self.sel.close()
+
+
+def boundary_margin(step_s: float | None, heartbeat_s: float, cap: int = 20) -> int:
+    """Extra steps before a planned epoch change: how many steps a heartbeat's staleness
+    plus the notice's delivery (one more heartbeat interval, generously) can cover."""
+    if not step_s or step_s <= 0:
+        return 1
+    return min(cap, math.ceil(2 * heartbeat_s / step_s))
 
 
 def _speed(i: int, times: list[float], slow_ratio: float) -> float:

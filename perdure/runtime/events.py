@@ -51,10 +51,13 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 class Tail:
     """The complete lines appended to a JSON-lines file since the last call (a torn last
     line waits for the next call). Readers that poll a live run use it, so each byte of
-    the log is read once."""
+    the log is read once. ``from_end``: skip what the file already holds (a run resumed
+    in its own directory must not act on the previous run's lines)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, from_end: bool = False) -> None:
         self.path, self.pos = Path(path), 0
+        if from_end and self.path.exists():
+            self.pos = self.path.stat().st_size
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
