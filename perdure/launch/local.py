@@ -23,6 +23,9 @@ from perdure.launch.procs import Process, child_env, start_coordinator, start_wo
 from perdure.launch.zygote import Zygote
 from perdure.runtime.events import JsonLines, Tail
 
+ZYGOTE_READY_S = 60.0
+"""How long the launcher waits for the fork server's imports before starting workers."""
+
 MAX_CRASHES = 3
 """A worker that crashes this often without a fault being injected is a bug, not a fault:
 the launcher stops instead of replacing it for ever."""
@@ -111,7 +114,7 @@ class LocalLauncher:
             log,
             role=role,
             yield_cpu=gen > 0,
-            zygote=self.zygote if gen > 0 else None,
+            zygote=self.zygote,
         )
         self.procs[name] = Proc(name, region, role, popen, generation=gen)
 
@@ -142,10 +145,14 @@ class LocalLauncher:
         return write_summary(self.run_dir, self.config, started=self.started)
 
     def _start_zygote(self) -> None:
-        """A fork server for replacements (see ``launch/zygote.py``), where ``fork`` exists
-        and replacements are enabled."""
-        if hasattr(os, "fork") and self.config.cluster.replace_after_ms >= 0:
-            self.zygote = Zygote(child_env(self.token), self.run_dir / "logs" / "zygote.log")
+        """The fork server every worker starts from (see ``launch/zygote.py``), where
+        ``fork`` exists. Workers are then started as ordinary processes if it is not ready
+        within ``ZYGOTE_READY_S`` (its log says why)."""
+        if not hasattr(os, "fork"):
+            return
+        self.zygote = Zygote(child_env(self.token), self.run_dir / "logs" / "zygote.log")
+        if not self.zygote.wait_ready(ZYGOTE_READY_S):
+            self.events.write({"event": "zygote_unavailable", "log": "logs/zygote.log"})
 
     def _monitor(self) -> None:
         end = time.monotonic() + self.timeout_s

@@ -93,7 +93,8 @@ def start_worker(
     """Start a worker process. ``yield_cpu`` (for replacements on a shared machine): it
     starts at a low CPU priority so that its start-up (Python, torch, the model) does not
     slow the survivors, and takes normal priority once ready to train. With a ready
-    ``zygote``, the process is forked from it and skips ``import torch``."""
+    ``zygote``, the process is forked from it and skips ``import torch``; without, it is
+    a new ``python -m perdure worker``."""
     args = ["worker", "--name", name, "--region", region, "--role", role]
     if yield_cpu:
         args.append("--yield-cpu-until-ready")

@@ -1,11 +1,12 @@
-"""A fork server for replacement workers: ``import torch`` once, fork per replacement.
+"""A fork server for workers: ``import torch`` once, fork per worker.
 
-Starting a worker costs ~2 s of CPU before it does anything useful, most of it ``import
-torch``. On a machine whose cores the survivors are using, that start-up either slows them
-or, niced, takes seconds of wall time during which the run is a member short. The zygote is
-a process started with the run that imports torch and perdure's worker, then waits; a
-replacement is a ``fork`` of it (copy-on-write, no imports) that becomes ``perdure worker``
-in a new session with its own log. The same idea as ``multiprocessing``'s forkserver and
+Starting a worker costs ~2-3 s of CPU before it does anything useful, most of it ``import
+torch``. N workers on one machine pay it N times at the start of a run; and on a machine
+whose cores the survivors are using, a replacement's start-up either slows them or, niced,
+takes seconds of wall time during which the run is a member short. The zygote is a process
+started first that imports torch and perdure's worker, then waits; a worker is a ``fork``
+of it (copy-on-write, no imports) that becomes ``perdure worker`` in a new session with its
+own log. The same idea as ``multiprocessing``'s forkserver and
 PyTorch's fork-started DataLoader workers: the zygote never runs a torch op, so no thread
 pool or device state is forked.
 
@@ -39,9 +40,8 @@ UNKNOWN_EXIT = -1
 
 
 def serve() -> None:
-    """Import, then fork on request. The imports run at normal priority, alongside the
-    workers' own start-up: niced, they took seconds on a busy machine, and a kill in that
-    window got a cold-started replacement."""
+    """Import, then fork on request. The launcher starts it before any worker and waits
+    for it, so the imports run once, at normal priority, on an otherwise idle machine."""
     # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
     import torch._inductor.config  # noqa: F401
 
@@ -144,6 +144,12 @@ class Zygote:
     @property
     def ready(self) -> bool:
         return self._ready and self.proc.poll() is None
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Block until the imports are done (or the zygote died, or the timeout)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._ready or not self.alive, timeout_s)
+        return self.ready
 
     def spawn(
         self, argv: list[str], env: dict[str, str], log: Path, timeout_s: float = 10.0
