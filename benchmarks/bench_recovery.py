@@ -64,6 +64,11 @@ def perdure_cfg(model: dict, B: int, dataset: str, workers: int = 3) -> dict:
     }
 
 
+def model_args(model: dict) -> list[str]:
+    """The peer scripts' model flags (``peers/*.py``)."""
+    return [f"--{k.replace('_', '-')}={model[k]}" for k in ("d_model", "n_layers", "n_heads")]
+
+
 def kill_schedule(steps_at: list[int], targets: list[str]) -> str:
     out = []
     for i, s in enumerate(steps_at):
@@ -199,12 +204,7 @@ def torchrun_run(
         str(ckpt_every),
         "--kill-at",
         str(kill_at),
-        "--d-model",
-        str(model["d_model"]),
-        "--n-layers",
-        str(model["n_layers"]),
-        "--n-heads",
-        str(model["n_heads"]),
+        *model_args(model),
     ]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -316,12 +316,7 @@ def torchft_run(
                 str(kill_at),
                 "--kill-replica",
                 "1",
-                "--d-model",
-                str(model["d_model"]),
-                "--n-layers",
-                str(model["n_layers"]),
-                "--n-heads",
-                str(model["n_heads"]),
+                *model_args(model),
             ],
             cwd=REPO,
             env=env,
