@@ -4,10 +4,11 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
-from perdure.runtime.priority import autogroup_nice, normal_priority, policy_of, thread_ids
+from perdure.runtime.priority import normal_priority, thread_ids
 
 linux_root = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice is Linux's"),
@@ -38,12 +39,12 @@ def test_normal_priority_resets_threads_started_while_niced() -> None:
         t.start()
         assert started.wait(10)
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == 19  # inherited from its creator
-        assert policy_of(tids[0]) == os.SCHED_IDLE
+        assert os.sched_getscheduler(tids[0]) == os.SCHED_IDLE
         assert tids[0] in thread_ids()
         normal_priority()
         assert os.getpriority(os.PRIO_PROCESS, tids[0]) == 0
         assert os.getpriority(os.PRIO_PROCESS, main) == 0
-        assert policy_of(tids[0]) == policy_of(main) == os.SCHED_OTHER
+        assert os.sched_getscheduler(tids[0]) == os.sched_getscheduler(main) == os.SCHED_OTHER
     finally:
         stop.set()
         t.join(10)
@@ -51,9 +52,18 @@ def test_normal_priority_resets_threads_started_while_niced() -> None:
         os.setpriority(os.PRIO_PROCESS, main, before)
 
 
+def autogroup_nice() -> int:
+    return int(Path("/proc/self/autogroup").read_text().split("nice")[-1])
+
+
 PROBE = """
-import os, sys
-from perdure.runtime.priority import autogroup_nice, normal_priority, yield_cpu
+import os
+from pathlib import Path
+from perdure.runtime.priority import normal_priority, yield_cpu
+
+def autogroup_nice():
+    return int(Path("/proc/self/autogroup").read_text().split("nice")[-1])
+
 yield_cpu()
 print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
 normal_priority()

@@ -80,7 +80,10 @@ class ChaosLauncher(LocalLauncher):
     # -- injection -------------------------------------------------------------------------
 
     def _inject(self, index: int, fault: FaultConfig) -> None:
+        # stamped before the signal: the coordinator may log the victim's leave before this
+        # record is written, and the fault report looks for detection after the fault
         record = {
+            "t": round(time.time(), 6),
             "event": "fault_injected",
             "fault": index,
             "kind": fault.kind,

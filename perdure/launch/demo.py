@@ -57,13 +57,14 @@ def code_digest(entry: str) -> str:
 
     import perdure
 
-    files = sorted(Path(perdure.__file__).parent.rglob("*.py"))
+    root = Path(perdure.__file__).parent
+    files = [(str(f.relative_to(root)), f) for f in sorted(root.rglob("*.py"))]
     spec = importlib.util.find_spec(entry.split(":")[0])
     if spec is not None and spec.origin:
-        files.append(Path(spec.origin))
+        files.append((entry.split(":")[0], Path(spec.origin)))
     h = hashlib.sha256()
-    for f in files:
-        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    for name, f in files:
+        h.update(name.encode() + b"\0" + f.read_bytes())
     return h.hexdigest()
 
 

@@ -88,7 +88,6 @@ class LocalLauncher:
         if self.config.cluster.standby_region:
             names.append(("standby", self.config.cluster.standby_region))
         for name, region in names:
-            (self.run_dir / f"{name}.json").unlink(missing_ok=True)  # a previous run's ports
             popen = start_coordinator(
                 cfg_path,
                 self.run_dir,

@@ -66,9 +66,9 @@ def wait_ports(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.
     while time.monotonic() < end:
         if path.exists():
             try:
-                ports = json.loads(path.read_text())
+                ports: dict = json.loads(path.read_text())
                 if ports.get("pid") == proc.pid:
-                    return dict(ports)
+                    return ports
             except json.JSONDecodeError:
                 pass
         if proc.poll() is not None:

@@ -394,8 +394,10 @@ class Coordinator:
         for w in idle[max(0, room) :]:
             w.role = "spare"
             self.events.write({"event": "became_spare", "worker": w.name})
+        if not idle or room <= 0:
+            return
         after = self._boundary()
-        if idle and room > 0 and after < self.config.train.steps:
+        if after < self.config.train.steps:
             names = sorted(members | {w.name for w in idle[:room]})
             self._announce(names, after=after, reason="join")
 

@@ -59,11 +59,6 @@ def _set_thread(tid: int, nice: int, policy: int | None) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
-def policy_of(tid: int = 0) -> int | None:
-    """A thread's scheduling policy (``os.SCHED_*``), where the platform has them."""
-    return os.sched_getscheduler(tid) if hasattr(os, "sched_getscheduler") else None
-
-
 def _set_autogroup(nice: int) -> None:
     """Only a session leader's autogroup is its own: a worker started from a shell shares
     the shell's, which must not be niced."""
@@ -83,11 +78,3 @@ def thread_ids() -> list[int]:
         return [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         return [0]
-
-
-def autogroup_nice() -> int | None:
-    """The autogroup's nice value, or None without autogroups."""
-    try:
-        return int(AUTOGROUP.read_text().split("nice")[-1])
-    except (OSError, ValueError):
-        return None
