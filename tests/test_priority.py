@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from perdure.runtime.priority import normal_priority, thread_ids
+from perdure.runtime import priority
+from perdure.runtime.priority import autogroup_nice, normal_priority, thread_ids
 
 linux_root = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice is Linux's"),
@@ -52,17 +53,9 @@ def test_normal_priority_resets_threads_started_while_niced() -> None:
         os.setpriority(os.PRIO_PROCESS, main, before)
 
 
-def autogroup_nice() -> int:
-    return int(Path("/proc/self/autogroup").read_text().split("nice")[-1])
-
-
 PROBE = """
 import os
-from pathlib import Path
-from perdure.runtime.priority import normal_priority, yield_cpu
-
-def autogroup_nice():
-    return int(Path("/proc/self/autogroup").read_text().split("nice")[-1])
+from perdure.runtime.priority import autogroup_nice, normal_priority, yield_cpu
 
 yield_cpu()
 print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))
@@ -77,21 +70,41 @@ print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getschedule
 def test_a_worker_in_its_own_session_yields_through_its_autogroup() -> None:
     """Under sched_autogroup every session competes as one group whatever its threads' nice
     values: a replacement in its own session must nice its autogroup to yield the CPU."""
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        start_new_session=True,
-        check=True,
-    ).stdout.split("\n")
+    out = probe(start_new_session=True)
     assert out[:2] == [f"19 19 {os.SCHED_IDLE}", f"0 0 {os.SCHED_OTHER}"]
 
 
 @linux_root[0]
 @pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="no sched autogroups")
 def test_a_worker_started_from_a_shell_leaves_the_shells_autogroup_alone() -> None:
-    out = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60, check=True
-    ).stdout.split("\n")
+    """Also where the shell is in no autogroup (the init session's processes, as under a
+    container's or CI's runner, read ``/proc/self/autogroup`` as empty)."""
+    out = probe(start_new_session=False)
     assert out[0] == f"{autogroup_nice()} 19 {os.SCHED_IDLE}"
+
+
+def probe(*, start_new_session: bool) -> list[str]:
+    """Run PROBE in a child; its stderr is in the failure message."""
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=start_new_session,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split("\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "nice"), [("/autogroup-3649 nice 0\n", 0), ("/autogroup-7 nice 19\n", 19), ("", None)]
+)
+def test_autogroup_nice_reads_none_for_a_process_in_no_autogroup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, text: str, nice: int | None
+) -> None:
+    """The init session's processes read an empty file; niceness then works per thread."""
+    (tmp_path / "autogroup").write_text(text)
+    monkeypatch.setattr(priority, "AUTOGROUP", tmp_path / "autogroup")
+    assert autogroup_nice() == nice
+    monkeypatch.setattr(priority, "AUTOGROUP", tmp_path / "absent")
+    assert autogroup_nice() is None

@@ -50,6 +50,8 @@ def _set(nice: int, policy: int | None) -> None:
             _set_thread(tid, nice, policy)
     except PermissionError:
         log.warning("could not set CPU priority to nice %d (needs CAP_SYS_NICE)", nice)
+    except OSError as e:  # a sandbox without the calls (EINVAL, ENOSYS): run as we are
+        log.warning("could not set CPU priority to nice %d: %s", nice, e)
 
 
 def _set_thread(tid: int, nice: int, policy: int | None) -> None:
@@ -59,10 +61,22 @@ def _set_thread(tid: int, nice: int, policy: int | None) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
+def autogroup_nice() -> int | None:
+    """This process's autogroup nice, or None when it is in no autogroup: no
+    ``sched_autogroup``, or the init session's processes and a cpu cgroup's, which the
+    kernel schedules in their task group and whose ``/proc/self/autogroup`` reads empty."""
+    try:
+        text = AUTOGROUP.read_text()
+    except OSError:
+        return None
+    _, sep, value = text.rpartition("nice")
+    return int(value) if sep else None
+
+
 def _set_autogroup(nice: int) -> None:
     """Only a session leader's autogroup is its own: a worker started from a shell shares
     the shell's, which must not be niced."""
-    if not AUTOGROUP.exists() or os.getsid(0) != os.getpid():
+    if os.getsid(0) != os.getpid() or autogroup_nice() is None:
         return
     try:
         AUTOGROUP.write_text(f"{nice}\n")
