@@ -1,7 +1,7 @@
 """Recovery from a worker kill: perdure vs torchrun --max-restarts vs torchft 0.2.0; goodput.
 
     .venv/bin/python benchmarks/bench_recovery.py            # 2 repeats, goodput 300 steps
-    .venv/bin/python benchmarks/bench_recovery.py --quick    # 1 repeat, goodput 60 steps
+    .venv/bin/python benchmarks/bench_recovery.py --quick    # 1 repeat each, goodput 60 steps
 
 Same workload for the three: 3 replicas (one process each, one intra-op thread), the
 tiny_lm task with ~2M parameters (d_model 128, 10 layers), global batch 6, AdamW; one
@@ -24,7 +24,9 @@ replica SIGKILLed right after step ``--kill-at`` committed.
 Goodput: the same 3-replica workload, smaller model (d_model 64, 2 layers, global batch 12),
 ``--goodput-steps`` steps, a kill every 50 steps (steps 50, 100, ...; alternating targets),
 against the same run without faults: goodput = fault-free span / faulty span, where a span
-is the time from the first to the last committed step (process start-up excluded).
+is the time from the first to the last committed step (process start-up excluded). Each
+system runs ``--goodput-repeats`` such pairs (2; the systems take turns within a repeat),
+reported as min / median / max of the per-pair ratios; the goals read the median.
 
 Results: ``benchmarks/results/recovery.json``.
 """
@@ -41,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -432,6 +435,40 @@ def torchft_goodput(steps: int, hb_ms: int = 5000) -> dict:
     return out
 
 
+def goodput_rows(dataset: str, steps: int, repeats: int, ckpt_every: int, skip: list[str]) -> dict:
+    """Each system's goodput over ``repeats`` clean+faulty pairs, the systems interleaved
+    within a repeat so that a drift of the shared machine reaches all of them."""
+    pairs: dict[str, Callable[[], dict]] = {
+        "perdure": lambda: perdure_goodput(dataset, steps),
+        "perdure, 1 warm spare": lambda: perdure_goodput(dataset, steps, spares=1),
+        "torchrun": lambda: torchrun_goodput(steps, ckpt_every),
+        "torchft": lambda: torchft_goodput(steps),
+    }
+    runs: dict[str, list[dict]] = {}
+    for _ in range(repeats):
+        for name, pair in pairs.items():
+            if name.split(",")[0] in skip:
+                continue
+            runs.setdefault(name, []).append(pair())
+            print(f"{name} goodput {runs[name][-1].get('goodput')}", flush=True)
+    return {name: goodput_row(rs) for name, rs in runs.items()}
+
+
+def goodput_row(runs: list[dict]) -> dict:
+    """min/median/max of the per-pair ratios, and of the spans they came from."""
+    row = {
+        "faults": runs[0]["faults"],
+        "kill_steps": runs[0]["kill_steps"],
+        "goodput": stats([r.get("goodput") for r in runs]),
+        "clean_span_s": stats([r["clean"].get("span_s") for r in runs]),
+        "faulty_span_s": stats([r["faulty"].get("span_s") for r in runs]),
+        "runs": runs,
+    }
+    if all("bitwise_equal" in r for r in runs):
+        row["bitwise_equal"] = all(r["bitwise_equal"] for r in runs)
+    return row
+
+
 # -- main -----------------------------------------------------------------------------------
 
 
@@ -447,6 +484,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-at", type=int)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--goodput-steps", type=int)
+    ap.add_argument("--goodput-repeats", type=int, help="clean+faulty pairs per system")
     ap.add_argument("--skip", nargs="*", default=[], help="perdure torchrun torchft goodput")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -455,6 +493,7 @@ def main(argv=None) -> int:
     steps = a.steps or (16 if a.quick else 30)
     kill_at = a.kill_at or (8 if a.quick else 15)
     gp_steps = a.goodput_steps or (60 if a.quick else 300)
+    gp_repeats = a.goodput_repeats or (1 if a.quick else 2)
     t_start = time.perf_counter()
     systems = {}
     for r in range(repeats):
@@ -491,19 +530,10 @@ def main(argv=None) -> int:
             ratios[f"{peer}_over_perdure_median"] = q["median"] / p["median"]
     goodput = {}
     if "goodput" not in a.skip:
-        goodput["perdure"] = perdure_goodput(dataset, gp_steps)
-        print(f"perdure goodput {goodput['perdure'].get('goodput')}", flush=True)
-        goodput["perdure, 1 warm spare"] = perdure_goodput(dataset, gp_steps, spares=1)
-        print(f"perdure+spare goodput {goodput['perdure, 1 warm spare'].get('goodput')}")
-        if "torchrun" not in a.skip:
-            goodput["torchrun"] = torchrun_goodput(gp_steps, a.ckpt_every)
-            print(f"torchrun goodput {goodput['torchrun'].get('goodput')}", flush=True)
-        if "torchft" not in a.skip:
-            goodput["torchft"] = torchft_goodput(gp_steps)
-            print(f"torchft goodput {goodput['torchft'].get('goodput')}", flush=True)
+        goodput = goodput_rows(dataset, gp_steps, gp_repeats, a.ckpt_every, a.skip)
     pr = (recovery.get("perdure") or {}).get("recovery_s") or {}
-    pg = (goodput.get("perdure") or {}).get("goodput")
-    pgs = (goodput.get("perdure, 1 warm spare") or {}).get("goodput")
+    pg = ((goodput.get("perdure") or {}).get("goodput") or {}).get("median")
+    pgs = ((goodput.get("perdure, 1 warm spare") or {}).get("goodput") or {}).get("median")
     data = {
         "name": "recovery",
         "machine": machine(),
@@ -519,6 +549,7 @@ def main(argv=None) -> int:
             "goodput_model": GP_MODEL,
             "goodput_global_batch": 12,
             "goodput_steps": gp_steps,
+            "goodput_repeats": gp_repeats,
         },
         "goals": {
             "recovery_s <= 0.5": pr.get("median") is not None and pr["median"] <= 0.5,

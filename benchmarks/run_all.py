@@ -163,10 +163,10 @@ def md_recovery(d: dict) -> str:
     gp = [
         [
             n,
-            f"{g.get('goodput'):.3f}" if g.get("goodput") else "-",
+            fmt(g.get("goodput")),
             g.get("faults"),
-            f"{g.get('clean', {}).get('span_s') or 0:.1f}",
-            f"{g.get('faulty', {}).get('span_s') or 0:.1f}",
+            fmt(g.get("clean_span_s"), 1),
+            fmt(g.get("faulty_span_s"), 1),
             g.get("bitwise_equal", "-"),
         ]
         for n, g in d.get("goodput", {}).items()
