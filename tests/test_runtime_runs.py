@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from perdure.config.run import with_overrides
 from tests.runtime_support import events, run_to_end, small_config
@@ -143,3 +144,27 @@ def test_graceful_stop_and_a_later_join_do_not_change_final_weights(
     assert without["start_step"] >= steps // 3 and without["receivers"] == []
     rejoined = [e for e in events(run, "state_received") if e["worker"] == "r1-0"]
     assert rejoined and rejoined[0]["next_step"] > without["start_step"]
+
+
+def test_a_warm_up_pass_does_not_change_the_next_steps_bits(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Spares and joiners run one throwaway slot before they may be promoted; the steps
+    they then compute (dropout included) must be the bits a cold replica computes."""
+    from perdure.runtime.trainer import Trainer
+
+    cfg = small_config(small_dataset, workers=1, steps=STEPS)
+    cold, warm = Trainer(cfg, cache_dir=str(tmp_path)), Trainer(cfg, cache_dir=str(tmp_path))
+    warm.warm_up()
+    for step in (0, 1):
+        sums = []
+        for t in (cold, warm):
+            bufs = [t.engine.new_buffer() for _ in range(cfg.train.slots)]
+            assert t.compute_slots(step, range(cfg.train.slots), bufs)
+            assert bufs[0].abs().sum() > 0
+            sums.append(torch.stack(bufs))
+            t.apply(step, sum(bufs[1:], bufs[0].clone()))
+        assert torch.equal(sums[0], sums[1])
+        assert cold.digest() == warm.digest()
+    cold.close()
+    warm.close()

@@ -102,6 +102,15 @@ class Trainer:
             self.engine.compute(step, slot, batch, buf, ready=ready if last else None)
         return True
 
+    def warm_up(self) -> None:
+        """One throwaway slot gradient (step 0, slot 0). A process's first forward/backward
+        allocates and initialises what later ones reuse (its step ran ~1.3x a warm one
+        here); a joiner or spare should pay that while it waits, not in its first step as a
+        member, where every member waits for it. The bits are unaffected: every slot
+        reseeds the RNG and starts from cleared gradients."""
+        buf = self.engine.new_buffer()
+        self.engine.compute(0, 0, to_tensors(self.loader.batch(0, 0)), buf)
+
     def prefetch(self, step: int, slots: range) -> None:
         """Read ``step``'s samples of ``slots`` in the background."""
         if self.config.data.prefetch_steps:

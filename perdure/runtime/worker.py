@@ -174,6 +174,8 @@ class Worker:
         # A worker admitted before the first epoch holds valid initial state (built from the
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
         self.has_state = self.role == "worker" and int(welcome.get("epoch", -1)) < 0
+        if not self.has_state:
+            self.trainer.warm_up()  # before it may be promoted, at its start-up priority
         if self.restore_priority:
             normal_priority()
         self._send({"type": "hb", "next_step": self.trainer.next_step, "prepared": True})
