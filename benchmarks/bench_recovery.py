@@ -25,8 +25,9 @@ Goodput: the same 3-replica workload, smaller model (d_model 64, 2 layers, globa
 ``--goodput-steps`` steps, a kill every 50 steps (steps 50, 100, ...; alternating targets),
 against the same run without faults: goodput = fault-free span / faulty span, where a span
 is the time from the first to the last committed step (process start-up excluded). Each
-system runs ``--goodput-repeats`` such pairs (2; the systems take turns within a repeat),
-reported as min / median / max of the per-pair ratios; the goals read the median.
+system runs ``--goodput-repeats`` such pairs (3; the systems take turns within a repeat and
+every other pair runs its faulty run first), reported as min / median / max of the
+per-pair ratios; the goals read the median.
 
 Results: ``benchmarks/results/recovery.json``.
 """
@@ -141,7 +142,7 @@ def perdure_recovery(dataset: str, steps: int, kill_at: int) -> dict:
     return out
 
 
-def perdure_goodput(dataset: str, steps: int, spares: int = 0) -> dict:
+def perdure_goodput(dataset: str, steps: int, spares: int = 0, faulty_first: bool = False) -> dict:
     """``spares``: warm standby workers; a kill then promotes one at once, and the killed
     worker's replacement refills the spare pool instead of entering the membership."""
     cfg = perdure_cfg(GP_MODEL, 12, dataset)
@@ -149,10 +150,8 @@ def perdure_goodput(dataset: str, steps: int, spares: int = 0) -> dict:
     kills = list(range(50, steps, 50))
     res = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-gp-") as d:
-        for name, chaos in (
-            ("clean", None),
-            ("faulty", kill_schedule(kills, ["local-1", "local-2"])),
-        ):
+        runs = [("clean", None), ("faulty", kill_schedule(kills, ["local-1", "local-2"]))]
+        for name, chaos in runs[:: -1 if faulty_first else 1]:
             r = perdure_run(cfg, steps, Path(d) / name, chaos=chaos, timeout_s=900)
             res[name] = {
                 "rc": r["rc"],
@@ -382,19 +381,26 @@ def torchft_recovery(steps: int, kill_at: int, hb_ms: int = 5000) -> dict:
 # -- goodput for the peers ------------------------------------------------------------------
 
 
-def torchrun_goodput(steps: int, ckpt_every: int) -> dict:
-    res = {}
+def torchrun_goodput(steps: int, ckpt_every: int, faulty_first: bool = False) -> dict:
+    res: dict = {}
     kills = list(range(50, steps, 50))
     with tempfile.TemporaryDirectory(prefix="perdure-bench-trgp-") as d:
-        clean = torchrun_run(Path(d) / "clean", steps, -1, GP_MODEL, 12, ckpt_every)
-        res["clean"] = {"rc": clean["rc"], "span_s": span(_commits(clean["log"]))}
+
+        def clean() -> dict:
+            r = torchrun_run(Path(d) / "clean", steps, -1, GP_MODEL, 12, ckpt_every)
+            return {"rc": r["rc"], "span_s": span(_commits(r["log"]))}
+
         # torchrun: one kill per restart generation; the worker kills itself at each kill
         # step once (a marker per kill step), so chain the kills through --kill-at per run
-        faulty = _torchrun_multi_kill(Path(d) / "faulty", steps, kills, ckpt_every)
-        res["faulty"] = faulty
+        def faulty() -> dict:
+            return _torchrun_multi_kill(Path(d) / "faulty", steps, kills, ckpt_every)
+
+        for name, run in [("clean", clean), ("faulty", faulty)][:: -1 if faulty_first else 1]:
+            res[name] = run()
+    faulty_res = res["faulty"]
     out = {"faults": len(kills), "kill_steps": kills, "ckpt_every": ckpt_every, **res}
-    if res["clean"]["span_s"] and faulty.get("span_s"):
-        out["goodput"] = res["clean"]["span_s"] / faulty["span_s"]
+    if res["clean"]["span_s"] and faulty_res.get("span_s"):
+        out["goodput"] = res["clean"]["span_s"] / faulty_res["span_s"]
     return out
 
 
@@ -419,11 +425,11 @@ def _torchrun_multi_kill(work: Path, steps: int, kills: list[int], ckpt_every: i
     }
 
 
-def torchft_goodput(steps: int, hb_ms: int = 5000) -> dict:
+def torchft_goodput(steps: int, hb_ms: int = 5000, faulty_first: bool = False) -> dict:
     kills = list(range(50, steps, 50))
     res = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-ftgp-") as d:
-        for name, ks in (("clean", []), ("faulty", kills)):
+        for name, ks in [("clean", []), ("faulty", kills)][:: -1 if faulty_first else 1]:
             r = torchft_run(Path(d) / name, steps, ks, GP_MODEL, 12, hb_ms, timeout_s=600)
             commits = [e for e in r["log"] if e.get("event") == "commit" and e.get("replica") == 0]
             res[name] = {"span_s": span(commits), "commits": len(commits)}
@@ -436,20 +442,21 @@ def torchft_goodput(steps: int, hb_ms: int = 5000) -> dict:
 
 
 def goodput_rows(dataset: str, steps: int, repeats: int, ckpt_every: int, skip: list[str]) -> dict:
-    """Each system's goodput over ``repeats`` clean+faulty pairs, the systems interleaved
-    within a repeat so that a drift of the shared machine reaches all of them."""
-    pairs: dict[str, Callable[[], dict]] = {
-        "perdure": lambda: perdure_goodput(dataset, steps),
-        "perdure, 1 warm spare": lambda: perdure_goodput(dataset, steps, spares=1),
-        "torchrun": lambda: torchrun_goodput(steps, ckpt_every),
-        "torchft": lambda: torchft_goodput(steps),
+    """Each system's goodput over ``repeats`` clean+faulty pairs. The systems take turns
+    within a repeat, and every other repeat runs the faulty run first, so that a drift of
+    the shared machine reaches all systems and both sides of a pair alike."""
+    pairs: dict[str, Callable[[bool], dict]] = {
+        "perdure": lambda ff: perdure_goodput(dataset, steps, faulty_first=ff),
+        "perdure, 1 warm spare": lambda ff: perdure_goodput(dataset, steps, 1, ff),
+        "torchrun": lambda ff: torchrun_goodput(steps, ckpt_every, faulty_first=ff),
+        "torchft": lambda ff: torchft_goodput(steps, faulty_first=ff),
     }
     runs: dict[str, list[dict]] = {}
-    for _ in range(repeats):
+    for r in range(repeats):
         for name, pair in pairs.items():
             if name.split(",")[0] in skip:
                 continue
-            runs.setdefault(name, []).append(pair())
+            runs.setdefault(name, []).append(pair(r % 2 == 1))
             print(f"{name} goodput {runs[name][-1].get('goodput')}", flush=True)
     return {name: goodput_row(rs) for name, rs in runs.items()}
 
@@ -493,7 +500,7 @@ def main(argv=None) -> int:
     steps = a.steps or (16 if a.quick else 30)
     kill_at = a.kill_at or (8 if a.quick else 15)
     gp_steps = a.goodput_steps or (60 if a.quick else 300)
-    gp_repeats = a.goodput_repeats or (1 if a.quick else 2)
+    gp_repeats = a.goodput_repeats or (1 if a.quick else 3)
     t_start = time.perf_counter()
     systems = {}
     for r in range(repeats):
