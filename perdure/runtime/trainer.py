@@ -103,13 +103,16 @@ class Trainer:
         return True
 
     def warm_up(self) -> None:
-        """One throwaway slot gradient (step 0, slot 0). A process's first forward/backward
-        allocates and initialises what later ones reuse (its step ran ~1.3x a warm one
-        here); a joiner or spare should pay that while it waits, not in its first step as a
-        member, where every member waits for it. The bits are unaffected: every slot
-        reseeds the RNG and starts from cleared gradients."""
-        buf = self.engine.new_buffer()
-        self.engine.compute(0, 0, to_tensors(self.loader.batch(0, 0)), buf)
+        """One throwaway slot gradient (step 0, slot 0), for a replica that will receive
+        its state. A process's first slot opens and verifies shards and allocates what later
+        calls reuse (~1.3-1.5x a warm one here); a joiner or spare should pay that while it
+        waits, not in its first step as a member, where every member waits for it.
+
+        The bits are unaffected: every slot reseeds the RNG and starts from cleared
+        gradients, and the data quarantine that the read could add on this replica alone
+        (an unreadable shard) is replaced by the received one (``adopt``)."""
+        batch = to_tensors(self.loader.batch(0, 0))
+        self.engine.compute(0, 0, batch, self.engine.new_buffer())
 
     def prefetch(self, step: int, slots: range) -> None:
         """Read ``step``'s samples of ``slots`` in the background."""
