@@ -46,6 +46,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, ensure_dataset, free_port, machine, stats, write_result
@@ -53,6 +54,7 @@ from bench_step import perdure_run
 
 PEERS = Path(__file__).resolve().parent / "peers"
 VENV_BIN = REPO / ".venv" / "bin"
+T = TypeVar("T")
 REC_MODEL = {"d_model": 128, "n_layers": 10, "n_heads": 4}
 GP_MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 4}
 
@@ -151,7 +153,7 @@ def perdure_goodput(dataset: str, steps: int, spares: int = 0, faulty_first: boo
     res = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-gp-") as d:
         runs = [("clean", None), ("faulty", kill_schedule(kills, ["local-1", "local-2"]))]
-        for name, chaos in runs[:: -1 if faulty_first else 1]:
+        for name, chaos in in_order(runs, faulty_first):
             r = perdure_run(cfg, steps, Path(d) / name, chaos=chaos, timeout_s=900)
             res[name] = {
                 "rc": r["rc"],
@@ -385,22 +387,15 @@ def torchrun_goodput(steps: int, ckpt_every: int, faulty_first: bool = False) ->
     res: dict = {}
     kills = list(range(50, steps, 50))
     with tempfile.TemporaryDirectory(prefix="perdure-bench-trgp-") as d:
-
-        def clean() -> dict:
-            r = torchrun_run(Path(d) / "clean", steps, -1, GP_MODEL, 12, ckpt_every)
-            return {"rc": r["rc"], "span_s": span(_commits(r["log"]))}
-
-        # torchrun: one kill per restart generation; the worker kills itself at each kill
-        # step once (a marker per kill step), so chain the kills through --kill-at per run
-        def faulty() -> dict:
-            return _torchrun_multi_kill(Path(d) / "faulty", steps, kills, ckpt_every)
-
-        for name, run in [("clean", clean), ("faulty", faulty)][:: -1 if faulty_first else 1]:
-            res[name] = run()
-    faulty_res = res["faulty"]
+        for name in in_order(["clean", "faulty"], faulty_first):
+            if name == "clean":
+                r = torchrun_run(Path(d) / name, steps, -1, GP_MODEL, 12, ckpt_every)
+                res[name] = {"rc": r["rc"], "span_s": span(_commits(r["log"]))}
+            else:  # the worker kills itself once at each kill step (see _torchrun_multi_kill)
+                res[name] = _torchrun_multi_kill(Path(d) / name, steps, kills, ckpt_every)
     out = {"faults": len(kills), "kill_steps": kills, "ckpt_every": ckpt_every, **res}
-    if res["clean"]["span_s"] and faulty_res.get("span_s"):
-        out["goodput"] = res["clean"]["span_s"] / faulty_res["span_s"]
+    if res["clean"]["span_s"] and res["faulty"].get("span_s"):
+        out["goodput"] = res["clean"]["span_s"] / res["faulty"]["span_s"]
     return out
 
 
@@ -429,7 +424,7 @@ def torchft_goodput(steps: int, hb_ms: int = 5000, faulty_first: bool = False) -
     kills = list(range(50, steps, 50))
     res = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-ftgp-") as d:
-        for name, ks in [("clean", []), ("faulty", kills)][:: -1 if faulty_first else 1]:
+        for name, ks in in_order([("clean", []), ("faulty", kills)], faulty_first):
             r = torchft_run(Path(d) / name, steps, ks, GP_MODEL, 12, hb_ms, timeout_s=600)
             commits = [e for e in r["log"] if e.get("event") == "commit" and e.get("replica") == 0]
             res[name] = {"span_s": span(commits), "commits": len(commits)}
@@ -439,6 +434,11 @@ def torchft_goodput(steps: int, hb_ms: int = 5000, faulty_first: bool = False) -
     if res["clean"]["span_s"] and res["faulty"]["span_s"]:
         out["goodput"] = res["clean"]["span_s"] / res["faulty"]["span_s"]
     return out
+
+
+def in_order(runs: list[T], faulty_first: bool) -> list[T]:
+    """A goodput pair's (clean, faulty) runs in the order to run them."""
+    return runs[::-1] if faulty_first else runs
 
 
 def goodput_rows(dataset: str, steps: int, repeats: int, ckpt_every: int, skip: list[str]) -> dict:

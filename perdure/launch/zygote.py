@@ -143,7 +143,7 @@ class Zygote:
 
     @property
     def ready(self) -> bool:
-        return self._ready and self.proc.poll() is None
+        return self._ready and self.alive
 
     def wait_ready(self, timeout_s: float) -> bool:
         """Block until the imports are done (or the zygote died, or the timeout)."""
