@@ -9,8 +9,8 @@ from typing import Any
 
 from perdure.config.run import RunConfig, config_from_dict
 from perdure.data import build_dataset
+from perdure.events import read_jsonl
 from perdure.launch.api import run
-from perdure.runtime.events import read_jsonl
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from perdure.config.run import RunConfig
+from perdure.events import read_jsonl
 from perdure.runtime.channel import AdmissionRefused, connect, mac, verify
 from perdure.runtime.coordinator import Coordinator
-from perdure.runtime.events import read_jsonl
 
 TOKEN = "s3cret-run-token"
 

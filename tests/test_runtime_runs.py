@@ -25,7 +25,7 @@ def reference(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_one_worker_run_commits_every_step_and_the_loss_falls(reference: dict) -> None:
     assert reference["steps"] == STEPS and reference["restarts"] == 0
     assert reference["final_hash"].startswith("sha256:")
-    from perdure.runtime.events import read_jsonl
+    from perdure.events import read_jsonl
 
     losses = [m["loss"] for m in read_jsonl(reference["run_dir"] / "metrics.jsonl")]
     assert [m["step"] for m in read_jsonl(reference["run_dir"] / "metrics.jsonl")] == list(

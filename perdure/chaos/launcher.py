@@ -18,9 +18,10 @@ from typing import Any
 
 import torch.distributed as dist
 
+from perdure import events as ev
 from perdure.chaos.config import FaultConfig
+from perdure.events import Tail
 from perdure.launch.local import LocalLauncher
-from perdure.runtime.events import Tail
 
 
 class ChaosLauncher(LocalLauncher):
@@ -84,7 +85,7 @@ class ChaosLauncher(LocalLauncher):
         # record is written, and the fault report looks for detection after the fault
         record = {
             "t": round(time.time(), 6),
-            "event": "fault_injected",
+            "event": ev.FAULT_INJECTED,
             "fault": index,
             "kind": fault.kind,
             "target": fault.target,
@@ -175,19 +176,19 @@ class ChaosLauncher(LocalLauncher):
                 os.kill(arg, signal.SIGCONT)
             except ProcessLookupError:
                 return
-            self.events.write({"event": "fault_ended", "kind": "hang", "pid": arg})
+            self.events.write({"event": ev.FAULT_ENDED, "kind": "hang", "pid": arg})
         elif what == "rejoin":
             old = self.procs[arg]
             if old.alive:  # still leaving: try again shortly
                 self.later.append((time.time() + 0.2, "rejoin", arg))
                 return
             self._start_worker(arg, old.region, gen=old.generation + 1)
-            self.events.write({"event": "fault_ended", "kind": "stop", "target": arg})
+            self.events.write({"event": ev.FAULT_ENDED, "kind": "stop", "target": arg})
         elif what == "region_up":
             self.down_regions.pop(arg, None)
-            self.events.write({"event": "fault_ended", "kind": "region_down", "target": arg})
+            self.events.write({"event": ev.FAULT_ENDED, "kind": "region_down", "target": arg})
         elif what == "delay_over":
-            self.events.write({"event": "fault_ended", "kind": "delay", "target": arg})
+            self.events.write({"event": ev.FAULT_ENDED, "kind": "delay", "target": arg})
 
     def _may_replace(self, name: str) -> bool:
         return self.procs[name].region not in self.down_regions

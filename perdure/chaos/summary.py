@@ -19,6 +19,8 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
+from perdure import events as ev
+
 CLASSES = {
     "kill": "hardware",
     "stop": "planned",
@@ -38,15 +40,15 @@ def _first(events: Iterable[Record], after: float, pred: Any) -> Record | None:
 
 def _detected(e: Record, fault: Record, region_workers: set[str]) -> bool:
     kind, target = fault["kind"], fault["target"]
-    ev = e["event"]
+    name = e["event"]
     if kind == "poison_shard":
-        return ev == "decision" and int(target) in e.get("shards", [])
+        return name == ev.DECISION and int(target) in e.get("shards", [])
     if kind == "delay":
-        return ev == "epoch_announced" and e.get("reason") == "rebalance"
+        return name == ev.EPOCH_ANNOUNCED and e.get("reason") == "rebalance"
     hit = {target} | region_workers
-    if ev in ("leave", "collective_failed", "leave_requested"):
+    if name in (ev.LEAVE, ev.COLLECTIVE_FAILED, ev.LEAVE_REQUESTED):
         return e.get("worker") in hit or kind == "comm_error"
-    return ev == "coordinator_takeover"
+    return name == ev.COORDINATOR_TAKEOVER
 
 
 def fault_report(events: list[Record], metrics: list[Record]) -> list[Record]:
@@ -54,12 +56,12 @@ def fault_report(events: list[Record], metrics: list[Record]) -> list[Record]:
     phases are looked for before the next fault strikes, so that one fault's recovery is
     never credited to another."""
     events = sorted(events, key=lambda e: e["t"])
-    region_of = {e["worker"]: e.get("region") for e in events if e["event"] == "join"}
-    faults = [e for e in events if e["event"] == "fault_injected"]
+    region_of = {e["worker"]: e.get("region") for e in events if e["event"] == ev.JOIN}
+    faults = [e for e in events if e["event"] == ev.FAULT_INJECTED]
     out = []
     for i, f in enumerate(faults):
         end = faults[i + 1]["t"] if i + 1 < len(faults) else float("inf")
-        window = [e for e in events if e["t"] < end or e["event"] in ("run_end", "leave")]
+        window = [e for e in events if e["t"] < end or e["event"] in (ev.RUN_END, ev.LEAVE)]
         out.append(_one(f, window, metrics, region_of))
     return out
 
@@ -77,12 +79,12 @@ def _one(f: Record, events: list[Record], metrics: list[Record], region_of: dict
     t0 = _start_t(f, metrics)
     region_workers = {w for w, r in region_of.items() if r == f["target"]}
     detect = _first(events, t0, lambda e: _detected(e, f, region_workers))
-    replan = _first(events, t0, lambda e: e["event"] == "epoch_started")
+    replan = _first(events, t0, lambda e: e["event"] == ev.EPOCH_STARTED)
     if f["kind"] in ("poison_shard",):
         replan = None
     copy = None
     if f["kind"] in ("kill", "stop", "hang", "region_down"):
-        copy = _first(events, t0, lambda e: e["event"] == "state_received")
+        copy = _first(events, t0, lambda e: e["event"] == ev.STATE_RECEIVED)
     after = replan["t"] if replan else (detect["t"] if detect else t0)
     commit = next((m for m in metrics if m["t"] > after), None)
     return {
@@ -109,7 +111,7 @@ def steps_lost(events: list[Record], metrics: list[Record], since: float) -> int
     """Committed steps that an epoch started after ``since`` went back over."""
     lost = 0
     for e in events:
-        if e["event"] != "epoch_started" or e["t"] < since:
+        if e["event"] != ev.EPOCH_STARTED or e["t"] < since:
             continue
         done = [m["step"] for m in metrics if m["t"] < e["t"]]
         if done:
@@ -119,10 +121,10 @@ def steps_lost(events: list[Record], metrics: list[Record], since: float) -> int
 
 def _absorbed(f: Record, events: list[Record], detect: Record | None) -> bool:
     """The run went on to its end with the fault handled as its class requires."""
-    ended = any(e["event"] == "run_end" for e in events)
+    ended = any(e["event"] == ev.RUN_END for e in events)
     if f["kind"] == "delay":
         evicted = any(
-            e["event"] == "leave" and e.get("worker") == f["target"] and e["t"] >= f["t"]
+            e["event"] == ev.LEAVE and e.get("worker") == f["target"] and e["t"] >= f["t"]
             for e in events
         )
         return ended and not evicted

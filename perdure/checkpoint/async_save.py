@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perdure import events as ev
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.checkpoint.errors import CheckpointSaveError
 from perdure.checkpoint.snapshot import SnapshotBuffers, copy_into
@@ -75,7 +76,7 @@ class AsyncCheckpointer:
         self.check()
         if self._should_skip(state.step):
             self._log(
-                {"event": "checkpoint_skipped", "step": state.step, "reason": "save in flight"}
+                {"event": ev.CHECKPOINT_SKIPPED, "step": state.step, "reason": "save in flight"}
             )
             return False
         if self._busy():
@@ -83,7 +84,7 @@ class AsyncCheckpointer:
             self.wait()
             self._log(
                 {
-                    "event": "checkpoint_busy_wait",
+                    "event": ev.CHECKPOINT_BUSY_WAIT,
                     "step": state.step,
                     "seconds": time.perf_counter() - t0,
                 }
@@ -145,7 +146,7 @@ class AsyncCheckpointer:
             )
             self._log(
                 {
-                    "event": "checkpoint_saved",
+                    "event": ev.CHECKPOINT_SAVED,
                     "step": job.step,
                     "path": str(path),
                     "seconds": time.perf_counter() - t0,
@@ -157,7 +158,7 @@ class AsyncCheckpointer:
             self._error, self._error_step = e, job.step
             self._log(
                 {
-                    "event": "checkpoint_failed",
+                    "event": ev.CHECKPOINT_FAILED,
                     "step": job.step,
                     "error": f"{type(e).__name__}: {e}",
                 }

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perdure import events as ev
 from perdure.config.run import RunConfig, to_dict
+from perdure.events import JsonLines, Tail
 from perdure.launch.procs import Process, child_env, start_coordinator, start_worker, wait_ports
 from perdure.launch.zygote import Zygote
-from perdure.runtime.events import JsonLines, Tail
 
 ZYGOTE_READY_S = 60.0
 """How long the launcher waits for the fork server's imports before starting workers."""
@@ -130,7 +131,7 @@ class LocalLauncher:
     def run(self) -> dict[str, Any]:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events.write(
-            {"event": "run_start", "run_dir": str(self.run_dir), "resume": self.resume}
+            {"event": ev.RUN_START, "run_dir": str(self.run_dir), "resume": self.resume}
         )
         try:
             self._start_coordinators()
@@ -151,7 +152,7 @@ class LocalLauncher:
             return
         self.zygote = Zygote(child_env(self.token), self.run_dir / "logs" / "zygote.log")
         if not self.zygote.wait_ready(ZYGOTE_READY_S):
-            self.events.write({"event": "zygote_unavailable", "log": "logs/zygote.log"})
+            self.events.write({"event": ev.ZYGOTE_UNAVAILABLE, "log": "logs/zygote.log"})
 
     def _monitor(self) -> None:
         end = time.monotonic() + self.timeout_s
@@ -181,7 +182,7 @@ class LocalLauncher:
     def _run_ended(self) -> bool:
         """The coordinator logged the end of the run: exits from here on are shutdown."""
         if not self._ended:
-            self._ended = any(e["event"] == "run_end" for e in self._events_tail.read())
+            self._ended = any(e["event"] == ev.RUN_END for e in self._events_tail.read())
         return self._ended
 
     def _reap(self) -> None:
@@ -195,7 +196,7 @@ class LocalLauncher:
                 continue
             self.events.write(
                 {
-                    "event": "process_exit",
+                    "event": ev.PROCESS_EXIT,
                     "worker": p.name,
                     "code": p.popen.returncode,
                     "injected": p.expected_exit,
@@ -216,7 +217,7 @@ class LocalLauncher:
                 old = self.procs[name]
                 del self.replacements[name]
                 self._start_worker(name, old.region, gen=old.generation + 1)
-                self.events.write({"event": "replacement_started", "worker": name})
+                self.events.write({"event": ev.REPLACEMENT_STARTED, "worker": name})
 
     def _may_replace(self, name: str) -> bool:
         return True

@@ -8,18 +8,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+from perdure import events as ev
 from perdure.chaos.summary import fault_report, goodput, totals
 from perdure.config.run import RunConfig
-from perdure.runtime.events import read_jsonl
+from perdure.events import read_jsonl
 
 
 def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[str, Any]:
     # this launch only: a run resumed in its own directory appends to the previous logs
     events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", started) >= started]
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("t", started) >= started]
-    done = [e for e in events if e.get("event") == "worker_done"]
+    done = [e for e in events if e.get("event") == ev.WORKER_DONE]
     hashes = sorted({e["final_hash"] for e in done if "final_hash" in e})
-    epochs = [e for e in events if e.get("event") == "epoch_started"]
+    epochs = [e for e in events if e.get("event") == ev.EPOCH_STARTED]
     steps = sorted({m["step"] for m in metrics})
     faults = fault_report(events, metrics)
     summary = {
@@ -30,7 +31,7 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
         "restarts": _restarts(events),
         "final_hash": hashes[-1] if len(hashes) == 1 else None,
         "replica_hashes_agree": len(hashes) == 1,
-        "decisions": [e for e in events if e.get("event") == "decision"],
+        "decisions": [e for e in events if e.get("event") == ev.DECISION],
         "faults": faults,
         **totals(faults),
         "goodput": goodput(metrics),
@@ -54,8 +55,8 @@ def _restarts(events: list[dict[str, Any]]) -> int:
     """
     out = 0
     for e in events:
-        if e.get("event") == "run_end":
+        if e.get("event") == ev.RUN_END:
             break
-        if e.get("event") == "process_exit" and not e.get("injected"):
+        if e.get("event") == ev.PROCESS_EXIT and not e.get("injected"):
             out += 1
     return out

@@ -17,38 +17,39 @@ from rich.panel import Panel
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from perdure.runtime.events import Tail
+from perdure import events as ev
+from perdure.events import Tail
 
 _SHOWN = {
-    "fault_injected": "red",
-    "fault_ended": "yellow",
-    "leave": "red",
-    "join": "green",
-    "epoch_started": "cyan",
-    "state_received": "green",
-    "spare_promoted": "green",
-    "coordinator_takeover": "magenta",
-    "decision": "magenta",
-    "checkpoint_saved": "blue",
-    "step_abandoned": "yellow",
-    "run_end": "bold green",
+    ev.FAULT_INJECTED: "red",
+    ev.FAULT_ENDED: "yellow",
+    ev.LEAVE: "red",
+    ev.JOIN: "green",
+    ev.EPOCH_STARTED: "cyan",
+    ev.STATE_RECEIVED: "green",
+    ev.SPARE_PROMOTED: "green",
+    ev.COORDINATOR_TAKEOVER: "magenta",
+    ev.DECISION: "magenta",
+    ev.CHECKPOINT_SAVED: "blue",
+    ev.STEP_ABANDONED: "yellow",
+    ev.RUN_END: "bold green",
 }
 
 
 def describe(e: dict[str, Any]) -> str:
     """One line per event, for people."""
     kind = e["event"]
-    if kind == "fault_injected":
+    if kind == ev.FAULT_INJECTED:
         return f"fault: {e['kind']} {e['target']} at step {e.get('step')}"
-    if kind == "epoch_started":
+    if kind == ev.EPOCH_STARTED:
         n = len(e["plan"]["members"])
         epoch, start = e["epoch"], e["start_step"]
         return f"membership epoch {epoch}: {n} workers from step {start} ({e['reason']})"
-    if kind == "state_received":
+    if kind == ev.STATE_RECEIVED:
         return f"{e['worker']} copied state from {e['from']} in {e['seconds']:.3f} s"
     if kind == "decision":
         return f"quarantined shards {e['shards']} at step {e['step']}"
-    if kind == "checkpoint_saved":
+    if kind == ev.CHECKPOINT_SAVED:
         return f"checkpoint step {e['step']} ({e['seconds']:.2f} s in background)"
     rest = {k: v for k, v in e.items() if k not in ("t", "event", "pid", "pids", "plan")}
     return f"{kind} " + " ".join(f"{k}={v}" for k, v in rest.items())

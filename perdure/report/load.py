@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from perdure import events as ev
+
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
 SUMMARY = "summary.json"
@@ -179,7 +181,7 @@ def fault_marks(summary: dict[str, Any], events: list[dict[str, Any]]) -> list[F
                 )
         return marks
     for e in events:
-        if e.get("event") != "fault_injected":
+        if e.get("event") != ev.FAULT_INJECTED:
             continue
         step = integer(e.get("step"))
         if step is not None:
@@ -191,7 +193,7 @@ def epoch_marks(events: list[dict[str, Any]]) -> list[EpochMark]:
     """Membership changes from ``epoch_started`` events, the first (start) one excluded."""
     marks: list[EpochMark] = []
     for e in events:
-        if e.get("event") != "epoch_started":
+        if e.get("event") != ev.EPOCH_STARTED:
             continue
         step = integer(e.get("start_step"))
         epoch = integer(e.get("epoch"))

@@ -11,6 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from perdure import events as ev
 from perdure.report.load import RunData, integer, num
 from perdure.report.svg import esc, short
 
@@ -87,7 +88,7 @@ def header_facts(data: RunData) -> list[tuple[str, str]]:
     facts.append(("membership changes", DASH if mc is None else str(mc)))
     inj, absd = integer(s.get("faults_injected")), integer(s.get("faults_absorbed"))
     if inj is None and s.get("faults") is None:
-        inj = sum(1 for e in data.events if e.get("event") == "fault_injected")
+        inj = sum(1 for e in data.events if e.get("event") == ev.FAULT_INJECTED)
     if inj is not None and absd is not None:
         facts.append(("faults absorbed", f"{absd} of {inj}"))
     elif inj is not None:
@@ -127,7 +128,7 @@ def derived_fault_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     rows = []
     for e in events:
-        if e.get("event") != "fault_injected":
+        if e.get("event") != ev.FAULT_INJECTED:
             continue
         t0 = num(e.get("t"))
         kind = str(e.get("kind") or "")
@@ -140,15 +141,15 @@ def derived_fault_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
             "injected_t": t0,
         }
         if t0 is not None:
-            det = _after(events, t0, {"collective_failed", "leave"})
+            det = _after(events, t0, {ev.COLLECTIVE_FAILED, ev.LEAVE})
             t_det = num(det.get("t")) if det else None
             if t_det is not None:
                 row["detect_s"] = t_det - t0
-                rep = _after(events, t_det, {"epoch_started"})
+                rep = _after(events, t_det, {ev.EPOCH_STARTED})
                 t_rep = num(rep.get("t")) if rep else None
                 if t_rep is not None:
                     row["replan_s"] = t_rep - t_det
-                    got = _after(events, t_rep, {"state_received"})
+                    got = _after(events, t_rep, {ev.STATE_RECEIVED})
                     if got is not None:
                         row["state_copy_s"] = got.get("seconds")
         rows.append(row)
@@ -216,7 +217,7 @@ def fault_table_html(data: RunData) -> str:
 
 def decision_rows(data: RunData) -> list[list[str]]:
     """Decision-log entries (quarantines) from events, or the summary's list if no events."""
-    src = [e for e in data.events if e.get("event") == "decision"]
+    src = [e for e in data.events if e.get("event") == ev.DECISION]
     if not src and isinstance(data.summary.get("decisions"), list):
         src = [d for d in data.summary["decisions"] if isinstance(d, dict)]
     rows = []

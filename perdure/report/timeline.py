@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from perdure import events as ev
 from perdure.report.load import num
 from perdure.report.svg import (
     MARGIN_RIGHT,
@@ -26,18 +27,18 @@ from perdure.report.svg import (
 
 # lane name -> event kinds; order is top to bottom. Unknown kinds go to "other".
 LANES: tuple[tuple[str, frozenset[str]], ...] = (
-    ("run", frozenset({"run_start", "coordinator_up", "worker_done", "run_end"})),
-    ("fault", frozenset({"fault_injected", "fault_ended"})),
+    ("run", frozenset({ev.RUN_START, ev.COORDINATOR_UP, ev.WORKER_DONE, ev.RUN_END})),
+    ("fault", frozenset({ev.FAULT_INJECTED, ev.FAULT_ENDED})),
     (
         "failure",
         frozenset(
-            {"collective_failed", "process_exit", "checkpoint_failed", "checkpoint_abandoned"}
+            {ev.COLLECTIVE_FAILED, ev.PROCESS_EXIT, ev.CHECKPOINT_FAILED, ev.CHECKPOINT_ABANDONED}
         ),
     ),
-    ("membership", frozenset({"join", "leave", "epoch_announced", "epoch_started"})),
-    ("recovery", frozenset({"replacement_started", "state_received"})),
-    ("decision", frozenset({"decision"})),
-    ("checkpoint", frozenset({"checkpoint_saved"})),
+    ("membership", frozenset({ev.JOIN, ev.LEAVE, ev.EPOCH_ANNOUNCED, ev.EPOCH_STARTED})),
+    ("recovery", frozenset({ev.REPLACEMENT_STARTED, ev.STATE_RECEIVED})),
+    ("decision", frozenset({ev.DECISION})),
+    ("checkpoint", frozenset({ev.CHECKPOINT_SAVED})),
 )
 # Wider than the per-step charts' margin: lane names are longer than tick labels, and
 # this chart's x axis is seconds, so it need not line up with them.

@@ -33,10 +33,11 @@ from typing import Any
 
 import torch.distributed as dist
 
+from perdure import events as ev
 from perdure.config.run import RunConfig, to_dict
+from perdure.events import JsonLines
 from perdure.runtime.channel import LineSocket, Message, verify
 from perdure.runtime.detector import PhiAccrual
-from perdure.runtime.events import JsonLines
 from perdure.runtime.plan import Plan, apportion, chain_order, from_counts, make_plan, rebalance
 
 _TICK_S = 0.01
@@ -128,7 +129,7 @@ class Coordinator:
 
     def serve(self, deadline_s: float | None = None) -> None:
         """Run until the run finishes (or ``deadline_s`` passes)."""
-        self.events.write({"event": "coordinator_up", "channel_port": self.channel_port})
+        self.events.write({"event": ev.COORDINATOR_UP, "channel_port": self.channel_port})
         end = None if deadline_s is None else time.monotonic() + deadline_s
         while not self.finished and (end is None or time.monotonic() < end):
             for key, _ in self.sel.select(timeout=_TICK_S):
@@ -181,7 +182,7 @@ class Coordinator:
         reason = self._refusal(hello, nonce)
         if reason:
             # Logged before the answer: whoever is refused can read why at once.
-            self.events.write({"event": "refused", "worker": hello.get("name"), "reason": reason})
+            self.events.write({"event": ev.REFUSED, "worker": hello.get("name"), "reason": reason})
             with contextlib.suppress(OSError):
                 line.send({"type": "refused", "reason": reason})
             self._drop_socket(sock)
@@ -219,7 +220,7 @@ class Coordinator:
         self.last_admission = time.monotonic()
         if self.standby and self.epoch < 0 and not self.workers_seen_takeover:
             self.workers_seen_takeover = True
-            self.events.write({"event": "coordinator_takeover", "by": "standby"})
+            self.events.write({"event": ev.COORDINATOR_TAKEOVER, "by": "standby"})
         # Epoch numbers only grow, across coordinators too: a worker ignores older ones.
         self.epoch = max(self.epoch, int(hello.get("epoch", -1)))
         self.sel.modify(sock, selectors.EVENT_READ, info)
@@ -235,7 +236,7 @@ class Coordinator:
         )
         self.events.write(
             {
-                "event": "join",
+                "event": ev.JOIN,
                 "worker": info.name,
                 "region": info.region,
                 "role": info.role,
@@ -274,7 +275,7 @@ class Coordinator:
         elif kind == "done":
             info.done = True
             info.next_step = int(msg["next_step"])
-            self.events.write({"event": "worker_done", "worker": info.name, **msg.get("info", {})})
+            self.events.write({"event": ev.WORKER_DONE, "worker": info.name, **msg.get("info", {})})
 
     def _on_ready(self, info: WorkerInfo, msg: Message) -> None:
         info.next_step = int(msg["next_step"])
@@ -285,7 +286,7 @@ class Coordinator:
 
     def _on_leave(self, info: WorkerInfo) -> None:
         """A graceful stop: finish the step in flight, then go on without the worker."""
-        self.events.write({"event": "leave_requested", "worker": info.name})
+        self.events.write({"event": ev.LEAVE_REQUESTED, "worker": info.name})
         info.role = "leaving"
         members = self._members_now()
         if info.name in members:
@@ -296,7 +297,7 @@ class Coordinator:
     def _on_fail(self, info: WorkerInfo, msg: Message) -> None:
         self.events.write(
             {
-                "event": "collective_failed",
+                "event": ev.COLLECTIVE_FAILED,
                 "worker": info.name,
                 "epoch": msg.get("epoch"),
                 "error": msg.get("error"),
@@ -340,7 +341,7 @@ class Coordinator:
         with contextlib.suppress(KeyError, ValueError):
             self.sel.unregister(info.line.sock)
         info.line.close()
-        self.events.write({"event": "leave", "worker": info.name, "reason": reason})
+        self.events.write({"event": ev.LEAVE, "worker": info.name, "reason": reason})
         in_current = self.current is not None and info.name in self.current.members
         in_pending = self.pending is not None and info.name in self.pending.members
         if (in_current or in_pending) and not self.finished:
@@ -357,7 +358,7 @@ class Coordinator:
             return []
         spare = spares[0]
         spare.role = "worker"
-        self.events.write({"event": "spare_promoted", "worker": spare.name, "for": lost.name})
+        self.events.write({"event": ev.SPARE_PROMOTED, "worker": spare.name, "for": lost.name})
         return [spare.name]
 
     def _alive(self, role: str | None = None) -> list[WorkerInfo]:
@@ -393,7 +394,7 @@ class Coordinator:
         room = min(self.config.train.slots, self.expected) - len(members)
         for w in idle[max(0, room) :]:
             w.role = "spare"
-            self.events.write({"event": "became_spare", "worker": w.name})
+            self.events.write({"event": ev.BECAME_SPARE, "worker": w.name})
         if not idle or room <= 0:
             return
         after = self._boundary()
@@ -455,7 +456,7 @@ class Coordinator:
             return
         members = [self.workers[m] for m in self.current.members]
         if members and all(m.done for m in members):
-            self.events.write({"event": "run_end", "next_step": members[0].next_step})
+            self.events.write({"event": ev.RUN_END, "next_step": members[0].next_step})
             for w in self._alive():
                 self._send(w, {"type": "stop", "reason": "run complete"})
             self.finished = True
@@ -472,7 +473,7 @@ class Coordinator:
         self.pending = Pending(self.epoch, members, after, reason, counts, time.monotonic())
         self.events.write(
             {
-                "event": "epoch_announced",
+                "event": ev.EPOCH_ANNOUNCED,
                 "epoch": self.epoch,
                 "members": members,
                 "after": after,
@@ -499,7 +500,7 @@ class Coordinator:
         limit = max(5.0, 4 * self.cluster.min_collective_timeout_ms / 1000)
         if now - p.announced > limit:
             late = [m for m in p.members if m not in p.ready]
-            self.events.write({"event": "ready_timeout", "epoch": p.epoch, "late": late})
+            self.events.write({"event": ev.READY_TIMEOUT, "epoch": p.epoch, "late": late})
             self._announce([m for m in p.members if m in p.ready], after=-1, reason="ready timeout")
 
     def _start(self, p: Pending) -> None:
@@ -519,7 +520,7 @@ class Coordinator:
             source, receivers = p.members[0], []
             self.events.write(
                 {
-                    "event": "recovered_from_checkpoint",
+                    "event": ev.RECOVERED_FROM_CHECKPOINT,
                     "epoch": p.epoch,
                     "checkpoint": reload,
                     "start_step": start,
@@ -545,7 +546,7 @@ class Coordinator:
         self._fail_epoch = None
         self.events.write(
             {
-                "event": "epoch_started",
+                "event": ev.EPOCH_STARTED,
                 "epoch": p.epoch,
                 "start_step": start,
                 "source": source,

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from perdure import events as ev
 from perdure.checkpoint import AsyncCheckpointer
 from perdure.config.run import RunConfig, config_from_dict
+from perdure.events import JsonLines
 from perdure.runtime.channel import LineSocket, Listener, Message, connect
 from perdure.runtime.comm import Abandoned, Comm, CommFailed
-from perdure.runtime.events import JsonLines
 from perdure.runtime.exchange import StoreExchange
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
@@ -195,7 +196,7 @@ class Worker:
                 if self.leaving:
                     self.events.write(
                         {
-                            "event": "left",
+                            "event": ev.LEFT,
                             "worker": self.name,
                             "next_step": self.trainer.next_step if self.trainer else 0,
                         }
@@ -226,7 +227,7 @@ class Worker:
 
     def _reconnect(self) -> None:
         """The coordinator is gone (or evicted us): reach it or its standby again."""
-        self.events.write({"event": "reconnect", "worker": self.name, "epoch": self.epoch_no})
+        self.events.write({"event": ev.RECONNECT, "worker": self.name, "epoch": self.epoch_no})
         welcome = self._connect()
         self.store_port = int(welcome["store_port"])
 
@@ -286,7 +287,7 @@ class Worker:
         except Abandoned:
             self.events.write(
                 {
-                    "event": "step_abandoned",
+                    "event": ev.STEP_ABANDONED,
                     "worker": self.name,
                     "step": self.inflight,
                     "epoch": ep.number,
@@ -326,7 +327,7 @@ class Worker:
             self.has_state = True
             self.events.write(
                 {
-                    "event": "state_received",
+                    "event": ev.STATE_RECEIVED,
                     "worker": self.name,
                     "from": ep.start["source"],
                     "bytes": int(blob.numel()),
@@ -373,7 +374,7 @@ class Worker:
                 ep.ckpt.check()
             except Exception as e:  # a save cut short by the membership change
                 self.events.write(
-                    {"event": "checkpoint_abandoned", "worker": self.name, "error": str(e)[:200]}
+                    {"event": ev.CHECKPOINT_ABANDONED, "worker": self.name, "error": str(e)[:200]}
                 )
             ep.ckpt.close()
 
@@ -460,7 +461,7 @@ class Worker:
             ep.scratch[n] = (torch.empty(n), torch.empty(n))
         partial, out = ep.scratch[n]
         if self.chaos.take_comm_error():
-            self.events.write({"event": "fault_hit", "kind": "comm_error", "worker": self.name})
+            self.events.write({"event": ev.FAULT_HIT, "kind": "comm_error", "worker": self.name})
             raise CommFailed("injected link drop (comm_error)")
         timeout = self._timeout()
         wait = (
@@ -506,7 +507,7 @@ class Worker:
         if found:
             entry = tr.quarantine(t, found)
             if ep.rank == 0:
-                self.events.write({"event": "decision", **entry})
+                self.events.write({"event": ev.DECISION, **entry})
 
     def _suspect(self, ep: Epoch, step: int, slot: int, worker: str) -> None:
         """A non-finite slot that did not reproduce elsewhere: the worker, not the data.
@@ -517,7 +518,7 @@ class Worker:
             return
         self.events.write(
             {
-                "event": "suspect_worker",
+                "event": ev.SUSPECT_WORKER,
                 "step": step,
                 "slot": slot,
                 "worker": worker,
@@ -538,7 +539,7 @@ class Worker:
             majority = max(set(values), key=values.count)
             odd = [m for m, v in zip(ep.plan.members, values, strict=True) if v != majority]
             self.events.write(
-                {"event": "replica_diverged", "step": self.trainer.next_step, "workers": odd}
+                {"event": ev.REPLICA_DIVERGED, "step": self.trainer.next_step, "workers": odd}
             )
             if self.name in odd:
                 self.has_state = False  # receive a live peer's state in the next epoch

@@ -1,0 +1,196 @@
+"""The run's event log: every event name, and the JSON-lines files that hold them.
+
+One module owns the names: the processes that write events (coordinator, workers,
+launcher, chaos, checkpointer) and those that read them (summary, report, live view,
+tests) import the constants below, so a renamed or mistyped event fails at import or at
+the first write instead of silently matching nothing.
+
+Each record is written with one ``write`` on a file opened in append mode, so lines from
+several processes on one machine interleave whole. Every record carries ``t``, wall-clock
+seconds since the epoch, so that a reader can order them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, Final
+
+# -- run ---------------------------------------------------------------------------------
+RUN_START: Final = "run_start"
+"""The launcher began a run (or a resume) in this directory."""
+COORDINATOR_UP: Final = "coordinator_up"
+"""A coordinator listens (its channel port)."""
+COORDINATOR_TAKEOVER: Final = "coordinator_takeover"
+"""A standby coordinator took over from workers' soft state."""
+ZYGOTE_UNAVAILABLE: Final = "zygote_unavailable"
+"""The fork server was not ready; workers start as new processes."""
+WORKER_DONE: Final = "worker_done"
+"""A member finished the last step (its final hash)."""
+RUN_END: Final = "run_end"
+"""Every member is done; exits from here on are shutdown."""
+
+# -- membership --------------------------------------------------------------------------
+JOIN: Final = "join"
+"""A worker was admitted to the control channel."""
+REFUSED: Final = "refused"
+"""Admission refused (bad token, duplicate name, run over, bad message)."""
+LEAVE: Final = "leave"
+"""A worker left the run: dead, evicted or disconnected (with the reason)."""
+LEAVE_REQUESTED: Final = "leave_requested"
+"""A worker asked to leave at the next step boundary (SIGTERM)."""
+LEFT: Final = "left"
+"""A worker that asked to leave is out of the membership and exits."""
+RECONNECT: Final = "reconnect"
+"""A worker lost its coordinator and reconnects (to it or a standby)."""
+BECAME_SPARE: Final = "became_spare"
+"""An admitted worker past the configured count waits as a warm spare."""
+SPARE_PROMOTED: Final = "spare_promoted"
+"""A warm spare replaces a lost member in the next epoch."""
+EPOCH_ANNOUNCED: Final = "epoch_announced"
+"""Phase 1 of a membership epoch: members and the step boundary."""
+READY_TIMEOUT: Final = "ready_timeout"
+"""A member did not report ready in time; re-announced without it."""
+EPOCH_STARTED: Final = "epoch_started"
+"""Phase 3: the plan, start step, state source and receivers."""
+RECOVERED_FROM_CHECKPOINT: Final = "recovered_from_checkpoint"
+"""Every replica was lost: the epoch starts from a checkpoint."""
+
+# -- step --------------------------------------------------------------------------------
+STATE_RECEIVED: Final = "state_received"
+"""A receiver adopted a live peer's state."""
+STEP_ABANDONED: Final = "step_abandoned"
+"""A member left a step because the membership epoch changed."""
+COLLECTIVE_FAILED: Final = "collective_failed"
+"""A member's collective failed (peer closed, timeout, link drop)."""
+REPLICA_DIVERGED: Final = "replica_diverged"
+"""Replica fingerprints disagreed; the odd ones receive state."""
+SUSPECT_WORKER: Final = "suspect_worker"
+"""A non-finite slot did not reproduce elsewhere: the worker is suspect."""
+DECISION: Final = "decision"
+"""A decision-log entry (e.g. a quarantine): changes the math, replayed on resume."""
+
+# -- process -----------------------------------------------------------------------------
+PROCESS_EXIT: Final = "process_exit"
+"""The launcher saw a worker process exit with a non-zero code."""
+REPLACEMENT_STARTED: Final = "replacement_started"
+"""The launcher started a replacement for a lost worker."""
+
+# -- chaos -------------------------------------------------------------------------------
+FAULT_INJECTED: Final = "fault_injected"
+"""The chaos schedule injected a fault."""
+FAULT_HIT: Final = "fault_hit"
+"""A worker's in-process fault hook fired (e.g. comm_error)."""
+FAULT_ENDED: Final = "fault_ended"
+"""A timed fault was undone (SIGCONT, delay over, region back)."""
+
+# -- checkpoint --------------------------------------------------------------------------
+CHECKPOINT_SAVED: Final = "checkpoint_saved"
+"""A checkpoint was committed (manifest written)."""
+CHECKPOINT_SKIPPED: Final = "checkpoint_skipped"
+"""A checkpoint step was skipped (the previous save still running)."""
+CHECKPOINT_FAILED: Final = "checkpoint_failed"
+"""A checkpoint save failed; the previous ones are kept."""
+CHECKPOINT_BUSY_WAIT: Final = "checkpoint_busy_wait"
+"""A step waited for the previous save's snapshot."""
+CHECKPOINT_ABANDONED: Final = "checkpoint_abandoned"
+"""A save was cut short by a membership change."""
+
+NAMES: frozenset[str] = frozenset(
+    {
+        RUN_START,
+        COORDINATOR_UP,
+        COORDINATOR_TAKEOVER,
+        ZYGOTE_UNAVAILABLE,
+        WORKER_DONE,
+        RUN_END,
+        JOIN,
+        REFUSED,
+        LEAVE,
+        LEAVE_REQUESTED,
+        LEFT,
+        RECONNECT,
+        BECAME_SPARE,
+        SPARE_PROMOTED,
+        EPOCH_ANNOUNCED,
+        READY_TIMEOUT,
+        EPOCH_STARTED,
+        RECOVERED_FROM_CHECKPOINT,
+        STATE_RECEIVED,
+        STEP_ABANDONED,
+        COLLECTIVE_FAILED,
+        REPLICA_DIVERGED,
+        SUSPECT_WORKER,
+        DECISION,
+        PROCESS_EXIT,
+        REPLACEMENT_STARTED,
+        FAULT_INJECTED,
+        FAULT_HIT,
+        FAULT_ENDED,
+        CHECKPOINT_SAVED,
+        CHECKPOINT_SKIPPED,
+        CHECKPOINT_FAILED,
+        CHECKPOINT_BUSY_WAIT,
+        CHECKPOINT_ABANDONED,
+    }
+)
+"""Every event name; the writer refuses any other (a typo is a bug, not a new event)."""
+
+
+class JsonLines:
+    """One append-only JSON-lines file."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def write(self, record: dict[str, Any]) -> None:
+        assert record.get("event", RUN_START) in NAMES, record.get("event")
+        line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":")) + "\n"
+        data = line.encode()
+        with self._lock:
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """All complete records of a JSON-lines file (a torn last line is ignored)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+class Tail:
+    """The complete lines appended to a JSON-lines file since the last call (a torn last
+    line waits for the next call). Readers that poll a live run use it, so each byte of
+    the log is read once. ``from_end``: skip what the file already holds (a run resumed
+    in its own directory must not act on the previous run's lines)."""
+
+    def __init__(self, path: str | Path, *, from_end: bool = False) -> None:
+        self.path, self.pos = Path(path), 0
+        if from_end and self.path.exists():
+            self.pos = self.path.stat().st_size
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.pos)
+            data = f.read()
+        end = data.rfind(b"\n") + 1
+        self.pos += end
+        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
