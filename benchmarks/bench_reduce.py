@@ -6,7 +6,7 @@
 W spawned processes (one intra-op thread each, as perdure's workers run) form one gloo group
 on loopback. For each payload size, each repeat times, in a rotating order so that neither
 side always goes first: ``pg.allreduce`` (SUM) of a float32 buffer, and
-``perdure.runtime.reduce.chain_reduce`` of the same buffer (one slot per rank) with the
+``perdure.runtime.comm.chain.chain_reduce`` of the same buffer (one slot per rank) with the
 default ``CHUNK_ELEMS`` and with the other chunk sizes of ``--chunks``. A time is the slowest
 rank's, from a barrier to the end of the operation on that rank. Ratios are per repeat
 (chain / all_reduce), min / median / max.
@@ -34,7 +34,7 @@ def _worker(rank, size, port, sizes_mb, chunks, repeats, q):  # pragma: no cover
     torch.set_num_threads(1)
     from datetime import timedelta
 
-    from perdure.runtime.reduce import chain_reduce
+    from perdure.runtime.comm.chain import chain_reduce
 
     _store, pg = gloo_group(rank, size, port, prefix="reduce")
     timeout = timedelta(seconds=300)
@@ -109,7 +109,7 @@ def run_world(size, sizes_mb, chunks, repeats):
 
 
 def main(argv=None) -> int:
-    from perdure.runtime.reduce import CHUNK_ELEMS
+    from perdure.runtime.comm.chain import CHUNK_ELEMS
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")

@@ -10,7 +10,7 @@ In-loop comparison (no coordinator): W spawned processes, one intra-op thread ea
   step exactly as ``perdure/runtime/worker.py`` runs it: ``compute_slots`` over this rank's
   contiguous slot range (per-slot seeding, forward, backward, flatten, finiteness flags),
   two fresh ``torch.empty(n)`` buffers, ``chain_reduce`` on the comm thread
-  (``perdure.runtime.comm.Comm``), ``bad_slots``, ``Trainer.apply`` (scale, clip, AdamW);
+  (``perdure.runtime.comm.group.Comm``), ``bad_slots``, ``Trainer.apply`` (scale, clip, AdamW);
 - ``perdure_prealloc``: the step as ``worker.py`` runs it now: buffers allocated once per
   epoch, and the chain reduction streaming behind the last slot's backward (``Readiness``);
   the plain ``perdure`` arm is the sequential variant (compute all, then reduce);
@@ -80,8 +80,8 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from perdure.config.run import config_from_dict
-    from perdure.runtime.comm import Comm
-    from perdure.runtime.reduce import chain_reduce
+    from perdure.runtime.comm.chain import chain_reduce
+    from perdure.runtime.comm.group import Comm
     from perdure.runtime.slots import Readiness
     from perdure.runtime.task import build_optimizer, build_task
     from perdure.runtime.trainer import Trainer

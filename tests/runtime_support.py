@@ -51,6 +51,9 @@ def small_config(
             "regions": [{"name": f"r{i}", "workers": n} for i, n in enumerate(per)],
             "replace_after_ms": 300,
             "min_collective_timeout_ms": 3000,
+            # Only a spike re-slots work: on a loaded 2-core machine a member is often 2x
+            # slower for a moment, and a re-plan the test did not ask for shifts its epochs.
+            "slow_ratio": 20.0,
         },
         "checkpoint": {"every_steps": max(1, steps // 2), "keep_last": 5},
     }

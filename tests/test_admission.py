@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from perdure.config.run import RunConfig
 from perdure.events import read_jsonl
-from perdure.runtime.channel import AdmissionRefused, connect, mac, verify
-from perdure.runtime.coordinator import Coordinator
+from perdure.runtime.control import protocol as p
+from perdure.runtime.control.channel import AdmissionRefused, connect, mac, verify
+from perdure.runtime.control.coordinator import Coordinator
 
 TOKEN = "s3cret-run-token"
 
@@ -26,17 +27,29 @@ def coordinator(tmp_path: Path) -> Iterator[Coordinator]:
     thread.join(10)
 
 
-def _hello(name: str) -> dict:
-    return {"name": name, "region": "local", "role": "worker", "pid": 1}
+def _hello(name: str) -> Callable[[str], p.Hello]:
+    def hello(mac: str) -> p.Hello:
+        return p.Hello(
+            name=name,
+            region="local",
+            role="worker",
+            pid=1,
+            next_step=0,
+            has_state=False,
+            epoch=-1,
+            mac=mac,
+        )
+
+    return hello
 
 
 def test_worker_with_the_run_token_is_admitted_and_gets_the_config(
     coordinator: Coordinator,
 ) -> None:
     line, welcome = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
-    assert welcome["type"] == "welcome"
-    assert welcome["store_port"] == coordinator.store_port
-    assert welcome["config"]["train"]["slots"] == RunConfig().train.slots
+    assert isinstance(welcome, p.Welcome)
+    assert welcome.store_port == coordinator.store_port
+    assert welcome.config["train"]["slots"] == RunConfig().train.slots
     line.close()
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from perdure.runtime.detector import PhiAccrual
+from perdure.runtime.control.detector import PhiAccrual
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 400

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from perdure.runtime.detector import PhiAccrual
+from perdure.runtime.control.detector import PhiAccrual
 
 
 def _steady(pause_s: float) -> tuple[PhiAccrual, float]:

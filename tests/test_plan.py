@@ -48,7 +48,7 @@ def test_rebalance_returns_slots_once_the_slow_member_recovers() -> None:
 
 
 def test_a_planned_epoch_change_leaves_room_for_stale_heartbeats() -> None:
-    from perdure.runtime.coordinator import boundary_margin
+    from perdure.runtime.control.policy import boundary_margin
 
     assert boundary_margin(None, 0.1) == 1  # no timing yet: the next step
     assert boundary_margin(2.0, 0.1) == 1  # long steps: a heartbeat is never a step late

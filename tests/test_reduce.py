@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from perdure.runtime.reduce import chain_reduce, local_fold
+from perdure.runtime.comm.chain import chain_reduce, local_fold
 
 N, SLOTS = 5003, 6
 

@@ -3,6 +3,8 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 
 from perdure.launch.procs import child_env
 from perdure.launch.zygote import UNKNOWN_EXIT, ForkedProcess, Zygote
+from perdure.runtime.entry import WorkerSpec
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the zygote forks")
 
@@ -25,19 +28,38 @@ def zygote(tmp_path: Path):
     z.close()
 
 
-def _spawn(z: Zygote, argv: list[str], log: Path) -> ForkedProcess:
-    p = z.spawn(argv, child_env("test-token"), log)
+def _spec(port: int, timeout_s: float) -> WorkerSpec:
+    return WorkerSpec(
+        name="w", region="r", coordinators=[f"127.0.0.1:{port}"], join_timeout_s=timeout_s
+    )
+
+
+def _spawn(z: Zygote, spec: WorkerSpec, log: Path) -> ForkedProcess:
+    p = z.spawn(spec, child_env("test-token"), log)
     assert p is not None
     return p
 
 
-def test_a_forked_command_writes_its_log_and_exit_code(zygote: Zygote, tmp_path: Path) -> None:
-    ok = _spawn(zygote, ["--version"], tmp_path / "v.log")
-    assert ok.wait(20) == 0
-    assert "perdure, version" in (tmp_path / "v.log").read_text()
-    bad = _spawn(zygote, ["config", "check", str(tmp_path / "missing.toml")], tmp_path / "c.log")
-    assert bad.wait(20) == 1
-    assert "missing.toml" in (tmp_path / "c.log").read_text()
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_forked_worker_writes_its_log_and_exit_code(zygote: Zygote, tmp_path: Path) -> None:
+    p = _spawn(zygote, _spec(_free_port(), 0.5), tmp_path / "w.log")  # nobody listens there
+    assert p.wait(20) == 1
+    assert "no coordinator reachable" in (tmp_path / "w.log").read_text()
+
+
+def test_what_the_zygote_preloads_does_not_import_the_cli() -> None:
+    code = (
+        "import sys, perdure.launch.zygote as z, perdure.runtime.entry, perdure.runtime.worker;"
+        "print(sorted(m for m in sys.modules if m.startswith('perdure.cli')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 def test_a_killed_child_reports_the_signal_like_popen(zygote: Zygote, tmp_path: Path) -> None:
@@ -45,8 +67,7 @@ def test_a_killed_child_reports_the_signal_like_popen(zygote: Zygote, tmp_path: 
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         port = listener.getsockname()[1]
-        argv = ["worker", "--name", "w", "--region", "r", "--coordinator", f"127.0.0.1:{port}"]
-        p = _spawn(zygote, [*argv, "--join-timeout-s", "30"], tmp_path / "w.log")
+        p = _spawn(zygote, _spec(port, 30), tmp_path / "w.log")
         time.sleep(0.5)
         assert p.poll() is None
         assert os.getsid(p.pid) == p.pid  # its own session, like start_new_session=True
@@ -58,5 +79,5 @@ def test_a_killed_child_reports_the_signal_like_popen(zygote: Zygote, tmp_path: 
 def test_spawn_is_refused_once_the_zygote_is_gone(zygote: Zygote, tmp_path: Path) -> None:
     zygote.close()
     assert not zygote.ready
-    assert zygote.spawn(["--version"], child_env("t"), tmp_path / "v.log") is None
+    assert zygote.spawn(_spec(1, 1), child_env("t"), tmp_path / "v.log") is None
     assert zygote.exit_code(2**22 + 12345) == UNKNOWN_EXIT

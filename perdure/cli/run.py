@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tomllib
 
 import click
-import tomllib
 
 from perdure.config.errors import ConfigError
 

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from perdure.launch.procs import TOKEN_ENV
+from perdure.runtime.entry import TOKEN_ENV
 
 
 def _exit(code: int) -> None:
@@ -24,13 +24,6 @@ def _token() -> str:
     if not token:
         raise click.UsageError(f"set the run token in the environment variable {TOKEN_ENV}")
     return token
-
-
-def _addr(value: str) -> tuple[str, int]:
-    host, _, port = value.rpartition(":")
-    if not host or not port.isdigit():
-        raise click.BadParameter(f"must be HOST:PORT (got {value!r})", param_hint="--coordinator")
-    return host, int(port)
 
 
 @click.command()
@@ -72,26 +65,21 @@ def worker(
     join_timeout_s: float,
 ) -> None:
     """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN."""
-    import signal
+    from perdure.runtime.entry import WorkerSpec, run_worker
 
-    if yield_cpu_until_ready:
-        from perdure.runtime.priority import yield_cpu
-
-        yield_cpu()
-    from perdure.runtime.worker import Worker
-
-    addrs = [_addr(c) for c in coordinators]
-    w = Worker(
-        name=name,
-        region=region,
-        coordinators=addrs,
-        token=_token(),
-        role=role,
-        timeout_s=join_timeout_s,
-        restore_priority=yield_cpu_until_ready,
-    )
-    signal.signal(signal.SIGTERM, lambda *_: w.leave())
-    _exit(w.run())
+    _token()
+    try:
+        spec = WorkerSpec(
+            name=name,
+            region=region,
+            coordinators=list(coordinators),
+            role=role,
+            yield_cpu=yield_cpu_until_ready,
+            join_timeout_s=join_timeout_s,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--coordinator") from None
+    _exit(run_worker(spec))
 
 
 @click.command()
@@ -145,7 +133,7 @@ def coordinator(
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
     from perdure.config.errors import ConfigError
     from perdure.config.run import config_from_dict, load_config
-    from perdure.runtime.coordinator import Coordinator
+    from perdure.runtime.control.coordinator import Coordinator
 
     if (config_toml is None) == (config_json is None):
         raise click.UsageError("give exactly one of --config (TOML) and --config-json")

@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from perdure.chaos.config import WORKER_KINDS, ChaosConfig
 from perdure.checkpoint.config import CheckpointConfig

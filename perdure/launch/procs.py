@@ -11,8 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from perdure.launch.zygote import Zygote
-
-TOKEN_ENV = "PERDURE_RUN_TOKEN"
+from perdure.runtime.entry import TOKEN_ENV, WorkerSpec
 
 
 class Process(Protocol):
@@ -95,17 +94,15 @@ def start_worker(
     slow the survivors, and takes normal priority once ready to train. With a ready
     ``zygote``, the process is forked from it and skips ``import torch``; without, it is
     a new ``python -m perdure worker``."""
-    args = ["worker", "--name", name, "--region", region, "--role", role]
-    if yield_cpu:
-        args.append("--yield-cpu-until-ready")
-    for c in coordinators:
-        args += ["--coordinator", c]
+    spec = WorkerSpec(
+        name=name, region=region, coordinators=list(coordinators), role=role, yield_cpu=yield_cpu
+    )
     if zygote is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        forked = zygote.spawn(args, child_env(token), log)
+        forked = zygote.spawn(spec, child_env(token), log)
         if forked is not None:
             return forked
-    return _spawn(python_cmd(*args), token, log)
+    return _spawn(python_cmd(*spec.argv()), token, log)
 
 
 def child_env(token: str) -> dict[str, str]:

@@ -10,7 +10,7 @@ own log. The same idea as ``multiprocessing``'s forkserver and
 PyTorch's fork-started DataLoader workers: the zygote never runs a torch op, so no thread
 pool or device state is forked.
 
-Protocol: JSON lines. The launcher writes ``{"id", "argv", "env", "log", "cwd"}`` on the
+Protocol: JSON lines. The launcher writes ``{"id", "spec", "env", "log", "cwd"}`` on the
 zygote's stdin; the zygote answers ``{"id", "pid"}`` and, when a child exits, ``{"exit":
 pid, "code": code}`` (negative: killed by that signal, as ``subprocess`` reports it).
 
@@ -31,7 +31,10 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from perdure.runtime.entry import WorkerSpec
 
 UNKNOWN_EXIT = -1
 
@@ -45,7 +48,7 @@ def serve() -> None:
     # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
     import torch._inductor.config  # noqa: F401
 
-    import perdure.cli
+    import perdure.runtime.entry
     import perdure.runtime.worker  # noqa: F401
 
     _reply({"ready": True, "pid": os.getpid()})
@@ -101,10 +104,9 @@ def _child(req: dict[str, Any]) -> NoReturn:
         os.environ.update(req["env"])
         os.chdir(req["cwd"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from perdure.cli import main
+        from perdure.runtime.entry import WorkerSpec, run_worker
 
-        main.main(args=req["argv"], prog_name="perdure", standalone_mode=True)
-        code = 0
+        code = run_worker(WorkerSpec(**req["spec"]))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -152,15 +154,15 @@ class Zygote:
         return self.ready
 
     def spawn(
-        self, argv: list[str], env: dict[str, str], log: Path, timeout_s: float = 10.0
+        self, spec: WorkerSpec, env: dict[str, str], log: Path, timeout_s: float = 10.0
     ) -> ForkedProcess | None:
-        """Fork a ``perdure`` process with ``argv``; None if the zygote is not ready."""
+        """Fork a worker that runs ``spec``; None if the zygote is not ready."""
         if not self.ready or self.proc.stdin is None:
             return None
         with self._cond:
             self._next_id += 1
             rid = self._next_id
-        req = {"id": rid, "argv": argv, "env": env, "log": str(log), "cwd": os.getcwd()}
+        req = {"id": rid, "spec": spec.to_dict(), "env": env, "log": str(log), "cwd": os.getcwd()}
         try:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()

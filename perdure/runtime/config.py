@@ -80,6 +80,14 @@ class TrainConfig:
     threads_per_worker: int = field(default=1, metadata=MATH)
     """Intra-op threads of every worker (torch.set_num_threads). The bits of a slot's
     gradient depend on it on the CPU, so it is part of the math."""
+    reduction: Literal["chain"] = field(default="chain", metadata=MATH)
+    """How slot gradients are summed across workers. ``chain``: a pipelined chain along
+    the ranks that adds them in slot order (a left fold over slots, whoever holds them).
+    The reduction fixes the rounding of the sum, so it is part of the math."""
+    device: Literal["cpu"] = field(default="cpu", metadata=MATH)
+    """Where the model, its slot gradients and the reduction live (``cpu``: gloo is the
+    data plane). Kernels differ in their bits between devices, so it is part of the
+    math."""
 
     def __post_init__(self) -> None:
         c = Checker()

@@ -1,24 +1,22 @@
 """One slot's forward and backward, with randomness derived only from (seed, step, slot).
 
-The slot's gradient is flattened into a buffer laid out as ``[params | flags | losses]``:
-``P`` gradient values, then S non-finite flags and S loss values, of which only this slot's
-entries are set. Summed over slots by the reduction, the tail tells every replica which
-slots were non-finite and what each slot's loss was, with no extra message.
+The slot's gradient is flattened into a buffer laid out by ``layout.GradLayout``: ``P``
+gradient values, then S non-finite flags and S loss values, of which only this slot's
+entries are set.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import threading
-import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
+from perdure.runtime.layout import GradLayout
 from perdure.runtime.task import LossFn
 
 
@@ -49,11 +47,12 @@ class SlotEngine:
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.numel = self.offsets[-1]
-        self.size = self.numel + 2 * slots
+        self.layout = GradLayout(self.offsets[-1], slots)
+        self.numel = self.layout.numel
+        self.size = self.layout.size
 
     def new_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.size, dtype=torch.float32)
+        return self.layout.new_buffer()
 
     def compute(
         self,
@@ -62,7 +61,7 @@ class SlotEngine:
         batch: dict[str, torch.Tensor],
         out: torch.Tensor,
         seed_rng: Callable[[int], None] | None = None,
-        ready: Readiness | None = None,
+        ready: Progress | None = None,
     ) -> float:
         """Fill ``out`` with slot ``slot`` of ``step``'s gradient; return the slot loss.
 
@@ -85,11 +84,12 @@ class SlotEngine:
         for i, p in enumerate(self.params):
             if not done[i]:
                 self._copy(i, p, out)
-        out[self.numel :].zero_()
+        lay = self.layout
+        lay.tail(out).zero_()
         value = float(loss.detach())
-        finite = all_finite(out[: self.numel]) and np.isfinite(value)
-        out[self.numel + slot] = 0.0 if finite else 1.0
-        out[self.numel + self.slots + slot] = value if np.isfinite(value) else 0.0
+        finite = all_finite(lay.grads(out)) and np.isfinite(value)
+        lay.flags(out)[slot] = 0.0 if finite else 1.0
+        lay.losses(out)[slot] = value if np.isfinite(value) else 0.0
         if ready is not None:
             ready.advance(self.size)
         return value
@@ -101,7 +101,7 @@ class SlotEngine:
         else:
             dst.copy_(p.grad.reshape(-1))
 
-    def _hooks(self, out: torch.Tensor, done: list[bool], ready: Readiness) -> list[Any]:
+    def _hooks(self, out: torch.Tensor, done: list[bool], ready: Progress) -> list[Any]:
         """Post-accumulate hooks that copy each gradient as soon as it is final and advance
         the ready prefix of ``out`` (a parameter's gradient is final once: autograd sums
         every use of a leaf before accumulating it)."""
@@ -125,7 +125,7 @@ class SlotEngine:
         """Point each parameter's ``.grad`` at ``flat[:P] / batch`` (in place): the slot
         losses are sums over samples, so this is the gradient of the mean loss. A division,
         not a multiplication by ``1 / batch``, which is inexact for most batch sizes."""
-        grads = flat[: self.numel]
+        grads = self.layout.grads(flat)
         grads.div_(batch)
         offset = 0
         for p in self.params:
@@ -134,40 +134,16 @@ class SlotEngine:
             offset += n
 
     def bad_slots(self, flat: torch.Tensor) -> list[int]:
-        flags = flat[self.numel : self.numel + self.slots]
-        return [int(i) for i in torch.nonzero(flags).flatten()]
+        return self.layout.bad_slots(flat)
 
     def slot_losses(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.numel + self.slots :]
+        return self.layout.losses(flat)
 
 
-class Readiness:
-    """How much of a slot buffer is final, for a reduction that streams behind backward.
+class Progress(Protocol):
+    """Told how much of a slot buffer is final (see ``comm.readiness.Readiness``)."""
 
-    Only a prefix counts: the reduction reads the buffer front to back, and a prefix is
-    final once every parameter laid out in it has its gradient.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._upto = 0
-
-    def advance(self, upto: int) -> None:
-        with self._cond:
-            if upto > self._upto:
-                self._upto = upto
-                self._cond.notify_all()
-
-    def wait(self, upto: int, should_abort: Callable[[], bool], timeout_s: float) -> None:
-        """Block until ``[0, upto)`` is final; raise if the step is abandoned or times out."""
-        end = time.monotonic() + timeout_s
-        with self._cond:
-            while self._upto < upto:
-                if should_abort():
-                    raise RuntimeError("step abandoned while its gradient was being computed")
-                if time.monotonic() > end:
-                    raise TimeoutError(f"slot gradient not ready within {timeout_s} s")
-                self._cond.wait(0.01)
+    def advance(self, upto: int) -> None: ...
 
 
 def all_finite(x: torch.Tensor) -> bool:

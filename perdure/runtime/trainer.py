@@ -24,7 +24,8 @@ from perdure.checkpoint import (
 from perdure.config.run import RunConfig, canonical, config_hash
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
-from perdure.runtime.slots import Readiness, SlotEngine, to_tensors
+from perdure.runtime.layout import GradLayout
+from perdure.runtime.slots import Progress, SlotEngine, to_tensors
 from perdure.runtime.task import build_optimizer, build_task, lr_at
 
 
@@ -78,6 +79,15 @@ class Trainer:
 
     # -- the math of a step ----------------------------------------------------------------
 
+    @property
+    def layout(self) -> GradLayout:
+        """The slot buffers' layout (what the step runner and the reducer see)."""
+        return self.engine.layout
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.config.train.global_batch * self.dataset.seq_len
+
     def poison_due(self, step: int) -> None:
         """Fault injection: shards poisoned from a given step on (identically everywhere)."""
         for shard, at in self.poison:
@@ -90,7 +100,7 @@ class Trainer:
         slots: range,
         bufs: Sequence[torch.Tensor],
         should_abort: Callable[[], bool] = lambda: False,
-        ready: Readiness | None = None,
+        ready: Progress | None = None,
     ) -> bool:
         """Fill ``bufs`` with the gradients of ``slots`` of ``step``; False if aborted.
         ``ready`` follows the last slot's buffer as its backward fills it."""
@@ -143,7 +153,7 @@ class Trainer:
         for i in range(len(batch.sample_ids)):
             one = to_tensors(_row(batch, i))
             self.engine.compute(step, slot, one, buf)
-            flags.append(bool(buf[self.engine.numel + slot] != 0))
+            flags.append(bool(self.layout.flags(buf)[slot] != 0))
         return flags
 
     def quarantine(self, step: int, found: dict[int, list[bool]]) -> dict[str, Any]:

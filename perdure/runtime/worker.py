@@ -1,42 +1,41 @@
 """The worker process: join, take part in membership epochs, run the step loop.
 
-A worker holds a full replica. In each membership epoch it builds a process group under a
-fresh store prefix, receives state if it is a joiner or fell behind, and runs steps:
-compute its slots, reduce in slot order along the chain, check finiteness, apply the same
-update as every other replica. It leaves the step loop when the coordinator announces a new
-epoch (at once when a member failed, at a step boundary for joins and re-plans), when a
-collective fails, or when the run is complete. It never restarts: a fault is a new epoch.
+A worker holds a full replica. It composes three parts: the membership client (the channel
+to the coordinator: admission, notices, heartbeats, reconnection), the trainer (the
+replica's state and step math) and, in each membership epoch, a step runner (slot buffers,
+the reduction, non-finite flags, fingerprints) over a process group built under a fresh
+store prefix. It leaves an epoch when the coordinator announces a new one (at once when a
+member failed, at a step boundary for joins and re-plans), when a collective fails, or
+when the run is complete. It never restarts: a fault is a new epoch.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from perdure import events as ev
 from perdure.checkpoint import AsyncCheckpointer
 from perdure.config.run import RunConfig, config_from_dict
 from perdure.events import JsonLines
-from perdure.runtime.channel import LineSocket, Listener, Message, connect
-from perdure.runtime.comm import Abandoned, Comm, CommFailed
-from perdure.runtime.exchange import StoreExchange
+from perdure.runtime.comm.exchange import StoreExchange
+from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
+from perdure.runtime.comm.reducer import make_reducer
+from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
+from perdure.runtime.control import protocol as p
+from perdure.runtime.control.client import Identity, MembershipClient
+from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
-from perdure.runtime.reduce import chain_reduce
-from perdure.runtime.slots import Readiness
+from perdure.runtime.step import Seams, SlotTimer, StepRunner
 from perdure.runtime.trainer import Trainer
-from perdure.runtime.transfer import broadcast_state, pack, unpack
 from perdure.runtime.wchaos import ChaosState
 
 log = logging.getLogger("perdure.worker")
@@ -49,11 +48,10 @@ class Epoch:
     number: int
     plan: Plan
     rank: int
-    start: Message
+    start: p.Start
     comm: Comm
+    runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
-    bufs: list[torch.Tensor] = field(default_factory=list)
-    scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -76,19 +74,19 @@ class Worker:
     ) -> None:
         self.name, self.region, self.role = name, region, role
         self.restore_priority = restore_priority
-        self.coordinators, self.token, self.timeout_s = coordinators, token, timeout_s
-        self.cond = threading.Condition()
-        self.announce: Message | None = None
-        self.starts: dict[int, Message] = {}
-        self.stopped = False
-        self.lost = False
-        self.epoch_no = -1
+        self.timeout_s = timeout_s
+        self.client = MembershipClient(
+            Identity(name, region, role),
+            coordinators,
+            token,
+            timeout_s=timeout_s,
+            progress=self._progress,
+        )
         self.inflight = -1
         self.has_state = False
-        self.slot_s: float | None = None
+        self.timer = SlotTimer()
         self.chaos = ChaosState()
         self.trainer: Trainer | None = None
-        self.line: LineSocket | None = None
         self.final_saved = -1
         self.leaving = False
         self.suspects: dict[str, int] = {}
@@ -96,90 +94,41 @@ class Worker:
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
         self.leaving = True
-        self._send({"type": "leave"})
+        self.client.send(p.Leave())
 
-    # -- connection ------------------------------------------------------------------------
+    def _progress(self) -> tuple[int, bool]:
+        return (self.trainer.next_step if self.trainer else 0), self.has_state
 
-    def _hello(self) -> Message:
-        t = self.trainer
-        return {
-            "name": self.name,
-            "region": self.region,
-            "role": self.role,
-            "pid": os.getpid(),
-            "next_step": t.next_step if t else 0,
-            "has_state": self.has_state,
-            "epoch": self.epoch_no,
-        }
-
-    def _connect(self) -> Message:
-        end = time.monotonic() + self.timeout_s
-        last: Exception | None = None
-        while time.monotonic() < end:
-            for host, port in self.coordinators:
-                try:
-                    line, welcome = connect(host, port, self.token, self._hello(), 5.0)
-                except (OSError, ConnectionError) as e:
-                    last = e
-                    continue
-                self.line, self.host = line, host
-                with self.cond:
-                    self.lost, self.announce = False, None
-                Listener(line, self._on_message, self._on_lost).start()
-                return welcome
-            time.sleep(0.1)
-        raise ConnectionError(
-            f"{self.name}: no coordinator reachable at {self.coordinators}: {last}"
-        )
-
-    def _on_message(self, msg: Message) -> None:
-        with self.cond:
-            kind = msg.get("type")
-            if kind == "epoch":
-                self.announce = msg
-            elif kind == "start":
-                self.starts[int(msg["epoch"])] = msg
-            elif kind == "stop":
-                self.stopped = True
-            self.cond.notify_all()
-
-    def _on_lost(self) -> None:
-        with self.cond:
-            self.lost = True
-            self.cond.notify_all()
-
-    def _send(self, msg: Message) -> None:
-        try:
-            if self.line is not None:
-                self.line.send(msg)
-        except OSError:
-            self._on_lost()
+    @property
+    def stopped(self) -> bool:
+        return self.client.stopped
 
     # -- main ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        welcome = self._connect()
-        config = config_from_dict(welcome["config"])
-        self.run_dir = Path(welcome["run_dir"])
-        self.store_port = int(welcome["store_port"])
+        welcome = self.client.connect()
+        config = config_from_dict(welcome.config)
+        self.run_dir = Path(welcome.run_dir)
+        self.store_port = welcome.store_port
         self.events = JsonLines(self.run_dir / "events.jsonl")
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.config: RunConfig = config
+        self.placement = Placement.of(config.train)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.trainer = Trainer(
             config, cache_dir=str(self.run_dir / "cache"), poison=_poison_schedule(config)
         )
-        if welcome.get("resume"):
-            self.trainer.load(welcome["resume"])
+        if welcome.resume:
+            self.trainer.load(welcome.resume)
         # A worker admitted before the first epoch holds valid initial state (built from the
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
-        self.has_state = self.role == "worker" and int(welcome.get("epoch", -1)) < 0
+        self.has_state = self.role == "worker" and welcome.epoch < 0
         if not self.has_state:
             self.trainer.warm_up()  # before it may be promoted, at its start-up priority
         if self.restore_priority:
             normal_priority()
-        self._send({"type": "hb", "next_step": self.trainer.next_step, "prepared": True})
+        self.client.send(p.Heartbeat(next_step=self.trainer.next_step, prepared=True))
         try:
             self._loop()
         finally:
@@ -188,98 +137,71 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
-            msg = self._next_announcement()
+            msg = self.client.next_announcement(self._on_reconnect)
             if msg is None:
                 return
-            if self.name not in msg["members"]:
-                self.epoch_no = int(msg["epoch"])  # not a member: idle until included
+            if self.name not in msg.members:
+                self.client.epoch_no = msg.epoch  # not a member: idle until included
                 if self.leaving:
-                    self.events.write(
-                        {
-                            "event": ev.LEFT,
-                            "worker": self.name,
-                            "next_step": self.trainer.next_step if self.trainer else 0,
-                        }
-                    )
+                    self._left()
                     return
                 continue
             start = self._ready(msg)
             if start is not None:
                 self._run_epoch(start)
 
-    def _next_announcement(self) -> Message | None:
-        """Block until an announcement newer than the current epoch (None: stop)."""
-        with self.cond:
-            while True:
-                if self.stopped:
-                    return None
-                if self.lost:
-                    self.cond.release()
-                    try:
-                        self._reconnect()
-                    finally:
-                        self.cond.acquire()
-                    continue
-                a = self.announce
-                if a is not None and int(a["epoch"]) > self.epoch_no:
-                    return a
-                self.cond.wait(timeout=1.0)
+    def _left(self) -> None:
+        step = self.trainer.next_step if self.trainer else 0
+        self.events.write({"event": ev.LEFT, "worker": self.name, "next_step": step})
 
-    def _reconnect(self) -> None:
-        """The coordinator is gone (or evicted us): reach it or its standby again."""
-        self.events.write({"event": ev.RECONNECT, "worker": self.name, "epoch": self.epoch_no})
-        welcome = self._connect()
-        self.store_port = int(welcome["store_port"])
-
-    def _ready(self, msg: Message) -> Message | None:
-        """Report ready for the announced epoch and wait for its start (None: superseded)."""
-        e = int(msg["epoch"])
-        assert self.trainer is not None
-        self._send(
-            {
-                "type": "ready",
-                "epoch": e,
-                "next_step": self.trainer.next_step,
-                "has_state": self.has_state,
-            }
+    def _on_reconnect(self, welcome: p.Welcome) -> None:
+        """The coordinator is gone (or evicted us) and we reached it or its standby again."""
+        self.events.write(
+            {"event": ev.RECONNECT, "worker": self.name, "epoch": self.client.epoch_no}
         )
-        with self.cond:
-            while e not in self.starts:
-                a = self.announce
-                if self.stopped or self.lost or (a is not None and int(a["epoch"]) > e):
-                    self.epoch_no = e
-                    return None
-                self.cond.wait(timeout=1.0)
-            self.epoch_no = e
-            return self.starts.pop(e)
+        self.store_port = welcome.store_port
+
+    def _ready(self, msg: p.Announce) -> p.Start | None:
+        """Report ready for the announced epoch and wait for its start (None: superseded)."""
+        assert self.trainer is not None
+        ready = p.Ready(epoch=msg.epoch, next_step=self.trainer.next_step, has_state=self.has_state)
+        self.client.send(ready)
+        return self.client.wait_start(msg.epoch)
 
     # -- one membership epoch --------------------------------------------------------------
 
     def _should_stop(self, step: int) -> bool:
-        """True when the step ``step`` must not run (or be abandoned) in this epoch."""
-        if self.stopped or self.lost:
-            return True
-        a = self.announce
-        if a is None or int(a["epoch"]) <= self.epoch_no:
-            return False
-        after = int(a["after"])
-        return after < 0 or after <= step
+        return self.client.should_stop(step)
 
-    def _run_epoch(self, start: Message) -> None:
-        assert self.trainer is not None
-        plan = Plan.from_dict(start["plan"])
-        rank = plan.members.index(self.name)
-        store = dist.TCPStore(
-            self.host, self.store_port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
+    def _store(self) -> dist.TCPStore:
+        return dist.TCPStore(
+            self.client.host,
+            self.store_port,
+            is_master=False,
+            timeout=timedelta(seconds=self.timeout_s),
         )
+
+    def _run_epoch(self, start: p.Start) -> None:
+        assert self.trainer is not None
+        plan = Plan.from_dict(start.plan)
+        rank = plan.members.index(self.name)
         self.inflight = self.trainer.next_step
         abort = lambda: self._should_stop(self.inflight)  # noqa: E731
         try:
-            comm = Comm(store, start["prefix"], rank, len(plan.members), self._timeout(), abort)
+            comm = Comm(
+                self._store(),
+                start.prefix,
+                rank,
+                len(plan.members),
+                self._timeout(),
+                abort,
+                backend=self.placement.backend,
+            )
         except (Abandoned, CommFailed) as e:
             self._failed(e)
             return
-        ep = Epoch(int(start["epoch"]), plan, rank, start, comm)
+        runner = self._runner(plan, rank, comm)
+        ep = Epoch(start.epoch, plan, rank, start, comm, runner)
         try:
             self._transfer(ep)
             ep.ckpt = self._checkpointer(ep)
@@ -298,27 +220,44 @@ class Worker:
         finally:
             self._close_epoch(ep)
 
+    def _runner(self, plan: Plan, rank: int, comm: Comm) -> StepRunner:
+        assert self.trainer is not None
+        seams = Seams(
+            name=self.name,
+            events=self.events,
+            timeout=self._timeout,
+            should_stop=self._should_stop,
+            evict=lambda w, why: self.client.send(p.Evict(worker=w, reason=why)),
+            delay_s=self.chaos.delay_s,
+            take_comm_error=self.chaos.take_comm_error,
+            evict_after=self.config.cluster.evict_after_suspect,
+            suspects=self.suspects,
+        )
+        reducer = make_reducer(self.config.train.reduction, rank, len(plan.members))
+        return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer)
+
     def _failed(self, e: Exception) -> None:
-        self._send({"type": "fail", "epoch": self.epoch_no, "error": str(e)})
-        log.warning("%s: collective failed in epoch %d: %s", self.name, self.epoch_no, e)
+        epoch = self.client.epoch_no
+        self.client.send(p.Fail(epoch=epoch, error=str(e)[: p.MAX_STR]))
+        log.warning("%s: collective failed in epoch %d: %s", self.name, epoch, e)
 
     def _timeout(self) -> timedelta:
         """Adaptive collective timeout: well above the detection horizon and ten recent
         step times, so that only a stuck collective ever hits it."""
         c = self.config.cluster
         horizon = (c.acceptable_pause_ms + 10 * c.heartbeat_ms) / 1000
-        step = 10 * (self.slot_s or 0) * self.config.train.slots
+        step = 10 * (self.timer.slot_s or 0) * self.config.train.slots
         return timedelta(seconds=max(c.min_collective_timeout_ms / 1000, 2 * horizon, step))
 
     def _transfer(self, ep: Epoch) -> None:
-        if ep.start.get("recover"):
-            self._reload(ep.start.get("reload"))
+        if ep.start.recover:
+            self._reload(ep.start.reload)
             return
-        receivers = ep.start["receivers"]
+        receivers = ep.start.receivers
         if not receivers:
             return
         assert self.trainer is not None
-        src = ep.plan.members.index(ep.start["source"])
+        src = ep.plan.members.index(ep.start.source)
         t0 = time.monotonic()
         payload = pack(*self.trainer.export()) if ep.rank == src else None
         head, blob = broadcast_state(ep.comm, src, payload, self._timeout())
@@ -329,7 +268,7 @@ class Worker:
                 {
                     "event": ev.STATE_RECEIVED,
                     "worker": self.name,
-                    "from": ep.start["source"],
+                    "from": ep.start.source,
                     "bytes": int(blob.numel()),
                     "seconds": round(time.monotonic() - t0, 4),
                     "next_step": self.trainer.next_step,
@@ -347,9 +286,9 @@ class Worker:
 
     def _checkpointer(self, ep: Epoch) -> AsyncCheckpointer:
         ex = StoreExchange(
-            self.host,
+            self.client.host,
             self.store_port,
-            ep.start["prefix"],
+            ep.start.prefix,
             ep.rank,
             ep.size,
             lambda: self._should_stop(self.inflight),
@@ -395,158 +334,23 @@ class Worker:
         ep.ckpt.check()
         t0 = time.monotonic()
         tr.poison_due(t)
-        slots = ep.plan.slots_of(ep.rank)
-        total = self._reduced_gradient(ep, t, slots, t0)
+        total = ep.runner.gradient(t, t0)
         ep.ckpt.wait_snapshot()
         loss = tr.apply(t, total)
         step_s = time.monotonic() - t0
         if ep.rank == 0:
             self._metrics(ep, t, loss, step_s)
         every = self.config.cluster.fingerprint_every
-        if ep.size > 1 and tr.next_step % every == 0:
-            self._compare_fingerprints(ep)
+        if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
+            self.has_state = False  # receive a live peer's state in the next epoch
+            raise CommFailed(f"replica diverged at step {tr.next_step}")
         ck = self.config.checkpoint.every_steps
         if ck and tr.next_step % ck == 0 and tr.next_step < self.config.train.steps:
             ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
 
-    def _reduced_gradient(self, ep: Epoch, t: int, slots: range, t0: float) -> torch.Tensor:
-        """Compute, reduce, and handle non-finite slots until step ``t`` has a clean sum.
-
-        The reduction starts once every slot but the last is computed, and streams behind
-        the last slot's backward (as DDP overlaps its buckets): a chunk is added as soon as
-        every gradient laid out in it is final.
-        """
-        tr = self.trainer
-        assert tr is not None
-        abort = lambda: self._should_stop(t)  # noqa: E731
-        tr.prefetch(t + 1, slots)
-        while True:
-            if len(ep.bufs) != len(slots):
-                ep.bufs = [tr.engine.new_buffer() for _ in slots]
-            if not tr.compute_slots(t, slots[:-1], ep.bufs[:-1], abort):
-                raise Abandoned("membership epoch changed during compute")
-            delay = self.chaos.delay_s()
-            ready = Readiness()
-            fut = self._start_reduce(ep, ep.bufs, delay, ready, abort)
-            if not tr.compute_slots(t, slots[-1:], ep.bufs[-1:], abort, ready=ready):
-                raise Abandoned("membership epoch changed during compute")
-            busy = time.monotonic() - t0 + delay
-            self.slot_s = (
-                busy / len(slots)
-                if self.slot_s is None
-                else (0.7 * self.slot_s + 0.3 * busy / len(slots))
-            )
-            total = ep.comm.result(fut)
-            bad = tr.engine.bad_slots(total)
-            if not bad:
-                return total
-            self._on_nonfinite(ep, t, bad)
-
-    def _reduce(self, ep: Epoch, bufs: list[torch.Tensor]) -> torch.Tensor:
-        """The slot-ordered sum of every member's ``bufs`` (all final already)."""
-        return ep.comm.result(self._start_reduce(ep, bufs, 0.0, None, lambda: False))
-
-    def _start_reduce(
-        self,
-        ep: Epoch,
-        bufs: list[torch.Tensor],
-        delay: float,
-        ready: Readiness | None,
-        abort: Callable[[], bool],
-    ) -> Future[torch.Tensor]:
-        """Start the chain reduction on the comm thread. Scratch buffers live as long as
-        the epoch: an abandoned collective may still write into the old epoch's."""
-        n = bufs[0].numel()
-        if n not in ep.scratch:
-            ep.scratch[n] = (torch.empty(n), torch.empty(n))
-        partial, out = ep.scratch[n]
-        if self.chaos.take_comm_error():
-            self.events.write({"event": ev.FAULT_HIT, "kind": "comm_error", "worker": self.name})
-            raise CommFailed("injected link drop (comm_error)")
-        timeout = self._timeout()
-        wait = (
-            None if ready is None else (lambda hi: ready.wait(hi, abort, timeout.total_seconds()))
-        )
-
-        def run() -> torch.Tensor:
-            chain_reduce(
-                ep.comm.pg,
-                ep.rank,
-                ep.size,
-                bufs,
-                partial,
-                out,
-                timeout=timeout,
-                send_delay_s=delay,
-                wait_last=wait,
-            )
-            return out
-
-        return ep.comm.submit(run)
-
-    def _on_nonfinite(self, ep: Epoch, t: int, bad: list[int]) -> None:
-        """Re-run each bad slot on another member to tell bad data from a bad worker."""
-        tr = self.trainer
-        assert tr is not None
-        per = self.config.train.slot_size
-        S = self.config.train.slots
-        vec = torch.zeros(S * per)
-        owner = {s: r for r in range(ep.size) for s in ep.plan.slots_of(r)}
-        for s in bad:
-            if (owner[s] + 1) % ep.size == ep.rank:
-                flags = tr.rerun_flags(t, s)
-                vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
-        verdict = self._reduce(ep, [vec])
-        found: dict[int, list[bool]] = {}
-        for s in bad:
-            flags = [bool(x) for x in verdict[s * per : (s + 1) * per]]
-            if any(flags):
-                found[s] = flags
-            else:
-                self._suspect(ep, t, s, ep.plan.members[owner[s]])
-        if found:
-            entry = tr.quarantine(t, found)
-            if ep.rank == 0:
-                self.events.write({"event": ev.DECISION, **entry})
-
-    def _suspect(self, ep: Epoch, step: int, slot: int, worker: str) -> None:
-        """A non-finite slot that did not reproduce elsewhere: the worker, not the data.
-        Its result is discarded (the step is recomputed); past the configured count it is
-        evicted. Every member counts identically, so rank 0 alone reports."""
-        self.suspects[worker] = self.suspects.get(worker, 0) + 1
-        if ep.rank != 0:
-            return
-        self.events.write(
-            {
-                "event": ev.SUSPECT_WORKER,
-                "step": step,
-                "slot": slot,
-                "worker": worker,
-                "count": self.suspects[worker],
-            }
-        )
-        if self.suspects[worker] >= self.config.cluster.evict_after_suspect:
-            self._send({"type": "evict", "worker": worker, "reason": "non-finite results"})
-
-    def _compare_fingerprints(self, ep: Epoch) -> None:
-        assert self.trainer is not None
-        mine = torch.tensor([self.trainer.fingerprint()], dtype=torch.int64)
-        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(ep.size)]
-        timeout = self._timeout()
-        ep.comm.call(lambda: ep.comm.pg.allgather([outs], [mine]).wait(timeout))
-        values = [int(o) for o in outs]
-        if len(set(values)) > 1:
-            majority = max(set(values), key=values.count)
-            odd = [m for m, v in zip(ep.plan.members, values, strict=True) if v != majority]
-            self.events.write(
-                {"event": ev.REPLICA_DIVERGED, "step": self.trainer.next_step, "workers": odd}
-            )
-            if self.name in odd:
-                self.has_state = False  # receive a live peer's state in the next epoch
-                raise CommFailed(f"replica diverged at step {self.trainer.next_step}")
-
     def _metrics(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
-        tokens = self.config.train.global_batch * self.trainer.dataset.seq_len  # type: ignore[union-attr]
+        assert self.trainer is not None
+        tokens = self.trainer.tokens_per_step
         self.metrics.write(
             {
                 "step": t,
@@ -577,13 +381,7 @@ class Worker:
             ep.ckpt.wait()
             ep.ckpt.check()
             self.final_saved = tr.next_step
-        self._send(
-            {
-                "type": "done",
-                "next_step": tr.next_step,
-                "info": {"final_hash": tr.digest(), "step": tr.next_step},
-            }
-        )
+        self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest()))
 
     # -- heartbeats ------------------------------------------------------------------------
 
@@ -594,7 +392,7 @@ class Worker:
             time.sleep(interval)
             try:
                 store = store or dist.TCPStore(
-                    self.host, self.store_port, is_master=False, timeout=timedelta(seconds=5)
+                    self.client.host, self.store_port, is_master=False, timeout=timedelta(seconds=5)
                 )
                 self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
@@ -603,13 +401,12 @@ class Worker:
             if delay:
                 time.sleep(delay)
             t = self.trainer
-            self._send(
-                {
-                    "type": "hb",
-                    "next_step": t.next_step if t else 0,
-                    "slot_s": self.slot_s,
-                    "prepared": t is not None,
-                }
+            self.client.send(
+                p.Heartbeat(
+                    next_step=t.next_step if t else 0,
+                    slot_s=self.timer.slot_s,
+                    prepared=t is not None,
+                )
             )
 
 

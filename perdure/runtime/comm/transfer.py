@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from perdure.checkpoint.tensors import flatten, model_of, unflatten_optimizer
-from perdure.runtime.comm import Comm
+from perdure.runtime.comm.group import Comm
 
 _DTYPES = {
     str(d): d

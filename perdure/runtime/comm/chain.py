@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
@@ -121,3 +122,49 @@ def _pass_back(
     if rank > 0:
         lo, hi = chunks[c]
         sends.append(pg.send([out[lo:hi]], rank - 1, n + c))
+
+
+class ChainReducer:
+    """The chain as a :class:`~perdure.runtime.comm.reducer.Reducer`: one member's side of
+    it, with its scratch buffers (a running sum and the result, per buffer size)."""
+
+    def __init__(self, rank: int, size: int, chunk: int = CHUNK_ELEMS) -> None:
+        self.rank, self.size, self.chunk = rank, size, chunk
+        self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = like.numel()
+        if n not in self.scratch:
+            self.scratch[n] = (torch.empty_like(like), torch.empty_like(like))
+        return self.scratch[n]
+
+    def start(
+        self,
+        comm: Any,
+        bufs: Sequence[torch.Tensor],
+        *,
+        timeout: timedelta,
+        ready: Any = None,
+        abort: Callable[[], bool] = lambda: False,
+        send_delay_s: float = 0.0,
+    ) -> Future[torch.Tensor]:
+        partial, out = self._buffers(bufs[0])
+        t = timeout.total_seconds()
+        wait = None if ready is None else (lambda hi: ready.wait(hi, abort, t))
+
+        def run() -> torch.Tensor:
+            chain_reduce(
+                comm.pg,
+                self.rank,
+                self.size,
+                bufs,
+                partial,
+                out,
+                timeout=timeout,
+                chunk=self.chunk,
+                send_delay_s=send_delay_s,
+                wait_last=wait,
+            )
+            return out
+
+        return comm.submit(run)

@@ -25,7 +25,34 @@ class Abandoned(RuntimeError):
 
 
 class CommFailed(RuntimeError):
-    """A collective failed (a peer closed its connection, or the timeout expired)."""
+    """A collective failed (a peer closed its connection, or the timeout expired): a fault
+    of the data plane, absorbed by a new membership epoch. Its ``__cause__`` is the
+    backend's exception."""
+
+
+_BACKEND_FAILURES = (
+    "gloo/transport",  # gloo's socket errors carry their source path: "Read error", ...
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Operation timed out",
+    "Application timeout caused pair closure",
+    "Timed out waiting",
+    "NCCL error",
+    "NCCL communicator was aborted",
+    "Broken pipe",
+)
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is the data plane failing, not a bug in the code on the comm thread.
+
+    gloo reports every transport failure as a plain ``RuntimeError``; a shape mismatch or
+    a wrong argument is a ``RuntimeError`` too, so the message decides. The store's and
+    NCCL's failures have their own types (``DistError`` and its subclasses).
+    """
+    if isinstance(e, dist.DistError | TimeoutError | ConnectionError):
+        return True
+    return type(e) is RuntimeError and any(m in str(e) for m in _BACKEND_FAILURES)
 
 
 class Comm:
@@ -65,8 +92,13 @@ class Comm:
                 raise Abandoned("membership epoch changed during a collective")
         try:
             return fut.result()
-        except (RuntimeError, TimeoutError) as e:
-            raise CommFailed(_one_line(e)) from None
+        except (Abandoned, CommFailed):
+            raise
+        except Exception as e:
+            if is_collective_failure(e):
+                raise CommFailed(_one_line(e)) from e
+            e.add_note("perdure: raised on the comm thread, and not by the backend: a bug")
+            raise
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

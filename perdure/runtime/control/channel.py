@@ -1,4 +1,4 @@
-"""The control channel between a worker and the coordinator: JSON lines over TCP.
+"""The control channel's transport: typed messages over TCP, admission by HMAC.
 
 It carries admission (a challenge answered with an HMAC of the run token, so the token
 never crosses the wire), heartbeats, and the coordinator's notifications (a new membership
@@ -6,8 +6,9 @@ epoch, the end of the run). Being a live connection, it is also a lease: when a 
 process dies its kernel closes the socket and the coordinator knows at once; a worker that
 hangs keeps the socket open but stops beating, which the phi-accrual detector catches.
 
-The TCPStore stays the rendezvous for process groups and holds the published epochs; this
-channel only tells a worker when to look.
+The wire format is :mod:`perdure.runtime.control.protocol`'s; this module only moves its
+lines. The TCPStore stays the rendezvous for process groups; this channel only tells a
+worker when to look.
 """
 
 from __future__ import annotations
@@ -15,13 +16,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
-import json
 import socket
 import threading
 from collections.abc import Callable
-from typing import Any
 
-Message = dict[str, Any]
+from perdure.runtime.control import protocol as p
 
 
 def mac(token: str, nonce: str) -> str:
@@ -33,26 +32,24 @@ def verify(token: str, nonce: str, answer: str) -> bool:
 
 
 class LineSocket:
-    """A socket that sends and receives one JSON object per line; sends are thread-safe."""
+    """A socket that sends and receives protocol messages; sends are thread-safe."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self._buf = b""
+        self.buffer = p.LineBuffer()
         self._lock = threading.Lock()
-        self.queued: list[Message] = []
+        self.queued: list[p.Message] = []
 
-    def send(self, msg: Message) -> None:
-        data = (json.dumps(msg, separators=(",", ":")) + "\n").encode()
+    def send(self, msg: p.Message) -> None:
+        data = p.encode(msg)
         with self._lock:
             self.sock.sendall(data)
 
-    def feed(self, data: bytes) -> list[Message]:
+    def feed(self, data: bytes) -> list[p.Message]:
         """Add received bytes; return the complete messages they finish."""
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
-        return [json.loads(line) for line in lines if line.strip()]
+        return self.buffer.feed(data)
 
-    def recv(self, timeout_s: float) -> Message:
+    def recv(self, timeout_s: float) -> p.Message:
         """Block for the next message (used during admission only)."""
         self.sock.settimeout(timeout_s)
         try:
@@ -76,27 +73,41 @@ class AdmissionRefused(RuntimeError):
 
 
 def connect(
-    host: str, port: int, token: str, hello: Message, timeout_s: float
-) -> tuple[LineSocket, Message]:
-    """Open the channel and get admitted; returns the socket and the welcome message."""
+    host: str, port: int, token: str, hello: Callable[[str], p.Hello], timeout_s: float
+) -> tuple[LineSocket, p.Welcome]:
+    """Open the channel and get admitted; ``hello(mac)`` builds the hello that answers
+    the challenge. Returns the socket and the welcome."""
     sock = socket.create_connection((host, port), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     line = LineSocket(sock)
-    challenge = line.recv(timeout_s)
-    line.send({**hello, "type": "hello", "mac": mac(token, challenge["nonce"])})
-    reply = line.recv(timeout_s)
-    if reply.get("type") != "welcome":
+    try:
+        challenge = line.recv(timeout_s)
+        if not isinstance(challenge, p.Challenge):
+            raise ConnectionError(
+                f"coordinator {host}:{port} sent {challenge.type}, not a challenge"
+            )
+        line.send(hello(mac(token, challenge.nonce)))
+        reply = line.recv(timeout_s)
+    except (p.ProtocolError, OSError):
         line.close()
-        raise AdmissionRefused(f"coordinator {host}:{port} refused: {reply.get('reason')}")
+        raise
+    if not isinstance(reply, p.Welcome):
+        line.close()
+        reason = reply.reason if isinstance(reply, p.Refused) else f"sent {reply.type}"
+        raise AdmissionRefused(f"coordinator {host}:{port} refused: {reason}")
     return line, reply
 
 
 class Listener(threading.Thread):
     """Reads the coordinator's messages on a daemon thread and hands them to ``on_message``;
-    calls ``on_lost`` once when the connection ends."""
+    calls ``on_lost`` once when the connection ends (or the coordinator breaks the
+    protocol, which is treated like a lost connection)."""
 
     def __init__(
-        self, line: LineSocket, on_message: Callable[[Message], None], on_lost: Callable[[], None]
+        self,
+        line: LineSocket,
+        on_message: Callable[[p.Message], None],
+        on_lost: Callable[[], None],
     ) -> None:
         super().__init__(daemon=True, name="coordinator-listener")
         self.line, self.on_message, self.on_lost = line, on_message, on_lost
@@ -105,13 +116,11 @@ class Listener(threading.Thread):
         for msg in self.line.queued:  # arrived together with the welcome
             self.on_message(msg)
         self.line.queued.clear()
-        try:
+        with contextlib.suppress(OSError, p.ProtocolError):
             while True:
                 data = self.line.sock.recv(65536)
                 if not data:
                     break
                 for msg in self.line.feed(data):
                     self.on_message(msg)
-        except OSError:
-            pass
         self.on_lost()

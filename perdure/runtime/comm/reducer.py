@@ -1,0 +1,51 @@
+"""The seam every reduction plugs into: sum the slot gradients of an epoch's members.
+
+A reducer is built per membership epoch (it knows the member's rank and the group's size)
+and owns its scratch space, which lives as long as the epoch: a collective abandoned on the
+comm thread may still write into it after the step loop has moved on. The math of the sum
+(its rounding) is the reducer's, so ``train.reduction`` is in the config hash.
+
+A new reduction is one new module with a class that satisfies :class:`Reducer`, and one
+entry in :data:`REDUCERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Protocol
+
+import torch
+
+from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.readiness import Readiness
+
+
+class Reducer(Protocol):
+    """Sums every member's slot buffers into one buffer, identically on every member."""
+
+    def start(
+        self,
+        comm: Comm,
+        bufs: Sequence[torch.Tensor],
+        *,
+        timeout: timedelta,
+        ready: Readiness | None = None,
+        abort: Callable[[], bool] = lambda: False,
+        send_delay_s: float = 0.0,
+    ) -> Future[torch.Tensor]:
+        """Start the reduction of this member's ``bufs`` (its slots, in slot order) on the
+        comm thread. ``ready`` follows the last buffer while its backward still fills it;
+        ``send_delay_s`` is injected link latency (the ``delay`` fault)."""
+        ...
+
+
+def make_reducer(name: str, rank: int, size: int) -> Reducer:
+    """The reducer that ``train.reduction = name`` selects, for one epoch's member."""
+    from perdure.runtime.comm.chain import ChainReducer
+
+    reducers: dict[str, Callable[[int, int], Reducer]] = {"chain": ChainReducer}
+    if name not in reducers:
+        raise ValueError(f"train.reduction: unknown reduction {name!r} (known: {sorted(reducers)})")
+    return reducers[name](rank, size)

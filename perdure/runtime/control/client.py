@@ -1,0 +1,159 @@
+"""The worker's side of the control plane: admission, notices, heartbeats, reconnection.
+
+A :class:`MembershipClient` holds the channel to the coordinator (or, once that is lost,
+to the first standby that answers), records what the coordinator announced (the newest
+epoch notice, the start of each epoch, the end of the run) and answers the step loop's
+one question: must step ``t`` stop in this epoch? It knows nothing of training.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from perdure.runtime.control import protocol as p
+from perdure.runtime.control.channel import LineSocket, Listener, connect
+
+log = logging.getLogger("perdure.worker")
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who a worker is, as its hello says."""
+
+    name: str
+    region: str
+    role: str
+
+
+class MembershipClient:
+    """The channel to the coordinator and what it said, shared by the worker's threads."""
+
+    def __init__(
+        self,
+        me: Identity,
+        coordinators: list[tuple[str, int]],
+        token: str,
+        *,
+        timeout_s: float,
+        progress: Callable[[], tuple[int, bool]],
+    ) -> None:
+        self.me, self.coordinators, self.token = me, coordinators, token
+        self.timeout_s = timeout_s
+        self.progress = progress
+        """``() -> (next_step, has_state)`` for the hello."""
+        self.cond = threading.Condition()
+        self.announce: p.Announce | None = None
+        self.starts: dict[int, p.Start] = {}
+        self.stopped = False
+        self.lost = False
+        self.epoch_no = -1
+        self.line: LineSocket | None = None
+        self.host = ""
+
+    # -- connection ------------------------------------------------------------------------
+
+    def _hello(self, mac: str) -> p.Hello:
+        next_step, has_state = self.progress()
+        return p.Hello(
+            name=self.me.name,
+            region=self.me.region,
+            role=self.me.role,
+            pid=os.getpid(),
+            next_step=next_step,
+            has_state=has_state,
+            epoch=self.epoch_no,
+            mac=mac,
+        )
+
+    def connect(self) -> p.Welcome:
+        """Reach the first coordinator that admits this worker, trying each in turn until
+        ``timeout_s`` passes."""
+        end = time.monotonic() + self.timeout_s
+        last: Exception | None = None
+        while time.monotonic() < end:
+            for host, port in self.coordinators:
+                try:
+                    line, welcome = connect(host, port, self.token, self._hello, CONNECT_TIMEOUT_S)
+                except (OSError, ConnectionError, p.ProtocolError) as e:
+                    last = e
+                    continue
+                self.line, self.host = line, host
+                with self.cond:
+                    self.lost, self.announce = False, None
+                Listener(line, self._on_message, self._on_lost).start()
+                return welcome
+            time.sleep(0.1)
+        raise ConnectionError(
+            f"{self.me.name}: no coordinator reachable at {self.coordinators}: {last}"
+        )
+
+    def _on_message(self, msg: p.Message) -> None:
+        with self.cond:
+            if isinstance(msg, p.Announce):
+                self.announce = msg
+            elif isinstance(msg, p.Start):
+                self.starts[msg.epoch] = msg
+            elif isinstance(msg, p.Stop):
+                self.stopped = True
+            self.cond.notify_all()
+
+    def _on_lost(self) -> None:
+        with self.cond:
+            self.lost = True
+            self.cond.notify_all()
+
+    def send(self, msg: p.FromWorker) -> None:
+        try:
+            if self.line is not None:
+                self.line.send(msg)
+        except OSError:
+            self._on_lost()
+
+    # -- what the coordinator said ---------------------------------------------------------
+
+    def next_announcement(self, on_reconnect: Callable[[p.Welcome], None]) -> p.Announce | None:
+        """Block until an announcement newer than the current epoch (None: stop). A lost
+        channel is reconnected here (``on_reconnect`` gets the new welcome)."""
+        with self.cond:
+            while True:
+                if self.stopped:
+                    return None
+                if self.lost:
+                    self.cond.release()
+                    try:
+                        on_reconnect(self.connect())
+                    finally:
+                        self.cond.acquire()
+                    continue
+                a = self.announce
+                if a is not None and a.epoch > self.epoch_no:
+                    return a
+                self.cond.wait(timeout=1.0)
+
+    def wait_start(self, epoch: int) -> p.Start | None:
+        """The start of ``epoch`` (None: superseded, stopped or lost first)."""
+        with self.cond:
+            while epoch not in self.starts:
+                a = self.announce
+                if self.stopped or self.lost or (a is not None and a.epoch > epoch):
+                    self.epoch_no = epoch
+                    return None
+                self.cond.wait(timeout=1.0)
+            self.epoch_no = epoch
+            return self.starts.pop(epoch)
+
+    def should_stop(self, step: int) -> bool:
+        """True when step ``step`` must not run (or be abandoned) in the current epoch."""
+        if self.stopped or self.lost:
+            return True
+        a = self.announce
+        if a is None or a.epoch <= self.epoch_no:
+            return False
+        return a.after < 0 or a.after <= step

@@ -1,0 +1,302 @@
+"""The coordinator's server: sockets, the TCPStore and the clock around the pure policy.
+
+It accepts connections, sends each a challenge, checks the answer's HMAC, decodes every
+line through the typed protocol, and turns what happens into the policy's events (a
+hello, a message, a closed socket, a tick). It then carries out the policy's effects in
+order. A send that fails is queued as a :class:`~policy.Closed` event for the next turn;
+nothing the server does re-enters the policy.
+
+Nothing a peer sends can stop it: a line that is not a valid message disconnects that
+peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), a
+connection that has not answered its challenge within ``ADMISSION_S`` is dropped, and at
+most ``MAX_UNADMITTED`` connections may wait for admission at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import selectors
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from perdure import events as ev
+from perdure.config.run import RunConfig
+from perdure.events import JsonLines
+from perdure.runtime.control import policy as pol
+from perdure.runtime.control import protocol as p
+from perdure.runtime.control.channel import LineSocket, verify
+
+log = logging.getLogger("perdure.coordinator")
+
+TICK_S = 0.01
+ADMISSION_S = 10.0
+"""Seconds a new connection has to answer its challenge."""
+MAX_UNADMITTED = 256
+SEND_TIMEOUT_S = 5.0
+"""A send to a worker that does not read (its buffers full) fails after this long."""
+
+
+@dataclass
+class _Conn:
+    """A connection not yet admitted."""
+
+    id: int
+    line: LineSocket
+    nonce: str
+    since: float
+
+
+class Coordinator:
+    """Serves the control plane of one run until every member has finished."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        run_dir: str,
+        token: str,
+        resume: str | None = None,
+        host: str = "127.0.0.1",
+        store_port: int = 0,
+        channel_port: int = 0,
+        expected_workers: int | None = None,
+        standby: bool = False,
+    ) -> None:
+        self.config, self.run_dir, self.token, self.host = config, run_dir, token, host
+        self.events = JsonLines(f"{run_dir}/events.jsonl")
+        self.store = dist.TCPStore(
+            host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
+        self.server = socket.create_server((host, channel_port))
+        self.server.setblocking(False)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(self.server, selectors.EVENT_READ, None)
+        expected = expected_workers if expected_workers is not None else config.cluster.workers
+        settings = pol.Settings(
+            config=config,
+            run_dir=run_dir,
+            resume=resume,
+            store_port=self.store_port,
+            instance=secrets.token_hex(4),
+            expected=expected,
+            standby=standby,
+        )
+        self.policy = pol.Policy(settings, time.monotonic())
+        self.lines: dict[str, LineSocket] = {}
+        self.unadmitted: dict[int, _Conn] = {}
+        self.queue: deque[pol.Event] = deque()
+        self.finished = False
+        self._next_conn = 0
+
+    @property
+    def store_port(self) -> int:
+        return int(self.store.port)
+
+    @property
+    def channel_port(self) -> int:
+        return int(self.server.getsockname()[1])
+
+    @property
+    def workers(self) -> dict[str, pol.Member]:
+        return self.policy.workers
+
+    # -- main loop -------------------------------------------------------------------------
+
+    def serve(self, deadline_s: float | None = None) -> None:
+        """Run until the run finishes (or ``deadline_s`` passes, or :meth:`stop`)."""
+        self.events.write({"event": ev.COORDINATOR_UP, "channel_port": self.channel_port})
+        end = None if deadline_s is None else time.monotonic() + deadline_s
+        try:
+            while not self.finished and (end is None or time.monotonic() < end):
+                for key, _ in self.sel.select(timeout=TICK_S):
+                    self._on_readable(key)
+                now = time.monotonic()
+                self._expire_admissions(now)
+                self.queue.append(pol.Tick(now))
+                self._drain()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        self.finished = True
+
+    def _drain(self) -> None:
+        """Feed queued events to the policy one at a time; effects may queue more."""
+        while self.queue:
+            for effect in self.policy.handle(self.queue.popleft()):
+                self._carry_out(effect)
+
+    # -- effects ---------------------------------------------------------------------------
+
+    def _carry_out(self, effect: pol.Effect) -> None:
+        if isinstance(effect, pol.Send):
+            self._send(effect.to, effect.msg)
+        elif isinstance(effect, pol.Log):
+            self.events.write(dict(effect.record))
+        elif isinstance(effect, pol.Accept):
+            self._accept_worker(effect)
+        elif isinstance(effect, pol.Reject):
+            self._reject(effect)
+        elif isinstance(effect, pol.Disconnect):
+            self._disconnect(effect.worker)
+        elif isinstance(effect, pol.FindCheckpoint):
+            self.queue.append(self._find_checkpoint(effect.epoch))
+        else:
+            self.finished = True
+
+    def _send(self, worker: str, msg: p.FromCoordinator) -> None:
+        line = self.lines.get(worker)
+        if line is None:
+            return
+        try:
+            line.send(msg)
+        except OSError as e:
+            self.queue.append(pol.Closed(worker, f"send failed: {e}", time.monotonic()))
+
+    def _accept_worker(self, effect: pol.Accept) -> None:
+        conn = self.unadmitted.pop(effect.conn, None)
+        if conn is None:
+            return
+        self.lines[effect.worker] = conn.line
+        self.sel.modify(conn.line.sock, selectors.EVENT_READ, effect.worker)
+        self._send(effect.worker, effect.welcome)
+
+    def _reject(self, effect: pol.Reject) -> None:
+        conn = self.unadmitted.pop(effect.conn, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.line.send(p.Refused(reason=effect.reason))
+            self._close(conn.line)
+
+    def _disconnect(self, worker: str) -> None:
+        line = self.lines.pop(worker, None)
+        if line is not None:
+            self._close(line)
+
+    def _find_checkpoint(self, epoch: int) -> pol.CheckpointFound:
+        """Where a run whose every replica is lost starts again: the newest intact
+        checkpoint (or the resume point, or step 0, rebuilt from the seed)."""
+        from perdure.checkpoint import latest_checkpoint, read_manifest
+
+        found = latest_checkpoint(f"{self.run_dir}/checkpoints") or self.policy.s.resume
+        step = int(read_manifest(found)["step"]) if found is not None else 0
+        path = str(found) if found is not None else None
+        return pol.CheckpointFound(epoch, path, step, time.monotonic())
+
+    # -- sockets ---------------------------------------------------------------------------
+
+    def _on_readable(self, key: selectors.SelectorKey) -> None:
+        if key.data is None:
+            self._accept()
+            return
+        sock = key.fileobj
+        assert isinstance(sock, socket.socket)
+        try:
+            data = sock.recv(65536)
+        except OSError:
+            data = b""
+        if isinstance(key.data, int):
+            self._on_admission_bytes(key.data, data)
+        else:
+            self._on_worker_bytes(key.data, data)
+
+    def _on_worker_bytes(self, worker: str, data: bytes) -> None:
+        now = time.monotonic()
+        line = self.lines.get(worker)
+        if line is None:
+            return
+        if not data:
+            self.queue.append(pol.Closed(worker, "connection closed (process exited)", now))
+            return
+        try:
+            msgs = line.feed(data)
+        except p.ProtocolError as e:
+            log.warning("%s broke the protocol: %s", worker, e)
+            self.queue.append(pol.Closed(worker, f"protocol error: {e}", now))
+            return
+        for msg in msgs:
+            if isinstance(msg, p.FromWorker):
+                self.queue.append(pol.Received(worker, msg, now))
+            else:
+                self.queue.append(pol.Closed(worker, f"protocol error: sent {msg.type}", now))
+                return
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.server.accept()
+        except OSError:
+            return
+        if len(self.unadmitted) >= MAX_UNADMITTED:
+            sock.close()  # a flood of idle connections; admitted workers are unaffected
+            return
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(SEND_TIMEOUT_S)
+        line = LineSocket(sock)
+        conn = _Conn(self._next_conn, line, secrets.token_hex(16), time.monotonic())
+        self._next_conn += 1
+        try:
+            line.send(p.Challenge(nonce=conn.nonce))
+        except OSError:
+            sock.close()
+            return
+        self.unadmitted[conn.id] = conn
+        self.sel.register(sock, selectors.EVENT_READ, conn.id)
+
+    def _on_admission_bytes(self, conn_id: int, data: bytes) -> None:
+        conn = self.unadmitted.get(conn_id)
+        if conn is None:
+            return
+        if not data:
+            self._drop(conn, None)
+            return
+        try:
+            msgs = conn.line.feed(data)
+        except p.ProtocolError as e:
+            self._drop(conn, f"protocol error: {e}")
+            return
+        if not msgs:
+            return
+        hello = msgs[0]
+        if not isinstance(hello, p.Hello):
+            self._drop(conn, f"protocol error: expected hello, got {hello.type}")
+            return
+        conn.line.queued = []
+        authentic = verify(self.token, conn.nonce, hello.mac)
+        self.queue.append(pol.Joined(conn.id, hello, authentic, time.monotonic()))
+        self._drain()
+
+    def _expire_admissions(self, now: float) -> None:
+        for conn in [c for c in self.unadmitted.values() if now - c.since > ADMISSION_S]:
+            self._drop(conn, f"no hello within {ADMISSION_S:g} s")
+
+    def _drop(self, conn: _Conn, reason: str | None) -> None:
+        """Close a connection that was never admitted; log why, unless it just closed."""
+        self.unadmitted.pop(conn.id, None)
+        if reason is not None:
+            self.events.write({"event": ev.REFUSED, "worker": None, "reason": reason})
+            with contextlib.suppress(OSError):
+                conn.line.send(p.Refused(reason=reason))
+        self._close(conn.line)
+
+    def _close(self, line: LineSocket) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(line.sock)
+        line.close()
+
+    def _shutdown(self) -> None:
+        for line in list(self.lines.values()):
+            line.close()
+        for conn in list(self.unadmitted.values()):
+            conn.line.close()
+        self.server.close()
+        self.sel.close()
+
+
+__all__ = ["Coordinator"]

@@ -1,0 +1,627 @@
+"""The coordinator's decisions as a state machine: ``handle(event) -> outbox``.
+
+No sockets, no store, no clock, no randomness: every input is a typed event (a hello, a
+message from an admitted worker, a closed connection, a timer tick, a checkpoint lookup's
+answer), time arrives inside the events, and every output is a typed effect (send, log,
+accept, reject, disconnect, look up a checkpoint, finish) that the server
+(``coordinator.py``) carries out. A failed send comes back as a :class:`Closed` event on a
+later turn, so a decision never runs inside another one: the state is always whole between
+events. ``handle`` mutates only the policy's own state; the tests drive it with no
+processes at all.
+
+An epoch change goes through three phases:
+
+1. *announce*: the policy picks the members (chain order) and an ``after`` step, and tells
+   every connected worker. ``after = -1`` means now (a member died or failed: the in-flight
+   step is abandoned); otherwise members finish step ``after - 1`` first (a join, a
+   graceful leave or a re-plan, at a step boundary).
+2. *ready*: each member stops stepping and reports its next step and whether it holds
+   state.
+3. *start*: the start step is the highest next step among members with state (a step that
+   completed anywhere is kept), the source of state is the first such member, and the
+   receivers are the joiners and any member behind; the plan is published.
+
+Soft state only: everything here (who is alive, each worker's next step, whether it holds
+state) comes from the workers' hellos, heartbeats and ready reports, so a fresh policy (a
+standby's) rebuilds its view from them.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+
+from perdure import events as ev
+from perdure.config.run import RunConfig, to_dict
+from perdure.runtime.control import protocol as p
+from perdure.runtime.control.detector import PhiAccrual
+from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A worker name: it becomes a log file name and a store key, so plain characters only."""
+
+FAIL_SETTLE_S = 0.05
+"""After a collective failure, how long to wait for a death that explains it before
+re-forming the same members (a dropped link)."""
+
+# -- events in -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A connection answered its challenge; ``authentic``: the HMAC checked out."""
+
+    conn: int
+    hello: p.Hello
+    authentic: bool
+    now: float
+
+
+@dataclass(frozen=True)
+class Received:
+    """A message from an admitted worker."""
+
+    worker: str
+    msg: p.FromWorker
+    now: float
+
+
+@dataclass(frozen=True)
+class Closed:
+    """An admitted worker's connection ended: closed, a send failed, or it broke the
+    protocol."""
+
+    worker: str
+    reason: str
+    now: float
+
+
+@dataclass(frozen=True)
+class Tick:
+    """Time passed (the server ticks every few milliseconds)."""
+
+    now: float
+
+
+@dataclass(frozen=True)
+class CheckpointFound:
+    """The answer to :class:`FindCheckpoint`: the newest intact checkpoint, if any."""
+
+    epoch: int
+    path: str | None
+    step: int
+    now: float
+
+
+Event = Joined | Received | Closed | Tick | CheckpointFound
+
+# -- effects out -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    to: str
+    msg: p.FromCoordinator
+
+
+@dataclass(frozen=True)
+class Log:
+    record: dict[str, object]
+
+
+@dataclass(frozen=True)
+class Accept:
+    """Bind connection ``conn`` to ``worker`` and send it the welcome."""
+
+    conn: int
+    worker: str
+    welcome: p.Welcome
+
+
+@dataclass(frozen=True)
+class Reject:
+    conn: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Disconnect:
+    worker: str
+
+
+@dataclass(frozen=True)
+class FindCheckpoint:
+    """Every replica is lost: where does epoch ``epoch`` start from?"""
+
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The run is complete: the server may stop."""
+
+
+Effect = Send | Log | Accept | Reject | Disconnect | FindCheckpoint | Finish
+
+# -- state -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Member:
+    """The policy's soft view of one admitted worker."""
+
+    name: str
+    region: str
+    role: str
+    detector: PhiAccrual
+    pid: int = 0
+    next_step: int = 0
+    has_state: bool = False
+    slot_s: float | None = None
+    alive: bool = True
+    done: bool = False
+    prepared: bool = False
+    """Its trainer is built: it can enter an epoch without making the members wait."""
+
+
+@dataclass
+class Pending:
+    """An announced membership epoch waiting for its members' ready reports."""
+
+    epoch: int
+    members: list[str]
+    after: int
+    reason: str
+    plan_counts: list[int] | None
+    announced: float
+    ready: dict[str, p.Ready] = field(default_factory=dict)
+    checkpoint: CheckpointFound | None = None
+    asked: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the policy needs from the run's config and the server."""
+
+    config: RunConfig
+    run_dir: str
+    resume: str | None
+    store_port: int
+    instance: str
+    """This coordinator's random id: store prefixes of its epochs never collide with
+    another coordinator's."""
+    expected: int
+    standby: bool = False
+
+
+class Policy:
+    """Membership, failure detection, plans and the log's order, for one run."""
+
+    def __init__(self, settings: Settings, now: float) -> None:
+        self.s = settings
+        self.cluster = settings.config.cluster
+        self.workers: dict[str, Member] = {}
+        self.epoch = -1
+        self.current: Plan | None = None
+        self.pending: Pending | None = None
+        self.started = now
+        self.last_replan = 0.0
+        self.last_admission = 0.0
+        self.finished = False
+        self.took_over = False
+        self.fail_at: float | None = None
+        self.out: list[Effect] = []
+        self.now = now
+
+    def handle(self, event: Event) -> list[Effect]:
+        """Apply one event; return what the server must do, in order."""
+        self.out = []
+        self.now = event.now
+        if isinstance(event, Joined):
+            self._on_joined(event)
+        elif isinstance(event, Received):
+            self._on_received(event)
+        elif isinstance(event, Closed):
+            self._on_closed(event)
+        elif isinstance(event, Tick):
+            self._tick(event.now)
+        else:
+            self._on_checkpoint(event)
+        out, self.out = self.out, []
+        return out
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _log(self, name: str, **fields: object) -> None:
+        self.out.append(Log({"event": name, **fields}))
+
+    def _send(self, to: str, msg: p.FromCoordinator) -> None:
+        self.out.append(Send(to, msg))
+
+    def _alive(self, role: str | None = None) -> list[Member]:
+        return [w for w in self.workers.values() if w.alive and (role is None or w.role == role)]
+
+    def _members_now(self) -> list[str]:
+        """The members of the newest epoch, pending or current, that are alive."""
+        base = (
+            self.pending.members if self.pending else self.current.members if self.current else ()
+        )
+        return [m for m in base if self.workers[m].alive]
+
+    # -- admission -------------------------------------------------------------------------
+
+    def _on_joined(self, e: Joined) -> None:
+        reason = self._refusal(e)
+        if reason:
+            # Logged before the answer: whoever is refused can read why at once.
+            self._log(ev.REFUSED, worker=e.hello.name[:64], reason=reason)
+            self.out.append(Reject(e.conn, reason))
+            return
+        self._admit(e)
+
+    def _refusal(self, e: Joined) -> str | None:
+        h = e.hello
+        if not e.authentic:
+            return "bad run token"
+        if h.version != p.PROTOCOL_VERSION:
+            return f"protocol version {h.version}, this coordinator speaks {p.PROTOCOL_VERSION}"
+        if not NAME.fullmatch(h.name):
+            return f"worker name {h.name[:64]!r} must match {NAME.pattern}"
+        if h.role not in ("worker", "spare"):
+            return f"role {h.role[:32]!r} must be worker or spare"
+        old = self.workers.get(h.name)
+        if old is not None and old.alive:
+            return f"worker name {h.name!r} is already in use"
+        if self.finished:
+            return "the run is over"
+        return None
+
+    def _admit(self, e: Joined) -> None:
+        h, c = e.hello, self.cluster
+        detector = PhiAccrual(
+            expected_interval_s=c.heartbeat_ms / 1000,
+            acceptable_pause_s=c.acceptable_pause_ms / 1000,
+        )
+        detector.heartbeat(e.now)
+        info = Member(h.name, h.region, h.role, detector, h.pid, h.next_step, h.has_state)
+        self.workers[h.name] = info
+        self.last_admission = e.now
+        if self.s.standby and self.epoch < 0 and not self.took_over:
+            self.took_over = True
+            self._log(ev.COORDINATOR_TAKEOVER, by="standby")
+        # Epoch numbers only grow, across coordinators too: a worker ignores older ones.
+        self.epoch = max(self.epoch, h.epoch)
+        welcome = p.Welcome(
+            config=to_dict(self.s.config),
+            run_dir=self.s.run_dir,
+            resume=self.s.resume,
+            store_port=self.s.store_port,
+            epoch=self.epoch,
+        )
+        self.out.append(Accept(e.conn, h.name, welcome))
+        self._log(ev.JOIN, worker=h.name, region=h.region, role=h.role, pid=h.pid)
+
+    # -- messages --------------------------------------------------------------------------
+
+    def _on_received(self, e: Received) -> None:
+        info = self.workers.get(e.worker)
+        if info is None or not info.alive:
+            return
+        info.detector.heartbeat(e.now)
+        msg = e.msg
+        if isinstance(msg, p.Heartbeat):
+            info.next_step = msg.next_step
+            info.prepared = info.prepared or msg.prepared
+            if msg.slot_s is not None:
+                info.slot_s = msg.slot_s
+        elif isinstance(msg, p.Ready):
+            self._on_ready(info, msg)
+        elif isinstance(msg, p.Fail):
+            self._on_fail(info, msg, e.now)
+        elif isinstance(msg, p.Leave):
+            self._on_leave(info)
+        elif isinstance(msg, p.Evict):
+            target = self.workers.get(msg.worker)
+            if target is not None:
+                self._declare_dead(target, f"evicted: {msg.reason}")
+        elif isinstance(msg, p.Done):
+            info.done, info.next_step = True, msg.next_step
+            self._log(
+                ev.WORKER_DONE, worker=info.name, final_hash=msg.final_hash, step=msg.next_step
+            )
+        # a Hello after admission carries nothing new: ignored
+
+    def _on_ready(self, info: Member, msg: p.Ready) -> None:
+        info.next_step, info.has_state = msg.next_step, msg.has_state
+        pend = self.pending
+        if pend is not None and msg.epoch == pend.epoch and info.name in pend.members:
+            pend.ready[info.name] = msg
+
+    def _on_fail(self, info: Member, msg: p.Fail, now: float) -> None:
+        self._log(ev.COLLECTIVE_FAILED, worker=info.name, epoch=msg.epoch, error=msg.error)
+        if msg.epoch == self.epoch and self.pending is None:
+            self.fail_at = now
+
+    def _on_leave(self, info: Member) -> None:
+        """A graceful stop: finish the step in flight, then go on without the worker."""
+        self._log(ev.LEAVE_REQUESTED, worker=info.name)
+        info.role = "leaving"
+        members = self._members_now()
+        if info.name in members:
+            rest = [m for m in members if m != info.name] + self._promote_spare(info)
+            after = max(self.workers[m].next_step for m in members) + 1
+            self._announce(rest, after=after, reason=f"{info.name} left gracefully")
+
+    def _on_closed(self, e: Closed) -> None:
+        info = self.workers.get(e.worker)
+        if info is not None:
+            self._declare_dead(info, e.reason)
+
+    # -- failures --------------------------------------------------------------------------
+
+    def _detect(self, now: float) -> None:
+        limit = self.cluster.phi_threshold
+        for info in list(self.workers.values()):
+            if info.alive and info.detector.phi(now) > limit:
+                self._declare_dead(info, f"phi > {limit} (no heartbeat)")
+
+    def _declare_dead(self, info: Member, reason: str) -> None:
+        if not info.alive:
+            return
+        info.alive = False
+        self.out.append(Disconnect(info.name))
+        self._log(ev.LEAVE, worker=info.name, reason=reason)
+        in_current = self.current is not None and info.name in self.current.members
+        in_pending = self.pending is not None and info.name in self.pending.members
+        if (in_current or in_pending) and not self.finished:
+            survivors = [m for m in self._members_now() if m != info.name]
+            survivors += self._promote_spare(info)
+            self._announce(survivors, after=-1, reason=f"{info.name} left: {reason}")
+
+    def _promote_spare(self, lost: Member) -> list[str]:
+        """A warm spare (imported, admitted, idle) takes the lost member's place at once,
+        preferring one in the same region."""
+        ready = [w for w in self._alive("spare") if w.prepared]
+        spares = sorted(ready, key=lambda w: (w.region != lost.region, w.name))
+        if not spares:
+            return []
+        spare = spares[0]
+        spare.role = "worker"
+        self._log(ev.SPARE_PROMOTED, worker=spare.name, **{"for": lost.name})
+        return [spare.name]
+
+    # -- the timer -------------------------------------------------------------------------
+
+    def _tick(self, now: float) -> None:
+        self._detect(now)
+        if self.finished:
+            return
+        if self.pending is not None:
+            self._progress_pending(now)
+            return
+        if self.fail_at is not None and now - self.fail_at > FAIL_SETTLE_S:
+            # A collective failed but nobody died: a link dropped. Re-form the same members.
+            self.fail_at = None
+            self._announce(self._members_now(), after=-1, reason="collective failed")
+            return
+        if self.current is None:
+            self._maybe_first_epoch(now)
+            return
+        self._maybe_grow()
+        self._maybe_replan(now)
+        self._maybe_finish()
+
+    def _maybe_first_epoch(self, now: float) -> None:
+        workers = self._alive("worker")
+        if self.s.standby:
+            settled = now - self.last_admission > self.cluster.takeover_settle_ms / 1000
+            if workers and settled:
+                self._announce([w.name for w in workers], after=-1, reason="takeover")
+            return
+        waited = now - self.started > self.cluster.join_timeout_ms / 1000
+        if len(workers) >= self.s.expected or (workers and waited):
+            self._announce([w.name for w in workers], after=-1, reason="start")
+
+    def _maybe_grow(self) -> None:
+        """Admit idle workers (new or returning) at a step boundary, up to the configured
+        worker count (and S). Past it, a ready worker becomes a warm spare: the next
+        failure is then absorbed by promoting it, with no wait for a process to start."""
+        members = set(self.current.members if self.current else ())
+        idle = [
+            w for w in self._alive("worker") if w.name not in members and not w.done and w.prepared
+        ]
+        room = min(self.s.config.train.slots, self.s.expected) - len(members)
+        for w in idle[max(0, room) :]:
+            w.role = "spare"
+            self._log(ev.BECAME_SPARE, worker=w.name)
+        if not idle or room <= 0:
+            return
+        after = self._boundary()
+        if after < self.s.config.train.steps:
+            names = sorted(members | {w.name for w in idle[:room]})
+            self._announce(names, after=after, reason="join")
+
+    def _maybe_replan(self, now: float) -> None:
+        """Move slots away from slow members (bounded), and back once they recover.
+
+        A member is slow when its seconds per slot exceed ``slow_ratio`` times the median;
+        its target share is then proportional to its speed. Re-plans happen at most every
+        ``replan_interval_ms`` and move at most ``max_slot_moves`` slots, so noisy timings
+        cannot make plans oscillate.
+        """
+        plan, c = self.current, self.cluster
+        if plan is None or len(plan.members) < 2:
+            return
+        if now - self.last_replan < c.replan_interval_ms / 1000:
+            return
+        times = [self.workers[m].slot_s for m in plan.members]
+        known = [t for t in times if t is not None]
+        if len(known) != len(times):
+            return
+        speeds = [_speed(i, known, c.slow_ratio) for i in range(len(known))]
+        new = rebalance(plan, speeds, max_moves=c.max_slot_moves)
+        if new.counts() != plan.counts():
+            self.last_replan = now
+            self._announce(
+                list(plan.members), after=self._boundary(), reason="rebalance", counts=new.counts()
+            )
+
+    def _boundary(self) -> int:
+        """The first step of a planned (not failure-driven) epoch change: far enough ahead
+        that no member has started it when the notice arrives. Heartbeats report a member's
+        step up to a heartbeat interval late, and a member that has begun step ``after``
+        must abandon it; with steps shorter than a heartbeat, ``last + 1`` meant one
+        abandoned step per join."""
+        members = self.current.members if self.current else ()
+        last = max((self.workers[m].next_step for m in members), default=0)
+        return last + 1 + boundary_margin(self._step_s(), self.cluster.heartbeat_ms / 1000)
+
+    def _step_s(self) -> float | None:
+        """The slowest member's step time, from its reported per-slot time."""
+        plan = self.current
+        if plan is None:
+            return None
+        times = []
+        for r, m in enumerate(plan.members):
+            slot_s = self.workers[m].slot_s
+            if slot_s is None:
+                return None
+            times.append(slot_s * len(plan.slots_of(r)))
+        return max(times, default=None)
+
+    def _maybe_finish(self) -> None:
+        if self.current is None:
+            return
+        members = [self.workers[m] for m in self.current.members]
+        if members and all(m.done for m in members):
+            self._log(ev.RUN_END, next_step=members[0].next_step)
+            for w in self._alive():
+                self._send(w.name, p.Stop(reason="run complete"))
+            self.finished = True
+            self.out.append(Finish())
+
+    # -- epochs ----------------------------------------------------------------------------
+
+    def _announce(
+        self, names: list[str], *, after: int, reason: str, counts: list[int] | None = None
+    ) -> None:
+        regions = [r.name for r in self.cluster.regions]
+        members = chain_order([(n, self.workers[n].region) for n in names], regions)
+        members = members[: self.s.config.train.slots]
+        self.epoch += 1
+        self.pending = Pending(self.epoch, members, after, reason, counts, self.now)
+        self._log(ev.EPOCH_ANNOUNCED, epoch=self.epoch, members=members, after=after, reason=reason)
+        notice = p.Announce(epoch=self.epoch, members=members, after=after)
+        for w in self._alive():
+            self._send(w.name, notice)
+
+    def _progress_pending(self, now: float) -> None:
+        pend = self.pending
+        assert pend is not None
+        if not pend.members:
+            # Every member is gone: start over with whoever is (or comes back) alive.
+            idle = [w.name for w in self._alive("worker") if not w.done]
+            if idle:
+                self._announce(idle, after=-1, reason="all members lost")
+            return
+        if all(m in pend.ready for m in pend.members):
+            self._start(pend)
+            return
+        limit = max(5.0, 4 * self.cluster.min_collective_timeout_ms / 1000)
+        if now - pend.announced > limit:
+            late = [m for m in pend.members if m not in pend.ready]
+            self._log(ev.READY_TIMEOUT, epoch=pend.epoch, late=late)
+            ready = [m for m in pend.members if m in pend.ready]
+            self._announce(ready, after=-1, reason="ready timeout")
+
+    def _start(self, pend: Pending) -> None:
+        ready = pend.ready
+        with_state = [m for m in pend.members if ready[m].has_state]
+        reload: str | None = None
+        if with_state:
+            start = max(ready[m].next_step for m in with_state)
+            source = next(m for m in with_state if ready[m].next_step == start)
+            receivers = [
+                m for m in pend.members if not ready[m].has_state or ready[m].next_step != start
+            ]
+        else:
+            found = pend.checkpoint
+            if found is None:
+                if not pend.asked:
+                    pend.asked = True
+                    self.out.append(FindCheckpoint(pend.epoch))
+                return
+            reload, start = found.path, found.step
+            source, receivers = pend.members[0], []
+            self._log(
+                ev.RECOVERED_FROM_CHECKPOINT, epoch=pend.epoch, checkpoint=reload, start_step=start
+            )
+        self._publish(pend, start, source, receivers, reload, recover=not with_state)
+
+    def _publish(
+        self,
+        pend: Pending,
+        start: int,
+        source: str,
+        receivers: list[str],
+        reload: str | None,
+        *,
+        recover: bool,
+    ) -> None:
+        plan = self._plan(pend)
+        msg = p.Start(
+            epoch=pend.epoch,
+            plan=plan.to_dict(),
+            start_step=start,
+            source=source,
+            receivers=receivers,
+            recover=recover,
+            reload=reload,
+            prefix=f"pg/{pend.epoch}/{self.s.instance}/",
+        )
+        for m in pend.members:
+            self._send(m, msg)
+            self.workers[m].next_step = start
+        self.current, self.pending = plan, None
+        self.last_replan = self.now
+        self.fail_at = None
+        self._log(
+            ev.EPOCH_STARTED,
+            epoch=pend.epoch,
+            start_step=start,
+            source=source,
+            receivers=receivers,
+            plan=plan.to_dict(),
+            reason=pend.reason,
+        )
+
+    def _on_checkpoint(self, e: CheckpointFound) -> None:
+        pend = self.pending
+        if pend is not None and pend.epoch == e.epoch:
+            pend.checkpoint = e
+
+    def _plan(self, pend: Pending) -> Plan:
+        S = self.s.config.train.slots
+        if pend.plan_counts is not None and len(pend.plan_counts) == len(pend.members):
+            return from_counts(pend.members, pend.plan_counts)
+        if self.current is not None and list(self.current.members) == pend.members:
+            return Plan(tuple(pend.members), self.current.ranges)
+        return make_plan(pend.members, S)
+
+
+def boundary_margin(step_s: float | None, heartbeat_s: float, cap: int = 20) -> int:
+    """Extra steps before a planned epoch change: how many steps a heartbeat's staleness
+    plus the notice's delivery (one more heartbeat interval, generously) can cover."""
+    if not step_s or step_s <= 0:
+        return 1
+    return min(cap, math.ceil(2 * heartbeat_s / step_s))
+
+
+def _speed(i: int, times: list[float], slow_ratio: float) -> float:
+    """1.0 unless member ``i`` takes over ``slow_ratio`` times the median of the others per
+    slot; then the ratio of that median to its time (its fair share of the slots)."""
+    others = times[:i] + times[i + 1 :]
+    base = statistics.median(others)
+    return 1.0 if times[i] <= slow_ratio * base else base / times[i]

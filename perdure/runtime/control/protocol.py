@@ -1,0 +1,378 @@
+"""The control channel's wire format: typed, versioned messages, one JSON object per line.
+
+This module owns the format. Every message is a frozen dataclass; ``encode`` writes one
+line and ``decode`` is the only way back: it checks the size, the encoding, that the line
+is a JSON object, that its ``type`` is known, and that every field is present with the
+declared type and within bounds (unknown fields are refused: within one protocol version
+both ends know the same fields). Anything else raises :class:`ProtocolError`, which the
+coordinator turns into a log line and a disconnect, never a crash: a peer's bytes,
+authenticated or not, cannot take the control plane down.
+
+The version travels in the hello; a coordinator refuses a worker that speaks another one
+(``PROTOCOL_VERSION`` changes whenever a message or field changes).
+
+Limits: a line is at most ``MAX_LINE`` bytes (the welcome, which carries the run config,
+is the largest message); strings, lists and nesting are bounded so that decoding is cheap
+whatever a peer sends.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import types
+import typing
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, Union
+
+PROTOCOL_VERSION = 1
+MAX_LINE = 1 << 20
+"""Bytes in one message line, newline excluded."""
+MAX_STR = 4096
+MAX_LIST = 4096
+MAX_DEPTH = 12
+MAX_INT = 1 << 53
+
+
+class ProtocolError(ValueError):
+    """A line that is not a valid message of this protocol version (says which rule)."""
+
+
+# -- messages from a worker ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A worker asks to be admitted; ``mac`` answers the challenge's nonce."""
+
+    type: ClassVar[str] = "hello"
+    name: str
+    region: str
+    role: str
+    pid: int
+    next_step: int
+    has_state: bool
+    epoch: int
+    mac: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Liveness, progress and speed; ``prepared``: its trainer is built."""
+
+    type: ClassVar[str] = "hb"
+    next_step: int
+    prepared: bool
+    slot_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Phase 2 of an epoch change: the member stopped and reports where it stands."""
+
+    type: ClassVar[str] = "ready"
+    epoch: int
+    next_step: int
+    has_state: bool
+
+
+@dataclass(frozen=True)
+class Fail:
+    """A collective of ``epoch`` failed on this member."""
+
+    type: ClassVar[str] = "fail"
+    epoch: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A graceful stop: leave at the next step boundary."""
+
+    type: ClassVar[str] = "leave"
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Members agree that ``worker`` returns bad results (a hardware suspect)."""
+
+    type: ClassVar[str] = "evict"
+    worker: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """The member finished the last step and its final checkpoint."""
+
+    type: ClassVar[str] = "done"
+    next_step: int
+    final_hash: str
+
+
+# -- messages from the coordinator -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Challenge:
+    """The first line on a new connection: prove the run token by an HMAC of ``nonce``."""
+
+    type: ClassVar[str] = "challenge"
+    nonce: str
+    version: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Welcome:
+    """Admitted: the run's config and where its store and directory are."""
+
+    type: ClassVar[str] = "welcome"
+    config: dict[str, Any]
+    run_dir: str
+    resume: str | None
+    store_port: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Not admitted, or disconnected for a protocol error; ``reason`` says why."""
+
+    type: ClassVar[str] = "refused"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Announce:
+    """Phase 1: the members of the next epoch (chain order) and its step boundary
+    (``after = -1``: now, the in-flight step is abandoned)."""
+
+    type: ClassVar[str] = "epoch"
+    epoch: int
+    members: list[str]
+    after: int
+
+
+@dataclass(frozen=True)
+class Start:
+    """Phase 3: the plan, the start step, who sends state and who receives it."""
+
+    type: ClassVar[str] = "start"
+    epoch: int
+    plan: dict[str, Any]
+    start_step: int
+    source: str
+    receivers: list[str]
+    recover: bool
+    reload: str | None
+    prefix: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The run is over for this worker."""
+
+    type: ClassVar[str] = "stop"
+    reason: str
+
+
+FromWorker = Hello | Heartbeat | Ready | Fail | Leave | Evict | Done
+FromCoordinator = Challenge | Welcome | Refused | Announce | Start | Stop
+Message = FromWorker | FromCoordinator
+
+_TYPES: dict[str, type[Any]] = {
+    cls.type: cls
+    for cls in (
+        Hello,
+        Heartbeat,
+        Ready,
+        Fail,
+        Leave,
+        Evict,
+        Done,
+        Challenge,
+        Welcome,
+        Refused,
+        Announce,
+        Start,
+        Stop,
+    )
+}
+
+
+def encode(msg: Message) -> bytes:
+    """One line: the message's fields and its ``type``."""
+    body = {"type": msg.type, **{f.name: getattr(msg, f.name) for f in fields(msg)}}
+    data = json.dumps(body, separators=(",", ":"), allow_nan=False).encode()
+    assert len(data) <= MAX_LINE, f"{msg.type} message of {len(data)} bytes"
+    return data + b"\n"
+
+
+def decode(line: bytes) -> Message:
+    """The message on one line (without its newline), or :class:`ProtocolError`."""
+    if len(line) > MAX_LINE:
+        raise ProtocolError(f"line of {len(line)} bytes exceeds {MAX_LINE}")
+    try:
+        obj = json.loads(line.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError(f"not a JSON line: {_short(e)}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message is a JSON object, got {type(obj).__name__}")
+    kind = obj.pop("type", None)
+    cls = _TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {_short(kind)}")
+    return cls(**_fields(cls, obj))
+
+
+def _fields(cls: type[Any], obj: dict[str, Any]) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    declared = {f.name: f for f in fields(cls)}
+    extra = sorted(set(obj) - set(declared))
+    if extra:
+        raise ProtocolError(f"{cls.type}: unknown field {_short(extra[0])}")
+    out = {}
+    for name, f in declared.items():
+        if name not in obj:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise ProtocolError(f"{cls.type}: missing field {name!r}")
+        _check(obj[name], hints[name], f"{cls.type}.{name}", 0)
+        out[name] = obj[name]
+    return out
+
+
+def _check(value: Any, hint: Any, where: str, depth: int) -> None:
+    """``value`` (decoded JSON) has the type ``hint`` and is within the bounds."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH}")
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        if not any(_fits(value, h, where, depth) for h in typing.get_args(hint)):
+            raise ProtocolError(f"{where}: expected {_name(hint)}, got {_short(value)}")
+        return
+    if not _fits(value, hint, where, depth):
+        raise ProtocolError(f"{where}: expected {_name(hint)}, got {_short(value)}")
+
+
+def _fits(value: Any, hint: Any, where: str, depth: int) -> bool:
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return _bounded_int(value, where)
+        return False
+    if hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        return ok and math.isfinite(value) and abs(value) <= MAX_INT
+    if hint is str:
+        if not isinstance(value, str):
+            return False
+        if len(value) > MAX_STR:
+            raise ProtocolError(f"{where}: string of {len(value)} characters exceeds {MAX_STR}")
+        return True
+    origin = typing.get_origin(hint)
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        _bounded_len(value, where)
+        (item,) = typing.get_args(hint)
+        for i, v in enumerate(value):
+            _check(v, item, f"{where}[{i}]", depth + 1)
+        return True
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False
+        _bounded_len(value, where)
+        _check_json(value, where, depth + 1)
+        return True
+    raise AssertionError(f"unsupported field type {hint!r} at {where}")
+
+
+def _check_json(value: Any, where: str, depth: int) -> None:
+    """Any JSON value, bounded in depth and size (a config or a plan)."""
+    if depth > MAX_DEPTH:
+        raise ProtocolError(f"{where}: nested deeper than {MAX_DEPTH}")
+    if isinstance(value, dict):
+        _bounded_len(value, where)
+        for k, v in value.items():
+            _check_json(v, f"{where}.{k}", depth + 1)
+    elif isinstance(value, list):
+        _bounded_len(value, where)
+        for i, v in enumerate(value):
+            _check_json(v, f"{where}[{i}]", depth + 1)
+    elif isinstance(value, float) and not math.isfinite(value):
+        raise ProtocolError(f"{where}: not a finite number")
+
+
+def _bounded_int(value: int, where: str) -> bool:
+    if abs(value) > MAX_INT:
+        raise ProtocolError(f"{where}: integer out of range")
+    return True
+
+
+def _bounded_len(value: list[Any] | dict[str, Any], where: str) -> None:
+    if len(value) > MAX_LIST:
+        raise ProtocolError(f"{where}: {len(value)} items exceed {MAX_LIST}")
+
+
+def _no_constant(name: str) -> Any:
+    raise ProtocolError(f"{name} is not JSON")
+
+
+def _name(hint: Any) -> str:
+    return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
+
+
+def _short(value: Any) -> str:
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+class LineBuffer:
+    """Bytes in, complete messages out, with a bound on what a line may buffer.
+
+    A peer that sends more than ``MAX_LINE`` bytes without a newline gets a
+    :class:`ProtocolError` at once: nothing buffers without limit.
+    """
+
+    def __init__(self, max_line: int = MAX_LINE) -> None:
+        self._buf = bytearray()
+        self.max_line = max_line
+
+    def feed(self, data: bytes) -> list[Message]:
+        self._buf += data
+        *lines, rest = bytes(self._buf).split(b"\n")
+        if len(rest) > self.max_line:
+            raise ProtocolError(f"{len(rest)} bytes without a newline exceed {self.max_line}")
+        self._buf = bytearray(rest)
+        return [decode(line) for line in lines if line.strip()]
+
+
+__all__ = [
+    "MAX_LINE",
+    "PROTOCOL_VERSION",
+    "Announce",
+    "Challenge",
+    "Done",
+    "Evict",
+    "Fail",
+    "FromCoordinator",
+    "FromWorker",
+    "Heartbeat",
+    "Hello",
+    "Leave",
+    "LineBuffer",
+    "Message",
+    "ProtocolError",
+    "Ready",
+    "Refused",
+    "Start",
+    "Stop",
+    "Welcome",
+    "decode",
+    "encode",
+]

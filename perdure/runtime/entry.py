@@ -1,0 +1,85 @@
+"""The worker's entry function: what ``perdure worker`` and the zygote's forks both run.
+
+A cluster manager starts ``perdure worker`` (the CLI parses its flags into a
+:class:`WorkerSpec`); the local launcher's fork server calls :func:`run_worker` directly
+in a forked child, so a worker's start-up never goes through the CLI's imports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+TOKEN_ENV = "PERDURE_RUN_TOKEN"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec:
+    """Everything a worker process needs to join a run, but the token (from the
+    environment, so it never appears in a process listing)."""
+
+    name: str
+    region: str
+    coordinators: list[str] = field(default_factory=list)
+    """``HOST:PORT`` of each coordinator's channel, the primary first."""
+    role: str = "worker"
+    yield_cpu: bool = False
+    """Start at the lowest CPU priority; take normal priority once ready to train."""
+    join_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not self.coordinators:
+            raise ValueError("a worker needs at least one --coordinator HOST:PORT")
+        for c in self.coordinators:
+            parse_address(c)
+
+    def argv(self) -> list[str]:
+        """The ``perdure worker`` command line for this spec."""
+        args = ["worker", "--name", self.name, "--region", self.region, "--role", self.role]
+        if self.yield_cpu:
+            args.append("--yield-cpu-until-ready")
+        args += ["--join-timeout-s", str(self.join_timeout_s)]
+        for c in self.coordinators:
+            args += ["--coordinator", c]
+        return args
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def parse_address(value: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` too) as a pair; ValueError naming the rule."""
+    host, _, port = value.rpartition(":")
+    host = host.strip("[]")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(
+            f"--coordinator must be HOST:PORT with a port in [1, 65535] (got {value!r})"
+        )
+    return host, int(port)
+
+
+def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
+    """Run one worker until the run ends; returns its exit code. SIGTERM asks it to
+    leave at the next step boundary."""
+    token = token or os.environ.get(TOKEN_ENV)
+    if not token:
+        raise ValueError(f"set the run token in the environment variable {TOKEN_ENV}")
+    if spec.yield_cpu:
+        from perdure.runtime.priority import yield_cpu
+
+        yield_cpu()
+    from perdure.runtime.worker import Worker
+
+    w = Worker(
+        name=spec.name,
+        region=spec.region,
+        coordinators=[parse_address(c) for c in spec.coordinators],
+        token=token,
+        role=spec.role,
+        timeout_s=spec.join_timeout_s,
+        restore_priority=spec.yield_cpu,
+    )
+    signal.signal(signal.SIGTERM, lambda *_: w.leave())
+    return w.run()

@@ -1,0 +1,196 @@
+"""One member's steps in one membership epoch: slot buffers, the reduction, the non-finite
+flags and the replica fingerprints.
+
+The runner owns what lives as long as the epoch: the slot buffers (laid out by the
+trainer's :class:`~perdure.runtime.layout.GradLayout`), the reducer with its scratch space,
+and the epoch's comm. It knows nothing of the control plane: the worker hands it a
+``should_stop(step)`` predicate, an ``evict`` callback and the event log.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from perdure import events as ev
+from perdure.events import JsonLines
+from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
+from perdure.runtime.comm.readiness import Readiness
+from perdure.runtime.comm.reducer import Reducer
+from perdure.runtime.plan import Plan
+from perdure.runtime.trainer import Trainer
+
+
+class SlotTimer:
+    """Seconds per slot, smoothed: the planner's measure of a member's speed."""
+
+    def __init__(self) -> None:
+        self.slot_s: float | None = None
+
+    def record(self, busy_s: float, slots: int) -> None:
+        x = busy_s / slots
+        self.slot_s = x if self.slot_s is None else 0.7 * self.slot_s + 0.3 * x
+
+
+@dataclass
+class Seams:
+    """What a step runner needs from its worker, besides the trainer and the epoch."""
+
+    name: str
+    events: JsonLines
+    timeout: Callable[[], timedelta]
+    should_stop: Callable[[int], bool]
+    evict: Callable[[str, str], None]
+    """``evict(worker, reason)``: ask the coordinator to evict a member."""
+    delay_s: Callable[[], float] = lambda: 0.0
+    """Injected link latency now in force (the ``delay`` fault)."""
+    take_comm_error: Callable[[], bool] = lambda: False
+    """True once per injected link drop (the ``comm_error`` fault)."""
+    evict_after: int = 2
+    suspects: dict[str, int] = field(default_factory=dict)
+    """Non-reproduced non-finite slots per worker, kept across epochs."""
+
+
+class StepRunner:
+    """Computes, reduces and checks the gradient of each step this member takes part in."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        plan: Plan,
+        rank: int,
+        comm: Comm,
+        reducer: Reducer,
+        seams: Seams,
+        timer: SlotTimer,
+    ) -> None:
+        self.tr, self.plan, self.rank, self.comm = trainer, plan, rank, comm
+        self.reducer, self.seams, self.timer = reducer, seams, timer
+        self.slots = plan.slots_of(rank)
+        self.bufs: list[torch.Tensor] = []
+
+    @property
+    def size(self) -> int:
+        return len(self.plan.members)
+
+    def gradient(self, t: int, t0: float) -> torch.Tensor:
+        """Compute, reduce, and handle non-finite slots until step ``t`` has a clean sum.
+
+        The reduction starts once every slot but the last is computed, and streams behind
+        the last slot's backward (as DDP overlaps its buckets): a chunk is added as soon as
+        every gradient laid out in it is final.
+        """
+        self.tr.prefetch(t + 1, self.slots)
+        while True:
+            total = self._attempt(t, t0)
+            bad = self.tr.layout.bad_slots(total)
+            if not bad:
+                return total
+            self._on_nonfinite(t, bad)
+
+    def _attempt(self, t: int, t0: float) -> torch.Tensor:
+        tr, slots = self.tr, self.slots
+        abort = lambda: self.seams.should_stop(t)  # noqa: E731
+        if len(self.bufs) != len(slots):
+            self.bufs = [tr.layout.new_buffer() for _ in slots]
+        if not tr.compute_slots(t, slots[:-1], self.bufs[:-1], abort):
+            raise Abandoned("membership epoch changed during compute")
+        delay = self.seams.delay_s()
+        ready = Readiness()
+        fut = self._start_reduce(self.bufs, delay, ready, abort)
+        if not tr.compute_slots(t, slots[-1:], self.bufs[-1:], abort, ready=ready):
+            raise Abandoned("membership epoch changed during compute")
+        self.timer.record(time.monotonic() - t0 + delay, len(slots))
+        return self.comm.result(fut)
+
+    def _start_reduce(
+        self,
+        bufs: list[torch.Tensor],
+        delay: float,
+        ready: Readiness | None,
+        abort: Callable[[], bool],
+    ) -> Any:
+        if self.seams.take_comm_error():
+            self.seams.events.write(
+                {"event": ev.FAULT_HIT, "kind": "comm_error", "worker": self.seams.name}
+            )
+            raise CommFailed("injected link drop (comm_error)")
+        return self.reducer.start(
+            self.comm,
+            bufs,
+            timeout=self.seams.timeout(),
+            ready=ready,
+            abort=abort,
+            send_delay_s=delay,
+        )
+
+    def _reduce(self, bufs: list[torch.Tensor]) -> torch.Tensor:
+        """The slot-ordered sum of every member's ``bufs`` (all final already)."""
+        return self.comm.result(self._start_reduce(bufs, 0.0, None, lambda: False))
+
+    # -- non-finite slots ------------------------------------------------------------------
+
+    def _on_nonfinite(self, t: int, bad: list[int]) -> None:
+        """Re-run each bad slot on another member to tell bad data from a bad worker."""
+        per = self.tr.config.train.slot_size
+        vec = torch.zeros(self.tr.config.train.slots * per)
+        owner = {s: r for r in range(self.size) for s in self.plan.slots_of(r)}
+        for s in bad:
+            if (owner[s] + 1) % self.size == self.rank:
+                flags = self.tr.rerun_flags(t, s)
+                vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
+        verdict = self._reduce([vec])
+        found: dict[int, list[bool]] = {}
+        for s in bad:
+            flags = [bool(x) for x in verdict[s * per : (s + 1) * per]]
+            if any(flags):
+                found[s] = flags
+            else:
+                self._suspect(t, s, self.plan.members[owner[s]])
+        if found:
+            entry = self.tr.quarantine(t, found)
+            if self.rank == 0:
+                self.seams.events.write({"event": ev.DECISION, **entry})
+
+    def _suspect(self, step: int, slot: int, worker: str) -> None:
+        """A non-finite slot that did not reproduce elsewhere: the worker, not the data.
+        Its result is discarded (the step is recomputed); past the configured count it is
+        evicted. Every member counts identically, so rank 0 alone reports."""
+        suspects = self.seams.suspects
+        suspects[worker] = suspects.get(worker, 0) + 1
+        if self.rank != 0:
+            return
+        self.seams.events.write(
+            {
+                "event": ev.SUSPECT_WORKER,
+                "step": step,
+                "slot": slot,
+                "worker": worker,
+                "count": suspects[worker],
+            }
+        )
+        if suspects[worker] >= self.seams.evict_after:
+            self.seams.evict(worker, "non-finite results")
+
+    # -- fingerprints ----------------------------------------------------------------------
+
+    def compare_fingerprints(self) -> bool:
+        """Whether this replica agrees with the majority (a CRC of the parameters); the
+        odd ones out are logged. False: this replica must drop its state."""
+        mine = torch.tensor([self.tr.fingerprint()], dtype=torch.int64)
+        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        timeout = self.seams.timeout()
+        self.comm.call(lambda: self.comm.pg.allgather([outs], [mine]).wait(timeout))
+        values = [int(o) for o in outs]
+        if len(set(values)) == 1:
+            return True
+        majority = max(set(values), key=values.count)
+        odd = [m for m, v in zip(self.plan.members, values, strict=True) if v != majority]
+        step = self.tr.next_step
+        self.seams.events.write({"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd})
+        return self.seams.name not in odd

@@ -1,0 +1,111 @@
+"""The coordinator's server around the policy: effects carried out in order, failures fed
+back as events on a later turn, and hostile bytes that disconnect a peer, never the server."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from perdure import events as ev
+from perdure.config.run import RunConfig, with_overrides
+from perdure.events import read_jsonl
+from perdure.runtime.control import policy as pol
+from perdure.runtime.control import protocol as p
+from perdure.runtime.control.coordinator import Coordinator
+
+
+class FakeLine:
+    """A worker's line as the server sees it; ``fail_on`` makes sends of a type fail."""
+
+    def __init__(self) -> None:
+        self.sock, self.peer = socket.socketpair()
+        self.sent: list[Any] = []
+        self.fail_on: type | None = None
+
+    def send(self, msg: Any) -> None:
+        if self.fail_on is not None and isinstance(msg, self.fail_on):
+            raise BrokenPipeError("peer gone")
+        self.sent.append(msg)
+
+    def feed(self, data: bytes) -> list[Any]:
+        return []
+
+    def close(self) -> None:
+        self.sock.close()
+        self.peer.close()
+
+
+def _coordinator(tmp_path: Path, workers: int) -> Coordinator:
+    config = with_overrides(
+        RunConfig(),
+        train={"slots": 6, "global_batch": 12, "steps": 50},
+        cluster={"regions": [{"name": "r0", "workers": workers}]},
+    )
+    return Coordinator(config, run_dir=str(tmp_path), token="t", expected_workers=workers)
+
+
+def _hello(name: str) -> p.Hello:
+    return p.Hello(
+        name=name, region="r0", role="worker", pid=1, next_step=0, has_state=True, epoch=-1, mac=""
+    )
+
+
+def test_a_send_failing_inside_a_start_is_handled_on_the_next_turn(tmp_path: Path) -> None:
+    c = _coordinator(tmp_path, 3)
+    lines = {n: FakeLine() for n in ("w0", "w1", "w2")}
+    try:
+        for i, (name, line) in enumerate(lines.items()):
+            c.unadmitted[i] = _conn(i, line)
+            c.sel.register(line.sock, 1, i)
+            c.queue.append(pol.Joined(i, _hello(name), True, time.monotonic()))
+            c.queue.append(pol.Received(name, p.Heartbeat(next_step=0, prepared=True), 0.0))
+        c.queue.append(pol.Tick(time.monotonic()))
+        c._drain()
+        lines["w1"].fail_on = p.Start
+        for name in lines:
+            c.queue.append(pol.Received(name, p.Ready(epoch=0, next_step=0, has_state=True), 0.0))
+        c.queue.append(pol.Tick(time.monotonic()))
+        c._drain()
+        pending = c.policy.pending
+        assert pending is not None and pending.members == ["w0", "w2"] and pending.after == -1
+        kinds = [type(m).__name__ for m in lines["w0"].sent]
+        assert kinds == ["Welcome", "Announce", "Start", "Announce"]
+        assert lines["w0"].sent[-1].epoch == 1
+        assert "w1" not in c.lines
+    finally:
+        c._shutdown()
+
+
+def _conn(i: int, line: FakeLine) -> Any:
+    from perdure.runtime.control.coordinator import _Conn
+
+    return _Conn(i, line, "nonce", time.monotonic())  # type: ignore[arg-type]
+
+
+def test_garbage_before_admission_is_logged_and_disconnected(tmp_path: Path) -> None:
+    import threading
+
+    c = _coordinator(tmp_path, 99)
+    t = threading.Thread(target=c.serve, kwargs={"deadline_s": 20}, daemon=True)
+    t.start()
+    try:
+        for payload in (b"this is not json\n", b"5\n", b'{"type": "hb"}\n', b"\xff\xfe\n"):
+            with socket.create_connection(("127.0.0.1", c.channel_port), timeout=5) as s:
+                s.recv(4096)  # the challenge
+                s.sendall(payload)
+                s.settimeout(5)
+                reply = s.recv(4096)
+                assert b"refused" in reply and b"protocol error" in reply
+        with socket.create_connection(("127.0.0.1", c.channel_port), timeout=5) as s:
+            s.recv(4096)
+            s.sendall(b"x" * (p.MAX_LINE + 10))  # no newline: bounded, then refused
+            s.settimeout(5)
+            assert b"without a newline" in s.recv(4096)
+        assert t.is_alive()
+        refused = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == ev.REFUSED]
+        assert len(refused) == 5 and all("protocol error" in e["reason"] for e in refused)
+    finally:
+        c.stop()
+        t.join(10)

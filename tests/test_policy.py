@@ -1,0 +1,304 @@
+"""The coordinator's policy, driven with typed events and no processes, sockets or clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from perdure import events as ev
+from perdure.config.run import RunConfig, with_overrides
+from perdure.runtime.control import policy as pol
+from perdure.runtime.control import protocol as p
+from perdure.runtime.plan import Plan
+
+
+def make_policy(workers: int = 3, slots: int = 6, **cluster: Any) -> pol.Policy:
+    config = with_overrides(
+        RunConfig(),
+        train={"slots": slots, "global_batch": 2 * slots, "steps": 100},
+        cluster={"regions": [{"name": "r0", "workers": workers}], **cluster},
+    )
+    settings = pol.Settings(
+        config=config,
+        run_dir="/run",
+        resume=None,
+        store_port=1234,
+        instance="abcd",
+        expected=workers,
+    )
+    return pol.Policy(settings, now=0.0)
+
+
+def hello(name: str, *, version: int = p.PROTOCOL_VERSION, epoch: int = -1) -> p.Hello:
+    return p.Hello(
+        name=name,
+        region="r0",
+        role="worker",
+        pid=1,
+        next_step=0,
+        has_state=True,
+        epoch=epoch,
+        mac="x",
+        version=version,
+    )
+
+
+class Driver:
+    """A policy and the effects it produced, with helpers for the usual sequences."""
+
+    def __init__(self, policy: pol.Policy) -> None:
+        self.policy = policy
+        self.now = 0.0
+        self.conns = 0
+        self.out: list[pol.Effect] = []
+
+    def feed(self, event: pol.Event) -> list[pol.Effect]:
+        out = self.policy.handle(event)
+        self.out += out
+        return out
+
+    def admit(self, *names: str, prepared: bool = True) -> None:
+        for name in names:
+            self.conns += 1
+            out = self.feed(pol.Joined(self.conns, hello(name), True, self.now))
+            assert any(isinstance(e, pol.Accept) and e.worker == name for e in out), out
+            if prepared:
+                self.recv(name, p.Heartbeat(next_step=0, prepared=True))
+
+    def recv(self, name: str, msg: p.FromWorker) -> list[pol.Effect]:
+        return self.feed(pol.Received(name, msg, self.now))
+
+    def tick(self, dt: float = 0.01) -> list[pol.Effect]:
+        self.now += dt
+        return self.feed(pol.Tick(self.now))
+
+    def ready(self, *names: str, next_step: int = 0, has_state: bool = True) -> list[pol.Effect]:
+        assert self.policy.pending is not None
+        epoch = self.policy.pending.epoch
+        out: list[pol.Effect] = []
+        for n in names:
+            out += self.recv(n, p.Ready(epoch=epoch, next_step=next_step, has_state=has_state))
+        return out + self.tick()
+
+    def starts(self, out: list[pol.Effect] | None = None) -> dict[str, p.Start]:
+        effects = self.out if out is None else out
+        return {
+            e.to: e.msg for e in effects if isinstance(e, pol.Send) and isinstance(e.msg, p.Start)
+        }
+
+    def logged(self, name: str) -> list[dict[str, object]]:
+        return [e.record for e in self.out if isinstance(e, pol.Log) and e.record["event"] == name]
+
+
+def running(workers: int = 3, **kw: Any) -> Driver:
+    """A policy whose first epoch (epoch 0) has started with w0..w{n-1}."""
+    d = Driver(make_policy(workers, **kw))
+    d.admit(*[f"w{i}" for i in range(workers)])
+    d.tick()
+    assert d.policy.pending is not None and d.policy.pending.epoch == 0
+    d.ready(*[f"w{i}" for i in range(workers)])
+    assert d.policy.current is not None and d.policy.pending is None
+    return d
+
+
+def test_the_first_epoch_starts_once_every_expected_worker_is_ready() -> None:
+    d = Driver(make_policy(3))
+    d.admit("w0", "w1")
+    assert d.tick() == []  # two of three: wait
+    d.admit("w2")
+    out = d.tick()
+    notices = [e for e in out if isinstance(e, pol.Send)]
+    assert {e.to for e in notices} == {"w0", "w1", "w2"}
+    assert all(e.msg == p.Announce(epoch=0, members=["w0", "w1", "w2"], after=-1) for e in notices)
+    starts = d.starts(d.ready("w0", "w1", "w2"))
+    assert set(starts) == {"w0", "w1", "w2"}
+    start = starts["w0"]
+    assert Plan.from_dict(start.plan).counts() == [2, 2, 2]
+    assert (start.start_step, start.source, start.receivers) == (0, "w0", [])
+    assert start.prefix == "pg/0/abcd/"
+
+
+def test_a_send_that_fails_during_a_start_leads_to_a_new_epoch_without_that_member() -> None:
+    """Before the split, a failed send inside the start loop re-entered the state machine:
+    the start then overwrote the new pending epoch, and the survivors waited for ever."""
+    d = running(3)
+    d.recv("w0", p.Heartbeat(next_step=5, prepared=True))
+    out = d.feed(pol.Closed("w1", "send failed: broken pipe", d.now))
+    assert pol.Disconnect("w1") in out
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w0", "w2"] and pending.after == -1
+    assert d.logged(ev.LEAVE)[-1] == {
+        "event": ev.LEAVE,
+        "worker": "w1",
+        "reason": "send failed: broken pipe",
+    }
+    starts = d.starts(d.ready("w0", "w2", next_step=5))
+    assert set(starts) == {"w0", "w2"}
+    assert Plan.from_dict(starts["w0"].plan).members == ("w0", "w2")
+    assert starts["w0"].epoch == 1 and starts["w0"].start_step == 5
+
+
+def test_a_death_between_announce_and_start_reannounces_without_it() -> None:
+    d = Driver(make_policy(3))
+    d.admit("w0", "w1", "w2")
+    d.tick()
+    d.recv("w0", p.Ready(epoch=0, next_step=0, has_state=True))
+    d.feed(pol.Closed("w2", "connection closed (process exited)", d.now))
+    pending = d.policy.pending
+    assert pending is not None and pending.epoch == 1 and pending.members == ["w0", "w1"]
+    # a late ready for the superseded epoch does not count for the new one
+    d.recv("w1", p.Ready(epoch=0, next_step=0, has_state=True))
+    d.tick()
+    assert d.policy.pending is not None and d.starts() == {}
+    starts = d.starts(d.ready("w0", "w1"))
+    assert set(starts) == {"w0", "w1"} and starts["w1"].epoch == 1
+
+
+def test_two_deaths_in_one_tick_leave_one_pending_epoch_with_the_survivor() -> None:
+    d = running(3)
+    d.feed(pol.Closed("w0", "connection closed (process exited)", d.now))
+    d.feed(pol.Closed("w2", "connection closed (process exited)", d.now))
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w1"] and pending.epoch == 2
+    start = d.starts(d.ready("w1"))["w1"]
+    assert Plan.from_dict(start.plan).counts() == [6]
+    assert [r["worker"] for r in d.logged(ev.LEAVE)] == ["w0", "w2"]
+
+
+def test_a_join_racing_a_death_keeps_the_joiner_as_a_receiver() -> None:
+    d = running(3)
+    d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
+    d.ready("w0", "w2", next_step=3)
+    assert d.policy.current is not None and d.policy.current.members == ("w0", "w2")
+    d.admit("w1")  # the replacement, under the same name
+    d.recv("w0", p.Heartbeat(next_step=4, prepared=True))
+    d.tick()
+    grow = d.policy.pending
+    assert grow is not None and grow.reason == "join" and grow.after >= 5
+    assert grow.members == ["w0", "w1", "w2"]
+    d.feed(pol.Closed("w2", "connection closed (process exited)", d.now))
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w0", "w1"] and pending.after == -1
+    d.recv("w0", p.Ready(epoch=pending.epoch, next_step=6, has_state=True))
+    d.recv("w1", p.Ready(epoch=pending.epoch, next_step=0, has_state=False))
+    start = d.starts(d.tick())["w1"]
+    assert (start.source, start.receivers, start.start_step) == ("w0", ["w1"], 6)
+
+
+def test_a_planned_join_starts_far_enough_ahead_of_every_member() -> None:
+    d = running(2, heartbeat_ms=100)
+    for w in ("w0", "w1"):
+        d.recv(w, p.Heartbeat(next_step=10, prepared=True, slot_s=0.01))  # 30 ms steps
+    d.policy.s = pol.Settings(**{**d.policy.s.__dict__, "expected": 3})
+    d.admit("w2")
+    d.tick()
+    pending = d.policy.pending
+    # a heartbeat can be 100 ms late and the notice takes up to another: 200 ms / 30 ms
+    assert pending is not None and pending.after == 10 + 1 + pol.boundary_margin(0.03, 0.1)
+    assert pol.boundary_margin(0.03, 0.1) == 7
+
+
+def test_a_slow_member_loses_at_most_max_moves_slots_per_replan_and_regains_them() -> None:
+    d = running(3, slots=12, max_slot_moves=2, replan_interval_ms=1000, slow_ratio=2.0)
+    for w, s in (("w0", 0.01), ("w1", 0.01), ("w2", 0.05)):
+        d.recv(w, p.Heartbeat(next_step=1, prepared=True, slot_s=s))
+    assert d.tick(0.5) == [] or d.policy.pending is None  # within the interval: no re-plan
+    d.tick(1.0)
+    pending = d.policy.pending
+    assert pending is not None and pending.reason == "rebalance" and pending.after > 1
+    start = d.starts(d.ready("w0", "w1", "w2", next_step=pending.after))["w2"]
+    counts = Plan.from_dict(start.plan).counts()
+    assert counts == [6, 4, 2]  # two slots moved off w2 (ties go to the first member)
+    d.recv("w2", p.Heartbeat(next_step=9, prepared=True, slot_s=0.01))  # recovered
+    d.tick(1.5)
+    pending = d.policy.pending
+    assert pending is not None and pending.plan_counts == [4, 4, 4]  # two moved back
+
+
+def test_a_dropped_link_reforms_the_same_members_once_no_death_explains_it() -> None:
+    d = running(2)
+    d.recv("w1", p.Fail(epoch=0, error="Connection closed by peer"))
+    assert d.tick(0.01) == [] or d.policy.pending is None
+    d.tick(pol.FAIL_SETTLE_S)
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w0", "w1"]
+    assert pending.reason == "collective failed"
+
+
+def test_when_every_replica_is_lost_the_epoch_starts_from_the_newest_checkpoint() -> None:
+    d = running(2)
+    d.feed(pol.Closed("w0", "gone", d.now))
+    d.feed(pol.Closed("w1", "gone", d.now))
+    d.admit("w0")
+    d.tick()  # "all members lost": re-announced with whoever is alive
+    out = d.ready("w0", next_step=0, has_state=False)
+    epoch = d.policy.pending.epoch if d.policy.pending else -1
+    assert pol.FindCheckpoint(epoch) in out and d.starts(out) == {}
+    d.feed(pol.CheckpointFound(epoch, "/run/checkpoints/step-00000040", 40, d.now))
+    start = d.starts(d.tick())["w0"]
+    assert (start.recover, start.reload, start.start_step) == (
+        True,
+        "/run/checkpoints/step-00000040",
+        40,
+    )
+
+
+def test_the_run_ends_when_every_member_is_done() -> None:
+    d = running(2)
+    d.recv("w0", p.Done(next_step=100, final_hash="sha256:aa"))
+    assert not d.policy.finished
+    d.recv("w1", p.Done(next_step=100, final_hash="sha256:aa"))
+    out = d.tick()
+    assert pol.Finish() in out and d.policy.finished
+    stops = [e.to for e in out if isinstance(e, pol.Send) and isinstance(e.msg, p.Stop)]
+    assert sorted(stops) == ["w0", "w1"]
+    assert d.logged(ev.WORKER_DONE)[0] == {
+        "event": ev.WORKER_DONE,
+        "worker": "w0",
+        "final_hash": "sha256:aa",
+        "step": 100,
+    }
+
+
+@pytest.mark.parametrize(
+    ("event", "reason"),
+    [
+        (pol.Joined(1, hello("w0"), False, 0.0), "bad run token"),
+        (pol.Joined(1, hello("w0", version=99), True, 0.0), "protocol version 99"),
+        (pol.Joined(1, hello("../etc"), True, 0.0), "must match"),
+    ],
+)
+def test_admission_refusals_name_the_rule(event: pol.Joined, reason: str) -> None:
+    d = Driver(make_policy(2))
+    out = d.feed(event)
+    rejects = [e for e in out if isinstance(e, pol.Reject)]
+    assert len(rejects) == 1 and reason in rejects[0].reason
+    assert d.policy.workers == {}
+    assert reason in str(d.logged(ev.REFUSED)[0]["reason"])
+
+
+def test_a_live_name_cannot_be_taken_but_a_dead_one_can() -> None:
+    d = Driver(make_policy(2))
+    d.admit("w0")
+    out = d.feed(pol.Joined(9, hello("w0"), True, 0.0))
+    assert [e.reason for e in out if isinstance(e, pol.Reject)] == [
+        "worker name 'w0' is already in use"
+    ]
+    d.feed(pol.Closed("w0", "gone", 0.0))
+    assert any(isinstance(e, pol.Accept) for e in d.feed(pol.Joined(10, hello("w0"), True, 0.0)))
+
+
+def test_a_hung_worker_is_declared_dead_by_phi_and_nobody_else_is() -> None:
+    d = running(2, heartbeat_ms=100, acceptable_pause_ms=1000, phi_threshold=10.0)
+    for _ in range(30):
+        d.now += 0.1
+        for w in ("w0", "w1"):
+            d.recv(w, p.Heartbeat(next_step=1, prepared=True))
+        d.tick(0.0)
+    for _ in range(40):  # w1 stops beating
+        d.now += 0.1
+        d.recv("w0", p.Heartbeat(next_step=1, prepared=True))
+        d.tick(0.0)
+    leaves = d.logged(ev.LEAVE)
+    assert [r["worker"] for r in leaves] == ["w1"] and "phi" in str(leaves[0]["reason"])
