@@ -6,7 +6,7 @@
 In-loop comparison (no coordinator): W spawned processes, one intra-op thread each
 (``train.threads_per_worker``), each holding both
 
-- a perdure replica: ``perdure.runtime.trainer.Trainer`` (model, AdamW, SlotLoader), the
+- a perdure replica: ``perdure.runtime.replica.trainer.Trainer`` (model, AdamW, SlotLoader), the
   step exactly as ``perdure/runtime/worker.py`` runs it: ``compute_slots`` over this rank's
   contiguous slot range (per-slot seeding, forward, backward, flatten, finiteness flags),
   two fresh ``torch.empty(n)`` buffers, ``chain_reduce`` on the comm thread
@@ -82,9 +82,9 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
     from perdure.config.run import config_from_dict
     from perdure.runtime.comm.chain import chain_reduce
     from perdure.runtime.comm.group import Comm
-    from perdure.runtime.slots import Readiness
-    from perdure.runtime.task import build_optimizer, build_task
-    from perdure.runtime.trainer import Trainer
+    from perdure.runtime.replica.slots import Readiness
+    from perdure.runtime.replica.task import build_optimizer, build_task
+    from perdure.runtime.replica.trainer import Trainer
 
     timeout = timedelta(seconds=300)
     store = dist.TCPStore("127.0.0.1", port, W, rank == 0, timeout, wait_for_workers=False)

@@ -18,7 +18,7 @@ _EXPORTS = {
     "load_config": "perdure.config.run",
     "config_hash": "perdure.config.run",
     "provenance": "perdure.provenance",
-    "Task": "perdure.runtime.task",
+    "Task": "perdure.runtime.replica.task",
     "run": "perdure.launch.api",
     "load_checkpoint": "perdure.checkpoint",
     "state_digest": "perdure.checkpoint",
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from perdure.launch.api import run
     from perdure.provenance import provenance
     from perdure.report import write_report
-    from perdure.runtime.task import Task
+    from perdure.runtime.replica.task import Task
 
 
 def __getattr__(name: str) -> Any:

@@ -39,7 +39,7 @@ def _problems(data: dict) -> list[tuple[str, str, object]]:
 
 def test_error_names_key_rule_and_value() -> None:
     problems = _problems({"optim": {"lr": -0.5}})
-    assert problems == [("optim.lr", "must be > 0", -0.5)]
+    assert problems == [("optim.lr", "must be a finite number > 0", -0.5)]
 
 
 def test_every_problem_of_a_file_is_reported_at_once(tmp_path: Path) -> None:
@@ -139,3 +139,16 @@ def test_every_config_field_has_a_docstring() -> None:
             continue
         missing = {f.name for f in dataclasses.fields(cls)} - set(field_docs(cls))
         assert not missing, f"{cls.__name__}: fields without a docstring: {missing}"
+
+
+@pytest.mark.parametrize("key", ["lr", "weight_decay", "eps"])
+def test_an_infinite_or_nan_optimizer_setting_is_refused_before_any_worker_starts(
+    key: str, tmp_path: Path
+) -> None:
+    for text in ("inf", "nan"):
+        path = tmp_path / f"{key}-{text}.toml"
+        path.write_text(f"[optim]\n{key} = {text}\n")
+        with pytest.raises(ConfigError) as info:
+            load_config(path)
+        [problem] = info.value.problems
+        assert problem.key == f"optim.{key}" and "finite number" in problem.rule

@@ -4,15 +4,22 @@ back as events on a later turn, and hostile bytes that disconnect a peer, never 
 from __future__ import annotations
 
 import socket
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from perdure import events as ev
 from perdure.config.run import RunConfig, with_overrides
 from perdure.events import read_jsonl
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.channel import connect
 from perdure.runtime.control.coordinator import Coordinator
 
 
@@ -85,8 +92,6 @@ def _conn(i: int, line: FakeLine) -> Any:
 
 
 def test_garbage_before_admission_is_logged_and_disconnected(tmp_path: Path) -> None:
-    import threading
-
     c = _coordinator(tmp_path, 99)
     t = threading.Thread(target=c.serve, kwargs={"deadline_s": 20}, daemon=True)
     t.start()
@@ -109,3 +114,39 @@ def test_garbage_before_admission_is_logged_and_disconnected(tmp_path: Path) -> 
     finally:
         c.stop()
         t.join(10)
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[Coordinator]:
+    c = _coordinator(tmp_path, 99)
+    t = threading.Thread(target=c.serve, kwargs={"deadline_s": 60}, daemon=True)
+    t.start()
+    yield c
+    c.stop()
+    t.join(10)
+    assert not t.is_alive()
+
+
+def _admitted(c: Coordinator, name: str) -> socket.socket:
+    line, _ = connect("127.0.0.1", c.channel_port, "t", _hello_for(name), 5.0)
+    return line.sock
+
+
+def _hello_for(name: str) -> Any:
+    return lambda mac: p.Hello(**{**_hello(name).__dict__, "mac": mac})
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(payload=st.binary(min_size=1, max_size=300))
+def test_the_coordinator_survives_any_bytes_before_and_after_admission(
+    served: Coordinator, payload: bytes
+) -> None:
+    with socket.create_connection(("127.0.0.1", served.channel_port), timeout=5) as s:
+        s.recv(4096)
+        s.sendall(payload + b"\n")
+    name = f"w{abs(hash(payload)) % 10**9}"
+    s = _admitted(served, name)
+    s.sendall(payload + b"\n")
+    s.close()
+    # still serving: a fresh worker is admitted
+    _admitted(served, name + "x").close()

@@ -302,3 +302,14 @@ def test_a_hung_worker_is_declared_dead_by_phi_and_nobody_else_is() -> None:
         d.tick(0.0)
     leaves = d.logged(ev.LEAVE)
     assert [r["worker"] for r in leaves] == ["w1"] and "phi" in str(leaves[0]["reason"])
+
+
+def test_an_abort_stops_every_worker_once_with_the_reason() -> None:
+    d = running(2)
+    out = d.recv("w0", p.Abort(reason="step 3: non-finite update"))
+    stops = [e for e in out if isinstance(e, pol.Send) and isinstance(e.msg, p.Stop)]
+    assert sorted(e.to for e in stops) == ["w0", "w1"]
+    assert all("non-finite update" in e.msg.reason for e in stops)
+    assert pol.Finish() in out and d.policy.finished
+    assert d.recv("w1", p.Abort(reason="the same")) == []  # reported once
+    assert [r["reason"] for r in d.logged(ev.RUN_FAILED)] == ["step 3: non-finite update"]

@@ -86,7 +86,7 @@ def test_resume_under_another_config_is_refused_naming_both_hashes(
     reference: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     from perdure.checkpoint import IncompatibleCheckpointError
-    from perdure.runtime.trainer import Trainer
+    from perdure.runtime.replica.trainer import Trainer
 
     half = reference["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
     cfg = small_config(small_dataset, workers=1, steps=STEPS)
@@ -151,7 +151,7 @@ def test_a_warm_up_pass_does_not_change_the_next_steps_bits(
 ) -> None:
     """Spares and joiners run one throwaway slot before they may be promoted; the steps
     they then compute (dropout included) must be the bits a cold replica computes."""
-    from perdure.runtime.trainer import Trainer
+    from perdure.runtime.replica.trainer import Trainer
 
     cfg = small_config(small_dataset, workers=1, steps=STEPS)
     cold, warm = Trainer(cfg, cache_dir=str(tmp_path)), Trainer(cfg, cache_dir=str(tmp_path))

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from perdure.runtime.slots import all_finite
+from perdure.runtime.replica.slots import all_finite
 
 
 def test_all_finite_accepts_finite_values_whose_sum_overflows() -> None:
@@ -33,7 +33,7 @@ def test_all_finite_agrees_with_the_elementwise_test_on_random_data() -> None:
 def test_applied_gradient_is_the_gradient_of_the_mean_loss_over_the_global_batch() -> None:
     from examples.tiny_lm.task import make_task
     from perdure.runtime.comm.chain import local_fold
-    from perdure.runtime.slots import SlotEngine
+    from perdure.runtime.replica.slots import SlotEngine
 
     task = make_task(d_model=32, n_layers=1, n_heads=2, dropout=0.0)
     B, S = 6, 3

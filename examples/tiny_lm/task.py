@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from perdure.runtime.task import Task
+from perdure.runtime.replica.task import Task
 
 
 class TinyLM(nn.Module):

@@ -7,6 +7,7 @@ that lists them all, each naming the key, the rule it broke and the value it got
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -65,10 +66,12 @@ class Checker:
         return ok
 
     def positive(self, key: str, value: float) -> bool:
-        return self.check(value > 0, key, "must be > 0", value)
+        """A finite number > 0 (an infinite learning rate or timeout is never meant)."""
+        return self.check(_finite(value) and value > 0, key, "must be a finite number > 0", value)
 
     def non_negative(self, key: str, value: float) -> bool:
-        return self.check(value >= 0, key, "must be >= 0", value)
+        ok = _finite(value) and value >= 0
+        return self.check(ok, key, "must be a finite number >= 0", value)
 
     def one_of(self, key: str, value: object, allowed: tuple[object, ...]) -> bool:
         return self.check(value in allowed, key, f"must be one of {list(allowed)}", value)
@@ -79,3 +82,7 @@ class Checker:
     def done(self) -> None:
         if self.problems:
             raise ConfigError(self.problems)
+
+
+def _finite(value: float) -> bool:
+    return isinstance(value, int) or math.isfinite(value)

@@ -2,7 +2,7 @@
 flags and the replica fingerprints.
 
 The runner owns what lives as long as the epoch: the slot buffers (laid out by the
-trainer's :class:`~perdure.runtime.layout.GradLayout`), the reducer with its scratch space,
+trainer's :class:`~perdure.runtime.replica.layout.GradLayout`), the reducer with its scratch space,
 and the epoch's comm. It knows nothing of the control plane: the worker hands it a
 ``should_stop(step)`` predicate, an ``evict`` callback and the event log.
 """
@@ -23,7 +23,7 @@ from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import Reducer
 from perdure.runtime.plan import Plan
-from perdure.runtime.trainer import Trainer
+from perdure.runtime.replica.trainer import MathError, Trainer
 
 
 class SlotTimer:
@@ -152,6 +152,12 @@ class StepRunner:
                 found[s] = flags
             else:
                 self._suspect(t, s, self.plan.members[owner[s]])
+        if len(found) == self.tr.config.train.slots:
+            raise MathError(
+                f"step {t}: every slot's gradient is non-finite, on every worker that re-ran "
+                "it: the model or the optimizer, not the data (check the loss function and "
+                "optim settings)"
+            )
         if found:
             entry = self.tr.quarantine(t, found)
             if self.rank == 0:

@@ -34,8 +34,8 @@ from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
+from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
-from perdure.runtime.trainer import Trainer
 from perdure.runtime.wchaos import ChaosState
 
 log = logging.getLogger("perdure.worker")
@@ -217,6 +217,9 @@ class Worker:
             )
         except CommFailed as e:
             self._failed(e)
+        except MathError as e:
+            log.error("%s: %s", self.name, e)
+            self.client.send(p.Abort(reason=str(e)[: p.MAX_STR]))
         finally:
             self._close_epoch(ep)
 

@@ -326,12 +326,24 @@ class Policy:
             target = self.workers.get(msg.worker)
             if target is not None:
                 self._declare_dead(target, f"evicted: {msg.reason}")
+        elif isinstance(msg, p.Abort):
+            self._abort(info, msg.reason)
         elif isinstance(msg, p.Done):
             info.done, info.next_step = True, msg.next_step
             self._log(
                 ev.WORKER_DONE, worker=info.name, final_hash=msg.final_hash, step=msg.next_step
             )
         # a Hello after admission carries nothing new: ignored
+
+    def _abort(self, info: Member, reason: str) -> None:
+        """Stop the run: an error every replica reproduces cannot be absorbed."""
+        if self.finished:
+            return
+        self._log(ev.RUN_FAILED, worker=info.name, reason=reason)
+        for w in self._alive():
+            self._send(w.name, p.Stop(reason=f"run failed: {reason}"))
+        self.finished = True
+        self.out.append(Finish())
 
     def _on_ready(self, info: Member, msg: p.Ready) -> None:
         info.next_step, info.has_state = msg.next_step, msg.has_state

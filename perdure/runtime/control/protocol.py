@@ -111,6 +111,15 @@ class Done:
     final_hash: str
 
 
+@dataclass(frozen=True)
+class Abort:
+    """The run cannot go on: every replica hits the same error (e.g. a non-finite update
+    from finite gradients). The coordinator stops every worker with ``reason``."""
+
+    type: ClassVar[str] = "abort"
+    reason: str
+
+
 # -- messages from the coordinator -----------------------------------------------------------
 
 
@@ -177,7 +186,7 @@ class Stop:
     reason: str
 
 
-FromWorker = Hello | Heartbeat | Ready | Fail | Leave | Evict | Done
+FromWorker = Hello | Heartbeat | Ready | Fail | Leave | Evict | Done | Abort
 FromCoordinator = Challenge | Welcome | Refused | Announce | Start | Stop
 Message = FromWorker | FromCoordinator
 
@@ -191,6 +200,7 @@ _TYPES: dict[str, type[Any]] = {
         Leave,
         Evict,
         Done,
+        Abort,
         Challenge,
         Welcome,
         Refused,
@@ -355,6 +365,7 @@ class LineBuffer:
 __all__ = [
     "MAX_LINE",
     "PROTOCOL_VERSION",
+    "Abort",
     "Announce",
     "Challenge",
     "Done",

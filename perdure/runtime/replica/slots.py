@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from perdure.runtime.layout import GradLayout
-from perdure.runtime.task import LossFn
+from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.task import LossFn
 
 
 def slot_seed(seed: int, step: int, slot: int) -> int:

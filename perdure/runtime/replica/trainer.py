@@ -24,9 +24,15 @@ from perdure.checkpoint import (
 from perdure.config.run import RunConfig, canonical, config_hash
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
-from perdure.runtime.layout import GradLayout
-from perdure.runtime.slots import Progress, SlotEngine, to_tensors
-from perdure.runtime.task import build_optimizer, build_task, lr_at
+from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
+from perdure.runtime.replica.task import build_optimizer, build_task, lr_at
+
+
+class MathError(RuntimeError):
+    """The math of the run went non-finite in a way no data can explain (a non-finite
+    update from a finite gradient, or every slot of a step non-finite): every replica hits
+    it identically, so it stops the run instead of quarantining data."""
 
 
 def configure_torch(threads: int) -> None:
@@ -142,8 +148,19 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        if not self._params_finite():
+            raise MathError(
+                f"step {step}: the optimizer made parameters non-finite from a finite gradient "
+                f"(lr at this step {lr:g}; check optim.lr, optim.weight_decay, optim.eps and "
+                "the model's own arithmetic)"
+            )
         self.next_step = step + 1
         return loss
+
+    def _params_finite(self) -> bool:
+        """One sum per parameter and one read of the sums (see ``slots.all_finite``)."""
+        sums = [p.detach().sum() for p in self.model.parameters()]
+        return not sums or all_finite(torch.stack(sums))
 
     def rerun_flags(self, step: int, slot: int) -> list[bool]:
         """Re-run each sample of a slot alone: which ones give a non-finite gradient?"""
