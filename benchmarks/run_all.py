@@ -31,6 +31,7 @@ SUITE = [
     ("recovery", "bench_recovery.py", [], ["--quick", "--skip", "torchft"]),
     ("scaling", "bench_scaling.py", [], ["--quick"]),
     ("data", "bench_data.py", [], ["--quick"]),
+    ("store", "bench_store.py", [], ["--quick"]),
     ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "5"], ["--quick"]),
 ]
 

@@ -33,7 +33,7 @@ class ChaosLauncher(LocalLauncher):
         self.later: list[tuple[float, str, Any]] = []
         self.down_regions: dict[str, float] = {}
         self.seq = 0
-        self._store: dist.TCPStore | None = None
+        self._store: dist.Store | None = None
         self._metrics = Tail(self.run_dir / "metrics.jsonl", from_end=True)
         self.step = -1
         self.first_step_t: float | None = None
@@ -158,13 +158,15 @@ class ChaosLauncher(LocalLauncher):
         if store is not None:
             store.set(f"chaos/{target}", json.dumps({**fault, "seq": self.seq}))
 
-    def _chaos_store(self) -> dist.TCPStore | None:
+    def _chaos_store(self) -> dist.Store | None:
+        from datetime import timedelta
+
+        from perdure.runtime.control.store import AuthStore
+
         for host, port in self.store_addrs:
             try:
                 if self._store is None:
-                    self._store = dist.TCPStore(
-                        host, port, is_master=False, timeout=dist.constants.default_pg_timeout
-                    )
+                    self._store = AuthStore(host, port, self.token, timedelta(seconds=30))
                 return self._store
             except (RuntimeError, dist.DistError):
                 self._store = None

@@ -27,7 +27,7 @@ class ChaosState:
         self._delay_until = 0.0
         self._comm_error = False
 
-    def poll(self, store: dist.TCPStore, name: str, region: str, events: Any) -> None:
+    def poll(self, store: dist.Store, name: str, region: str, events: Any) -> None:
         for key in (f"chaos/{name}", f"chaos/{region}"):
             if not store.check([key]):
                 continue

@@ -31,6 +31,7 @@ from perdure.runtime.comm.reducer import make_reducer
 from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.client import Identity, MembershipClient
+from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
@@ -173,13 +174,10 @@ class Worker:
     def _should_stop(self, step: int) -> bool:
         return self.client.should_stop(step)
 
-    def _store(self) -> dist.TCPStore:
-        return dist.TCPStore(
-            self.client.host,
-            self.store_port,
-            is_master=False,
-            timeout=timedelta(seconds=self.timeout_s),
-        )
+    def _store(self, timeout_s: float | None = None) -> dist.Store:
+        """A connection to the run's store (through the run token; see control/store.py)."""
+        t = timedelta(seconds=timeout_s or self.timeout_s)
+        return AuthStore(self.client.host, self.store_port, self.client.token, t)
 
     def _run_epoch(self, start: p.Start) -> None:
         assert self.trainer is not None
@@ -289,8 +287,7 @@ class Worker:
 
     def _checkpointer(self, ep: Epoch) -> AsyncCheckpointer:
         ex = StoreExchange(
-            self.client.host,
-            self.store_port,
+            self._store,
             ep.start.prefix,
             ep.rank,
             ep.size,
@@ -390,13 +387,11 @@ class Worker:
 
     def _heartbeat(self) -> None:
         interval = self.config.cluster.heartbeat_ms / 1000
-        store: dist.TCPStore | None = None
+        store: dist.Store | None = None
         while not self.stopped:
             time.sleep(interval)
             try:
-                store = store or dist.TCPStore(
-                    self.client.host, self.store_port, is_master=False, timeout=timedelta(seconds=5)
-                )
+                store = store or self._store(5.0)
                 self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None

@@ -10,7 +10,6 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -21,25 +20,22 @@ class StoreExchange:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        connect: Callable[[float], dist.Store],
         prefix: str,
         rank: int,
         world: int,
         should_abort: Callable[[], bool],
         timeout_s: float = 120.0,
     ) -> None:
-        self.host, self.port, self.prefix = host, port, prefix
+        self.connect, self.prefix = connect, prefix
         self.rank, self.world = rank, world
         self.should_abort, self.timeout_s = should_abort, timeout_s
         self._local = threading.local()
 
-    def _store(self) -> dist.TCPStore:
+    def _store(self) -> dist.Store:
         store = getattr(self._local, "store", None)
         if store is None:
-            store = dist.TCPStore(
-                self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s)
-            )
+            store = self.connect(self.timeout_s)
             self._local.store = store
         return store
 

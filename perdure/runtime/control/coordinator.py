@@ -1,4 +1,4 @@
-"""The coordinator's server: sockets, the TCPStore and the clock around the pure policy.
+"""The coordinator's server: sockets, the run's store and the clock around the pure policy.
 
 It accepts connections, sends each a challenge, checks the answer's HMAC, decodes every
 line through the typed protocol, and turns what happens into the policy's events (a
@@ -22,9 +22,6 @@ import socket
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from perdure import events as ev
 from perdure.config.run import RunConfig
@@ -32,6 +29,7 @@ from perdure.events import JsonLines
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import LineSocket, verify
+from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
 
@@ -71,9 +69,7 @@ class Coordinator:
     ) -> None:
         self.config, self.run_dir, self.token, self.host = config, run_dir, token, host
         self.events = JsonLines(f"{run_dir}/events.jsonl")
-        self.store = dist.TCPStore(
-            host, store_port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
-        )
+        self.store = StoreServer(host, store_port, token)
         self.server = socket.create_server((host, channel_port))
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
@@ -297,6 +293,7 @@ class Coordinator:
             conn.line.close()
         self.server.close()
         self.sel.close()
+        self.store.close()
 
 
 __all__ = ["Coordinator"]
