@@ -133,7 +133,10 @@ def coordinator(
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
     from perdure.config.errors import ConfigError
     from perdure.config.run import config_from_dict, load_config
+    from perdure.lifecycle import die_with_parent
     from perdure.runtime.control.coordinator import Coordinator
+
+    die_with_parent()  # started by a launcher: end with it (no-op when started by hand)
 
     if (config_toml is None) == (config_json is None):
         raise click.UsageError("give exactly one of --config (TOML) and --config-json")

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Protocol
 
 from perdure.launch.zygote import Zygote
+from perdure.lifecycle import PARENT_ENV
 from perdure.runtime.entry import TOKEN_ENV, WorkerSpec
 
 
@@ -109,7 +110,13 @@ def child_env(token: str) -> dict[str, str]:
     # torch's C++ layer prints a warning with a long native stack for every store call that
     # meets a closed connection (e.g. a heartbeat racing the coordinator's exit); perdure
     # handles those and logs one line, so only C++ errors are let through.
-    return {"TORCH_CPP_LOG_LEVEL": "ERROR", **os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+    return {
+        "TORCH_CPP_LOG_LEVEL": "ERROR",
+        **os.environ,
+        TOKEN_ENV: token,
+        "PYTHONUNBUFFERED": "1",
+        PARENT_ENV: str(os.getpid()),  # the child dies with this launcher (lifecycle.py)
+    }
 
 
 def _spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:

@@ -45,6 +45,9 @@ UNKNOWN_EXIT = -1
 def serve() -> None:
     """Import, then fork on request. The launcher starts it before any worker and waits
     for it, so the imports run once, at normal priority, on an otherwise idle machine."""
+    from perdure.lifecycle import die_with_parent
+
+    die_with_parent()  # the launcher's pid is in the environment
     # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
     import torch._inductor.config  # noqa: F401
 
@@ -83,15 +86,19 @@ def _reap() -> None:
 
 
 def _fork(req: dict[str, Any]) -> int:
+    me = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _child(req)
+        _child(req, me)
     return pid
 
 
-def _child(req: dict[str, Any]) -> NoReturn:
+def _child(req: dict[str, Any], zygote: int) -> NoReturn:
     code = 1
     try:
+        from perdure.lifecycle import PARENT_ENV, die_with_parent
+
+        die_with_parent(zygote)  # a worker ends with its zygote, which ends with the launcher
         os.setsid()
         out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -102,6 +109,7 @@ def _child(req: dict[str, Any]) -> NoReturn:
         os.close(null)
         os.environ.clear()
         os.environ.update(req["env"])
+        os.environ[PARENT_ENV] = str(zygote)
         os.chdir(req["cwd"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         from perdure.runtime.entry import WorkerSpec, run_worker

@@ -1,0 +1,114 @@
+"""Every process of a run ends with the run, whatever killed the process that started it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
+
+_CHILD = """
+import os, sys, time
+from perdure.lifecycle import die_with_parent
+assert die_with_parent()
+print(os.getpid(), flush=True)
+time.sleep(60)
+"""
+_PARENT = """
+import os, subprocess, sys, time
+env = {**os.environ, "PERDURE_PARENT_PID": str(os.getpid())}
+child = subprocess.Popen([sys.executable, "-c", sys.argv[1]], env=env, stdout=subprocess.PIPE)
+print(child.stdout.readline().decode().strip(), flush=True)
+time.sleep(60)
+"""
+
+
+def _gone(pid: int, within_s: float) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_child_dies_when_its_parent_is_sigkilled() -> None:
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, _CHILD], stdout=subprocess.PIPE, text=True
+    )
+    assert parent.stdout is not None
+    child = int(parent.stdout.readline().strip())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait(10)
+    assert _gone(child, 10), f"child {child} outlived its parent"
+
+
+def test_a_child_whose_parent_is_already_gone_exits_at_once(tmp_path: Path) -> None:
+    env = {**os.environ, "PERDURE_PARENT_PID": "1"}  # not our parent: it "died" before us
+    code = "from perdure.lifecycle import die_with_parent; die_with_parent(); print('alive')"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30)
+    assert out.returncode == 1 and b"alive" not in out.stdout
+
+
+def test_a_process_started_by_hand_is_left_alone() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PERDURE_PARENT_PID"}
+    code = "from perdure.lifecycle import die_with_parent; print(die_with_parent())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=30)
+    assert out.stdout.strip() == b"False"
+
+
+def _descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
+_LAUNCHER = """
+import sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from tests.runtime_support import run_to_end, small_config
+cfg = small_config(Path(sys.argv[1]), workers=2, steps=100000)
+run_to_end(cfg, Path(sys.argv[2]), timeout_s=120)
+"""
+
+
+def test_killing_the_launcher_leaves_no_process_of_the_run(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    root = str(Path(__file__).resolve().parent.parent)
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", _LAUNCHER, str(small_dataset), str(tmp_path / "run"), root]
+    )
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        end = time.monotonic() + 60
+        while not (metrics.exists() and metrics.stat().st_size > 0):
+            assert time.monotonic() < end and launcher.poll() is None, "the run never stepped"
+            time.sleep(0.1)
+        procs = _descendants(launcher.pid)
+        assert len(procs) >= 4  # coordinator, zygote, two workers
+    finally:
+        launcher.kill()
+        launcher.wait(10)
+    left = [p for p in procs if not _gone(p, 15)]
+    assert left == [], f"processes of the run outlived its launcher: {left}"
