@@ -1,0 +1,91 @@
+"""What a launcher is, and the narrow faces it shows to what it hosts.
+
+A :class:`Launcher` runs one training run and returns its summary; the local launcher
+(``launch/local.py``) is the first, and a cluster manager's (Slurm, Kubernetes, Ray) would
+be another. Behaviour that is not the launcher's own job (fault injection, the live view)
+composes with any launcher as a :class:`MonitorHook`, called on every tick of its monitor
+loop and built against one of the small protocols below rather than a launcher class, so
+that chaos works on a launcher it has never seen and a launcher needs no chaos code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class Launcher(Protocol):
+    """Runs one training run to its end."""
+
+    def run(self) -> dict[str, Any]:
+        """Start everything, wait for the run to complete, stop everything; the summary
+        (``launch/summary.py``)."""
+        ...
+
+
+class MonitorHook(Protocol):
+    """Called by a launcher's monitor loop after it has looked after its processes."""
+
+    def tick(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far the run is, from its committed steps."""
+
+    step: int = -1
+    """The highest committed step; -1 before the first."""
+    first_step_t: float | None = None
+    """Wall time of the first committed step (time triggers count from it)."""
+
+
+class ClusterControl(Protocol):
+    """What fault injection needs from a launcher, and nothing more. Processes are named:
+    workers by their worker name, coordinators ``coordinator`` and ``standby``."""
+
+    def signal(self, name: str, sig: int, *, expected_exit: bool = False) -> list[int]:
+        """Send ``sig`` to the live process called ``name``; the pids signalled (none if it
+        is not alive). ``expected_exit``: its death is the fault's doing, not a crash."""
+        ...
+
+    def processes(self, region: str) -> list[str]:
+        """The live processes of ``region``, workers and coordinators."""
+        ...
+
+    def post(self, key: str, value: str) -> bool:
+        """Set ``key`` in the run's store, where workers poll for in-process faults;
+        whether a store took it."""
+        ...
+
+    def restart(self, name: str) -> bool:
+        """Start worker ``name`` again (a new process under its name); ``False`` while
+        its old process is still alive."""
+        ...
+
+    def veto_replacements(self, region: str) -> None:
+        """Start no replacement in ``region`` until :meth:`lift_veto` (a region that is
+        down has no machines to start them on)."""
+        ...
+
+    def lift_veto(self, region: str) -> None: ...
+
+    def progress(self) -> Progress: ...
+
+    def log(self, record: dict[str, Any]) -> None:
+        """Append ``record`` to the run's event log."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    name: str
+    region: str
+    alive: bool
+
+
+class Roster(Protocol):
+    """What the live view shows of a launcher: its regions and its workers."""
+
+    def regions(self) -> list[str]: ...
+
+    def workers(self) -> list[WorkerState]: ...
