@@ -55,7 +55,7 @@ def test_the_report_reads_its_classes_from_the_registry() -> None:
 def test_the_registry_the_summary_and_the_report_import_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None\n"
-        "import perdure.chaos.summary, perdure.report, perdure.chaos.config\n"
+        "import perdure.chaos.driver, perdure.chaos.summary, perdure.report, perdure.chaos.config\n"
         "from perdure.chaos import faults; assert len(faults.REGISTRY) >= 7\n"
     )
     env = {"PYTHONPATH": str(ROOT)}
