@@ -54,8 +54,7 @@ def local_launcher(
     config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 3600.0
 ) -> LocalLauncher:
     """The local launcher for ``config``, with the fault schedule's driver attached when the
-    schedule has faults (a fault-free run carries no chaos code, and no torch, in the
-    launcher)."""
+    schedule has faults (a fault-free run's monitor loop runs no chaos code)."""
     launcher = LocalLauncher(config, run_dir, resume=resume, timeout_s=timeout_s)
     if config.chaos.faults:
         from perdure.chaos.driver import ChaosDriver

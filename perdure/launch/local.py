@@ -309,8 +309,8 @@ class LocalLauncher:
 
 class _StoreClient:
     """The launcher's client of the run's store: the primary's, or the standby's once the
-    primary is gone. torch is imported on first use only: a run without in-process faults
-    never needs it in the launcher."""
+    primary is gone. Connected on first use only: a run without in-process faults never
+    connects."""
 
     def __init__(self, addrs: list[tuple[str, int]]) -> None:
         self.addrs = addrs  # the launcher's list, filled in as coordinators publish ports
