@@ -88,6 +88,8 @@ FAULT_HIT: Final = "fault_hit"
 """A worker's in-process fault hook fired (e.g. comm_error)."""
 FAULT_ENDED: Final = "fault_ended"
 """A timed fault was undone (SIGCONT, delay over, region back)."""
+FAULT_REJECTED: Final = "fault_rejected"
+"""A worker ignored a value under its chaos key that is no fault it can apply (the reason)."""
 
 # -- checkpoint --------------------------------------------------------------------------
 CHECKPOINT_SAVED: Final = "checkpoint_saved"
@@ -133,6 +135,7 @@ NAMES: frozenset[str] = frozenset(
         FAULT_INJECTED,
         FAULT_HIT,
         FAULT_ENDED,
+        FAULT_REJECTED,
         CHECKPOINT_SAVED,
         CHECKPOINT_SKIPPED,
         CHECKPOINT_FAILED,

@@ -1,44 +1,52 @@
-"""Declarative fault schedules: what to break, where and when."""
+"""Declarative fault schedules: what to break, where and when.
+
+The kinds are not listed here: each is a class in ``chaos/faults/`` (the registry), which
+holds its own rules; ``FaultConfig`` checks what every fault shares (one trigger, ranges)
+and asks the kind for the rest, so that the config never drifts from the kinds.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
+from perdure.chaos import faults as registry
 from perdure.config import Checker
-
-FaultKind = Literal["kill", "stop", "hang", "comm_error", "delay", "region_down", "poison_shard"]
-WORKER_KINDS = ("kill", "stop", "hang", "comm_error")
-REGION_KINDS = ("region_down",)
 
 
 @dataclass(kw_only=True, frozen=True)
 class FaultConfig:
     """One fault. Exactly one trigger (``at_step`` or ``at_s``) is set."""
 
-    kind: FaultKind
-    """``kill`` (SIGKILL a worker); ``stop`` (SIGTERM: a graceful leave at the next step
-    boundary, and a new process takes the name after ``duration_s``); ``hang`` (SIGSTOP,
-    then SIGCONT after ``duration_s``); ``comm_error`` (the worker's next collective fails);
-    ``delay`` (extra latency on a worker's or region's communication and heartbeats);
-    ``region_down`` (every worker of a region killed at once, the coordinator too if it
-    lives there); ``poison_shard`` (a shard's samples yield NaN, injected at the loader)."""
+    kind: str
+    """What breaks: one of the kinds of the fault registry (``perdure/chaos/faults/``, one
+    module each); the table *Fault kinds* below says what each does, its failure class
+    and what its target names."""
     target: str
-    """A worker name (``REGION-INDEX``, e.g. ``eu-1``) for kill, stop, hang, comm_error; a worker
-    or region name for delay; a region name for region_down; a shard index for
-    poison_shard."""
+    """What the fault strikes, in the form its kind names (table below): a worker name
+    (``REGION-INDEX``, e.g. ``eu-1``), a region name, either of the two, or a shard
+    index."""
     at_step: int | None = None
     """Inject when the run reaches this step."""
     at_s: float | None = None
     """Inject this many seconds after the run starts."""
     duration_s: float | None = None
-    """How long the fault lasts: hang (then SIGCONT), stop (then a new worker joins),
-    delay, region_down (then the region's workers come back). Unset: for ever."""
+    """How long the fault lasts, for the timed kinds (table below): hang (then SIGCONT),
+    stop (then a new worker joins), delay, region_down (then the region's workers come
+    back). Unset: for ever."""
     delay_ms: int = 0
     """Extra latency per collective and heartbeat, for ``delay``."""
 
     def __post_init__(self) -> None:
         c = Checker()
+        self._check_shared(c)
+        kind = registry.get(self.kind)
+        if kind is None:
+            c.one_of("kind", self.kind, registry.kinds())
+        else:
+            kind.validate(self, c)
+        c.done()
+
+    def _check_shared(self, c: Checker) -> None:
         triggers = (self.at_step is not None) + (self.at_s is not None)
         c.check(triggers == 1, "at_step", "exactly one of at_step, at_s must be set", self.at_step)
         if self.at_step is not None:
@@ -47,20 +55,6 @@ class FaultConfig:
             c.non_negative("at_s", self.at_s)
         if self.duration_s is not None:
             c.positive("duration_s", self.duration_s)
-        if self.kind == "delay":
-            c.positive("delay_ms", self.delay_ms)
-        if self.kind == "poison_shard":
-            c.check(self.target.isdigit(), "target", "must be a shard index", self.target)
-            c.check(
-                self.at_step is not None,
-                "at_step",
-                "poison_shard needs a step trigger "
-                "(the reference run must poison the same samples)",
-                self.at_s,
-            )
-        if self.kind in WORKER_KINDS:
-            c.check("-" in self.target, "target", "must be a worker name REGION-INDEX", self.target)
-        c.done()
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,3 +63,16 @@ class ChaosConfig:
 
     faults: list[FaultConfig] = field(default_factory=list)
     """The faults, in any order; each fires once."""
+
+    @property
+    def in_process(self) -> list[FaultConfig]:
+        """The faults a worker applies itself (it polls the store only for these)."""
+        return [f for f in self.faults if f.kind in registry.in_process_kinds()]
+
+
+def check_targets(chaos: ChaosConfig, workers: set[str], regions: set[str], c: Checker) -> None:
+    """Each fault's target must exist in the cluster (``RunConfig`` knows the cluster)."""
+    for i, f in enumerate(chaos.faults):
+        kind = registry.get(f.kind)
+        rule = kind.check_target(f.target, workers, regions) if kind else None
+        c.check(rule is None, f"chaos.faults[{i}].target", rule or "", f.target)

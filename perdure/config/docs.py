@@ -76,4 +76,26 @@ def reference_markdown() -> str:
         lines += section_markdown(f.name, f.type if isinstance(f.type, type) else _section(f.name))
     lines += section_markdown("cluster.regions[]", RegionConfig)
     lines += section_markdown("chaos.faults[]", FaultConfig)
+    lines += fault_kinds_markdown()
     return "\n".join(lines).rstrip() + "\n"
+
+
+def fault_kinds_markdown() -> list[str]:
+    """The table of fault kinds, from the fault registry (one module per kind)."""
+    from perdure.chaos import faults
+
+    lines = [
+        "## Fault kinds (`chaos.faults[].kind`)",
+        "",
+        "One class each in `perdure/chaos/faults/`. *Posted*: put in the store for the worker,",
+        "which applies it itself; *timed*: `duration_s` ends it.",
+        "",
+        "| kind | failure class | target | posted | timed | what it does |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind, f in faults.REGISTRY.items():
+        posted = "yes" if f.in_process else ""
+        timed = "yes" if f.timed else ""
+        text = " ".join((type(f).__doc__ or "").split()).replace("|", "\\|")
+        lines.append(f"| `{kind}` | {f.failure_class} | {f.target} | {posted} | {timed} | {text} |")
+    return [*lines, ""]

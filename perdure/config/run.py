@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from perdure.chaos.config import WORKER_KINDS, ChaosConfig
+from perdure.chaos.config import ChaosConfig, check_targets
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.config.build import build
 from perdure.config.errors import Checker, ConfigError
@@ -51,16 +51,7 @@ class RunConfig:
         c = Checker()
         names = {f"{r.name}-{i}" for r in self.cluster.regions for i in range(64)}
         regions = {r.name for r in self.cluster.regions}
-        for i, f in enumerate(self.chaos.faults):
-            if f.kind in WORKER_KINDS:
-                c.check(f.target in names, f"chaos.faults[{i}].target", "no such worker", f.target)
-            elif f.kind == "region_down":
-                c.check(
-                    f.target in regions, f"chaos.faults[{i}].target", "no such region", f.target
-                )
-            elif f.kind == "delay":
-                ok = f.target in regions or f.target in names
-                c.check(ok, f"chaos.faults[{i}].target", "no such worker or region", f.target)
+        check_targets(self.chaos, names, regions, c)
         c.done()
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.config.run import RunConfig, config_hash, with_overrides
+from perdure.launch.local import LocalLauncher
 
 
 def spread_workers(config: RunConfig, workers: int) -> RunConfig:
@@ -49,6 +50,19 @@ def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
     return str(p)
 
 
+def local_launcher(
+    config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 3600.0
+) -> LocalLauncher:
+    """The local launcher for ``config``, with the fault schedule's driver attached when the
+    schedule has faults (a fault-free run's monitor loop runs no chaos code)."""
+    launcher = LocalLauncher(config, run_dir, resume=resume, timeout_s=timeout_s)
+    if config.chaos.faults:
+        from perdure.chaos.driver import ChaosDriver
+
+        launcher.hooks.append(ChaosDriver(config.chaos, launcher))
+    return launcher
+
+
 def run(
     config: RunConfig,
     *,
@@ -58,8 +72,6 @@ def run(
     timeout_s: float = 3600.0,
 ) -> dict[str, Any]:
     """Train ``config`` on this machine with the local launcher; returns the summary."""
-    from perdure.chaos.launcher import ChaosLauncher
-
     rd = Path(run_dir) if run_dir else default_run_dir(config)
     if resume is None and (rd / "events.jsonl").exists():
         raise FileExistsError(
@@ -67,10 +79,18 @@ def run(
             "directory, and --resume latest continues this one from its newest checkpoint"
         )
     rd.mkdir(parents=True, exist_ok=True)
-    launcher = ChaosLauncher(
-        config, rd, resume=resolve_resume(resume, rd), live=live, timeout_s=timeout_s
-    )
-    return launcher.run()
+    launcher = local_launcher(config, rd, resume=resolve_resume(resume, rd), timeout_s=timeout_s)
+    return run_with_view(launcher, config.train.steps) if live else launcher.run()
 
 
-__all__ = ["resolve_resume", "run", "spread_workers"]
+def run_with_view(launcher: LocalLauncher, steps: int) -> dict[str, Any]:
+    """``launcher.run()`` with the live view attached as its last hook (after chaos, so
+    that a tick's faults show in the same refresh)."""
+    from perdure.launch.view import LiveView
+
+    with LiveView(launcher.run_dir, steps, launcher) as view:
+        launcher.hooks.append(view)
+        return launcher.run()
+
+
+__all__ = ["local_launcher", "resolve_resume", "run", "spread_workers"]

@@ -37,8 +37,10 @@ def ensure_dataset(path: Path, console: Console, *, max_mb: float = 8.0) -> str:
 
 
 def reference_config(config: RunConfig) -> RunConfig:
-    """The same math without the faults that must not change it; on two workers."""
-    data_faults = [to_dict(f) for f in config.chaos.faults if f.kind == "poison_shard"]
+    """The same math without the faults that must not change it; on two workers. A kind
+    that changes the math through the decision log (``Fault.changes_math``: a poisoned
+    shard) is kept."""
+    data_faults = [to_dict(f) for f in config.chaos.faults if _changes_math(f.kind)]
     region = config.cluster.regions[0].name
     return with_overrides(
         config,
@@ -49,6 +51,13 @@ def reference_config(config: RunConfig) -> RunConfig:
             "coordinator_region": None,
         },
     )
+
+
+def _changes_math(kind: str) -> bool:
+    from perdure.chaos import faults
+
+    fault = faults.get(kind)
+    return fault is not None and fault.changes_math
 
 
 def code_digest(entry: str) -> str:

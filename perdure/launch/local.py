@@ -2,8 +2,10 @@
 
 It plays the cluster manager: starts the coordinator (and a standby, when the config names
 one), one process per worker with its region as a label, optional warm spares, and a
-replacement for a worker that dies. It also injects the fault schedule, shows the live
-view, and writes ``summary.json`` once the coordinator reports the run complete.
+replacement for a worker that dies, and writes ``summary.json`` once the coordinator
+reports the run complete. It is a :class:`perdure.launch.base.Launcher`; what is not its
+own job composes with it as monitor hooks (the fault schedule's ``ChaosDriver``, the live
+view), which it serves through the narrow ``ClusterControl`` and ``Roster`` faces below.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from perdure import events as ev
 from perdure.config.run import RunConfig, to_dict
 from perdure.events import JsonLines, Tail
+from perdure.launch.base import MonitorHook, Progress, WorkerState
 from perdure.launch.procs import Process, child_env, start_coordinator, start_worker, wait_ports
 from perdure.launch.zygote import Zygote
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
 ZYGOTE_READY_S = 60.0
 """How long the launcher waits for the fork server's imports before starting workers."""
+
+STORE_TIMEOUT_S = 5.0
+"""How long posting an in-process fault may wait for the store (the monitor loop waits)."""
 
 MAX_CRASHES = 3
 """A worker that crashes this often without a fault being injected is a bug, not a fault:
@@ -59,14 +68,15 @@ class LocalLauncher:
         run_dir: str | Path,
         *,
         resume: str | None = None,
-        live: bool = False,
         timeout_s: float = 3600.0,
+        hooks: list[MonitorHook] | None = None,
     ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resume = resume
-        self.live = live
         self.timeout_s = timeout_s
+        self.hooks: list[MonitorHook] = list(hooks or [])
+        """Called on every monitor tick, in order (fault injection before the view)."""
         self.token = secrets.token_hex(16)
         self.procs: dict[str, Proc] = {}
         self.coordinators: list[Proc] = []
@@ -79,6 +89,10 @@ class LocalLauncher:
         self._events_tail = Tail(self.run_dir / "events.jsonl", from_end=True)
         self._ended = False
         self.zygote: Zygote | None = None
+        self.vetoed: set[str] = set()
+        self._metrics = Tail(self.run_dir / "metrics.jsonl", from_end=True)
+        self._progress = Progress()
+        self._store = _StoreClient(self.store_addrs, self.token)
 
     # -- processes -------------------------------------------------------------------------
 
@@ -166,7 +180,8 @@ class LocalLauncher:
         raise TimeoutError(f"run did not finish within {self.timeout_s} s (see {self.run_dir})")
 
     def _tick(self) -> None:
-        """Hook for fault injection and the live view (see ChaosLauncher)."""
+        for hook in self.hooks:
+            hook.tick()
 
     def _run_complete(self) -> bool:
         """A coordinator exited 0: it saw every member finish. (A standby that never took
@@ -220,7 +235,7 @@ class LocalLauncher:
                 self.events.write({"event": ev.REPLACEMENT_STARTED, "worker": name})
 
     def _may_replace(self, name: str) -> bool:
-        return True
+        return self.procs[name].region not in self.vetoed
 
     def _stop_all(self) -> None:
         for p in [*self.procs.values(), *self.coordinators]:
@@ -236,3 +251,92 @@ class LocalLauncher:
                 p.popen.wait(timeout=5)
         if self.zygote is not None:
             self.zygote.close()
+
+    # -- ClusterControl (what fault injection may do; see launch/base.py) ------------------
+
+    def _named(self, name: str) -> Proc | None:
+        found = self.procs.get(name) or next((c for c in self.coordinators if c.name == name), None)
+        return found if found is not None and found.alive else None
+
+    def signal(self, name: str, sig: int, *, expected_exit: bool = False) -> list[int]:
+        p = self._named(name)
+        if p is None:
+            return []
+        p.expected_exit = p.expected_exit or expected_exit
+        os.kill(p.popen.pid, sig)
+        return [p.popen.pid]
+
+    def processes(self, region: str) -> list[str]:
+        procs = [*self.procs.values(), *self.coordinators]
+        return [p.name for p in procs if p.region == region and p.alive]
+
+    def post(self, key: str, value: str) -> bool:
+        return self._store.set(key, value)
+
+    def restart(self, name: str) -> bool:
+        old = self.procs[name]
+        if old.alive:
+            return False
+        self._start_worker(name, old.region, gen=old.generation + 1)
+        return True
+
+    def veto_replacements(self, region: str) -> None:
+        self.vetoed.add(region)
+
+    def lift_veto(self, region: str) -> None:
+        self.vetoed.discard(region)
+
+    def progress(self) -> Progress:
+        for rec in self._metrics.read():
+            first = self._progress.first_step_t
+            self._progress = Progress(
+                step=max(self._progress.step, int(rec["step"])),
+                first_step_t=float(rec["t"]) if first is None else first,
+            )
+        return self._progress
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.events.write(record)
+
+    # -- Roster (what the live view shows) -------------------------------------------------
+
+    def regions(self) -> list[str]:
+        return [r.name for r in self.config.cluster.regions]
+
+    def workers(self) -> list[WorkerState]:
+        return [WorkerState(p.name, p.region, p.alive) for p in self.procs.values()]
+
+
+class _StoreClient:
+    """The launcher's client of the run's store: the primary's, or the standby's once the
+    primary is gone. Connected on first use only: a run without in-process faults never
+    connects."""
+
+    def __init__(self, addrs: list[tuple[str, int]], token: str) -> None:
+        self.addrs = addrs  # the launcher's list, filled in as coordinators publish ports
+        self.token = token
+        self._at = 0
+        self._store: dist.Store | None = None
+
+    def set(self, key: str, value: str) -> bool:
+        import torch.distributed as dist
+
+        for _ in self.addrs:
+            try:
+                self._connected().set(key, value)
+                return True
+            except (RuntimeError, dist.DistError):  # that store is gone: try the next
+                self._store = None
+                self._at = (self._at + 1) % len(self.addrs)
+        return False
+
+    def _connected(self) -> dist.Store:
+        from datetime import timedelta
+
+        from perdure.runtime.control.store import AuthStore
+
+        if self._store is None:
+            host, port = self.addrs[self._at]
+            timeout = timedelta(seconds=STORE_TIMEOUT_S)
+            self._store = AuthStore(host, port, self.token, timeout)
+        return self._store

@@ -1,7 +1,8 @@
 """The live terminal view of a local run: progress, loss, throughput, regions, events.
 
-It only reads the run's own logs (metrics.jsonl, events.jsonl) and the launcher's process
-table, so what it shows is what a post-mortem would see.
+It only reads the run's own logs (metrics.jsonl, events.jsonl) and the launcher's roster
+(``launch/base.py``: its regions and workers), so what it shows is what a post-mortem would
+see, and it works with any launcher: it is a monitor hook, refreshed on every tick.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from rich.table import Table
 
 from perdure import events as ev
 from perdure.events import Tail
+from perdure.launch.base import Roster, WorkerState
 
 _SHOWN = {
     ev.FAULT_INJECTED: "red",
@@ -47,7 +49,7 @@ def describe(e: dict[str, Any]) -> str:
         return f"membership epoch {epoch}: {n} workers from step {start} ({e['reason']})"
     if kind == ev.STATE_RECEIVED:
         return f"{e['worker']} copied state from {e['from']} in {e['seconds']:.3f} s"
-    if kind == "decision":
+    if kind == ev.DECISION:
         return f"quarantined shards {e['shards']} at step {e['step']}"
     if kind == ev.CHECKPOINT_SAVED:
         return f"checkpoint step {e['step']} ({e['seconds']:.2f} s in background)"
@@ -56,9 +58,12 @@ def describe(e: dict[str, Any]) -> str:
 
 
 class LiveView:
-    """Refreshes a rich Live display from the run directory."""
+    """Refreshes a rich Live display from the run directory; a monitor hook."""
 
-    def __init__(self, run_dir: Path, steps: int, console: Console | None = None) -> None:
+    def __init__(
+        self, run_dir: Path, steps: int, roster: Roster, console: Console | None = None
+    ) -> None:
+        self.roster = roster
         self.metrics = Tail(run_dir / "metrics.jsonl", from_end=True)
         self.events = Tail(run_dir / "events.jsonl", from_end=True)
         self.steps = steps
@@ -83,7 +88,7 @@ class LiveView:
     def __exit__(self, *exc: object) -> None:
         self.live.__exit__(None, None, None)
 
-    def update(self, launcher: Any) -> None:
+    def tick(self) -> None:
         for m in self.metrics.read():
             self.last = m
         for e in self.events.read():
@@ -93,9 +98,9 @@ class LiveView:
             self.progress.update(self.task, completed=self.last["step"] + 1)
         if time.time() - self.last_draw > 0.1:
             self.last_draw = time.time()
-            self.live.update(self.render(launcher))
+            self.live.update(self.render())
 
-    def render(self, launcher: Any) -> Panel:
+    def render(self) -> Panel:
         m = self.last
         head = Table.grid(padding=(0, 3))
         head.add_row(
@@ -105,28 +110,20 @@ class LiveView:
             f"membership epoch [bold]{m.get('membership_epoch', '-')}[/]",
         )
         return Panel(
-            Group(self.progress, head, self._regions(launcher, m), self._log()),
+            Group(self.progress, head, self._regions(m), self._log()),
             title="perdure run",
             border_style="cyan",
         )
 
-    def _regions(self, launcher: Any, m: dict[str, Any]) -> Table:
+    def _regions(self, m: dict[str, Any]) -> Table:
         t = Table(box=None, padding=(0, 2), show_header=True, header_style="bold")
         t.add_column("region")
         t.add_column("workers (slots)")
         members = dict(zip(m.get("members", []), m.get("slots", []), strict=False))
-        for region in launcher.config.cluster.regions:
-            cells = []
-            for p in launcher.procs.values():
-                if p.region != region.name:
-                    continue
-                if not p.alive:
-                    cells.append(f"[red]{p.name} down[/]")
-                elif p.name in members:
-                    cells.append(f"[green]{p.name}[/] ({members[p.name]})")
-                else:
-                    cells.append(f"[yellow]{p.name} idle[/]")
-            t.add_row(region.name, "  ".join(cells))
+        workers = self.roster.workers()
+        for region in self.roster.regions():
+            cells = [_cell(w, members) for w in workers if w.region == region]
+            t.add_row(region, "  ".join(cells))
         return t
 
     def _log(self) -> Table:
@@ -134,3 +131,11 @@ class LiveView:
         for ts, style, text in self.log:
             t.add_row(f"{ts - self.started:7.2f}s", f"[{style}]{text}[/]")
         return t
+
+
+def _cell(w: WorkerState, members: dict[str, int]) -> str:
+    if not w.alive:
+        return f"[red]{w.name} down[/]"
+    if w.name in members:
+        return f"[green]{w.name}[/] ({members[w.name]})"
+    return f"[yellow]{w.name} idle[/]"

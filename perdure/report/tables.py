@@ -12,20 +12,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from perdure import events as ev
+from perdure.chaos.faults import failure_class
 from perdure.report.load import RunData, integer, num
 from perdure.report.svg import esc, short
 
 DASH = "–"
-
-# Fault kind -> failure class, for runs whose summary does not say (perdure.chaos kinds).
-KIND_CLASS = {
-    "kill": "hardware",
-    "hang": "hardware",
-    "comm_error": "hardware",
-    "delay": "network",
-    "region_down": "partial_cluster_loss",
-    "poison_shard": "data",
-}
 
 
 def seconds(v: Any, digits: int = 3) -> str:
@@ -135,7 +126,7 @@ def derived_fault_rows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {
             "fault": e.get("fault"),
             "kind": kind,
-            "class": KIND_CLASS.get(kind),
+            "class": failure_class(kind),
             "target": e.get("target"),
             "injected_step": e.get("step"),
             "injected_t": t0,
@@ -188,7 +179,7 @@ def fault_rows(data: RunData) -> tuple[list[list[str]], bool]:
             [
                 str(i if idx is None else idx),
                 str(f.get("kind") or DASH),
-                str(f.get("class") or KIND_CLASS.get(str(f.get("kind")), DASH)),
+                str(f.get("class") or failure_class(str(f.get("kind"))) or DASH),
                 str(f.get("target") or DASH),
                 DASH if step is None else str(step),
                 seconds(f.get("detect_s")),

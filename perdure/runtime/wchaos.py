@@ -2,19 +2,34 @@
 
 ``kill``, ``hang`` and ``region_down`` are real signals sent by the launcher; ``delay`` and
 ``comm_error`` need the process's cooperation, so the launcher posts them under
-``chaos/<worker>`` (or ``chaos/<region>``) in the store and the heartbeat thread picks them
-up: a delay holds this worker's heartbeats and its data-plane sends for ``delay_ms``;
-a comm error makes its next collective fail, as a dropped link would.
+``chaos/<worker>`` (or ``chaos/<region>``) in the store (``chaos/message.py``) and the
+heartbeat thread picks them up: a delay holds this worker's heartbeats and its data-plane
+sends for ``delay_ms``; a comm error makes its next collective fail, as a dropped link
+would.
+
+The heartbeat thread must outlive anything it reads: a value it cannot use (not JSON, an
+unknown kind, a bad field) is ignored and logged once, never raised. Once told the run's
+schedule (:meth:`ChaosState.arm`), the worker polls only the keys an in-process fault of
+that schedule can be posted under, and not at all when there is none.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as dist
+from perdure import events as ev
+from perdure.chaos import message
+from perdure.chaos.faults import in_process_kinds
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from perdure.chaos.config import ChaosConfig
+
+log = logging.getLogger(__name__)
 
 
 class ChaosState:
@@ -23,27 +38,61 @@ class ChaosState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._seen: dict[str, int] = {}
+        self._rejected: dict[str, bytes] = {}
+        self._targets: frozenset[str] | None = None  # None: not armed, poll every key
         self._delay_s = 0.0
         self._delay_until = 0.0
         self._comm_error = False
 
-    def poll(self, store: dist.Store, name: str, region: str, events: Any) -> None:
-        for key in (f"chaos/{name}", f"chaos/{region}"):
-            if not store.check([key]):
-                continue
-            fault = json.loads(store.get(key))
-            if fault["seq"] <= self._seen.get(key, 0):
-                continue
-            self._seen[key] = fault["seq"]
-            self._apply(fault)
+    def arm(self, schedule: ChaosConfig) -> None:
+        """Poll only for the targets of ``schedule``'s in-process faults (none: never)."""
+        self._targets = frozenset(f.target for f in schedule.in_process)
 
-    def _apply(self, fault: dict[str, Any]) -> None:
+    def watches(self, *targets: str) -> bool:
+        """Whether a fault can be posted for any of ``targets`` (worth a store connection)."""
+        return self._targets is None or any(t in self._targets for t in targets)
+
+    def poll(self, store: dist.Store, name: str, region: str, events: Any) -> None:
+        """Apply what the launcher posted for ``name`` or ``region`` since the last poll.
+        Store errors are the caller's (its connection); bad values are handled here."""
+        for target in (name, region):
+            if self._targets is not None and target not in self._targets:
+                continue
+            key = message.key(target)
+            if store.check([key]):
+                self._read(key, store.get(key), name, events)
+
+    def _read(self, key: str, raw: bytes, name: str, events: Any) -> None:
+        try:
+            fault = message.decode(raw, in_process_kinds())
+        except message.BadMessage as e:
+            self._reject(key, raw, str(e), name, events)
+            return
+        if fault.seq <= self._seen.get(key, 0):
+            return
+        self._seen[key] = fault.seq
+        self._apply(fault)
+
+    def _reject(self, key: str, raw: bytes, reason: str, name: str, events: Any) -> None:
+        """Log a bad value once (it stays in the store and is read on every heartbeat)."""
+        if self._rejected.get(key) == raw:
+            return
+        self._rejected[key] = raw
+        log.warning("%s: ignored the value under %s: %s", name, key, reason)
+        try:
+            if events is not None:
+                record = {"event": ev.FAULT_REJECTED, "worker": name, "key": key, "reason": reason}
+                events.write(record)
+        except OSError as e:  # the log is a courtesy here; the heartbeat must go on
+            log.warning("%s: could not log the ignored value: %s", name, e)
+
+    def _apply(self, fault: message.Message) -> None:
         with self._lock:
-            if fault["kind"] == "delay":
-                self._delay_s = fault["delay_ms"] / 1000
-                duration = fault.get("duration_s")
+            if fault.kind == "delay":
+                self._delay_s = fault.delay_ms / 1000
+                duration = fault.duration_s
                 self._delay_until = time.time() + duration if duration else float("inf")
-            elif fault["kind"] == "comm_error":
+            elif fault.kind == "comm_error":
                 self._comm_error = True
 
     def delay_s(self) -> float:

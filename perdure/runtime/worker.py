@@ -115,6 +115,7 @@ class Worker:
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
         self.config: RunConfig = config
         self.placement = Placement.of(config.train)
+        self.chaos.arm(config.chaos)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.trainer = Trainer(
@@ -388,11 +389,13 @@ class Worker:
     def _heartbeat(self) -> None:
         interval = self.config.cluster.heartbeat_ms / 1000
         store: dist.Store | None = None
+        watched = self.chaos.watches(self.name, self.region)
         while not self.stopped:
             time.sleep(interval)
             try:
-                store = store or self._store(5.0)
-                self.chaos.poll(store, self.name, self.region, self.events)
+                if watched:
+                    store = store or self._store(5.0)
+                    self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None
             delay = self.chaos.delay_s()

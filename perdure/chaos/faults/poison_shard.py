@@ -1,0 +1,45 @@
+"""``poison_shard``: one data shard starts yielding NaN."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from perdure import events as ev
+from perdure.chaos.faults.base import Fault, Record
+
+if TYPE_CHECKING:
+    from perdure.chaos.config import FaultConfig
+    from perdure.chaos.control import ClusterControl
+    from perdure.config import Checker
+
+
+class PoisonShard(Fault):
+    """The samples of one shard yield NaN from ``at_step`` on, applied by every loader at
+    exactly that step (so a reference run poisons the same samples); the shard is
+    quarantined, a decision-log entry."""
+
+    kind = "poison_shard"
+    failure_class = "data"
+    target = "shard"
+    replans = False
+    changes_math = True
+
+    def validate(self, fault: FaultConfig, c: Checker) -> None:
+        super().validate(fault, c)
+        rule = "poison_shard needs a step trigger (the reference run must poison the same samples)"
+        c.check(fault.at_step is not None, "at_step", rule, fault.at_s)
+
+    def inject(self, fault: FaultConfig, control: ClusterControl) -> list[int]:
+        return []  # the loaders apply it (see the class doc); the record marks the step
+
+    def started_at(self, fault: Record, metrics: list[Record]) -> float:
+        """When its step started (the loaders may apply it before the launcher notices
+        that step): when the step before it committed."""
+        at = fault.get("at_step")
+        if at is None:
+            return float(fault["t"])
+        before = [m["t"] for m in metrics if m["step"] < at]
+        return max(before) if before else min((m["t"] for m in metrics), default=float(fault["t"]))
+
+    def detected(self, e: Record, fault: Record, region_workers: set[str]) -> bool:
+        return e["event"] == ev.DECISION and int(fault["target"]) in e.get("shards", [])
