@@ -79,7 +79,7 @@ def _worker(rank, W, port, cfg, steps, repeats, q):  # pragma: no cover - subpro
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from perdure.config.run import config_from_dict
+    from perdure.run_config import config_from_dict
     from perdure.runtime.comm.chain import chain_reduce
     from perdure.runtime.comm.group import Comm
     from perdure.runtime.replica.slots import Readiness

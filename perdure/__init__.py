@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 # for importing torch.
 _EXPORTS = {
     "ConfigError": "perdure.config.errors",
-    "RunConfig": "perdure.config.run",
-    "load_config": "perdure.config.run",
-    "config_hash": "perdure.config.run",
+    "RunConfig": "perdure.run_config",
+    "load_config": "perdure.run_config",
+    "config_hash": "perdure.run_config",
     "provenance": "perdure.provenance",
     "Task": "perdure.runtime.replica.task",
     "run": "perdure.launch.api",
@@ -43,10 +43,10 @@ assert set(__all__) == {"__version__", *_EXPORTS}
 if TYPE_CHECKING:
     from perdure.checkpoint import load_checkpoint, state_digest
     from perdure.config.errors import ConfigError
-    from perdure.config.run import RunConfig, config_hash, load_config
     from perdure.launch.api import run
     from perdure.provenance import provenance
     from perdure.report import write_report
+    from perdure.run_config import RunConfig, config_hash, load_config
     from perdure.runtime.replica.task import Task
 
 

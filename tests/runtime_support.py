@@ -7,10 +7,10 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
-from perdure.config.run import RunConfig, config_from_dict
 from perdure.data import build_dataset
 from perdure.events import read_jsonl
 from perdure.launch.api import run
+from perdure.run_config import RunConfig, config_from_dict
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from perdure.config.run import RunConfig
 from perdure.events import read_jsonl
+from perdure.run_config import RunConfig
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import AdmissionRefused, connect, mac, verify
 from perdure.runtime.control.coordinator import Coordinator

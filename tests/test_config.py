@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
+from perdure.config.diff import diff_canonical
 from perdure.config.errors import ConfigError
-from perdure.config.run import (
+from perdure.run_config import (
     RunConfig,
     canonical,
     config_from_dict,
     config_hash,
-    diff_canonical,
     load_config,
     with_overrides,
 )
@@ -120,7 +120,7 @@ def test_configs_are_keyword_only_and_frozen() -> None:
 
 
 def test_configuration_reference_is_generated_from_the_code() -> None:
-    from perdure.config.docs import reference_markdown
+    from perdure.run_config.reference import reference_markdown
 
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert page == reference_markdown(), "run: perdure config fields > docs/configuration.md"
@@ -130,7 +130,7 @@ def test_every_config_field_has_a_docstring() -> None:
     import dataclasses
 
     from perdure.chaos.config import FaultConfig
-    from perdure.config.docs import field_docs
+    from perdure.run_config.reference import field_docs
     from perdure.runtime.config import RegionConfig
 
     sections = [f.default_factory().__class__ for f in dataclasses.fields(RunConfig)]  # type: ignore[misc]

@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from perdure import events as ev
-from perdure.config.run import RunConfig, with_overrides
 from perdure.events import read_jsonl
+from perdure.run_config import RunConfig, with_overrides
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import connect

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from perdure import events as ev
-from perdure.config.run import RunConfig, with_overrides
+from perdure.run_config import RunConfig, with_overrides
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.plan import Plan

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perdure.config.run import with_overrides
+from perdure.run_config import with_overrides
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 30

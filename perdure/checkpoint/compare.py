@@ -53,7 +53,7 @@ def compare(a: LoadedCheckpoint, b: LoadedCheckpoint) -> tuple[list[str], bool]:
         if encode(va) != encode(vb):
             lines.append(f"field {name}: differs")
     if a.config_hash != b.config_hash:
-        from perdure.config.run import diff_canonical
+        from perdure.config.diff import diff_canonical
 
         keys = diff_canonical(a.canonical_config, b.canonical_config)
         lines.append(f"  config keys: {', '.join(keys) or '(none)'}")

@@ -316,7 +316,7 @@ def check_compatible(
             )
     if loaded.config_hash == config_hash:
         return []
-    from perdure.config.run import diff_canonical
+    from perdure.config.diff import diff_canonical
 
     keys = diff_canonical(loaded.canonical_config, canonical)
     if not allow_config_change:

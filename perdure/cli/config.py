@@ -22,8 +22,8 @@ def config() -> None:
 )
 def check(file: str, canonical: bool) -> None:
     """Validate FILE; print its config hash, or every problem found, and exit 1."""
-    from perdure.config.run import canonical as canon
-    from perdure.config.run import config_hash, load_config
+    from perdure.run_config import canonical as canon
+    from perdure.run_config import config_hash, load_config
 
     try:
         cfg = load_config(file)
@@ -39,6 +39,6 @@ def check(file: str, canonical: bool) -> None:
 @config.command("fields")
 def fields() -> None:
     """Print the reference of every config field (the source of docs/configuration.md)."""
-    from perdure.config.docs import reference_markdown
+    from perdure.run_config.reference import reference_markdown
 
     click.echo(reference_markdown(), nl=False)

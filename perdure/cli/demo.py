@@ -35,10 +35,10 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
     prove the final parameters are bitwise-equal to a fault-free run."""
     from rich.console import Console
 
-    from perdure.config.run import load_config
     from perdure.launch.api import run
     from perdure.launch.demo import DATASET, ensure_dataset, fault_table, reference
     from perdure.report import write_report
+    from perdure.run_config import load_config
 
     console = Console() if sys.stdout.isatty() else Console(width=120)
     root = Path(__file__).resolve().parents[2]

@@ -59,9 +59,9 @@ def run(
     live: bool | None,
 ) -> None:
     """Train CONFIG: a coordinator and one process per worker on this machine."""
-    from perdure.config.run import load_config, with_overrides
     from perdure.launch.api import run as run_api
     from perdure.launch.api import spread_workers
+    from perdure.run_config import load_config, with_overrides
 
     try:
         cfg = load_config(config_file)

@@ -132,8 +132,8 @@ def coordinator(
 ) -> None:
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
     from perdure.config.errors import ConfigError
-    from perdure.config.run import config_from_dict, load_config
     from perdure.lifecycle import die_with_parent
+    from perdure.run_config import config_from_dict, load_config
     from perdure.runtime.control.coordinator import Coordinator
 
     die_with_parent()  # started by a launcher: end with it (no-op when started by hand)

@@ -1,7 +1,8 @@
-"""Config plumbing: problem collection and TOML-to-dataclass building.
+"""Config plumbing, the bottom layer: problem collection, TOML-to-dataclass building and
+diffs of canonical configs.
 
-The run config itself lives in :mod:`perdure.config.run`, imported explicitly, so that the
-component configs (which import this package for :class:`Checker`) do not form a cycle.
+Every component's config imports this package (for :class:`Checker`); it imports none of
+them. The run config that composes them lives above them, in :mod:`perdure.run_config`.
 """
 
 from perdure.config.build import build

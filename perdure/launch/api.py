@@ -6,8 +6,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from perdure.config.run import RunConfig, config_hash, with_overrides
 from perdure.launch.local import LocalLauncher
+from perdure.run_config import RunConfig, config_hash, with_overrides
 
 
 def spread_workers(config: RunConfig, workers: int) -> RunConfig:

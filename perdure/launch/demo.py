@@ -20,7 +20,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from perdure.config.run import RunConfig, config_hash, to_dict, with_overrides
+from perdure.run_config import RunConfig, config_hash, to_dict, with_overrides
 
 DATASET = Path("runs/datasets/demo-stdlib")
 

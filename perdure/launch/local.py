@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from perdure import events as ev
-from perdure.config.run import RunConfig, to_dict
 from perdure.events import JsonLines, Tail
 from perdure.launch.base import MonitorHook, Progress, WorkerState
 from perdure.launch.procs import Process, child_env, start_coordinator, start_worker, wait_ports
 from perdure.launch.zygote import Zygote
+from perdure.run_config import RunConfig, to_dict
 
 if TYPE_CHECKING:
     import torch.distributed as dist

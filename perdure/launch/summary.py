@@ -10,8 +10,8 @@ from typing import Any
 
 from perdure import events as ev
 from perdure.chaos.summary import fault_report, goodput, totals
-from perdure.config.run import RunConfig
 from perdure.events import read_jsonl
+from perdure.run_config import RunConfig
 
 
 def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[str, Any]:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from perdure import events as ev
 from perdure.checkpoint import AsyncCheckpointer
-from perdure.config.run import RunConfig, config_from_dict
 from perdure.events import JsonLines
+from perdure.run_config import RunConfig, config_from_dict
 from perdure.runtime.comm.exchange import StoreExchange
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer

@@ -24,8 +24,8 @@ from collections import deque
 from dataclasses import dataclass
 
 from perdure import events as ev
-from perdure.config.run import RunConfig
 from perdure.events import JsonLines
+from perdure.run_config import RunConfig
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import LineSocket, verify

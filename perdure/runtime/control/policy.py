@@ -34,7 +34,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from perdure import events as ev
-from perdure.config.run import RunConfig, to_dict
+from perdure.run_config import RunConfig, to_dict
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance

@@ -21,9 +21,9 @@ from perdure.checkpoint import (
     restore_rng,
     state_digest,
 )
-from perdure.config.run import RunConfig, canonical, config_hash
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
+from perdure.run_config import RunConfig, canonical, config_hash
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import build_optimizer, build_task, lr_at

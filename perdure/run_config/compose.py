@@ -109,20 +109,6 @@ def config_hash(config: RunConfig) -> str:
     return "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest()
 
 
-def diff_canonical(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two canonical configs."""
-    keys = sorted(set(a) | set(b))
-    out: list[str] = []
-    for k in keys:
-        key = f"{prefix}.{k}" if prefix else k
-        va, vb = a.get(k), b.get(k)
-        if isinstance(va, dict) and isinstance(vb, dict):
-            out += diff_canonical(va, vb, key)
-        elif va != vb:
-            out.append(key)
-    return out
-
-
 def with_overrides(config: RunConfig, **sections: dict[str, Any]) -> RunConfig:
     """A copy of ``config`` with some fields of some sections replaced, re-validated."""
     data = to_dict(config)

@@ -14,7 +14,7 @@ import itertools
 import textwrap
 from typing import Any
 
-from perdure.config.run import RunConfig
+from perdure.run_config import RunConfig
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -1,0 +1,30 @@
+"""The run config: the components' config dataclasses composed into one ``RunConfig``.
+
+It sits above every component (it imports their configs) and below everything that runs
+(runtime, launch, cli), so the bottom-layer ``perdure.config`` package (problems,
+building, diffs) imports no component and no component imports this package's parents.
+"""
+
+from perdure.run_config.compose import (
+    RunConfig,
+    RunOptions,
+    canonical,
+    canonical_json,
+    config_from_dict,
+    config_hash,
+    load_config,
+    to_dict,
+    with_overrides,
+)
+
+__all__ = [
+    "RunConfig",
+    "RunOptions",
+    "canonical",
+    "canonical_json",
+    "config_from_dict",
+    "config_hash",
+    "load_config",
+    "to_dict",
+    "with_overrides",
+]
