@@ -32,6 +32,8 @@ WORKER_DONE: Final = "worker_done"
 """A member finished the last step (its final hash)."""
 RUN_END: Final = "run_end"
 """Every member is done; exits from here on are shutdown."""
+RUN_DRAINING: Final = "run_draining"
+"""A stop was asked for (a signal): members finish at a step boundary and checkpoint."""
 RUN_FAILED: Final = "run_failed"
 """The run cannot go on (an error that every replica reproduces, e.g. in the math)."""
 
@@ -111,6 +113,7 @@ NAMES: frozenset[str] = frozenset(
         ZYGOTE_UNAVAILABLE,
         WORKER_DONE,
         RUN_END,
+        RUN_DRAINING,
         RUN_FAILED,
         JOIN,
         REFUSED,

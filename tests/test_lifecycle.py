@@ -112,3 +112,45 @@ def test_killing_the_launcher_leaves_no_process_of_the_run(
         launcher.wait(10)
     left = [p for p in procs if not _gone(p, 15)]
     assert left == [], f"processes of the run outlived its launcher: {left}"
+
+
+_STEPS = 150
+
+
+def test_sigterm_to_the_launcher_drains_the_run_to_a_final_checkpoint_that_resumes_exactly(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    import json
+
+    from perdure import events as ev
+    from perdure.checkpoint import latest_checkpoint, read_manifest
+    from tests.runtime_support import events, run_to_end, small_config
+
+    root = str(Path(__file__).resolve().parent.parent)
+    script = _LAUNCHER.replace("steps=100000", f"steps={_STEPS}")
+    rd = tmp_path / "run"
+    launcher = subprocess.Popen([sys.executable, "-c", script, str(small_dataset), str(rd), root])
+    try:
+        metrics = rd / "metrics.jsonl"
+        end = time.monotonic() + 60
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
+            assert time.monotonic() < end and launcher.poll() is None, "the run never stepped"
+            time.sleep(0.1)
+        procs = _descendants(launcher.pid)
+        t0 = time.monotonic()
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(30) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert time.monotonic() - t0 < 30
+    assert [p for p in procs if not _gone(p, 10)] == []
+    summary = json.loads((rd / "summary.json").read_text())
+    [drain] = events(rd, ev.RUN_DRAINING)
+    ckpt = latest_checkpoint(rd / "checkpoints")
+    assert ckpt is not None and int(read_manifest(ckpt)["step"]) == drain["step"]
+    assert summary["last_step"] == drain["step"] - 1 < _STEPS - 1
+    cfg = small_config(small_dataset, workers=2, steps=_STEPS)
+    resumed = run_to_end(cfg, rd, resume="latest", timeout_s=120)
+    ref = run_to_end(small_config(small_dataset, workers=1, steps=_STEPS), tmp_path / "ref")
+    assert resumed["final_hash"] == ref["final_hash"]

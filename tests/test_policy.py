@@ -313,3 +313,44 @@ def test_an_abort_stops_every_worker_once_with_the_reason() -> None:
     assert pol.Finish() in out and d.policy.finished
     assert d.recv("w1", p.Abort(reason="the same")) == []  # reported once
     assert [r["reason"] for r in d.logged(ev.RUN_FAILED)] == ["step 3: non-finite update"]
+
+
+def test_a_drain_stops_every_member_at_one_boundary_and_ends_the_run_when_all_are_done() -> None:
+    d = running(2, heartbeat_ms=100)
+    for w in ("w0", "w1"):
+        d.recv(w, p.Heartbeat(next_step=10, prepared=True, slot_s=0.05))  # 0.1 s steps
+    out = d.feed(pol.DrainRequested("SIGTERM", d.now))
+    drains = {e.to: e.msg for e in out if isinstance(e, pol.Send) and isinstance(e.msg, p.Drain)}
+    assert set(drains) == {"w0", "w1"}
+    step = drains["w0"].step
+    assert step == 10 + 1 + pol.boundary_margin(0.1, 0.1) and drains["w1"].step == step
+    d.admit("w9")  # a joiner while draining is not planned in
+    for _ in range(20):
+        for w in ("w0", "w1", "w9"):
+            d.recv(w, p.Heartbeat(next_step=11, prepared=True, slot_s=0.05))
+        d.tick(0.1)
+    assert d.policy.pending is None
+    for w in ("w0", "w1"):
+        d.recv(w, p.Done(next_step=step, final_hash="sha256:aa"))
+    out = d.tick()
+    assert pol.Finish() in out
+    stops = [e.msg for e in out if isinstance(e, pol.Send) and isinstance(e.msg, p.Stop)]
+    assert stops and all(m.reason == "run stopped: SIGTERM" for m in stops)
+    assert d.logged(ev.RUN_DRAINING)[0]["step"] == step
+
+
+def test_a_member_that_joins_during_a_drain_is_told_where_to_stop() -> None:
+    d = running(3)
+    d.feed(pol.DrainRequested("SIGINT", d.now))
+    d.feed(pol.Closed("w2", "gone", d.now))
+    out = d.ready("w0", "w1", next_step=2)
+    sent = [(e.to, type(e.msg).__name__) for e in out if isinstance(e, pol.Send)]
+    assert ("w0", "Start") in sent and ("w0", "Drain") in sent
+    assert sent.index(("w0", "Start")) < sent.index(("w0", "Drain"))
+
+
+def test_a_drain_before_the_first_epoch_ends_the_run_at_once() -> None:
+    d = Driver(make_policy(3))
+    d.admit("w0")
+    out = d.feed(pol.DrainRequested("SIGTERM", 0.0))
+    assert pol.Finish() in out and d.policy.finished

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import click
@@ -160,6 +161,10 @@ def coordinator(
         expected_workers=expected_workers,
         standby=standby,
     )
+    # SIGTERM (a launcher or cluster manager asking for a clean stop): drain the run at a
+    # step boundary with a final checkpoint. SIGINT: stop serving now.
+    signal.signal(signal.SIGTERM, lambda *_: c.request_drain("SIGTERM"))
+    signal.signal(signal.SIGINT, lambda *_: c.stop())
     if ports_file:
         tmp = ports_file + ".tmp"
         with open(tmp, "w") as f:
@@ -174,4 +179,4 @@ def coordinator(
             )
         os.replace(tmp, ports_file)
     c.serve()
-    _exit(0)
+    _exit(0 if c.policy.finished else 130)  # 0: the run ended (complete or drained)

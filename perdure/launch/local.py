@@ -10,12 +10,15 @@ view), which it serves through the narrow ``ClusterControl`` and ``Roster`` face
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,9 +39,32 @@ ZYGOTE_READY_S = 60.0
 STORE_TIMEOUT_S = 5.0
 """How long posting an in-process fault may wait for the store (the monitor loop waits)."""
 
+DRAIN_S = 60.0
+"""After SIGTERM or SIGINT, how long the launcher waits for the run to drain (a step
+boundary and the final checkpoint) before it stops every process at once."""
+
 MAX_CRASHES = 3
 """A worker that crashes this often without a fault being injected is a bug, not a fault:
 the launcher stops instead of replacing it for ever."""
+
+
+class StopRequested(RuntimeError):
+    """A second SIGTERM or SIGINT while the run was draining: stop everything now."""
+
+
+@contextlib.contextmanager
+def _on_signals(handler: Callable[[int, Any], None]) -> Iterator[None]:
+    """Route SIGTERM and SIGINT to ``handler`` while the block runs (main thread only:
+    elsewhere Python cannot install handlers, and the caller's own handling applies)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 @dataclass
@@ -78,6 +104,9 @@ class LocalLauncher:
         self.hooks: list[MonitorHook] = list(hooks or [])
         """Called on every monitor tick, in order (fault injection before the view)."""
         self.token = secrets.token_hex(16)
+        self.stop_signal = ""
+        """The signal that asked this run to stop early (empty: none)."""
+        self.drain_deadline: float | None = None
         self.procs: dict[str, Proc] = {}
         self.coordinators: list[Proc] = []
         self.addresses: list[str] = []
@@ -143,20 +172,40 @@ class LocalLauncher:
     # -- the run ---------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
+        """Start everything, wait for the run to end, stop everything; the summary.
+
+        SIGTERM or SIGINT (when this runs in the main thread) asks for a clean stop: the
+        coordinator drains the run at a step boundary with a final checkpoint, and the run
+        ends as a complete one does. A second signal, or no end within ``DRAIN_S``, stops
+        every process at once. The summary is written in every case."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.events.write(
             {"event": ev.RUN_START, "run_dir": str(self.run_dir), "resume": self.resume}
         )
-        try:
-            self._start_coordinators()
-            self._start_zygote()
-            self._start_workers()
-            self._monitor()
-        finally:
-            self._stop_all()
         from perdure.launch.summary import write_summary
 
-        return write_summary(self.run_dir, self.config, started=self.started)
+        try:
+            with _on_signals(self._on_signal):
+                self._start_coordinators()
+                self._start_zygote()
+                self._start_workers()
+                self._monitor()
+        finally:
+            self._stop_all()
+            summary = write_summary(self.run_dir, self.config, started=self.started)
+        if self.stop_signal:
+            summary["stopped_by"] = self.stop_signal
+        return summary
+
+    def _on_signal(self, signum: int, frame: Any = None) -> None:
+        name = signal.Signals(signum).name
+        if self.stop_signal:
+            raise StopRequested(f"{name} again while stopping: every process stopped now")
+        self.stop_signal = name
+        self.drain_deadline = time.monotonic() + DRAIN_S
+        for c in self.coordinators:
+            if c.alive:
+                c.popen.send_signal(signal.SIGTERM)  # the coordinator drains the run
 
     def _start_zygote(self) -> None:
         """The fork server every worker starts from (see ``launch/zygote.py``), where
@@ -173,6 +222,10 @@ class LocalLauncher:
         while time.monotonic() < end:
             if self._run_complete():
                 return
+            if self.drain_deadline is not None and time.monotonic() > self.drain_deadline:
+                raise TimeoutError(
+                    f"the run did not stop within {DRAIN_S:g} s of {self.stop_signal}"
+                )
             if not self._run_ended():
                 self._reap()
             self._tick()
@@ -238,10 +291,12 @@ class LocalLauncher:
         return self.procs[name].region not in self.vetoed
 
     def _stop_all(self) -> None:
+        """Stop every process: workers with SIGTERM (they leave), coordinators with SIGINT
+        (they stop serving at once; SIGTERM would ask them to drain)."""
         for p in [*self.procs.values(), *self.coordinators]:
             if p.alive:
                 p.popen.send_signal(signal.SIGCONT)
-                p.popen.terminate()
+                p.popen.send_signal(signal.SIGINT if p.kind == "coordinator" else signal.SIGTERM)
         deadline = time.monotonic() + 10
         for p in [*self.procs.values(), *self.coordinators]:
             try:

@@ -320,8 +320,7 @@ class Worker:
 
     def _steps(self, ep: Epoch) -> None:
         assert self.trainer is not None
-        steps = self.config.train.steps
-        while self.trainer.next_step < steps:
+        while self.trainer.next_step < self.client.last_step(self.config.train.steps):
             t = self.trainer.next_step
             self.inflight = t
             if self._should_stop(t):
@@ -346,7 +345,11 @@ class Worker:
             self.has_state = False  # receive a live peer's state in the next epoch
             raise CommFailed(f"replica diverged at step {tr.next_step}")
         ck = self.config.checkpoint.every_steps
-        if ck and tr.next_step % ck == 0 and tr.next_step < self.config.train.steps:
+        if (
+            ck
+            and tr.next_step % ck == 0
+            and tr.next_step < self.client.last_step(self.config.train.steps)
+        ):
             ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
 
     def _metrics(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:

@@ -52,6 +52,8 @@ class MembershipClient:
         self.announce: p.Announce | None = None
         self.starts: dict[int, p.Start] = {}
         self.stopped = False
+        self.stop_reason = ""
+        self.drain: p.Drain | None = None
         self.lost = False
         self.epoch_no = -1
         self.line: LineSocket | None = None
@@ -100,8 +102,10 @@ class MembershipClient:
                 self.announce = msg
             elif isinstance(msg, p.Start):
                 self.starts[msg.epoch] = msg
+            elif isinstance(msg, p.Drain):
+                self.drain = msg
             elif isinstance(msg, p.Stop):
-                self.stopped = True
+                self.stopped, self.stop_reason = True, msg.reason
             self.cond.notify_all()
 
     def _on_lost(self) -> None:
@@ -148,6 +152,10 @@ class MembershipClient:
                 self.cond.wait(timeout=1.0)
             self.epoch_no = epoch
             return self.starts.pop(epoch)
+
+    def last_step(self, steps: int) -> int:
+        """The step the run ends at: ``steps``, or earlier once a drain was asked for."""
+        return steps if self.drain is None else min(steps, self.drain.step)
 
     def should_stop(self, step: int) -> bool:
         """True when step ``step`` must not run (or be abandoned) in the current epoch."""

@@ -123,6 +123,11 @@ class Coordinator:
     def stop(self) -> None:
         self.finished = True
 
+    def request_drain(self, reason: str) -> None:
+        """Ask for an early, clean stop (safe from a signal handler: one deque append; the
+        policy sees it on the loop's next turn)."""
+        self.queue.append(pol.DrainRequested(reason, time.monotonic()))
+
     def _drain(self) -> None:
         """Feed queued events to the policy one at a time; effects may queue more."""
         while self.queue:

@@ -95,7 +95,15 @@ class CheckpointFound:
     now: float
 
 
-Event = Joined | Received | Closed | Tick | CheckpointFound
+@dataclass(frozen=True)
+class DrainRequested:
+    """Someone asked the run to stop early and cleanly (a signal to the coordinator)."""
+
+    reason: str
+    now: float
+
+
+Event = Joined | Received | Closed | Tick | CheckpointFound | DrainRequested
 
 # -- effects out -----------------------------------------------------------------------------
 
@@ -212,6 +220,7 @@ class Policy:
         self.finished = False
         self.took_over = False
         self.fail_at: float | None = None
+        self.drain: p.Drain | None = None
         self.out: list[Effect] = []
         self.now = now
 
@@ -227,6 +236,8 @@ class Policy:
             self._on_closed(event)
         elif isinstance(event, Tick):
             self._tick(event.now)
+        elif isinstance(event, DrainRequested):
+            self._on_drain(event)
         else:
             self._on_checkpoint(event)
         out, self.out = self.out, []
@@ -421,8 +432,9 @@ class Policy:
         if self.current is None:
             self._maybe_first_epoch(now)
             return
-        self._maybe_grow()
-        self._maybe_replan(now)
+        if self.drain is None:
+            self._maybe_grow()
+            self._maybe_replan(now)
         self._maybe_finish()
 
     def _maybe_first_epoch(self, now: float) -> None:
@@ -508,11 +520,33 @@ class Policy:
             return
         members = [self.workers[m] for m in self.current.members]
         if members and all(m.done for m in members):
-            self._log(ev.RUN_END, next_step=members[0].next_step)
-            for w in self._alive():
-                self._send(w.name, p.Stop(reason="run complete"))
-            self.finished = True
-            self.out.append(Finish())
+            self._end_run(next_step=members[0].next_step)
+
+    def _end_run(self, next_step: int | None) -> None:
+        self._log(ev.RUN_END, next_step=next_step)
+        reason = "run complete" if self.drain is None else f"run stopped: {self.drain.reason}"
+        for w in self._alive():
+            self._send(w.name, p.Stop(reason=reason))
+        self.finished = True
+        self.out.append(Finish())
+
+    # -- an early, clean stop --------------------------------------------------------------
+
+    def _on_drain(self, e: DrainRequested) -> None:
+        """Members finish at a step boundary far enough ahead that none has begun it, write
+        the final checkpoint and report done; the run then ends as a complete one does.
+        Before any epoch has started there is nothing to checkpoint: the run just ends."""
+        if self.finished or self.drain is not None:
+            return
+        if self.current is None and self.pending is None:
+            if self.workers or not self.s.standby:  # an idle standby waits for the primary
+                self._log(ev.RUN_DRAINING, reason=e.reason, step=None)
+                self._end_run(next_step=None)
+            return
+        self.drain = p.Drain(step=min(self._boundary(), self.s.config.train.steps), reason=e.reason)
+        self._log(ev.RUN_DRAINING, reason=e.reason, step=self.drain.step)
+        for w in self._alive():
+            self._send(w.name, self.drain)
 
     # -- epochs ----------------------------------------------------------------------------
 
@@ -595,6 +629,8 @@ class Policy:
         )
         for m in pend.members:
             self._send(m, msg)
+            if self.drain is not None:
+                self._send(m, self.drain)  # a joiner or promoted spare must stop there too
             self.workers[m].next_step = start
         self.current, self.pending = plan, None
         self.last_replan = self.now

@@ -179,6 +179,16 @@ class Start:
 
 
 @dataclass(frozen=True)
+class Drain:
+    """Stop the run early, cleanly: finish step ``step - 1``, write the final checkpoint
+    (all members, as at the end of a run), report done. ``reason``: who asked (a signal)."""
+
+    type: ClassVar[str] = "drain"
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Stop:
     """The run is over for this worker."""
 
@@ -187,7 +197,7 @@ class Stop:
 
 
 FromWorker = Hello | Heartbeat | Ready | Fail | Leave | Evict | Done | Abort
-FromCoordinator = Challenge | Welcome | Refused | Announce | Start | Stop
+FromCoordinator = Challenge | Welcome | Refused | Announce | Start | Drain | Stop
 Message = FromWorker | FromCoordinator
 
 _TYPES: dict[str, type[Any]] = {
@@ -206,6 +216,7 @@ _TYPES: dict[str, type[Any]] = {
         Refused,
         Announce,
         Start,
+        Drain,
         Stop,
     )
 }
@@ -369,6 +380,7 @@ __all__ = [
     "Announce",
     "Challenge",
     "Done",
+    "Drain",
     "Evict",
     "Fail",
     "FromCoordinator",
