@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import random
 import socket
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -13,6 +15,7 @@ import torch
 
 from perdure.checkpoint import CheckpointState, capture_rng
 from perdure.checkpoint.compare import same_bits  # one definition of bitwise equality
+from perdure.checkpoint.manifest import SEAL_KEY, encode_manifest
 
 
 def trained_model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -128,3 +131,16 @@ def same_tree(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return type(a) is type(b) and a == b
+
+
+def rewrite_manifest(
+    path: Path, edit: Callable[[dict[str, Any]], object], *, seal: bool = True
+) -> None:
+    """Apply ``edit`` to the manifest of checkpoint ``path`` and write it back, resealed
+    (as a writer would, so that only the structural rules stand in the way) or, with
+    ``seal=False``, as plain JSON without a seal."""
+    mpath = path / "manifest.json"
+    m = json.loads(mpath.read_bytes())
+    m.pop(SEAL_KEY, None)
+    edit(m)
+    mpath.write_bytes(encode_manifest(m) if seal else json.dumps(m).encode())
