@@ -63,9 +63,10 @@ def load_checkpoint(
 
 
 def context_fields(ctx: dict[str, Any], tensors: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """The context's fields decoded from tagged JSON, optimizer tensors put in place."""
+    """The context's fields decoded from tagged JSON, optimizer tensors put in place;
+    each must decode to its type (a tag cannot turn the optimizer state into a tuple)."""
     try:
-        return {
+        fields = {
             "step": ctx["step"],
             "optimizer": unflatten_optimizer(ctx["optimizer"], tensors),
             "rng": codec.decode(ctx["rng"]),
@@ -78,6 +79,10 @@ def context_fields(ctx: dict[str, Any], tensors: Mapping[str, Any], where: str) 
         }
     except (KeyError, TypeError, ValueError, RecursionError) as e:
         raise CorruptCheckpointError(where, f"context is incomplete or malformed ({e})") from None
+    for key, tp in rules.CONTEXT_FIELDS.items():
+        if not isinstance(fields[key], tp):
+            raise CorruptCheckpointError(where, f"field {key!r} decodes to a non-{tp.__name__}")
+    return fields
 
 
 @dataclass(frozen=True)

@@ -127,9 +127,13 @@ class Checkpoint:
         ctx = _loads(data, file)
         _check_context(file, ctx, self.step, self._tensors)
         try:
-            return _decode(ctx)
+            out = _decode(ctx)
         except (KeyError, TypeError, ValueError, RecursionError) as e:
             raise _fail(file, f"malformed tagged value ({e})") from None
+        for key, tp in _CONTEXT.items():
+            if not isinstance(out[key], tp):
+                raise _fail(file, f"field {key!r} decodes to a non-{tp.__name__}")
+        return out  # type: ignore[no-any-return]
 
     def tensor(self, name: str, rows: tuple[int, int] | None = None, bf16: str = "float32") -> Any:
         """Tensor ``name`` (or rows ``[start, stop)`` of its first dimension) as numpy."""

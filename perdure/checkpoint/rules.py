@@ -25,7 +25,7 @@ from perdure.checkpoint.sfile import Entry
 MODEL, OPTIMIZER = "model/", "optimizer/"
 _CHECKSUM = re.compile(r"crc32:[0-9a-f]{8}")
 _TOP: dict[str, type] = {"files": dict, "context": str, "tensors": dict}
-_CONTEXT: dict[str, type] = {
+CONTEXT_FIELDS: dict[str, type] = {
     "step": int,
     "optimizer": dict,
     "rng": dict,
@@ -36,6 +36,7 @@ _CONTEXT: dict[str, type] = {
     "provenance": dict,
     "decisions": list,
 }
+"""The context's fields and their types, as JSON and once decoded from tagged JSON."""
 
 
 @dataclass(frozen=True)
@@ -269,7 +270,7 @@ def check_context(
 ) -> None:
     """The context has every field with its JSON type, the manifest's step, and its
     optimizer references every ``optimizer/`` tensor exactly once and nothing else."""
-    for key, tp in _CONTEXT.items():
+    for key, tp in CONTEXT_FIELDS.items():
         value = ctx.get(key)
         if not isinstance(value, tp) or (tp is int and type(value) is not int):
             raise CorruptCheckpointError(where, f"field {key!r} is missing or not a {tp.__name__}")
