@@ -107,52 +107,57 @@ def run_checks(path: Path) -> dict[str, tuple[str, str]]:
     return out
 
 
+VERDICTS = ("clean error", "identical", "traceback", "silent load", "disagreement")
+
+
+def verdict(outcomes: dict[str, str]) -> str:
+    """One input's verdict over every check's outcome (worst first)."""
+    kinds = set(outcomes.values())
+    if "traceback" in kinds:
+        return "traceback"
+    if "changed" in kinds:
+        return "silent load"
+    if len(kinds) > 1:
+        return "disagreement"
+    return "clean error" if kinds == {"error"} else "identical"
+
+
 @dataclass
 class Tally:
     """Counts over inputs: each input is one mutated checkpoint, judged by every check."""
 
-    inputs: int = 0
-    clean_errors: int = 0
-    identical: int = 0
-    tracebacks: int = 0
-    silent_loads: int = 0
-    disagreements: int = 0
+    verdicts: Counter[str] = field(default_factory=Counter)
+    per_kind: Counter[tuple[str, str]] = field(default_factory=Counter)
     per_check: Counter[str] = field(default_factory=Counter)
-    per_kind: Counter[str] = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
+
+    @property
+    def inputs(self) -> int:
+        return sum(self.verdicts.values())
 
     def add(
         self, kind: str, what: str, got: dict[str, tuple[str, str]], want: dict[str, str]
     ) -> list[str]:
         """Record one input; returns what was wrong with it (empty: nothing)."""
         outcomes = {name: _outcome(g, want[name]) for name, g in got.items()}
-        self.inputs += 1
-        self.per_kind[kind] += 1
+        v = verdict(outcomes)
+        self.verdicts[v] += 1
+        self.per_kind[kind, v] += 1
         for name, o in outcomes.items():
-            self.per_check[f"{name}:{o}"] += 1
-        bad = [
-            f"{n} {o}: {got[n][1][:300]}"
-            for n, o in outcomes.items()
-            if o in ("traceback", "changed")
-        ]
-        kinds = set(outcomes.values())
-        self.tracebacks += "traceback" in kinds
-        self.silent_loads += "changed" in kinds
-        self.clean_errors += kinds == {"error"}
-        self.identical += kinds == {"same"}
-        if not bad and len(kinds) > 1:
-            self.disagreements += 1
-            bad.append(f"checks disagree: {outcomes}")
-        if bad:
-            self.failures.append(f"{kind}: {what}: " + "; ".join(bad))
+            self.per_check[f"{name}: {o}"] += 1
+        if v in ("clean error", "identical"):
+            return []
+        bad = [f"{n} {o}: {got[n][1][:300]}" for n, o in outcomes.items() if o != "same"]
+        self.failures.append(f"{kind}: {what}: {v}: " + "; ".join(bad))
         return bad
 
     def summary(self) -> str:
+        c = self.verdicts
         return (
-            f"checkpoint fuzz: {self.inputs} inputs tried, {self.clean_errors} clean errors, "
-            f"{self.identical} loaded identical, {self.tracebacks} tracebacks, "
-            f"{self.silent_loads} silent loads with changed state, "
-            f"{self.disagreements} disagreements between checks"
+            f"checkpoint fuzz: {self.inputs} inputs tried, {c['clean error']} clean errors, "
+            f"{c['identical']} loaded identical, {c['traceback']} tracebacks, "
+            f"{c['silent load']} silent loads with changed state, "
+            f"{c['disagreement']} disagreements between checks"
         )
 
 
@@ -606,8 +611,10 @@ def _context_edit(ctx: dict[str, Any], rnd: Rnd) -> str:
         ctx["step"] = rnd.choice([ctx["step"] + 1, str(ctx["step"]), True, None])
     elif what == "drop":
         del ctx[rnd.choice(sorted(CONTEXT_FIELDS))]
-    elif what == "type":
-        ctx[rnd.choice(sorted(CONTEXT_FIELDS))] = rnd.choice([[], "x", 1, None, {}])
+    elif what == "type":  # a value of another type (one of the same type is valid data)
+        key = rnd.choice(sorted(CONTEXT_FIELDS))
+        values = [v for v in ([], "x", 1, None, {}, 1.5) if type(v) is not CONTEXT_FIELDS[key]]
+        ctx[key] = rnd.choice(values)
     elif what == "tag":
         key = rnd.choice([k for k in CONTEXT_FIELDS if k not in ("step", "config_hash")])
         ctx[key] = rnd.choice(

@@ -31,9 +31,18 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     found = []
     for p in root.iterdir():
         step = layout.step_of(p)
-        if step is not None and (p / layout.MANIFEST).is_file():
+        if step is not None and _has_manifest(p):
             found.append((step, p))
     return [p for _, p in sorted(found)]
+
+
+def _has_manifest(p: Path) -> bool:
+    """Whether ``p`` holds a manifest; one that cannot even be looked at (permissions) is
+    listed, so that reading it reports why instead of the listing failing or hiding it."""
+    try:
+        return (p / layout.MANIFEST).is_file()
+    except OSError:
+        return True
 
 
 def latest_checkpoint(root: str | Path, *, verify: bool = True) -> Path | None:
