@@ -339,3 +339,13 @@ def test_the_writer_seals_every_manifest_and_it_stays_plain_json(tmp_path: Path)
         warnings.simplefilter("error")
         assert rr.Checkpoint(path).sealed
         load_checkpoint(path)
+
+
+def test_the_reference_reader_and_the_library_share_the_specs_numbers() -> None:
+    """The reader stands alone (it copies the spec's numbers); they must not drift."""
+    from perdure.checkpoint import layout, manifest, sfile
+
+    assert rr._SIZE == layout.DTYPE_SIZES and rr.MAX_COUNT == layout.MAX_COUNT
+    assert rr._SEAL_BYTES == manifest.SEAL_BYTES == 98
+    assert rr.MAX_MANIFEST == manifest.MAX_MANIFEST and rr.MAX_HEADER == sfile.MAX_HEADER
+    assert rr.SEALED_SINCE_MINOR == layout.SEALED_SINCE_MINOR and rr.MAJOR == layout.FORMAT_MAJOR
