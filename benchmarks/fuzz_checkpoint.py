@@ -12,7 +12,8 @@ changed state) or ``disagreement`` (checks differ). The last three must be 0.
 
     python benchmarks/fuzz_checkpoint.py [--inputs 3000] [--seed 0] [--kinds digit,...]
 
-Prints a table per mutation kind and writes ``benchmarks/results/fuzz_checkpoint.json``.
+Prints a table per mutation kind and writes ``benchmarks/results/fuzz_checkpoint.json``
+(or ``--out``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--inputs", type=int, default=3000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(fz.MUTATIONS), help="comma-separated")
+    p.add_argument("--out", type=Path, default=OUT, help="where the JSON record goes")
     args = p.parse_args(argv)
     kinds = args.kinds.split(",")
     unknown = sorted(set(kinds) - set(fz.MUTATIONS))
@@ -76,7 +78,7 @@ def main(argv: list[str]) -> int:
     print(tally.summary(), f"({seconds:.0f} s)")
     for line in tally.failures[:20]:
         print("  " + line[:400])
-    OUT.write_text(
+    args.out.write_text(
         json.dumps(
             {
                 "command": "python benchmarks/fuzz_checkpoint.py " + " ".join(argv),
