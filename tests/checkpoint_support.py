@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import random
 import socket
+import threading
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from perdure.checkpoint import CheckpointState, capture_rng
+from perdure.checkpoint import CheckpointState, capture_rng, save_checkpoint
 from perdure.checkpoint.compare import same_bits  # one definition of bitwise equality
+from perdure.checkpoint.manifest import SEAL_KEY, encode_manifest
 
 
 def trained_model_and_optimizer(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -128,3 +132,58 @@ def same_tree(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
         return True
     return type(a) is type(b) and a == b
+
+
+def rewrite_manifest(
+    path: Path, edit: Callable[[dict[str, Any]], object], *, seal: bool = True
+) -> None:
+    """Apply ``edit`` to the manifest of checkpoint ``path`` and write it back, resealed
+    (as a writer would, so that only the structural rules stand in the way) or, with
+    ``seal=False``, as plain JSON without a seal."""
+    mpath = path / "manifest.json"
+    m = json.loads(mpath.read_bytes())
+    m.pop(SEAL_KEY, None)
+    edit(m)
+    mpath.write_bytes(encode_manifest(m) if seal else json.dumps(m).encode())
+
+
+class ThreadExchange:
+    """An in-process all-gather for W writer threads: a parallel save without processes
+    (the part files, manifest and commit are exactly those of W processes)."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.cond = threading.Condition()
+        self.rounds: dict[str, dict[int, dict[str, Any]]] = {}
+
+    def __call__(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        r = payload["round"]
+        with self.cond:
+            got = self.rounds.setdefault(r, {})
+            got[payload["rank"]] = payload
+            self.cond.notify_all()
+            if not self.cond.wait_for(lambda: len(got) == self.world, timeout=30):
+                raise TimeoutError(f"exchange round {r}: {len(got)} of {self.world} ranks")
+            return [got[i] for i in range(self.world)]
+
+
+def save_split(root: Path, state: CheckpointState, world: int) -> Path:
+    """Save ``state`` as ``world`` writers would (one part file each, split tensors)."""
+    exchange = ThreadExchange(world)
+    paths: list[Path] = []
+    errors: list[BaseException] = []
+
+    def write(rank: int) -> None:
+        try:
+            paths.append(save_checkpoint(root, state, rank=rank, world=world, exchange=exchange))
+        except BaseException as e:  # re-raised below, in the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=write, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return paths[0]

@@ -15,7 +15,7 @@ from perdure.checkpoint import (
     verify_checkpoint,
 )
 from perdure.checkpoint.reference_reader import Checkpoint, ReaderError
-from tests.checkpoint_support import make_state
+from tests.checkpoint_support import make_state, rewrite_manifest
 
 
 def _saved(root: Path, step: int = 3) -> Path:
@@ -95,10 +95,12 @@ def test_unknown_major_version_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_unknown_optional_fields_and_newer_minor_are_ignored(tmp_path: Path) -> None:
     path = _saved(tmp_path)
-    m = json.loads((path / "manifest.json").read_text())
-    m["version"]["minor"] = 7
-    m["future_field"] = {"anything": [1, 2]}
-    (path / "manifest.json").write_text(json.dumps(m))
+
+    def newer(m: dict) -> None:  # type: ignore[type-arg]
+        m["version"]["minor"] = 7
+        m["future_field"] = {"anything": [1, 2]}
+
+    rewrite_manifest(path, newer)
     assert load_checkpoint(path).step == 3
     assert Checkpoint(path).step == 3
 
@@ -112,10 +114,7 @@ def _rewrite_header(part: Path, edit) -> None:  # type: ignore[no-untyped-def]
     raw = json.dumps(header, separators=(",", ":")).encode()
     new = struct.pack("<Q", len(raw)) + raw + data[8 + n :]
     part.write_bytes(new)
-    manifest = part.parent / "manifest.json"
-    m = json.loads(manifest.read_text())
-    m["files"][part.name]["bytes"] = len(new)
-    manifest.write_text(json.dumps(m))
+    rewrite_manifest(part.parent, lambda m: m["files"][part.name].__setitem__("bytes", len(new)))
 
 
 def test_header_offsets_past_the_file_name_the_file(tmp_path: Path) -> None:
@@ -131,7 +130,7 @@ def test_header_offsets_past_the_file_name_the_file(tmp_path: Path) -> None:
     )
     with pytest.raises(CorruptCheckpointError, match=f"{part.name}: .*offsets"):
         load_checkpoint(path, verify=False)
-    with pytest.raises(ReaderError, match=f"{part.name}: .*past the file"):
+    with pytest.raises(ReaderError, match=f"{part.name}: .*offsets"):
         Checkpoint(path, verify=False).tensor("model/w32")
 
 

@@ -1,9 +1,11 @@
-"""Checkpoints that carry their context: format v1 (docs/checkpoint-format.md).
+"""Checkpoints that carry their context: format 1.1 (docs/checkpoint-format.md).
 
 Seven fields written together and loaded together: weights, optimizer state, rng seeds,
 data offset, config hash, cluster topology, commit sha (plus the decision log). Tensors
 go to safetensors files written straight from tensor memory, context to JSON, and a
-manifest with every file's size and CRC-32 commits the checkpoint. No pickle anywhere.
+manifest with every file's size and CRC-32, sealed with its own SHA-256, commits the
+checkpoint. Every reader enforces the spec's structural rules before it allocates. No
+pickle anywhere.
 """
 
 from perdure.checkpoint.async_save import AsyncCheckpointer
@@ -14,6 +16,7 @@ from perdure.checkpoint.errors import (
     CorruptCheckpointError,
     FormatVersionError,
     IncompatibleCheckpointError,
+    LegacyManifestWarning,
 )
 from perdure.checkpoint.loader import (
     check_compatible,
@@ -35,6 +38,7 @@ __all__ = [
     "Exchange",
     "FormatVersionError",
     "IncompatibleCheckpointError",
+    "LegacyManifestWarning",
     "LoadedCheckpoint",
     "apply_retention",
     "capture_rng",

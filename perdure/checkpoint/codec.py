@@ -15,9 +15,12 @@ is ordinary JSON. Python's ``json`` writes floats with ``repr``, which round-tri
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
+
+from perdure.checkpoint.errors import CorruptCheckpointError
 
 TAGS = ("$tuple", "$float", "$dict", "$tensor")
 
@@ -83,3 +86,53 @@ def _is_tensor(value: Any) -> bool:
     import torch
 
     return isinstance(value, torch.Tensor)
+
+
+class _StrictJSONError(ValueError):
+    """JSON that Python's parser accepts but the format does not."""
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        keys = [k for k, _ in pairs]
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise _StrictJSONError(f"key {dup!r} appears twice in one object")
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise _StrictJSONError(f"bare {name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _StrictJSONError(f"number {text[:40]} overflows a double")
+    return value
+
+
+def loads_strict(data: bytes, where: str, what: str = "") -> Any:
+    """Parse ``data`` as UTF-8 JSON under the format's rules, or raise
+    :class:`CorruptCheckpointError` naming ``where``: no other encoding, no repeated key
+    in an object (Python would keep the last one silently, so a corrupt duplicate could
+    replace a field), no ``NaN``/``Infinity`` literals, no float that overflows, no
+    nesting deeper than the parser can follow. ``what`` names a part of the file."""
+    isnot = f"{what} is not" if what else "not"
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CorruptCheckpointError(
+            where, f"{isnot} UTF-8 (byte {e.start}: {data[e.start : e.start + 1]!r})"
+        ) from None
+    try:
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except json.JSONDecodeError as e:
+        raise CorruptCheckpointError(where, f"{isnot} valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(where, f"{isnot} valid JSON ({e})") from None

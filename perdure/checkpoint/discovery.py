@@ -18,7 +18,6 @@ from perdure.checkpoint.config import CheckpointConfig
 from perdure.checkpoint.errors import CheckpointError
 from perdure.checkpoint.fsio import fsync_dir
 from perdure.checkpoint.loader import verify_checkpoint
-from perdure.checkpoint.manifest import read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +31,29 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     found = []
     for p in root.iterdir():
         step = layout.step_of(p)
-        if step is not None and (p / layout.MANIFEST).is_file():
+        if step is not None and _has_manifest(p):
             found.append((step, p))
     return [p for _, p in sorted(found)]
 
 
+def _has_manifest(p: Path) -> bool:
+    """Whether ``p`` holds a manifest; one that cannot even be looked at (permissions) is
+    listed, so that reading it reports why instead of the listing failing or hiding it."""
+    try:
+        return (p / layout.MANIFEST).is_file()
+    except OSError:
+        return True
+
+
 def latest_checkpoint(root: str | Path, *, verify: bool = True) -> Path | None:
-    """The newest intact checkpoint, or None. A corrupt or incomplete one is skipped with a
-    warning naming the bad file. ``verify`` checks every checksum (reads every byte);
-    without it only the manifest, file presence and sizes are checked."""
+    """The newest intact checkpoint, or None. One that is unreadable or breaks any rule of
+    the format is skipped with a warning naming the bad file and the rule, and the search
+    falls back to the next older one. ``verify`` checks every checksum (reads every
+    byte); without it everything but the tensor files' CRCs is checked (manifest, sizes,
+    headers, context)."""
     for p in reversed(list_checkpoints(root)):
         try:
-            if verify:
-                verify_checkpoint(p)
-            else:
-                from perdure.checkpoint.loader import check_files_present
-
-                check_files_present(p, read_manifest(p))
+            verify_checkpoint(p, checksums=verify)
         except CheckpointError as e:
             warnings.warn(f"skipping checkpoint {p}: {e}", stacklevel=2)
             continue

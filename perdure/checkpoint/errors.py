@@ -30,3 +30,9 @@ class IncompatibleCheckpointError(CheckpointError):
 
 class CheckpointSaveError(CheckpointError):
     """A save failed (in the background, or on another writer of a parallel save)."""
+
+
+class LegacyManifestWarning(UserWarning):
+    """A format 1.0 checkpoint is being read: its manifest carries no checksum of its own,
+    so only the structural rules (and the files' CRCs) stand between a corrupt manifest
+    and the state it describes. Re-saving the state writes a sealed 1.1 manifest."""

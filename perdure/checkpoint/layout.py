@@ -11,11 +11,35 @@ from pathlib import Path
 
 FORMAT_NAME = "perdure-checkpoint"
 FORMAT_MAJOR = 1
-FORMAT_MINOR = 0
+FORMAT_MINOR = 1
+"""1.1 seals the manifest with its own SHA-256 (``manifest.SEAL_KEY``); 1.0 had none."""
+SEALED_SINCE_MINOR = 1
 MANIFEST = "manifest.json"
 CONTEXT = "context.json"
 CHECKSUM_ALGORITHM = "crc32"
 STEP_DIGITS = 9
+MAX_COUNT = 1 << 53
+"""Every size, step, row and dimension in a manifest is an int in ``[0, 2**53)``: exact in
+any JSON reader (a double holds it) and far above any real tensor."""
+
+DTYPE_SIZES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
+"""Bytes per element of each safetensors dtype the format allows (spec, section 4)."""
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
 _TMP_RE = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, TypeGuard
 
+from perdure.checkpoint.codec import loads_strict
 from perdure.checkpoint.errors import CorruptCheckpointError
-from perdure.checkpoint.tensors import ITEMSIZE
+from perdure.checkpoint.layout import DTYPE_SIZES, MAX_COUNT
 
 MAX_HEADER = 100 << 20
 """Refuse headers above this size (the safetensors library uses the same limit)."""
@@ -66,13 +67,12 @@ def read_header(f: BinaryIO, name: str, size: int) -> Header:
     if n > MAX_HEADER or 8 + n > size:
         raise CorruptCheckpointError(name, f"header length {n} runs past the file ({size} bytes)")
     text = f.read(n)
-    try:
-        raw = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CorruptCheckpointError(name, f"safetensors header is not valid JSON ({e})") from None
+    raw = loads_strict(text, name, "safetensors header")
     if not isinstance(raw, dict):
         raise CorruptCheckpointError(name, "safetensors header is not a JSON object")
-    raw.pop("__metadata__", None)
+    meta = raw.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(name, "safetensors __metadata__ is not an object of strings")
     entries = sorted((_entry(name, k, v) for k, v in raw.items()), key=lambda e: e.begin)
     pos = 0
     for ent in entries:
@@ -88,18 +88,28 @@ def read_header(f: BinaryIO, name: str, size: int) -> Header:
     return Header(head + text, 8 + n, {e.key: e for e in entries})
 
 
+def _counts(v: object) -> TypeGuard[list[int]]:
+    """A JSON list of ints (not bools) in ``[0, 2**53)``."""
+    return isinstance(v, list) and all(type(d) is int and 0 <= d < MAX_COUNT for d in v)
+
+
 def _entry(name: str, key: str, v: object) -> Entry:
-    try:
-        assert isinstance(v, dict)
-        dtype, shape, (begin, end) = v["dtype"], tuple(v["shape"]), v["data_offsets"]
-        n = ITEMSIZE[dtype]
-        for d in shape:
-            n *= int(d)
-        ok = isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end
-    except (AssertionError, KeyError, TypeError, ValueError):
-        raise CorruptCheckpointError(name, f"malformed header entry for {key!r}: {v!r}") from None
-    if not ok or end - begin != n:
+    """One header entry: a known dtype, a shape of ints, offsets ``[begin, end]`` whose
+    length is exactly the dtype's size times the shape's product."""
+    bad = CorruptCheckpointError(name, f"malformed header entry for {key!r}: {v!r:.120}")
+    if not isinstance(v, dict):
+        raise bad
+    dtype, shape, offsets = v.get("dtype"), v.get("shape"), v.get("data_offsets")
+    if not (isinstance(dtype, str) and dtype in DTYPE_SIZES and _counts(shape)):
+        raise bad
+    if not (_counts(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
+        raise bad
+    n = DTYPE_SIZES[dtype]
+    for d in shape:
+        n *= d
+    begin, end = offsets
+    if end - begin != n:
         raise CorruptCheckpointError(
-            name, f"tensor {key!r}: offsets {[begin, end]} do not hold {dtype} {list(shape)}"
+            name, f"tensor {key!r}: offsets {[begin, end]} do not hold {dtype} {shape}"
         )
-    return Entry(key, dtype, shape, begin, end)
+    return Entry(key, dtype, tuple(shape), begin, end)

@@ -7,12 +7,13 @@ becomes tagged JSON (see :mod:`perdure.checkpoint.codec`) that points at those n
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from perdure.checkpoint import codec
+from perdure.checkpoint import codec, layout
 
 DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -33,6 +34,7 @@ DTYPES: dict[torch.dtype, str] = {
 }
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 ITEMSIZE = {name: torch.empty(0, dtype=dt).element_size() for dt, name in DTYPES.items()}
+assert ITEMSIZE == layout.DTYPE_SIZES, "the spec's dtype table and torch's must agree"
 
 MODEL = "model/"
 OPTIMIZER = "optimizer/"
@@ -110,8 +112,8 @@ def flatten(
     return tensors, structure
 
 
-def unflatten_optimizer(structure: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    def on_tensor(name: str) -> torch.Tensor:
+def unflatten_optimizer(structure: Any, tensors: Mapping[str, Any]) -> Any:
+    def on_tensor(name: str) -> Any:
         if name not in tensors:
             raise KeyError(f"optimizer structure names tensor {name!r}, which is not stored")
         return tensors[name]

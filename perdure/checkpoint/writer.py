@@ -35,6 +35,7 @@ from perdure.checkpoint.config import CheckpointConfig
 from perdure.checkpoint.errors import CheckpointSaveError
 from perdure.checkpoint.fsio import fsync_dir, write_all, write_durable
 from perdure.checkpoint.hooks import crash_point
+from perdure.checkpoint.manifest import encode_manifest
 from perdure.checkpoint.plan import Chunk, plan_parts
 from perdure.checkpoint.sfile import build_header
 from perdure.checkpoint.state import CheckpointState
@@ -259,11 +260,7 @@ def _commit(
     files = [f for g in gathered for f in g["files"]]
     crash_point("before_manifest")
     manifest = manifest_of(prep, parts, files, world)
-    import json
-
-    write_durable(
-        tmp / (layout.MANIFEST + ".tmp"), (json.dumps(manifest, indent=1) + "\n").encode()
-    )
+    write_durable(tmp / (layout.MANIFEST + ".tmp"), encode_manifest(manifest))
     os.replace(tmp / (layout.MANIFEST + ".tmp"), tmp / layout.MANIFEST)
     fsync_dir(tmp)
     crash_point("after_manifest")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -59,8 +62,8 @@ def ls(root: str, verify: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from perdure.checkpoint import CheckpointError, list_checkpoints, read_manifest
-    from perdure.checkpoint.loader import check_files_present, verify_checkpoint
+    from perdure.checkpoint import CheckpointError, list_checkpoints
+    from perdure.checkpoint.loader import verify_checkpoint
 
     table = Table("step")
     table.add_column("directory", no_wrap=True, min_width=14)
@@ -68,11 +71,9 @@ def ls(root: str, verify: bool) -> None:
         table.add_column(name)
     for p in list_checkpoints(root):
         try:
-            m = read_manifest(p)
-            check_files_present(p, m)
-            if verify:
-                verify_checkpoint(p)
-            status = "verified" if verify else "complete"
+            with _notes() as notes:
+                m = verify_checkpoint(p, checksums=verify)
+            status = ("verified" if verify else "complete") + (" (unsealed 1.0)" if notes else "")
         except CheckpointError as e:
             m, status = {}, f"[red]bad: {e}[/red]"
         s = m.get("summary", {})
@@ -89,6 +90,23 @@ def ls(root: str, verify: bool) -> None:
     Console().print(table)
 
 
+@contextmanager
+def _notes() -> Iterator[list[str]]:
+    """Collect the format's notes (a format 1.0 manifest without a seal) as lines, so the
+    caller prints one clean line instead of a Python warning with its source location."""
+    from perdure.checkpoint.errors import LegacyManifestWarning
+
+    lines: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LegacyManifestWarning)
+        yield lines
+    for w in caught:
+        if issubclass(w.category, LegacyManifestWarning):
+            lines.append(str(w.message))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+
+
 @ckpt.command("inspect")
 @click.argument("path", type=click.Path())
 def inspect(path: str) -> None:
@@ -97,16 +115,19 @@ def inspect(path: str) -> None:
     from rich.table import Table
 
     from perdure.checkpoint import CheckpointError, read_manifest
-    from perdure.checkpoint.loader import check_files_present, read_context
+    from perdure.checkpoint.loader import check_files_present, context_fields, read_context
 
     p = _resolve(path)
     try:
-        m = read_manifest(p)
+        with _notes() as notes:
+            m = read_manifest(p)
         check_files_present(p, m)
         ctx = read_context(p, m, verify=True)
+        fields = context_fields(ctx, dict.fromkeys(m["tensors"]), str(p / m["context"]))
     except CheckpointError as e:
         _fail(e)
-    from perdure.checkpoint.codec import decode
+    for line in notes:
+        click.echo(f"note: {line}", err=True)
 
     table = Table(
         "field", "value", title=f"{p} (format {m['version']['major']}.{m['version']['minor']})"
@@ -114,18 +135,21 @@ def inspect(path: str) -> None:
     table.add_row("step", str(m["step"]))
     for label, prefix in (("weights", "model/"), ("optimizer state", "optimizer/")):
         table.add_row(label, _tensor_summary(m["tensors"], prefix))
-    opt = decode(ctx["optimizer"])
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.get("param_groups", [])]
+    opt_groups = fields["optimizer"].get("param_groups")
+    opt_groups = opt_groups if isinstance(opt_groups, list) else []
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} for g in opt_groups if isinstance(g, dict)
+    ]
     table.add_row("optimizer groups", _short(groups, 200))
-    rng = decode(ctx["rng"])
+    rng = fields["rng"]
     table.add_row(
         "rng seeds",
         f"seed {rng.get('seed')}; generators: {', '.join(k for k in rng if k != 'seed')}",
     )
-    table.add_row("data offset", _short(decode(ctx["data"]), 200))
+    table.add_row("data offset", _short(fields["data"], 200))
     table.add_row("config hash", ctx["config_hash"])
-    table.add_row("cluster topology", _short(decode(ctx["topology"]), 200))
-    prov = decode(ctx["provenance"])
+    table.add_row("cluster topology", _short(fields["topology"], 200))
+    prov = fields["provenance"]
     dirty = " (dirty)" if prov.get("dirty") else ""
     table.add_row(
         "commit sha", f"{prov.get('sha')}{dirty}; {_short(prov.get('versions', {}), 120)}"
@@ -152,17 +176,23 @@ def _tensor_summary(tensors: dict[str, Any], prefix: str) -> str:
 @ckpt.command("verify")
 @click.argument("path", type=click.Path())
 def verify(path: str) -> None:
-    """Check every file of PATH (presence, size, headers, checksums); exit 1 naming the bad
-    file."""
+    """Check every rule of the format and every file of PATH (manifest seal and structure,
+    presence, sizes, headers, context, checksums): a checkpoint that passes loads into
+    exactly the state it describes. Exit 1 naming the bad file and the rule."""
     from perdure.checkpoint import CheckpointError, verify_checkpoint
+    from perdure.checkpoint.manifest import SEAL_KEY
 
     p = _resolve(path)
     try:
-        m = verify_checkpoint(p)
+        with _notes() as notes:
+            m = verify_checkpoint(p)
     except CheckpointError as e:
         _fail(e)
+    for line in notes:
+        click.echo(f"note: {line}", err=True)
     size = sum(f["bytes"] for f in m["files"].values())
-    click.echo(f"{p}: ok ({len(m['files'])} files, {_size(size)}, every crc32 matches)")
+    seal = "manifest sealed" if SEAL_KEY in m else "manifest unsealed (format 1.0)"
+    click.echo(f"{p}: ok ({len(m['files'])} files, {_size(size)}, every crc32 matches, {seal})")
 
 
 @ckpt.command("hash")
