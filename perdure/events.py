@@ -12,12 +12,17 @@ seconds since the epoch, so that a reader can order them.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 from typing import Any, Final
+
+log = logging.getLogger("perdure.events")
 
 # -- run ---------------------------------------------------------------------------------
 RUN_START: Final = "run_start"
@@ -150,37 +155,55 @@ NAMES: frozenset[str] = frozenset(
 
 
 class JsonLines:
-    """One append-only JSON-lines file."""
+    """One append-only JSON-lines file.
+
+    The log is a record of the run, not a condition of it: a write that fails (disk full,
+    file system gone) drops that record and says so once per cause on stderr, instead of
+    killing the process that was training. A write cut short leaves a torn line, which
+    the writer tries to end with a newline and every reader skips.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self.dropped = 0
+        self._warned: set[int] = set()
 
     def write(self, record: dict[str, Any]) -> None:
         assert record.get("event", RUN_START) in NAMES, record.get("event")
         line = json.dumps({"t": round(time.time(), 6), **record}, separators=(",", ":")) + "\n"
         data = line.encode()
         with self._lock:
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, data)
-            finally:
-                os.close(fd)
+                self._append(data)
+            except OSError as e:
+                self._dropped(e)
+
+    def _append(self, data: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, data)
+            if written < len(data):
+                with contextlib.suppress(OSError):
+                    os.write(fd, b"\n")  # end the torn line: readers skip it
+                raise OSError(errno.ENOSPC, f"wrote {written} of {len(data)} bytes")
+        finally:
+            os.close(fd)
+
+    def _dropped(self, e: OSError) -> None:
+        self.dropped += 1
+        if e.errno not in self._warned:
+            self._warned.add(e.errno or 0)
+            log.warning("%s: %s; records of this log are dropped", self.path, e.strerror or e)
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
-    """All complete records of a JSON-lines file (a torn last line is ignored)."""
+    """All complete records of a JSON-lines file (torn lines are skipped)."""
     p = Path(path)
     if not p.exists():
         return []
-    out = []
-    for line in p.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
+    return [r for line in p.read_bytes().splitlines() if (r := _record(line)) is not None]
 
 
 class Tail:
@@ -202,4 +225,13 @@ class Tail:
             data = f.read()
         end = data.rfind(b"\n") + 1
         self.pos += end
-        return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
+        return [r for line in data[:end].splitlines() if (r := _record(line)) is not None]
+
+
+def _record(line: bytes) -> dict[str, Any] | None:
+    """One line's record; None for a blank or torn line (a write cut short)."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return record if isinstance(record, dict) else None

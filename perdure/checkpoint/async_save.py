@@ -188,9 +188,13 @@ class AsyncCheckpointer:
 
     def wait(self) -> None:
         """Wait for the in-flight save to finish; raise its error."""
+        self.wait_for_save()
+        self.check()
+
+    def wait_for_save(self) -> None:
+        """Wait for the in-flight save to finish, leaving any error for :meth:`check`."""
         if self._thread is not None:
             self._thread.join()
-        self.check()
 
     def close(self) -> None:
         """Wait for the in-flight save, release the buffers; raise a pending error."""

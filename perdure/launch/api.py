@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from perdure.launch.local import LocalLauncher
+from perdure.launch.lock import RunDirLock
 from perdure.run_config import RunConfig, config_hash, with_overrides
 
 
@@ -71,16 +75,32 @@ def run(
     live: bool = False,
     timeout_s: float = 3600.0,
 ) -> dict[str, Any]:
-    """Train ``config`` on this machine with the local launcher; returns the summary."""
+    """Train ``config`` on this machine with the local launcher; returns the summary.
+
+    The run directory is created private to the user (checkpoints and logs hold the model
+    and the data's provenance) and held by one launcher at a time (``launch/lock.py``)."""
     rd = Path(run_dir) if run_dir else default_run_dir(config)
-    if resume is None and (rd / "events.jsonl").exists():
-        raise FileExistsError(
-            f"--run-dir {rd}: already holds a run (events.jsonl); a new run needs a new "
-            "directory, and --resume latest continues this one from its newest checkpoint"
-        )
-    rd.mkdir(parents=True, exist_ok=True)
-    launcher = local_launcher(config, rd, resume=resolve_resume(resume, rd), timeout_s=timeout_s)
-    return run_with_view(launcher, config.train.steps) if live else launcher.run()
+    rd.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with RunDirLock(rd), private_files():
+        if resume is None and (rd / "events.jsonl").exists():
+            raise FileExistsError(
+                f"--run-dir {rd}: already holds a run (events.jsonl); a new run needs a new "
+                "directory, and --resume latest continues this one from its newest checkpoint"
+            )
+        resumed = resolve_resume(resume, rd)
+        launcher = local_launcher(config, rd, resume=resumed, timeout_s=timeout_s)
+        return run_with_view(launcher, config.train.steps) if live else launcher.run()
+
+
+@contextlib.contextmanager
+def private_files() -> Iterator[None]:
+    """Files and directories made while the block runs, by this process and the processes
+    it starts, are the user's alone (umask 077); the caller's umask comes back after."""
+    old = os.umask(0o077)
+    try:
+        yield
+    finally:
+        os.umask(old)
 
 
 def run_with_view(launcher: LocalLauncher, steps: int) -> dict[str, Any]:

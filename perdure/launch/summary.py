@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,8 @@ from perdure import events as ev
 from perdure.chaos.summary import fault_report, goodput, totals
 from perdure.events import read_jsonl
 from perdure.run_config import RunConfig
+
+log = logging.getLogger("perdure.launch")
 
 
 def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[str, Any]:
@@ -36,7 +41,7 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
         **totals(faults),
         "goodput": goodput(metrics),
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    _write(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary
 
 
@@ -60,3 +65,16 @@ def _restarts(events: list[dict[str, Any]]) -> int:
         if e.get("event") == ev.PROCESS_EXIT and not e.get("injected"):
             out += 1
     return out
+
+
+def _write(path: Path, text: str) -> None:
+    """Whole or not at all (a temporary name, then a rename); a failure (disk full) is one
+    line on stderr: the summary is still returned to the caller."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        log.error("%s: %s; the summary was not written", path, e.strerror or e)

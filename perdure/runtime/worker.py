@@ -22,7 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from perdure import events as ev
-from perdure.checkpoint import AsyncCheckpointer
+from perdure.checkpoint import AsyncCheckpointer, CheckpointSaveError
 from perdure.events import JsonLines
 from perdure.run_config import RunConfig, config_from_dict
 from perdure.runtime.comm.exchange import StoreExchange
@@ -331,7 +331,7 @@ class Worker:
     def _step(self, ep: Epoch, t: int) -> None:
         tr = self.trainer
         assert tr is not None and ep.ckpt is not None
-        ep.ckpt.check()
+        self._check_saves(ep.ckpt)
         t0 = time.monotonic()
         tr.poison_due(t)
         total = ep.runner.gradient(t, t0)
@@ -351,6 +351,15 @@ class Worker:
             and tr.next_step < self.client.last_step(self.config.train.steps)
         ):
             ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+
+    def _check_saves(self, ckpt: AsyncCheckpointer) -> None:
+        """A failed background save (disk full, storage gone) costs that checkpoint, not
+        the run: the previous ones are intact (a save commits by its last rename), the
+        failure is in the event log where it could be written, and training goes on."""
+        try:
+            ckpt.check()
+        except CheckpointSaveError as e:
+            log.error("%s: %s; training goes on, the last good checkpoint is kept", self.name, e)
 
     def _metrics(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         assert self.trainer is not None
@@ -380,10 +389,11 @@ class Worker:
         tr = self.trainer
         assert tr is not None and ep.ckpt is not None
         if self.final_saved != tr.next_step:
-            ep.ckpt.wait()
+            ep.ckpt.wait_for_save()
+            self._check_saves(ep.ckpt)
             ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
-            ep.ckpt.wait()
-            ep.ckpt.check()
+            ep.ckpt.wait_for_save()
+            self._check_saves(ep.ckpt)
             self.final_saved = tr.next_step
         self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest()))
 
