@@ -87,7 +87,8 @@ import sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[3])
 from tests.runtime_support import run_to_end, small_config
-cfg = small_config(Path(sys.argv[1]), workers=2, steps=100000)
+host = sys.argv[4] if len(sys.argv) > 4 else "127.0.0.1"
+cfg = small_config(Path(sys.argv[1]), workers=2, steps=100000, cluster={"host": host})
 run_to_end(cfg, Path(sys.argv[2]), timeout_s=120)
 """
 

@@ -52,6 +52,12 @@ def _token() -> str:
     "(for replacements started on a machine whose cores the survivors are using).",
 )
 @click.option(
+    "--host",
+    default=None,
+    help="Address this worker's data plane listens on, where its peers reach it "
+    "(default: its own address on the path to the coordinator).",
+)
+@click.option(
     "--join-timeout-s",
     default=60.0,
     show_default=True,
@@ -63,6 +69,7 @@ def worker(
     region: str,
     role: str,
     yield_cpu_until_ready: bool,
+    host: str | None,
     join_timeout_s: float,
 ) -> None:
     """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN."""
@@ -77,6 +84,7 @@ def worker(
             role=role,
             yield_cpu=yield_cpu_until_ready,
             join_timeout_s=join_timeout_s,
+            host=host,
         )
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--coordinator") from None

@@ -158,6 +158,7 @@ class LocalLauncher:
             role=role,
             yield_cpu=gen > 0,
             zygote=self.zygote,
+            host=self.config.cluster.host,
         )
         self.procs[name] = Proc(name, region, role, popen, generation=gen)
 

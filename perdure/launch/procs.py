@@ -89,6 +89,7 @@ def start_worker(
     role: str = "worker",
     yield_cpu: bool = False,
     zygote: Zygote | None = None,
+    host: str | None = None,
 ) -> Process:
     """Start a worker process. ``yield_cpu`` (for replacements on a shared machine): it
     starts at a low CPU priority so that its start-up (Python, torch, the model) does not
@@ -96,7 +97,12 @@ def start_worker(
     ``zygote``, the process is forked from it and skips ``import torch``; without, it is
     a new ``python -m perdure worker``."""
     spec = WorkerSpec(
-        name=name, region=region, coordinators=list(coordinators), role=role, yield_cpu=yield_cpu
+        name=name,
+        region=region,
+        coordinators=list(coordinators),
+        role=role,
+        yield_cpu=yield_cpu,
+        host=host,
     )
     if zygote is not None:
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,9 @@ class WorkerSpec:
     yield_cpu: bool = False
     """Start at the lowest CPU priority; take normal priority once ready to train."""
     join_timeout_s: float = 60.0
+    host: str | None = None
+    """The address this worker's data plane listens on (where its peers reach it);
+    unset: its own address on the path to the coordinator."""
 
     def __post_init__(self) -> None:
         if not self.coordinators:
@@ -41,6 +44,8 @@ class WorkerSpec:
         if self.yield_cpu:
             args.append("--yield-cpu-until-ready")
         args += ["--join-timeout-s", str(self.join_timeout_s)]
+        if self.host:
+            args += ["--host", self.host]
         for c in self.coordinators:
             args += ["--coordinator", c]
         return args
@@ -83,6 +88,7 @@ def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
         role=spec.role,
         timeout_s=spec.join_timeout_s,
         restore_priority=spec.yield_cpu,
+        host=spec.host,
     )
     signal.signal(signal.SIGTERM, lambda *_: w.leave())
     return w.run()

@@ -72,8 +72,10 @@ class Worker:
         role: str = "worker",
         timeout_s: float = 60.0,
         restore_priority: bool = False,
+        host: str | None = None,
     ) -> None:
         self.name, self.region, self.role = name, region, role
+        self.host = host
         self.restore_priority = restore_priority
         self.timeout_s = timeout_s
         self.client = MembershipClient(
@@ -195,6 +197,7 @@ class Worker:
                 self._timeout(),
                 abort,
                 backend=self.placement.backend,
+                bind=self.host or self.client.local_address(),
             )
         except (Abandoned, CommFailed) as e:
             self._failed(e)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -67,11 +68,16 @@ class Comm:
         timeout: timedelta,
         should_abort: Callable[[], bool],
         backend: str = "gloo",
+        bind: str | None = None,
     ) -> None:
+        """``bind``: the address this member's gloo listeners use (its own address as the
+        coordinator sees it); unset, gloo resolves the host name, which may be any
+        interface, or loopback on another host's behalf."""
         self.rank, self.size, self.timeout = rank, size, timeout
         self.should_abort = should_abort
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{prefix}")
-        self.pg: Any = self.call(lambda: _new_group(store, prefix, rank, size, timeout, backend))
+        group = _Group(prefix, rank, size, timeout, backend, bind)
+        self.pg: Any = self.call(lambda: group.make(store))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
@@ -104,15 +110,30 @@ class Comm:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _new_group(
-    store: dist.Store, prefix: str, rank: int, size: int, timeout: timedelta, backend: str
-) -> Any:
-    sub = dist.PrefixStore(prefix, store)
-    if backend == "nccl":  # pragma: no cover - needs a GPU
-        opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return dist.ProcessGroupNCCL(sub, rank, size, opts)
-    return dist.ProcessGroupGloo(sub, rank, size, timeout)
+@dataclass(frozen=True)
+class _Group:
+    """How to build one epoch's process group."""
+
+    prefix: str
+    rank: int
+    size: int
+    timeout: timedelta
+    backend: str
+    bind: str | None
+
+    def make(self, store: dist.Store) -> Any:
+        sub = dist.PrefixStore(self.prefix, store)
+        if self.backend == "nccl":  # pragma: no cover - needs a GPU
+            nccl = dist.ProcessGroupNCCL.Options()
+            nccl._timeout = self.timeout
+            return dist.ProcessGroupNCCL(sub, self.rank, self.size, nccl)
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        opts._timeout = self.timeout
+        if self.bind:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+        return dist.ProcessGroupGloo(sub, self.rank, self.size, opts)
 
 
 def _one_line(e: BaseException) -> str:

@@ -113,6 +113,14 @@ class MembershipClient:
             self.lost = True
             self.cond.notify_all()
 
+    def local_address(self) -> str | None:
+        """This worker's address on the path to its coordinator: where its peers reach it
+        (the data plane binds there, never on every interface)."""
+        try:
+            return str(self.line.sock.getsockname()[0]) if self.line is not None else None
+        except OSError:
+            return None
+
     def send(self, msg: p.FromWorker) -> None:
         try:
             if self.line is not None:
