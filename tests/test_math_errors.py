@@ -42,3 +42,18 @@ def test_a_sane_config_never_trips_the_check(small_dataset: Path, tmp_path: Path
         assert t.next_step == 3
     finally:
         t.close()
+
+
+def test_a_run_whose_update_goes_non_finite_stops_with_the_reason_and_quarantines_nothing(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    from perdure import events as ev
+    from perdure.launch.local import RunFailed
+    from tests.runtime_support import events, run_to_end
+
+    cfg = small_config(small_dataset, workers=2, steps=40, optim={"weight_decay": 1e300})
+    with pytest.raises(RunFailed, match=r"non-finite .*optim\.weight_decay"):
+        run_to_end(cfg, tmp_path)
+    assert len(events(tmp_path, ev.RUN_FAILED)) == 1
+    assert events(tmp_path, ev.DECISION) == []
+    assert (tmp_path / "summary.json").exists()

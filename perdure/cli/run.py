@@ -61,6 +61,8 @@ def run(
     """Train CONFIG: a coordinator and one process per worker on this machine."""
     from perdure.launch.api import run as run_api
     from perdure.launch.api import spread_workers
+    from perdure.launch.local import RunFailed
+    from perdure.launch.lock import RunDirLocked
     from perdure.run_config import load_config, with_overrides
 
     try:
@@ -83,7 +85,10 @@ def run(
         summary = run_api(
             cfg, run_dir=run_dir or cfg.run.dir, resume=resume, live=show, timeout_s=timeout_s
         )
-    except (FileExistsError, FileNotFoundError) as e:  # --run-dir and --resume problems
+    except (FileExistsError, FileNotFoundError, RunDirLocked) as e:  # --run-dir, --resume
         click.echo(str(e), err=True)
         sys.exit(2)
+    except RunFailed as e:
+        click.echo(f"run failed: {e}", err=True)
+        sys.exit(1)
     click.echo(json.dumps(summary, indent=2))

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from perdure import events as ev
-from perdure.events import JsonLines, Tail
+from perdure.events import JsonLines, Tail, read_jsonl
 from perdure.launch.base import MonitorHook, Progress, WorkerState
 from perdure.launch.procs import Process, child_env, start_coordinator, start_worker, wait_ports
 from perdure.launch.zygote import Zygote
@@ -46,6 +46,11 @@ boundary and the final checkpoint) before it stops every process at once."""
 MAX_CRASHES = 3
 """A worker that crashes this often without a fault being injected is a bug, not a fault:
 the launcher stops instead of replacing it for ever."""
+
+
+class RunFailed(RuntimeError):
+    """The run stopped on an error every replica reproduces (``run_failed`` in the log);
+    the message is its reason, in one line. The summary is written before it is raised."""
 
 
 class StopRequested(RuntimeError):
@@ -196,6 +201,11 @@ class LocalLauncher:
             summary = write_summary(self.run_dir, self.config, started=self.started)
         if self.stop_signal:
             summary["stopped_by"] = self.stop_signal
+        failed = [
+            e for e in read_jsonl(self.run_dir / "events.jsonl") if e["event"] == ev.RUN_FAILED
+        ]
+        if failed and failed[-1]["t"] >= self.started:
+            raise RunFailed(f"{failed[-1]['reason']} (see {self.run_dir}/events.jsonl)")
         return summary
 
     def _on_signal(self, signum: int, frame: Any = None) -> None:
