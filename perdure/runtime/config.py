@@ -80,10 +80,18 @@ class TrainConfig:
     threads_per_worker: int = field(default=1, metadata=MATH)
     """Intra-op threads of every worker (torch.set_num_threads). The bits of a slot's
     gradient depend on it on the CPU, so it is part of the math."""
-    reduction: Literal["chain"] = field(default="chain", metadata=MATH)
+    reduction: Literal["chain", "exact"] = field(default="chain", metadata=MATH)
     """How slot gradients are summed across workers. ``chain``: a pipelined chain along
     the ranks that adds them in slot order (a left fold over slots, whoever holds them).
-    The reduction fixes the rounding of the sum, so it is part of the math."""
+    ``exact``: each slot rounded to fixed point against a per-block exponent and the
+    integers summed by the backend's all_reduce (order-independent; see
+    runtime/comm/exact.py). The reduction fixes the rounding of the sum, so it is part of
+    the math."""
+    reduction_bits: Literal[32, 64] = field(default=64, metadata=MATH)
+    """Integer width of the ``exact`` reduction: 64 keeps every slot value to ~58 bits
+    below its block's maximum; 32 halves the bytes on the wire and keeps ~26 bits."""
+    reduction_block: int = field(default=256, metadata=MATH)
+    """Values sharing one exponent in the ``exact`` reduction."""
     device: Literal["cpu"] = field(default="cpu", metadata=MATH)
     """Where the model, its slot gradients and the reduction live (``cpu``: gloo is the
     data plane). Kernels differ in their bits between devices, so it is part of the
@@ -103,6 +111,12 @@ class TrainConfig:
             )
         c.non_negative("seed", self.seed)
         c.positive("threads_per_worker", self.threads_per_worker)
+        c.check(
+            1 <= self.reduction_block <= 1 << 20,
+            "reduction_block",
+            "must be in [1, 1048576]",
+            self.reduction_block,
+        )
         c.done()
 
     @property

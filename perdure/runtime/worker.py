@@ -238,7 +238,7 @@ class Worker:
             evict_after=self.config.cluster.evict_after_suspect,
             suspects=self.suspects,
         )
-        reducer = make_reducer(self.config.train.reduction, rank, len(plan.members))
+        reducer = make_reducer(self.config.train, rank, len(plan.members))
         return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer)
 
     def _failed(self, e: Exception) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.readiness import Readiness
+from perdure.runtime.config import TrainConfig
 
 
 class Reducer(Protocol):
@@ -41,11 +42,14 @@ class Reducer(Protocol):
         ...
 
 
-def make_reducer(name: str, rank: int, size: int) -> Reducer:
-    """The reducer that ``train.reduction = name`` selects, for one epoch's member."""
+def make_reducer(train: TrainConfig, rank: int, size: int) -> Reducer:
+    """The reducer that ``train.reduction`` selects, for one epoch's member."""
     from perdure.runtime.comm.chain import ChainReducer
+    from perdure.runtime.comm.exact import ExactReducer
 
-    reducers: dict[str, Callable[[int, int], Reducer]] = {"chain": ChainReducer}
-    if name not in reducers:
-        raise ValueError(f"train.reduction: unknown reduction {name!r} (known: {sorted(reducers)})")
-    return reducers[name](rank, size)
+    if train.reduction == "chain":
+        return ChainReducer(rank, size)
+    if train.reduction == "exact":
+        bits, block = train.reduction_bits, train.reduction_block
+        return ExactReducer(rank, size, slots=train.slots, bits=bits, block=block)
+    raise ValueError(f"train.reduction: unknown reduction {train.reduction!r}")

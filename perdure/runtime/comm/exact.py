@@ -1,0 +1,139 @@
+"""The exact reduction: slot gradients summed as integers, so order and placement cannot
+change a bit.
+
+Integer addition is associative. The flat buffer is cut into blocks of ``block`` values;
+each block gets one exponent ``e``, the smallest with ``|g| < 2**e`` for every value of the
+block in every slot (a MAX all-reduce of exponents: exact in any order). Each slot's value
+is then scaled by ``2**k`` with ``k = bits - 2 - headroom - e`` (``headroom`` =
+``ceil(log2 S)`` bits, so the sum of S slots cannot overflow) and rounded to an integer
+(half to even): a pure function of the value and ``e``. The integers are added in any
+order, on any number of ranks, by the backend's own ``all_reduce``, and the sum is
+converted back once (``2**-k``, then one rounding to float32). The result is a pure
+function of the slot gradients, whoever computed which slot.
+
+Accuracy: every slot value is kept to ``bits - 2 - headroom`` bits below its block's
+maximum (int64 with 16 slots: 58 bits, far below float32's 24; int32: 26 bits, which
+loses relative precision on values much smaller than their block's maximum). Non-finite
+values are zeroed before conversion: their slot's flag (already set by the slot engine,
+and a finite 1.0) makes every replica redo the step, so they never reach an update.
+
+Limits of this first version: the step's exponents are known only once every slot of
+every rank is done, so a rank keeps its float slot buffers until then (slots x P, as the
+chain does) and the reduction starts after its last slot's backward instead of streaming
+behind it; conversion runs in chunks so that its temporaries stay under ~2 chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from perdure.runtime.replica.slots import all_finite
+
+CHUNK = 1 << 20
+"""Values converted at a time (bounds the float64 temporaries)."""
+
+
+class ExactReducer:
+    """One member's side of the exact reduction (see the module doc)."""
+
+    def __init__(self, rank: int, size: int, *, slots: int, bits: int, block: int) -> None:
+        assert bits in (32, 64) and block > 0 and slots > 0
+        self.rank, self.size, self.bits, self.block = rank, size, bits, block
+        self.headroom = math.ceil(math.log2(slots)) if slots > 1 else 0
+        self.dtype = torch.int64 if bits == 64 else torch.int32
+        self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def start(
+        self,
+        comm: Any,
+        bufs: Sequence[torch.Tensor],
+        *,
+        timeout: timedelta,
+        ready: Any = None,
+        abort: Callable[[], bool] = lambda: False,
+        send_delay_s: float = 0.0,
+    ) -> Future[torch.Tensor]:
+        n = bufs[0].numel()
+        t = timeout.total_seconds()
+
+        def run() -> torch.Tensor:
+            if ready is not None:
+                ready.wait(n, abort, t)
+            return self.reduce(comm.pg if self.size > 1 else None, bufs, timeout, send_delay_s)
+
+        return comm.submit(run)
+
+    def reduce(
+        self,
+        pg: Any,
+        bufs: Sequence[torch.Tensor],
+        timeout: timedelta,
+        send_delay_s: float = 0.0,
+    ) -> torch.Tensor:
+        """The exact sum of every member's ``bufs`` (all final); ``pg`` None: one member."""
+        for b in bufs:
+            if not all_finite(b):
+                torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
+        exps = self._exponents(bufs)
+        if pg is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+            _wait(pg.allreduce([exps], opts), timeout, send_delay_s)
+        shift = self._shift(exps, bufs[0].numel())
+        acc, out = self._buffers(bufs[0])
+        acc.zero_()
+        for b in bufs:
+            self._accumulate(acc, b, shift)
+        if pg is not None:
+            _wait(pg.allreduce([acc]), timeout, 0.0)
+        self._convert_back(acc, shift, out)
+        return out
+
+    # -- the steps -------------------------------------------------------------------------
+
+    def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per block, the smallest ``e`` with ``|g| < 2**e`` over this rank's slots."""
+        n = bufs[0].numel()
+        blocks = -(-n // self.block)
+        peak = torch.zeros(blocks * self.block, dtype=bufs[0].dtype, device=bufs[0].device)
+        for b in bufs:
+            torch.maximum(peak[:n], b.abs(), out=peak[:n])
+        _, exps = torch.frexp(peak.view(blocks, self.block).amax(dim=1))
+        return exps.to(torch.int32)
+
+    def _shift(self, exps: torch.Tensor, n: int) -> torch.Tensor:
+        """Per value, the power of two ``k`` that scales it to integer range."""
+        k = (self.bits - 2 - self.headroom) - exps.to(torch.int32)
+        return k.repeat_interleave(self.block)[:n]
+
+    def _accumulate(self, acc: torch.Tensor, b: torch.Tensor, shift: torch.Tensor) -> None:
+        for lo in range(0, b.numel(), CHUNK):
+            hi = min(b.numel(), lo + CHUNK)
+            scaled = torch.ldexp(b[lo:hi].double(), shift[lo:hi])
+            acc[lo:hi] += torch.round_(scaled).to(self.dtype)
+
+    def _convert_back(self, acc: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> None:
+        for lo in range(0, acc.numel(), CHUNK):
+            hi = min(acc.numel(), lo + CHUNK)
+            out[lo:hi] = torch.ldexp(acc[lo:hi].double(), -shift[lo:hi])
+
+    def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = like.numel()
+        if n not in self.scratch:
+            acc = torch.empty(n, dtype=self.dtype, device=like.device)
+            self.scratch[n] = (acc, torch.empty_like(like))
+        return self.scratch[n]
+
+
+def _wait(work: Any, timeout: timedelta, delay_s: float) -> None:
+    if delay_s > 0:
+        time.sleep(delay_s)  # injected link latency (the delay fault), before the exchange
+    work.wait(timeout)
