@@ -32,6 +32,7 @@ SUITE = [
     ("scaling", "bench_scaling.py", [], ["--quick"]),
     ("data", "bench_data.py", [], ["--quick"]),
     ("store", "bench_store.py", [], ["--quick"]),
+    ("exact", "bench_exact.py", [], ["--quick"]),
     ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "5"], ["--quick"]),
 ]
 

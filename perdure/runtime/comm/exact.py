@@ -20,7 +20,7 @@ and a finite 1.0) makes every replica redo the step, so they never reach an upda
 Limits of this first version: the step's exponents are known only once every slot of
 every rank is done, so a rank keeps its float slot buffers until then (slots x P, as the
 chain does) and the reduction starts after its last slot's backward instead of streaming
-behind it; conversion runs in chunks so that its temporaries stay under ~2 chunks.
+behind it; conversion runs in chunks of ``CHUNK`` values, so its temporaries stay small.
 """
 
 from __future__ import annotations
@@ -87,43 +87,67 @@ class ExactReducer:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
             _wait(pg.allreduce([exps], opts), timeout, send_delay_s)
-        shift = self._shift(exps, bufs[0].numel())
+        k = self._shift(exps)
         acc, out = self._buffers(bufs[0])
         acc.zero_()
         for b in bufs:
-            self._accumulate(acc, b, shift)
+            self._accumulate(acc, b, k)
         if pg is not None:
             _wait(pg.allreduce([acc]), timeout, 0.0)
-        self._convert_back(acc, shift, out)
+        self._convert_back(acc, k, out)
         return out
 
     # -- the steps -------------------------------------------------------------------------
 
     def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest ``e`` with ``|g| < 2**e`` over this rank's slots."""
-        n = bufs[0].numel()
-        blocks = -(-n // self.block)
-        peak = torch.zeros(blocks * self.block, dtype=bufs[0].dtype, device=bufs[0].device)
+        peak = torch.zeros(self._blocks(bufs[0].numel()), dtype=bufs[0].dtype)
         for b in bufs:
-            torch.maximum(peak[:n], b.abs(), out=peak[:n])
-        _, exps = torch.frexp(peak.view(blocks, self.block).amax(dim=1))
-        return exps.to(torch.int32)
+            for rows, (lo, hi) in self._spans(b):
+                torch.maximum(peak[lo:hi], rows.abs().amax(dim=1), out=peak[lo:hi])
+        return torch.frexp(peak)[1].to(torch.int32)
 
-    def _shift(self, exps: torch.Tensor, n: int) -> torch.Tensor:
-        """Per value, the power of two ``k`` that scales it to integer range."""
-        k = (self.bits - 2 - self.headroom) - exps.to(torch.int32)
-        return k.repeat_interleave(self.block)[:n]
+    def _shift(self, exps: torch.Tensor) -> torch.Tensor:
+        """Per block, the power of two ``k`` that scales it to integer range. Capped at 126
+        so that ``2**k`` is a float32: a block whose every value is below 2**-68 (int64)
+        keeps an absolute quantum of 2**-126 instead of its full relative precision."""
+        return ((self.bits - 2 - self.headroom) - exps).clamp_(max=126)
 
-    def _accumulate(self, acc: torch.Tensor, b: torch.Tensor, shift: torch.Tensor) -> None:
-        for lo in range(0, b.numel(), CHUNK):
-            hi = min(b.numel(), lo + CHUNK)
-            scaled = torch.ldexp(b[lo:hi].double(), shift[lo:hi])
-            acc[lo:hi] += torch.round_(scaled).to(self.dtype)
+    def _accumulate(self, acc: torch.Tensor, b: torch.Tensor, k: torch.Tensor) -> None:
+        """``acc += round(b * 2**k)``, block by block. In float32 the product is exact (a
+        power-of-two scaling) and so is the rounding: below 2**23 a float32 holds every
+        integer and half-integer step, and above it the value is an integer already."""
+        scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
+        for (rows, (lo, hi)), (acc_rows, _) in zip(self._spans(b), self._spans(acc), strict=True):
+            q = (rows * scale[lo:hi, None]).round_()
+            acc_rows += q.to(self.dtype)
 
-    def _convert_back(self, acc: torch.Tensor, shift: torch.Tensor, out: torch.Tensor) -> None:
-        for lo in range(0, acc.numel(), CHUNK):
-            hi = min(acc.numel(), lo + CHUNK)
-            out[lo:hi] = torch.ldexp(acc[lo:hi].double(), -shift[lo:hi])
+    def _convert_back(self, acc: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = float32(acc) * 2**-k``: one rounding of the integer sum to float32, then
+        an exact power-of-two scaling (``k`` is capped at 126, so ``2**-k`` is a normal
+        float32; a product in the subnormal range rounds once more, as a fixed function of
+        the sum)."""
+        inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
+        for (rows, (lo, hi)), (out_rows, _) in zip(self._spans(acc), self._spans(out), strict=True):
+            torch.mul(rows.to(torch.float32), inv[lo:hi, None], out=out_rows)
+
+    # -- blocks ----------------------------------------------------------------------------
+
+    def _blocks(self, n: int) -> int:
+        return -(-n // self.block)
+
+    def _spans(self, x: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int]]]:
+        """``x`` as ``[rows, block]`` views of at most ``CHUNK`` values each, with their
+        block range; the last, partial block is a view of one row of its own width."""
+        full = x.numel() // self.block
+        per = max(1, CHUNK // self.block)
+        spans = [
+            (x[lo * self.block : hi * self.block].view(hi - lo, self.block), (lo, hi))
+            for lo, hi in ((lo, min(full, lo + per)) for lo in range(0, full, per))
+        ]
+        if x.numel() % self.block:
+            spans.append((x[full * self.block :].view(1, -1), (full, full + 1)))
+        return spans
 
     def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = like.numel()

@@ -1,0 +1,182 @@
+"""The exact reduction (int32, int64) against gloo ``all_reduce`` and the chain, side by
+side in one process group, same payload; plus its accuracy against a float64 sum.
+
+    .venv/bin/python benchmarks/bench_exact.py            # 4..64 MB, W = 2, 3, 4
+    .venv/bin/python benchmarks/bench_exact.py --quick    # 4..16 MB, W = 2, 3
+
+W spawned processes (one intra-op thread each) form one gloo group on loopback; each holds
+one slot buffer of the payload size (random heavy-tailed values). Each repeat times, in a
+rotating order: ``pg.allreduce`` of the float32 buffer (in place, input restored outside the
+timing), ``ExactReducer.reduce`` with 64 and 32 bits (MAX of block exponents, conversion,
+integer all_reduce, conversion back: everything the step pays), and ``chain_reduce``. A
+time is the slowest rank's, from a barrier to the end. Ratios are per repeat, over
+all_reduce. Accuracy: the median and max relative error per element of each method
+against the float64 sum of the same slots (gathered on rank 0), next to the float32
+all_reduce's own.
+
+Results: ``benchmarks/results/exact.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt, free_port, gloo_group, machine, ratios, stats, write_result
+
+MB = 1 << 20
+METHODS = ("all_reduce", "exact64", "exact32", "chain")
+
+
+def _slot(n: int, rank: int):
+    import torch
+
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
+
+
+def _worker(rank, size, port, sizes_mb, repeats, q):  # pragma: no cover - subprocess
+    import torch
+
+    torch.set_num_threads(1)
+    from datetime import timedelta
+
+    from perdure.runtime.comm.chain import chain_reduce
+    from perdure.runtime.comm.exact import ExactReducer
+
+    _store, pg = gloo_group(rank, size, port, prefix="exact")
+    timeout = timedelta(seconds=600)
+    results = []
+    for mb in sizes_mb:
+        n = int(mb * MB) // 4
+        src = _slot(n, rank)
+        buf, partial, out = src.clone(), torch.zeros(n), torch.zeros(n)
+        reducers = {b: ExactReducer(rank, size, slots=size, bits=b, block=256) for b in (64, 32)}
+        outputs = {}
+
+        def run(
+            name, buf=buf, src=src, partial=partial, out=out, reducers=reducers, outputs=outputs
+        ):
+            buf.copy_(src)
+            pg.barrier().wait()
+            t0 = time.perf_counter()
+            if name == "all_reduce":
+                pg.allreduce([buf]).wait()
+                res = buf
+            elif name == "chain":
+                chain_reduce(pg, rank, size, [buf], partial, out, timeout=timeout)
+                res = out
+            else:
+                res = reducers[int(name[-2:])].reduce(pg, [buf], timeout)
+            dt = time.perf_counter() - t0
+            outputs[name] = res.clone()
+            return dt
+
+        for name in METHODS:
+            run(name)  # warm-up
+        times = {m: [] for m in METHODS}
+        for r in range(repeats):
+            k = r % len(METHODS)
+            for name in METHODS[k:] + METHODS[:k]:
+                times[name].append(run(name))
+        t = torch.tensor([times[m] for m in METHODS], dtype=torch.float64)
+        pg.allreduce([t], opts=_max_opts()).wait()
+        err = _errors(pg, rank, size, src, outputs)
+        if rank == 0:
+            results.append(
+                {"mb": mb, "times": {m: t[i].tolist() for i, m in enumerate(METHODS)}, **err}
+            )
+    pg.barrier().wait()
+    if rank == 0:
+        q.put(results)
+
+
+def _errors(pg, rank, size, src, outputs):
+    """Relative error per element against the float64 sum of every rank's slot."""
+
+    exact = src.double()
+    pg.allreduce([exact]).wait()  # float64 sum: ~29 more bits than any method here
+    denom = exact.abs().clamp_min(1e-30)
+    out = {}
+    for name, res in outputs.items():
+        rel = (res.double() - exact).abs() / denom
+        out[name] = {"median": float(rel.median()), "max": float(rel.max())}
+    return {"relative_error": out} if rank == 0 else {}
+
+
+def _max_opts():
+    import torch.distributed as dist
+
+    o = dist.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.MAX
+    return o
+
+
+def run_world(size, sizes_mb, repeats):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, size, port, sizes_mb, repeats, q)) for r in range(size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return q.get(timeout=1800)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sizes-mb", type=float, nargs="*")
+    ap.add_argument("--worlds", type=int, nargs="*")
+    ap.add_argument("--repeats", type=int)
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    sizes = a.sizes_mb or ([4, 16] if a.quick else [4, 16, 64])
+    worlds = a.worlds or ([2, 3] if a.quick else [2, 3, 4])
+    repeats = a.repeats or (3 if a.quick else 5)
+    rows = []
+    t_start = time.perf_counter()
+    for w in worlds:
+        for res in run_world(w, sizes, repeats):
+            base = res["times"]["all_reduce"]
+            row = {"workers": w, "mb": res["mb"], "relative_error": res["relative_error"]}
+            for m in METHODS:
+                row[f"{m}_s"] = stats(res["times"][m])
+                if m != "all_reduce":
+                    row[f"ratio_{m}_over_all_reduce"] = ratios(res["times"][m], base)
+            rows.append(row)
+            print(
+                f"W={w} {res['mb']:>5g} MB"
+                f"  all_reduce {row['all_reduce_s']['median'] * 1e3:7.1f} ms"
+                + "".join(
+                    f"  {m} {fmt(row[f'ratio_{m}_over_all_reduce'], 2)}" for m in METHODS[1:]
+                ),
+                flush=True,
+            )
+    data = {
+        "name": "exact",
+        "machine": machine(),
+        "quick": a.quick,
+        "repeats": repeats,
+        "threads_per_process": 1,
+        "goal": "exact int32 <= 1.10x all_reduce at W = 2-4, >= 16 MB; int64 <= 2.1x",
+        "rows": rows,
+        "seconds": time.perf_counter() - t_start,
+    }
+    print(f"wrote {write_result('exact', data, a.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
