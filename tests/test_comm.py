@@ -1,0 +1,68 @@
+"""Only the data plane's own failures become CommFailed; anything else is a bug, raised."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from perdure.runtime.comm.group import Abandoned, Comm, CommFailed, is_collective_failure
+
+
+@pytest.fixture
+def comm() -> Iterator[Comm]:
+    c = Comm(dist.HashStore(), "pg/0/", 0, 1, timedelta(seconds=5), lambda: False)
+    yield c
+    c.close()
+
+
+def _raise(e: BaseException):
+    def fn() -> None:
+        raise e
+
+    return fn
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [::1]:1"),
+        RuntimeError("Connection closed by peer [127.0.0.1]:4242"),
+        RuntimeError("Operation timed out!"),
+        dist.DistNetworkError("store 127.0.0.1:1 unreachable"),
+        TimeoutError("slot gradient not ready within 10 s"),
+    ],
+)
+def test_a_backend_failure_becomes_comm_failed_with_its_cause(comm: Comm, error: Exception) -> None:
+    assert is_collective_failure(error)
+    with pytest.raises(CommFailed) as info:
+        comm.call(_raise(error))
+    assert info.value.__cause__ is error and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        RuntimeError("The size of tensor a (3) must match the size of tensor b (4)"),
+        ValueError("bad argument"),
+        KeyError("slot"),
+    ],
+)
+def test_any_other_exception_is_a_bug_and_says_so(comm: Comm, error: Exception) -> None:
+    assert not is_collective_failure(error)
+    with pytest.raises(type(error)) as info:
+        comm.call(_raise(error))
+    assert info.value is error
+    assert any("a bug" in n for n in getattr(error, "__notes__", []))
+
+
+def test_a_changed_epoch_abandons_the_wait(comm: Comm) -> None:
+    import threading
+
+    release = threading.Event()
+    comm.should_abort = lambda: True
+    with pytest.raises(Abandoned):
+        comm.call(lambda: release.wait(5))
+    release.set()
