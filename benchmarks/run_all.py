@@ -240,7 +240,55 @@ def md_generic(d: dict) -> str:
     return table(["ratio", "min / median / max"], rows) if rows else "(no ratios found)"
 
 
-RENDER = {"reduce": md_reduce, "step": md_step, "recovery": md_recovery, "scaling": md_scaling}
+def md_exact(d: dict) -> str:
+    rows = []
+    for r in d["rows"]:
+        e = r["relative_error"]
+        rows.append(
+            [
+                r["workers"],
+                r["mb"],
+                ms(r["all_reduce_s"]),
+                fmt(r["ratio_exact32_over_all_reduce"], 2),
+                fmt(r["ratio_exact64_over_all_reduce"], 2),
+                fmt(r["ratio_chain_over_all_reduce"], 2),
+                " / ".join(f"{e[m]['median']:.1e}" for m in ("all_reduce", "exact32", "exact64")),
+                " / ".join(f"{e[m]['max']:.1e}" for m in ("all_reduce", "exact32", "exact64")),
+            ]
+        )
+    head = [
+        "W",
+        "MB",
+        "all_reduce ms",
+        "exact int32 / all_reduce",
+        "exact int64 / all_reduce",
+        "chain / all_reduce",
+        "median rel. error (fp32 all_reduce / int32 / int64)",
+        "max rel. error (same)",
+    ]
+    return table(head, rows) + f"\n\nGoal: {d['goal']}."
+
+
+def md_store(d: dict) -> str:
+    head = ["W", "groups x repeats", "TCPStore ms", "AuthStore ms", "AuthStore / TCPStore"]
+    row = [
+        d["workers"],
+        f"{d['groups_per_repeat']} x {d['authstore_group_s']['n']}",
+        ms(d["tcpstore_group_s"]),
+        ms(d["authstore_group_s"]),
+        fmt(d["ratio_authstore_over_tcpstore"], 2),
+    ]
+    return table(head, [row])
+
+
+RENDER = {
+    "reduce": md_reduce,
+    "step": md_step,
+    "recovery": md_recovery,
+    "scaling": md_scaling,
+    "exact": md_exact,
+    "store": md_store,
+}
 
 
 def write_readme(out: Path, runs: list[dict], quick: bool, wall: float) -> None:
