@@ -17,10 +17,13 @@ loses relative precision on values much smaller than their block's maximum). Non
 values are zeroed before conversion: their slot's flag (already set by the slot engine,
 and a finite 1.0) makes every replica redo the step, so they never reach an update.
 
+The integers travel in buckets of ``CHUNK`` values: gloo's own threads all-reduce bucket
+``i`` while this thread converts bucket ``i + 1``, so conversion overlaps communication.
+
 Limits of this first version: the step's exponents are known only once every slot of
 every rank is done, so a rank keeps its float slot buffers until then (slots x P, as the
 chain does) and the reduction starts after its last slot's backward instead of streaming
-behind it; conversion runs in chunks of ``CHUNK`` values, so its temporaries stay small.
+behind it.
 """
 
 from __future__ import annotations
@@ -89,21 +92,29 @@ class ExactReducer:
             _wait(pg.allreduce([exps], opts), timeout, send_delay_s)
         k = self._shift(exps)
         acc, out = self._buffers(bufs[0])
-        acc.zero_()
-        for b in bufs:
-            self._accumulate(acc, b, k)
-        if pg is not None:
-            _wait(pg.allreduce([acc]), timeout, 0.0)
-        self._convert_back(acc, k, out)
+        scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
+        inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
+        pending: list[tuple[Any, int]] = []
+        for i in range(len(self._ranges(acc.numel()))):
+            self._accumulate(acc, bufs, scale, i)
+            if pg is not None:  # gloo's threads reduce this bucket while we convert the next
+                pending.append((pg.allreduce([self._flat(acc, i)]), i))
+            else:
+                self._convert_back(acc, inv, out, i)
+        for work, i in pending:
+            work.wait(timeout)
+            self._convert_back(acc, inv, out, i)
         return out
 
     # -- the steps -------------------------------------------------------------------------
 
     def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest ``e`` with ``|g| < 2**e`` over this rank's slots."""
-        peak = torch.zeros(self._blocks(bufs[0].numel()), dtype=bufs[0].dtype)
+        n = bufs[0].numel()
+        peak = torch.zeros(self._blocks(n), dtype=bufs[0].dtype)
         for b in bufs:
-            for rows, (lo, hi) in self._spans(b):
+            for i in range(len(self._ranges(n))):
+                rows, (lo, hi) = self._span(b, i)
                 torch.maximum(peak[lo:hi], rows.abs().amax(dim=1), out=peak[lo:hi])
         return torch.frexp(peak)[1].to(torch.int32)
 
@@ -113,41 +124,52 @@ class ExactReducer:
         keeps an absolute quantum of 2**-126 instead of its full relative precision."""
         return ((self.bits - 2 - self.headroom) - exps).clamp_(max=126)
 
-    def _accumulate(self, acc: torch.Tensor, b: torch.Tensor, k: torch.Tensor) -> None:
-        """``acc += round(b * 2**k)``, block by block. In float32 the product is exact (a
-        power-of-two scaling) and so is the rounding: below 2**23 a float32 holds every
-        integer and half-integer step, and above it the value is an integer already."""
-        scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
-        for (rows, (lo, hi)), (acc_rows, _) in zip(self._spans(b), self._spans(acc), strict=True):
-            q = (rows * scale[lo:hi, None]).round_()
-            acc_rows += q.to(self.dtype)
+    def _accumulate(
+        self, acc: torch.Tensor, bufs: Sequence[torch.Tensor], scale: torch.Tensor, i: int
+    ) -> None:
+        """Bucket ``i`` of ``acc`` = the sum over this rank's slots of ``round(b * 2**k)``.
+        In float32 the product is exact (a power-of-two scaling) and so is the rounding:
+        below 2**23 a float32 holds every integer and half-integer step, and above it the
+        value is an integer already."""
+        acc_rows, (lo, hi) = self._span(acc, i)
+        acc_rows.zero_()
+        for b in bufs:
+            rows, _ = self._span(b, i)
+            acc_rows += (rows * scale[lo:hi, None]).round_().to(self.dtype)
 
-    def _convert_back(self, acc: torch.Tensor, k: torch.Tensor, out: torch.Tensor) -> None:
-        """``out = float32(acc) * 2**-k``: one rounding of the integer sum to float32, then
-        an exact power-of-two scaling (``k`` is capped at 126, so ``2**-k`` is a normal
-        float32; a product in the subnormal range rounds once more, as a fixed function of
-        the sum)."""
-        inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
-        for (rows, (lo, hi)), (out_rows, _) in zip(self._spans(acc), self._spans(out), strict=True):
-            torch.mul(rows.to(torch.float32), inv[lo:hi, None], out=out_rows)
+    def _convert_back(
+        self, acc: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, i: int
+    ) -> None:
+        """Bucket ``i`` of ``out = float32(acc) * 2**-k``: one rounding of the integer sum to
+        float32, then an exact power-of-two scaling (``k`` is capped at 126, so ``2**-k`` is
+        a normal float32; a product in the subnormal range rounds once more, as a fixed
+        function of the sum)."""
+        rows, (lo, hi) = self._span(acc, i)
+        out_rows, _ = self._span(out, i)
+        torch.mul(rows.to(torch.float32), inv[lo:hi, None], out=out_rows)
 
     # -- blocks ----------------------------------------------------------------------------
 
     def _blocks(self, n: int) -> int:
         return -(-n // self.block)
 
-    def _spans(self, x: torch.Tensor) -> list[tuple[torch.Tensor, tuple[int, int]]]:
-        """``x`` as ``[rows, block]`` views of at most ``CHUNK`` values each, with their
-        block range; the last, partial block is a view of one row of its own width."""
-        full = x.numel() // self.block
-        per = max(1, CHUNK // self.block)
-        spans = [
-            (x[lo * self.block : hi * self.block].view(hi - lo, self.block), (lo, hi))
-            for lo, hi in ((lo, min(full, lo + per)) for lo in range(0, full, per))
-        ]
-        if x.numel() % self.block:
-            spans.append((x[full * self.block :].view(1, -1), (full, full + 1)))
-        return spans
+    def _ranges(self, n: int) -> list[tuple[int, int]]:
+        """Buckets of whole blocks, at most ``CHUNK`` values each, as block ranges; the
+        last, partial block is a bucket of its own."""
+        full, per = n // self.block, max(1, CHUNK // self.block)
+        out = [(lo, min(full, lo + per)) for lo in range(0, full, per)]
+        return out + ([(full, full + 1)] if n % self.block else [])
+
+    def _flat(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        lo, hi = self._ranges(x.numel())[i]
+        return x[lo * self.block : min(x.numel(), hi * self.block)]
+
+    def _span(self, x: torch.Tensor, i: int) -> tuple[torch.Tensor, tuple[int, int]]:
+        """Bucket ``i`` of ``x`` as a ``[blocks, block]`` view (the partial block: one row
+        of its own width), with its block range."""
+        lo, hi = self._ranges(x.numel())[i]
+        flat = self._flat(x, i)
+        return flat.view(hi - lo, -1), (lo, hi)
 
     def _buffers(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = like.numel()
