@@ -97,6 +97,28 @@ def test_resume_under_another_config_is_refused_naming_both_hashes(
     trainer.close()
 
 
+def test_a_config_change_at_resume_runs_only_when_allowed_and_is_recorded(
+    reference: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    from perdure.checkpoint import latest_checkpoint, load_checkpoint
+    from perdure.launch.api import run
+    from perdure.launch.preflight import PreflightError
+
+    half = str(reference["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}")
+    other = small_config(small_dataset, workers=2, steps=STEPS, optim={"lr": 1e-4})
+    with pytest.raises(PreflightError, match=r"optim\.lr.*--allow-config-change"):
+        run(other, run_dir=tmp_path / "refused", resume=half)
+    assert not (tmp_path / "refused").exists()
+    s = run(other, run_dir=tmp_path / "run", resume=half, allow_config_change=True, timeout_s=50)
+    assert s["steps"] == STEPS // 2 and s["final_hash"] != reference["final_hash"]
+    [logged] = [d for d in s["decisions"] if d["kind"] == "config_override"]
+    assert logged["step"] == STEPS // 2 and logged["details"]["keys"] == ["optim.lr"]
+    final = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert final is not None
+    recorded = [d for d in load_checkpoint(final).decisions if d["kind"] == "config_override"]
+    assert recorded == [{k: v for k, v in logged.items() if k not in ("t", "event", "by")}]
+
+
 def test_killed_worker_does_not_change_final_weights(
     reference: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
