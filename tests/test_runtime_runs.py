@@ -23,7 +23,7 @@ def reference(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_one_worker_run_commits_every_step_and_the_loss_falls(reference: dict) -> None:
-    assert reference["steps"] == STEPS and reference["restarts"] == 0
+    assert reference["steps"] == STEPS and reference["survivor_restarts"] == 0
     assert reference["final_hash"].startswith("sha256:")
     from perdure.events import read_jsonl
 
@@ -42,7 +42,7 @@ def test_worker_count_does_not_change_final_weights(
     cfg = small_config(small_dataset, workers=workers, regions=regions, steps=STEPS)
     s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == reference["final_hash"]
-    assert s["membership_changes"] == 0 and s["restarts"] == 0, events(tmp_path)
+    assert s["membership_changes"] == 0 and s["survivor_restarts"] == 0, events(tmp_path)
 
 
 def test_resume_with_another_worker_count_follows_the_same_trajectory(
@@ -78,7 +78,7 @@ def test_resume_latest_in_the_interrupted_runs_own_dir_follows_the_same_trajecto
     cfg = small_config(small_dataset, workers=2, steps=STEPS)
     s = run_to_end(cfg, rd, resume="latest")
     assert s["final_hash"] == reference["final_hash"]
-    assert s["steps"] == STEPS // 2 and s["restarts"] == 0
+    assert s["steps"] == STEPS // 2 and s["survivor_restarts"] == 0
     assert len(events(rd, "run_start")) == 2
 
 
@@ -138,7 +138,7 @@ def test_killed_worker_does_not_change_final_weights(
     ref = run_to_end(small_config(small_dataset, workers=1, steps=steps), tmp_path / "ref")
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"]
-    assert s["restarts"] == 0
+    assert s["survivor_restarts"] == 0
     assert [e["worker"] for e in events(tmp_path / "run", "leave")] == ["r1-0"]
     assert [e["worker"] for e in events(tmp_path / "run", "spare_promoted")] == ["spare-0"]
     received = {e["worker"]: e for e in events(tmp_path / "run", "state_received")}
@@ -157,7 +157,7 @@ def test_graceful_stop_and_a_later_join_do_not_change_final_weights(
     ref = run_to_end(small_config(small_dataset, workers=2, steps=steps), tmp_path / "ref")
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"]
-    assert s["restarts"] == 0 and s["steps_lost"] == 0
+    assert s["survivor_restarts"] == 0 and s["steps_lost"] == 0
     run = tmp_path / "run"
     assert [e["worker"] for e in events(run, "leave_requested")] == ["r1-0"]
     assert [e["worker"] for e in events(run, "left")] == ["r1-0"]
