@@ -110,3 +110,24 @@ def test_a_survivor_that_crashed_while_the_run_recovered_counts_as_a_survivor_re
     assert [(f["worker"], f["survivor"]) for f in failures] == [("a-1", False), ("b-0", True)]
     totals = failure_totals(failures)
     assert totals["survivor_restarts"] == 1 and totals["failures_observed"] == 2
+
+
+def test_workers_lost_with_their_coordinator_are_detected_by_the_epoch_without_them() -> None:
+    fault = _e(2.0, ev.FAULT_INJECTED, fault=0, kind="region_down", target="a", pids=[10, 11])
+    log = [
+        *BASE,
+        fault,
+        _e(2.05, ev.PROCESS_EXIT, worker="a-1", code=-9, injected=True),
+        _e(2.06, ev.COORDINATOR_TAKEOVER, by="standby"),
+        _e(2.07, ev.PROCESS_EXIT, worker="a-0", code=-9, injected=True),
+        _start(2.5, 1, ["b-0"], 26),
+        _e(9.0, ev.RUN_END),
+    ]
+    failures = observed_failures(log, _metrics(9))
+    assert [(f["kind"], f["worker"]) for f in failures] == [
+        ("process_exit", "a-1"),
+        ("coordinator_loss", "coordinator"),
+        ("process_exit", "a-0"),
+    ]
+    assert all(f["scheduled"] and f["detected"] and f["absorbed"] for f in failures), failures
+    assert failures[0]["detected_by"] == ev.EPOCH_STARTED

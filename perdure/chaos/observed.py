@@ -6,7 +6,8 @@ an operator, a link that dropped by itself are failures too, and the run must sa
 saw and absorbed them. One record per failure, from the event log:
 
 - ``process_exit``: the launcher saw a worker process die (non-zero code); the
-  coordinator's ``leave`` of that process is its detection, not another failure;
+  coordinator's ``leave`` of that process is its detection, not another failure (when the
+  coordinator died with it, the first epoch started without it is);
 - ``heartbeat_loss``: a ``leave`` whose reason is the phi detector's, of a process that
   did not die (stopped, or too slow to beat);
 - ``eviction``: a ``leave`` for a worker its peers evicted (non-finite slots that did not
@@ -25,7 +26,8 @@ not failures. A failure is *scheduled* when an injected fault explains it: the f
 signalled its process (the ``pids`` of ``fault_injected``), or named its worker or region
 (up to ``MATCH_S`` after the fault ended), or poisoned its shard, or could take the
 coordinator. It is *detected* when the run noticed it (for a process exit: a ``leave`` of
-that process, or a process that never joined), and *absorbed* when it was detected, the run
+that process or an epoch started without it; a process that never joined needs nothing
+but the launcher's notice), and *absorbed* when it was detected, the run
 reached its end and no committed step was lost after it. Whether the final parameters
 equal a fault-free run's is for a reference run to say (the tests, the demo).
 
@@ -102,13 +104,30 @@ def _process_exits(events: list[Record]) -> tuple[list[Record], set[int]]:
             if _is(x, ev.LEAVE, e["worker"]) and since < x["t"] <= e["t"] + EXPLAIN_S
         ]
         claimed.update(leaves)
-        detect = events[leaves[0]] if leaves else (None if join else e)
+        detect = events[leaves[0]] if leaves else (_replanned(events, e) if join else e)
         first = min(e["t"], detect["t"]) if detect else e["t"]  # the leave may come first
         pid = join.get("pid") if join else None
         detail = f"exit code {e.get('code')}"
         out.append({**_failure(ev.PROCESS_EXIT, e, pid=pid, detail=detail, code=e.get("code"),
                                detect=detect), "t": first})  # fmt: skip
     return out, claimed
+
+
+def _replanned(events: list[Record], exit_: Record) -> Record | None:
+    """The first epoch started without the dead worker, from just before its exit on: its
+    detection when no coordinator logged a ``leave`` (the coordinator died with it, and a
+    standby took over without ever knowing it)."""
+    since = exit_["t"] - EXPLAIN_S
+    return next(
+        (
+            e
+            for e in events
+            if e["event"] == ev.EPOCH_STARTED
+            and e["t"] >= since
+            and exit_["worker"] not in e.get("plan", {}).get("members", [])
+        ),
+        None,
+    )
 
 
 def _leaves(events: list[Record], claimed: set[int]) -> list[Record]:

@@ -100,7 +100,7 @@ def run(
     except (FileExistsError, FileNotFoundError, ConfigError) as e:  # refused before starting
         click.echo(str(e), err=True)
         sys.exit(2)
-    except WorkerCrashError as e:  # the workers failed: the cause, in one line
+    except (WorkerCrashError, TimeoutError) as e:  # the run failed: the cause, in one line
         click.echo(str(e), err=True)
         sys.exit(1)
     click.echo(json.dumps(summary, indent=2))

@@ -182,7 +182,11 @@ def _dataset(
             return None
         if say is not None:
             say(f"building the stdlib dataset at {url} (once): {stdlib_build_command(url)}")
-        build_stdlib_dataset(url)
+        try:
+            build_stdlib_dataset(url)
+        except (DataError, OSError) as e:
+            problems.append(Problem("data.dataset", f"could not be built: {e}", url))
+            return None
         report.notes.append(f"data.dataset: built {url} from the standard library's sources")
     try:
         return Dataset.open(url, cache_mb=config.data.cache_mb)
