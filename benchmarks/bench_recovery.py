@@ -103,7 +103,8 @@ def perdure_recovery(dataset: str, steps: int, kill_at: int) -> dict:
     cfg = perdure_cfg(REC_MODEL, 6, dataset)
     with tempfile.TemporaryDirectory(prefix="perdure-bench-rec-") as d:
         r = perdure_run(cfg, steps, Path(d) / "run", chaos=kill_schedule([kill_at], ["local-1"]))
-    out = {"rc": r["rc"], "wall_s": r["wall_s"], "summary_restarts": r["summary"].get("restarts")}
+    restarts = r["summary"].get("survivor_restarts")
+    out = {"rc": r["rc"], "wall_s": r["wall_s"], "summary_restarts": restarts}
     faults = [e for e in r["events"] if e.get("event") == "fault_injected"]
     if r["rc"] != 0 or not faults:
         out["error"] = r["stderr_tail"]
@@ -160,7 +161,7 @@ def perdure_goodput(dataset: str, steps: int, spares: int = 0, faulty_first: boo
                 "span_s": span(r["metrics"]),
                 "committed": len(r["metrics"]),
                 "final_hash": r["summary"].get("final_hash"),
-                "restarts": r["summary"].get("restarts"),
+                "restarts": r["summary"].get("survivor_restarts"),
                 "runtime_goodput": r["summary"].get("goodput"),
             }
             if r["rc"]:

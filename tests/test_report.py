@@ -297,7 +297,8 @@ def test_header_facts(tmp_path: Path) -> None:
     facts = dict(header_facts(load_run(make_run_dir(tmp_path / "run"))))
     assert facts["steps"] == str(STEPS)
     assert facts["vs. fault-free reference"] == "bitwise-equal (cached reference)"
-    assert facts["restarts"] == "0"
+    assert facts["survivor restarts"] == "0"
+    assert facts["failures absorbed"] == "1 of 1"
     assert facts["faults absorbed"] == "1 of 1"
     assert facts["goodput"] == "93.0%"
     assert facts["wall time"] == "8.90 s"

@@ -124,7 +124,9 @@ SUMMARY: dict[str, Any] = {
     "steps": STEPS,
     "wall_s": 8.9,
     "membership_changes": 2,
-    "restarts": 0,
+    "survivor_restarts": 0,
+    "failures_observed": 1,
+    "failures_absorbed": 1,
     "final_hash": "sha256:abc123",
     "faults": [
         {

@@ -23,7 +23,7 @@ def reference(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_one_worker_run_commits_every_step_and_the_loss_falls(reference: dict) -> None:
-    assert reference["steps"] == STEPS and reference["restarts"] == 0
+    assert reference["steps"] == STEPS and reference["survivor_restarts"] == 0
     assert reference["final_hash"].startswith("sha256:")
     from perdure.events import read_jsonl
 
@@ -42,7 +42,7 @@ def test_worker_count_does_not_change_final_weights(
     cfg = small_config(small_dataset, workers=workers, regions=regions, steps=STEPS)
     s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == reference["final_hash"]
-    assert s["membership_changes"] == 0 and s["restarts"] == 0, events(tmp_path)
+    assert s["membership_changes"] == 0 and s["survivor_restarts"] == 0, events(tmp_path)
 
 
 def test_resume_with_another_worker_count_follows_the_same_trajectory(
@@ -78,7 +78,7 @@ def test_resume_latest_in_the_interrupted_runs_own_dir_follows_the_same_trajecto
     cfg = small_config(small_dataset, workers=2, steps=STEPS)
     s = run_to_end(cfg, rd, resume="latest")
     assert s["final_hash"] == reference["final_hash"]
-    assert s["steps"] == STEPS // 2 and s["restarts"] == 0
+    assert s["steps"] == STEPS // 2 and s["survivor_restarts"] == 0
     assert len(events(rd, "run_start")) == 2
 
 
@@ -95,6 +95,28 @@ def test_resume_under_another_config_is_refused_naming_both_hashes(
     with pytest.raises(IncompatibleCheckpointError, match=r"optim\.lr"):
         trainer.load(half)
     trainer.close()
+
+
+def test_a_config_change_at_resume_runs_only_when_allowed_and_is_recorded(
+    reference: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    from perdure.checkpoint import latest_checkpoint, load_checkpoint
+    from perdure.launch.api import run
+    from perdure.launch.preflight import PreflightError
+
+    half = str(reference["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}")
+    other = small_config(small_dataset, workers=2, steps=STEPS, optim={"lr": 1e-4})
+    with pytest.raises(PreflightError, match=r"optim\.lr.*--allow-config-change"):
+        run(other, run_dir=tmp_path / "refused", resume=half)
+    assert not (tmp_path / "refused").exists()
+    s = run(other, run_dir=tmp_path / "run", resume=half, allow_config_change=True, timeout_s=50)
+    assert s["steps"] == STEPS // 2 and s["final_hash"] != reference["final_hash"]
+    [logged] = [d for d in s["decisions"] if d["kind"] == "config_override"]
+    assert logged["step"] == STEPS // 2 and logged["details"]["keys"] == ["optim.lr"]
+    final = latest_checkpoint(tmp_path / "run" / "checkpoints")
+    assert final is not None
+    recorded = [d for d in load_checkpoint(final).decisions if d["kind"] == "config_override"]
+    assert recorded == [{k: v for k, v in logged.items() if k not in ("t", "event", "by")}]
 
 
 def test_killed_worker_does_not_change_final_weights(
@@ -116,7 +138,7 @@ def test_killed_worker_does_not_change_final_weights(
     ref = run_to_end(small_config(small_dataset, workers=1, steps=steps), tmp_path / "ref")
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"]
-    assert s["restarts"] == 0
+    assert s["survivor_restarts"] == 0
     assert [e["worker"] for e in events(tmp_path / "run", "leave")] == ["r1-0"]
     assert [e["worker"] for e in events(tmp_path / "run", "spare_promoted")] == ["spare-0"]
     received = {e["worker"]: e for e in events(tmp_path / "run", "state_received")}
@@ -135,7 +157,7 @@ def test_graceful_stop_and_a_later_join_do_not_change_final_weights(
     ref = run_to_end(small_config(small_dataset, workers=2, steps=steps), tmp_path / "ref")
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"]
-    assert s["restarts"] == 0 and s["steps_lost"] == 0
+    assert s["survivor_restarts"] == 0 and s["steps_lost"] == 0
     run = tmp_path / "run"
     assert [e["worker"] for e in events(run, "leave_requested")] == ["r1-0"]
     assert [e["worker"] for e in events(run, "left")] == ["r1-0"]

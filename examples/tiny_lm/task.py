@@ -60,9 +60,21 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def make_task(
-    d_model: int = 64, n_layers: int = 2, n_heads: int = 4, dropout: float = 0.1, max_len: int = 512
+    d_model: int = 64,
+    n_layers: int = 2,
+    n_heads: int = 4,
+    dropout: float = 0.1,
+    max_len: int = 512,
+    vocab: int = 256,
 ) -> Task:
+    """The task; ``vocab`` and ``max_len`` are declared on it so that the launcher's
+    preflight can refuse a dataset whose tokens or samples this model cannot read."""
     model = TinyLM(
-        d_model=d_model, n_layers=n_layers, n_heads=n_heads, dropout=dropout, max_len=max_len
+        vocab=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        dropout=dropout,
+        max_len=max_len,
     )
-    return Task(model=model, loss_fn=loss_fn)
+    return Task(model=model, loss_fn=loss_fn, vocab_size=vocab, max_len=max_len)

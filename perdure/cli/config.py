@@ -20,17 +20,29 @@ def config() -> None:
 @click.option(
     "--canonical", is_flag=True, help="Also print the canonical (math-affecting) config as JSON."
 )
-def check(file: str, canonical: bool) -> None:
-    """Validate FILE; print its config hash, or every problem found, and exit 1."""
+@click.option(
+    "--no-preflight",
+    is_flag=True,
+    help="Only the file's own rules: do not build the task or open the dataset.",
+)
+def check(file: str, canonical: bool, no_preflight: bool) -> None:
+    """Validate FILE, then preflight it as `perdure run` would (build the task, open the
+    dataset, check one against the other); print its config hash, or every problem found
+    and exit 2."""
+    from perdure.launch.preflight import preflight
     from perdure.run_config import canonical as canon
     from perdure.run_config import config_hash, load_config
 
     try:
         cfg = load_config(file)
+        report = None if no_preflight else preflight(cfg, source=file)
     except ConfigError as e:
         click.echo(str(e), err=True)
-        sys.exit(1)
-    click.echo(f"{file}: ok")
+        sys.exit(2)
+    for note in report.notes if report else []:
+        click.echo(f"note: {note}")
+    took = f" (preflight {report.seconds:.2f} s)" if report else ""
+    click.echo(f"{file}: ok{took}")
     click.echo(f"config hash: {config_hash(cfg)}")
     if canonical:
         click.echo(json.dumps(canon(cfg), indent=2, sort_keys=True))

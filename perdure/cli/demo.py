@@ -63,8 +63,9 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
     console.print(fault_table(summary))
     console.print(
         f"faults injected {summary['faults_injected']}, absorbed {summary['faults_absorbed']}; "
-        f"survivor restarts {summary['restarts']}; committed steps lost {summary['steps_lost']}; "
-        f"goodput {summary['goodput']}"
+        f"failures observed {summary['failures_observed']}, absorbed "
+        f"{summary['failures_absorbed']}; survivor restarts {summary['survivor_restarts']}; "
+        f"committed steps lost {summary['steps_lost']}; goodput {summary['goodput']}"
     )
     verdict = "[bold green]YES[/]" if equal else "[bold red]NO[/]"
     console.print(

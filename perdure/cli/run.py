@@ -47,6 +47,12 @@ from perdure.config.errors import ConfigError
     show_default=True,
     help="Give up (and stop every process) after this many seconds.",
 )
+@click.option(
+    "--allow-config-change",
+    is_flag=True,
+    help="With --resume: continue from a checkpoint written under another config hash "
+    "(the override is recorded in the decision log).",
+)
 @click.option("--live/--no-live", default=None, help="Live terminal view (default: when a TTY).")
 def run(
     config_file: str,
@@ -56,12 +62,13 @@ def run(
     resume: str | None,
     chaos_file: str | None,
     timeout_s: float,
+    allow_config_change: bool,
     live: bool | None,
 ) -> None:
     """Train CONFIG: a coordinator and one process per worker on this machine."""
     from perdure.launch.api import run as run_api
     from perdure.launch.api import spread_workers
-    from perdure.launch.local import RunFailed
+    from perdure.launch.local import RunFailed, WorkerCrashError
     from perdure.launch.lock import RunDirLocked
     from perdure.run_config import load_config, with_overrides
 
@@ -83,12 +90,21 @@ def run(
     show = sys.stdout.isatty() and cfg.run.live_view if live is None else live
     try:
         summary = run_api(
-            cfg, run_dir=run_dir or cfg.run.dir, resume=resume, live=show, timeout_s=timeout_s
+            cfg,
+            run_dir=run_dir or cfg.run.dir,
+            resume=resume,
+            live=show,
+            timeout_s=timeout_s,
+            allow_config_change=allow_config_change,
+            source=config_file,
         )
-    except (FileExistsError, FileNotFoundError, RunDirLocked) as e:  # --run-dir, --resume
+    except (FileExistsError, FileNotFoundError, ConfigError, RunDirLocked) as e:  # refused
         click.echo(str(e), err=True)
         sys.exit(2)
     except RunFailed as e:
         click.echo(f"run failed: {e}", err=True)
+        sys.exit(1)
+    except (WorkerCrashError, TimeoutError) as e:  # the run failed: the cause, in one line
+        click.echo(str(e), err=True)
         sys.exit(1)
     click.echo(json.dumps(summary, indent=2))

@@ -119,6 +119,12 @@ def worker(
 )
 @click.option("--resume", default=None, help="Checkpoint directory the workers start from.")
 @click.option(
+    "--allow-config-change",
+    is_flag=True,
+    help="Let the workers resume from a checkpoint written under another config hash "
+    "(each records the override in the decision log).",
+)
+@click.option(
     "--standby",
     is_flag=True,
     help="Start as a standby: take over the run when workers lose the primary coordinator "
@@ -136,6 +142,7 @@ def coordinator(
     run_dir: str,
     ports_file: str | None,
     resume: str | None,
+    allow_config_change: bool,
     standby: bool,
     expected_workers: int | None,
 ) -> None:
@@ -164,6 +171,7 @@ def coordinator(
         run_dir=run_dir,
         token=_token(),
         resume=resume,
+        allow_config_change=allow_config_change,
         host=config.cluster.host,
         store_port=config.cluster.port,
         expected_workers=expected_workers,

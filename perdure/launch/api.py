@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from perdure import events as ev
 from perdure.launch.local import LocalLauncher
 from perdure.launch.lock import RunDirLock
 from perdure.run_config import RunConfig, config_hash, with_overrides
@@ -55,11 +57,22 @@ def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
 
 
 def local_launcher(
-    config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 3600.0
+    config: RunConfig,
+    run_dir: Path,
+    *,
+    resume: str | None = None,
+    timeout_s: float = 3600.0,
+    allow_config_change: bool = False,
 ) -> LocalLauncher:
     """The local launcher for ``config``, with the fault schedule's driver attached when the
     schedule has faults (a fault-free run's monitor loop runs no chaos code)."""
-    launcher = LocalLauncher(config, run_dir, resume=resume, timeout_s=timeout_s)
+    launcher = LocalLauncher(
+        config,
+        run_dir,
+        resume=resume,
+        timeout_s=timeout_s,
+        allow_config_change=allow_config_change,
+    )
     if config.chaos.faults:
         from perdure.chaos.driver import ChaosDriver
 
@@ -74,21 +87,45 @@ def run(
     resume: str | None = None,
     live: bool = False,
     timeout_s: float = 3600.0,
+    allow_config_change: bool = False,
+    source: str | None = None,
 ) -> dict[str, Any]:
     """Train ``config`` on this machine with the local launcher; returns the summary.
 
+    Before any process starts, preflight (``launch/preflight.py``) checks what every
+    worker would otherwise fail on identically, raising :class:`PreflightError` (a
+    ``ConfigError``) naming each problem, and builds the stdlib dataset when the config
+    names the shipped default path and nothing is there. ``allow_config_change`` resumes
+    from a checkpoint written under another config hash; every worker records the
+    override in the decision log. ``source`` names the config file in messages.
+
     The run directory is created private to the user (checkpoints and logs hold the model
     and the data's provenance) and held by one launcher at a time (``launch/lock.py``)."""
+    from perdure.launch.preflight import preflight
+
     rd = Path(run_dir) if run_dir else default_run_dir(config)
-    rd.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with RunDirLock(rd), private_files():
+    with contextlib.ExitStack() as held:
+        if rd.exists():  # someone may be running there: refuse before anything else
+            held.enter_context(RunDirLock(rd))
         if resume is None and (rd / "events.jsonl").exists():
             raise FileExistsError(
                 f"--run-dir {rd}: already holds a run (events.jsonl); a new run needs a new "
                 "directory, and --resume latest continues this one from its newest checkpoint"
             )
-        resumed = resolve_resume(resume, rd)
-        launcher = local_launcher(config, rd, resume=resumed, timeout_s=timeout_s)
+        ckpt = resolve_resume(resume, rd)
+        checked = preflight(
+            config, source=source, resume=ckpt, allow_config_change=allow_config_change,
+            build_default=True, say=lambda line: print(line, file=sys.stderr),
+        )  # fmt: skip
+        if not rd.exists():  # created only once the run can start: a refusal leaves nothing
+            rd.mkdir(mode=0o700, parents=True)
+            held.enter_context(RunDirLock(rd))
+        held.enter_context(private_files())
+        launcher = local_launcher(
+            config, rd, resume=ckpt, timeout_s=timeout_s, allow_config_change=allow_config_change
+        )
+        if checked.override is not None:  # the operator's decision, logged once for the run
+            launcher.events.write({"event": ev.DECISION, "by": "launcher", **checked.override})
         return run_with_view(launcher, config.train.steps) if live else launcher.run()
 
 

@@ -47,6 +47,34 @@ MAX_CRASHES = 3
 """A worker that crashes this often without a fault being injected is a bug, not a fault:
 the launcher stops instead of replacing it for ever."""
 
+LOG_TAIL_BYTES = 64 * 1024
+"""How much of a dead worker's log is searched for its last traceback."""
+
+
+class WorkerCrashError(RuntimeError):
+    """Workers failed in a way a replacement would repeat; the run is stopped. The message
+    is one line: the error and the log that holds its traceback."""
+
+
+def last_error(log: Path, since: int = 0) -> str | None:
+    """The exception line that ends the last traceback written to ``log`` after byte
+    ``since`` (what one process wrote: logs are appended to), or None (killed by a signal,
+    or it printed none). Only the last ``LOG_TAIL_BYTES`` are read."""
+    try:
+        with open(log, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(since, size - LOG_TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    at = text.rfind("Traceback (most recent call last):")
+    if at < 0:
+        return None
+    for line in text[at:].splitlines()[1:]:
+        if line and not line[0].isspace():
+            return line.strip()
+    return None
+
 
 class RunFailed(RuntimeError):
     """The run stopped on an error every replica reproduces (``run_failed`` in the log);
@@ -101,10 +129,13 @@ class LocalLauncher:
         resume: str | None = None,
         timeout_s: float = 3600.0,
         hooks: list[MonitorHook] | None = None,
+        allow_config_change: bool = False,
     ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resume = resume
+        self.allow_config_change = allow_config_change
+        """Resume from a checkpoint of another config hash (the workers record it)."""
         self.timeout_s = timeout_s
         self.hooks: list[MonitorHook] = list(hooks or [])
         """Called on every monitor tick, in order (fault injection before the view)."""
@@ -120,6 +151,10 @@ class LocalLauncher:
         self.replacements: dict[str, float] = {}
         self.store_addrs: list[tuple[str, int]] = []
         self.crashes: dict[str, int] = {}
+        self.startup_errors: dict[str, list[str]] = {}
+        """Last error line -> the workers whose start-up ended with it, in order."""
+        self._log_start: dict[str, int] = {}
+        """Each worker's log size when its current process started (logs are appended)."""
         self._events_tail = Tail(self.run_dir / "events.jsonl", from_end=True)
         self._ended = False
         self.zygote: Zygote | None = None
@@ -142,6 +177,7 @@ class LocalLauncher:
                 self.run_dir,
                 self.token,
                 resume=self.resume,
+                allow_config_change=self.allow_config_change,
                 name=name,
                 expected=self.config.cluster.workers,
                 log=self.run_dir / "logs" / f"{name}.log",
@@ -154,6 +190,7 @@ class LocalLauncher:
 
     def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
+        self._log_start[name] = log.stat().st_size if log.exists() else 0
         popen = start_worker(
             name,
             region,
@@ -282,12 +319,7 @@ class LocalLauncher:
                 }
             )
             if not p.expected_exit:
-                self.crashes[p.name] = self.crashes.get(p.name, 0) + 1
-                if self.crashes[p.name] >= MAX_CRASHES:
-                    raise RuntimeError(
-                        f"worker {p.name} crashed {MAX_CRASHES} times; giving up "
-                        f"(see {self.run_dir}/logs/{p.name}.log)"
-                    )
+                self._crashed(p)
             if delay >= 0 and p.kind == "worker":
                 self.replacements[p.name] = time.monotonic() + delay
         now = time.monotonic()
@@ -297,6 +329,36 @@ class LocalLauncher:
                 del self.replacements[name]
                 self._start_worker(name, old.region, gen=old.generation + 1)
                 self.events.write({"event": ev.REPLACEMENT_STARTED, "worker": name})
+
+    def _crashed(self, p: Proc) -> None:
+        """A worker died with no fault injected into it. Two start-up crashes (before the
+        process ever took part in an epoch) that end with the same error line stop the run
+        with that line: a replacement would only fail the same way. Otherwise the run gives
+        up after ``MAX_CRASHES`` crashes of one worker. Limit: an error whose message varies
+        between processes (a pid, a port) is not recognised as the same one."""
+        log = self.run_dir / "logs" / f"{p.name}.log"
+        error = last_error(log, self._log_start.get(p.name, 0))
+        if error is not None and not self._took_part(p):
+            seen = self.startup_errors.setdefault(error, [])
+            seen.append(p.name)
+            if len(seen) >= 2:
+                self._give_up(f"{error} (at start-up of {' and '.join(seen)}; see {log})")
+        self.crashes[p.name] = self.crashes.get(p.name, 0) + 1
+        if self.crashes[p.name] >= MAX_CRASHES:
+            self._give_up(f"worker {p.name} crashed {MAX_CRASHES} times: {error} (see {log})")
+
+    def _took_part(self, p: Proc) -> bool:
+        """Whether ``p``'s process was a member of a started epoch (it got past start-up)."""
+        return any(
+            e.get("event") == ev.EPOCH_STARTED
+            and e.get("t", 0) >= p.started
+            and p.name in e.get("plan", {}).get("members", [])
+            for e in read_jsonl(self.run_dir / "events.jsonl")
+        )
+
+    def _give_up(self, reason: str) -> None:
+        self.events.write({"event": ev.RUN_FAILED, "by": "launcher", "reason": reason})
+        raise WorkerCrashError(reason)
 
     def _may_replace(self, name: str) -> bool:
         return self.procs[name].region not in self.vetoed

@@ -41,6 +41,7 @@ def start_coordinator(
     name: str,
     expected: int,
     log: Path,
+    allow_config_change: bool = False,
 ) -> subprocess.Popen[bytes]:
     args = [
         "coordinator",
@@ -55,6 +56,8 @@ def start_coordinator(
     ]
     if resume:
         args += ["--resume", resume]
+    if allow_config_change:
+        args.append("--allow-config-change")
     if name == "standby":
         args.append("--standby")
     return _spawn(python_cmd(*args), token, log)

@@ -1,4 +1,10 @@
-"""``summary.json``: what a run did, in numbers a test or a person can compare."""
+"""``summary.json``: what a run did, in numbers a test or a person can compare.
+
+Two views of what went wrong: ``faults``, one row per fault the chaos schedule injected
+(``chaos/summary.py``), and ``failures``, every failure the log shows, scheduled or not,
+each detected and absorbed or not (``chaos/observed.py``), with ``survivor_restarts``:
+surviving processes a failure forced to start again (0 by design; a dead worker's
+replacement is not one)."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure import events as ev
+from perdure.chaos.observed import failure_totals, observed_failures
 from perdure.chaos.summary import fault_report, goodput, totals
 from perdure.events import read_jsonl
 from perdure.run_config import RunConfig
@@ -28,17 +35,19 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
     epochs = [e for e in events if e.get("event") == ev.EPOCH_STARTED]
     steps = sorted({m["step"] for m in metrics})
     faults = fault_report(events, metrics)
+    failures = observed_failures(events, metrics)
     summary = {
         "steps": len(steps),
         "last_step": steps[-1] if steps else None,
         "wall_s": round(time.time() - started, 3),
         "membership_changes": _membership_changes(epochs),
-        "restarts": _restarts(events),
         "final_hash": hashes[-1] if len(hashes) == 1 else None,
         "replica_hashes_agree": len(hashes) == 1,
         "decisions": [e for e in events if e.get("event") == ev.DECISION],
         "faults": faults,
         **totals(faults),
+        "failures": failures,
+        **failure_totals(failures),
         "goodput": goodput(metrics),
     }
     _write(run_dir / "summary.json", json.dumps(summary, indent=2))
@@ -49,22 +58,6 @@ def _membership_changes(epochs: list[dict[str, Any]]) -> int:
     """Epochs whose member set differs from the previous one (re-plans are not counted)."""
     sets = [frozenset(e["plan"]["members"]) for e in epochs]
     return sum(1 for a, b in itertools.pairwise(sets) if a != b)
-
-
-def _restarts(events: list[dict[str, Any]]) -> int:
-    """Worker processes that died without a fault being injected into them, before the end.
-
-    A worker killed by the fault schedule (or in a region taken down) and replaced is not
-    a restart; any other exit of a worker during the run is, since that process's work had
-    to be started again.
-    """
-    out = 0
-    for e in events:
-        if e.get("event") == ev.RUN_END:
-            break
-        if e.get("event") == ev.PROCESS_EXIT and not e.get("injected"):
-            out += 1
-    return out
 
 
 def _write(path: Path, text: str) -> None:

@@ -72,9 +72,8 @@ def header_facts(data: RunData) -> list[tuple[str, str]]:
         how = f" ({src} reference)" if isinstance(src, str) and src else ""
         verdict = "bitwise-equal" if ref["bitwise_equal"] else "DIFFERENT"
         facts.append(("vs. fault-free reference", verdict + how))
-    facts.append(
-        ("restarts", str(s["restarts"]) if integer(s.get("restarts")) is not None else DASH)
-    )
+    restarts = integer(s.get("survivor_restarts"))
+    facts.append(("survivor restarts", DASH if restarts is None else str(restarts)))
     mc = integer(s.get("membership_changes"))
     facts.append(("membership changes", DASH if mc is None else str(mc)))
     inj, absd = integer(s.get("faults_injected")), integer(s.get("faults_absorbed"))
@@ -84,6 +83,9 @@ def header_facts(data: RunData) -> list[tuple[str, str]]:
         facts.append(("faults absorbed", f"{absd} of {inj}"))
     elif inj is not None:
         facts.append(("faults injected", str(inj)))
+    seen, fine = integer(s.get("failures_observed")), integer(s.get("failures_absorbed"))
+    if seen is not None and fine is not None:
+        facts.append(("failures absorbed", f"{fine} of {seen}"))
     gp = num(s.get("goodput"))
     facts.append(("goodput", DASH if gp is None else f"{gp:.1%}"))
     return facts

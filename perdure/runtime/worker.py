@@ -22,7 +22,12 @@ from typing import Any
 import torch.distributed as dist
 
 from perdure import events as ev
-from perdure.checkpoint import AsyncCheckpointer, CheckpointSaveError
+from perdure.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointSaveError,
+    config_override_entry,
+    load_checkpoint,
+)
 from perdure.events import JsonLines
 from perdure.run_config import RunConfig, config_from_dict
 from perdure.runtime.comm.exchange import StoreExchange
@@ -123,8 +128,9 @@ class Worker:
         self.trainer = Trainer(
             config, cache_dir=str(self.run_dir / "cache"), poison=_poison_schedule(config)
         )
+        self.allow_config_change = welcome.allow_config_change
         if welcome.resume:
-            self.trainer.load(welcome.resume)
+            self._load(welcome.resume)
         # A worker admitted before the first epoch holds valid initial state (built from the
         # seed, or loaded); one admitted later is a joiner and receives state from a peer.
         self.has_state = self.role == "worker" and welcome.epoch < 0
@@ -284,10 +290,22 @@ class Worker:
         """Every replica was lost: start again from a checkpoint (or from the seed)."""
         assert self.trainer is not None
         if path is not None:
-            self.trainer.load(path)
+            self._load(path)
         elif self.trainer.next_step != 0 or self.has_state:
             raise RuntimeError("no checkpoint to recover from, and this replica is not at step 0")
         self.has_state = True
+
+    def _load(self, path: str) -> None:
+        """Restore a checkpoint. One of another config hash loads only if the launcher
+        allowed it; the override then becomes a decision-log entry (the launcher logs the
+        event once), the same on every replica."""
+        assert self.trainer is not None
+        keys = self.trainer.load(path, allow_config_change=self.allow_config_change)
+        if keys:
+            ckpt = load_checkpoint(path, verify=False)  # its step and hash (tensors mapped)
+            self.trainer.decisions.append(
+                config_override_entry(ckpt, self.trainer.config_hash, keys)
+            )
 
     def _checkpointer(self, ep: Epoch) -> AsyncCheckpointer:
         ex = StoreExchange(

@@ -66,6 +66,7 @@ class Coordinator:
         channel_port: int = 0,
         expected_workers: int | None = None,
         standby: bool = False,
+        allow_config_change: bool = False,
     ) -> None:
         self.config, self.run_dir, self.token, self.host = config, run_dir, token, host
         self.events = JsonLines(f"{run_dir}/events.jsonl")
@@ -83,6 +84,7 @@ class Coordinator:
             instance=secrets.token_hex(4),
             expected=expected,
             standby=standby,
+            allow_config_change=allow_config_change,
         )
         self.policy = pol.Policy(settings, time.monotonic())
         self.lines: dict[str, LineSocket] = {}

@@ -202,6 +202,8 @@ class Settings:
     another coordinator's."""
     expected: int
     standby: bool = False
+    allow_config_change: bool = False
+    """Workers may resume from a checkpoint of another config hash (they record it)."""
 
 
 class Policy:
@@ -310,6 +312,7 @@ class Policy:
             resume=self.s.resume,
             store_port=self.s.store_port,
             epoch=self.epoch,
+            allow_config_change=self.s.allow_config_change,
         )
         self.out.append(Accept(e.conn, h.name, welcome))
         self._log(ev.JOIN, worker=h.name, region=h.region, role=h.role, pid=h.pid)

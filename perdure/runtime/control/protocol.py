@@ -142,6 +142,8 @@ class Welcome:
     resume: str | None
     store_port: int
     epoch: int
+    allow_config_change: bool = False
+    """Load ``resume`` even if written under another config hash (recorded as a decision)."""
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,21 @@ class Task:
     ``loss_fn(model, batch)`` must return the *sum* over the batch's samples of each
     sample's loss times ``batch["weight"]`` (1.0, or NaN for samples of a poisoned shard):
     perdure divides the slot-ordered gradient sum by the global batch once.
+
+    ``vocab_size`` and ``max_len``, when given, let the launcher's preflight refuse a
+    dataset the model cannot read before any worker starts: token ids at or above
+    ``vocab_size`` (the dataset's manifest records its vocabulary), or samples longer than
+    ``max_len`` tokens (the model reads ``seq_len`` of them). Left ``None``, nothing is
+    checked and such a mismatch shows only as the workers' error.
     """
 
     model: nn.Module
     loss_fn: LossFn
     make_optimizer: OptimizerFactory | None = None
+    vocab_size: int | None = None
+    """Token ids the model accepts: ``[0, vocab_size)`` (e.g. its embedding's rows)."""
+    max_len: int | None = None
+    """Longest token sequence the model reads (e.g. its position embedding's rows)."""
 
 
 def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:

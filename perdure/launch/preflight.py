@@ -1,0 +1,351 @@
+"""Preflight: the errors every worker would hit the same way, found before any starts.
+
+A config can be valid field by field and still fail in every worker at start-up: a task
+entry that does not import, a dataset that is not there, a model whose vocabulary or
+length is smaller than the dataset's, a batch larger than the dataset, a poisoned shard
+past the last one, a resume checkpoint written under another config. Started anyway,
+each worker crashes, each replacement crashes the same way, and the cause is in a worker
+log. Preflight does in the launcher, once, what a worker does first: it imports and builds
+the task (seeded as a worker would), opens the dataset (the manifest and a listing, no
+shard bytes), reads the resume checkpoint's context (tensors mapped, not read or
+verified: the workers verify every checksum), and checks each against the others. Every
+problem names the field or flag, the rule and the value, all reported at once.
+
+Limits: the model is built once on the CPU, so preflight holds one replica's initial
+weights for a moment (a model too large for the launcher's memory needs the workers'
+machine); a task that declares neither ``Task.vocab_size`` nor ``Task.max_len`` gets
+neither check; the batch is never run, so an error inside the model's forward is still
+the workers' to report (the launcher stops a run whose workers fail the same way twice
+at start-up, see ``launch/local.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sysconfig
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from perdure.config.errors import ConfigError, Problem
+from perdure.data.config import DataConfig
+from perdure.run_config import RunConfig, canonical, config_hash
+
+if TYPE_CHECKING:
+    from perdure.checkpoint import LoadedCheckpoint
+    from perdure.data import Dataset
+    from perdure.runtime.replica.task import Task
+
+DEFAULT_DATASET = DataConfig().dataset
+"""The path the shipped configs name (``data.dataset``'s default): ``perdure run`` builds
+the stdlib dataset there when it is missing."""
+
+STDLIB_MAX_MB = 10.0
+"""Source bytes of the stdlib dataset (the same recipe as ``benchmarks/_common.py``)."""
+
+MAX_MS = 10**12
+"""Upper bound of every ``*_ms`` duration (about 31 years): Python's timers overflow
+at ``threading.TIMEOUT_MAX`` seconds, not far above."""
+
+MAX_SEED = 2**64
+"""``torch.manual_seed`` takes seeds below this."""
+
+MAX_POSITION = 2**63
+"""Sample positions (``steps x global_batch``) are int64."""
+
+
+class PreflightError(ConfigError):
+    """Every preflight problem of one run, reported at once (each: field or flag, rule,
+    value). A :class:`ConfigError`, so that whoever reports config problems reports these."""
+
+    def __str__(self) -> str:
+        where = f"preflight of {self.source}" if self.source else "preflight"
+        if len(self.problems) == 1:
+            return f"{where}: {self.problems[0]}"
+        return "\n".join([f"{where}: {len(self.problems)} problems"] +
+                         [f"  - {p}" for p in self.problems])  # fmt: skip
+
+
+@dataclass
+class Report:
+    """What preflight found besides problems, and how long it took."""
+
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    """One line each: a dataset built, a dataset that ``perdure run`` will build, a config
+    change allowed at resume."""
+    override: dict[str, Any] | None = None
+    """The decision-log entry of a config change allowed at resume (the workers record the
+    same entry; the launcher logs it as the run's ``decision`` event)."""
+
+
+def preflight(
+    config: RunConfig,
+    *,
+    source: str | None = None,
+    resume: str | None = None,
+    allow_config_change: bool = False,
+    build_default: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> Report:
+    """Check ``config`` (and the resume checkpoint) as the workers would meet it; raise
+    :class:`PreflightError` listing every problem. ``build_default``: build the stdlib
+    dataset when ``data.dataset`` is the shipped default path and nothing is there (what
+    ``perdure run`` does); ``say`` hears about it before the build starts."""
+    t0 = time.perf_counter()
+    report = Report()
+    problems = _bounds(config)
+    task = _task(config, problems) if config.train.seed < MAX_SEED else None
+    dataset = _dataset(config, problems, report, build_default, say)
+    if dataset is not None:
+        problems += _fit(config, task, dataset)
+    if resume is not None:
+        problems += _resume(config, resume, task, dataset, allow_config_change, report)
+    if dataset is not None:
+        dataset.close()
+    report.seconds = round(time.perf_counter() - t0, 3)
+    if problems:
+        raise PreflightError(problems, source)
+    return report
+
+
+# -- numbers that pass their field's rule and still cannot run ----------------------------
+
+
+def _bounds(config: RunConfig) -> list[Problem]:
+    out = []
+    for section in ("cluster", "checkpoint", "chaos"):
+        value = getattr(config, section)
+        for f in dataclasses.fields(value):
+            v = getattr(value, f.name)
+            if f.name.endswith("_ms") and isinstance(v, int | float) and abs(v) > MAX_MS:
+                out.append(Problem(f"{section}.{f.name}", f"must be at most {MAX_MS} ms", v))
+    t = config.train
+    if t.seed >= MAX_SEED:
+        out.append(Problem("train.seed", f"must be < 2**64 ({MAX_SEED})", t.seed))
+    if t.steps * t.global_batch >= MAX_POSITION:
+        rule = "train.steps x train.global_batch must be < 2**63 (int64 sample positions)"
+        out.append(Problem("train.global_batch", rule, t.global_batch))
+    return out
+
+
+# -- the task ------------------------------------------------------------------------------
+
+
+def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
+    """Build the task once, as a worker does (seeded); its construction error as a problem."""
+    from perdure.runtime.replica.task import build_task
+
+    entry = config.task.entry
+    try:
+        return build_task(config.task, config.train.seed)
+    except ValueError as e:
+        text = str(e)
+        if text.startswith("task.entry: "):  # resolve()'s and build_task()'s own errors
+            problems.append(Problem("task.entry", text.removeprefix("task.entry: "), entry))
+            return None
+        problems.append(_factory_problem(config, e))
+    except Exception as e:  # the user's factory: any error is the config's problem
+        problems.append(_factory_problem(config, e))
+    return None
+
+
+def _factory_problem(config: RunConfig, e: Exception) -> Problem:
+    rule = f"{config.task.entry} raised {type(e).__name__}: {e}"
+    return Problem("task.options", rule, config.task.options)
+
+
+# -- the dataset ---------------------------------------------------------------------------
+
+
+def _dataset(
+    config: RunConfig,
+    problems: list[Problem],
+    report: Report,
+    build_default: bool,
+    say: Callable[[str], None] | None,
+) -> Dataset | None:
+    from perdure.data import DataError, Dataset
+
+    url = config.data.dataset
+    if _missing(url):
+        if url != DEFAULT_DATASET:
+            problems.append(Problem("data.dataset", _how_to_build(url), url))
+            return None
+        if not build_default:
+            report.notes.append(
+                f"data.dataset: {url} is not built yet; `perdure run` builds it, or now: "
+                f"{stdlib_build_command(url)}"
+            )
+            return None
+        if say is not None:
+            say(f"building the stdlib dataset at {url} (once): {stdlib_build_command(url)}")
+        try:
+            build_stdlib_dataset(url)
+        except (DataError, OSError) as e:
+            problems.append(Problem("data.dataset", f"could not be built: {e}", url))
+            return None
+        report.notes.append(f"data.dataset: built {url} from the standard library's sources")
+    try:
+        return Dataset.open(url, cache_mb=config.data.cache_mb)
+    except DataError as e:
+        problems.append(Problem("data.dataset", f"cannot be opened: {e}", url))
+        return None
+
+
+def _how_to_build(url: str) -> str:
+    from perdure.launch.demo import DATASET as DEMO_DATASET
+
+    if Path(url) == DEMO_DATASET:
+        return "no dataset there (no manifest.json); `perdure demo` builds this one"
+    return (
+        f"no dataset there (no manifest.json); build one with "
+        f"`perdure data build SOURCES --out {url}`"
+    )
+
+
+def _missing(url: str) -> bool:
+    """A local path without a manifest (a remote URL is left to ``Dataset.open``)."""
+    return "://" not in url and not (Path(url) / "manifest.json").exists()
+
+
+def stdlib_build_command(out: str) -> str:
+    src = sysconfig.get_paths()["stdlib"]
+    return f"perdure data build {src} --include '*.py' --max-mb {STDLIB_MAX_MB:g} --out {out}"
+
+
+def build_stdlib_dataset(out: str) -> None:
+    """The stdlib dataset: this Python's own ``*.py`` sources, byte-level, 128-token
+    samples (the recipe of :func:`stdlib_build_command`). It depends on the Python
+    version, so two machines with different Pythons build different versions (the version
+    id tells them apart)."""
+    from perdure.data import build_dataset
+
+    src = sysconfig.get_paths()["stdlib"]
+    build_dataset([src], out, seq_len=128, include="*.py", max_mb=STDLIB_MAX_MB)
+
+
+def _fit(config: RunConfig, task: Task | None, ds: Dataset) -> list[Problem]:
+    """What the dataset must hold for this task and batch."""
+    return (_model_fit(config, task, ds) if task is not None else []) + _sizes(config, ds)
+
+
+def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
+    """The dataset's token ids and sample length against what the task declares."""
+    out = []
+    vocab = ds.manifest.build.get("vocab_size")
+    if task.vocab_size is not None and isinstance(vocab, int) and task.vocab_size < vocab:
+        rule = (
+            f"the model's vocab_size {task.vocab_size} is smaller than the dataset's "
+            f"{vocab} (token ids up to {vocab - 1}, {ds.url}/manifest.json build.vocab_size)"
+        )
+        out.append(Problem("task.options", rule, config.task.options))
+    if task.max_len is not None and task.max_len < ds.seq_len:
+        rule = (
+            f"the model's max_len {task.max_len} is shorter than the dataset's seq_len "
+            f"{ds.seq_len} (the model reads seq_len tokens a sample)"
+        )
+        out.append(Problem("task.options", rule, config.task.options))
+    return out
+
+
+def _sizes(config: RunConfig, ds: Dataset) -> list[Problem]:
+    """A step reads each sample at most once; a poisoned shard must exist."""
+    out = []
+    b = config.train.global_batch
+    if b > ds.num_samples:
+        rule = f"must be at most the dataset's {ds.num_samples} samples ({ds.url})"
+        out.append(Problem("train.global_batch", rule, b))
+    for i, f in enumerate(config.chaos.faults):
+        if f.kind == "poison_shard" and int(f.target) >= ds.num_shards:
+            rule = f"must be a shard of {ds.url}, in [0, {ds.num_shards})"
+            out.append(Problem(f"chaos.faults[{i}].target", rule, f.target))
+    return out
+
+
+# -- the resume checkpoint -----------------------------------------------------------------
+
+
+def _resume(
+    config: RunConfig,
+    path: str,
+    task: Task | None,
+    ds: Dataset | None,
+    allow: bool,
+    report: Report,
+) -> list[Problem]:
+    from perdure.checkpoint import CheckpointError, load_checkpoint
+
+    try:
+        ckpt = load_checkpoint(path, verify=False)
+    except (CheckpointError, OSError) as e:
+        return [Problem("--resume", f"cannot be read: {e}", path)]
+    out = _compatible(config, ckpt, allow, report)
+    version = ckpt.data.get("version_id") if isinstance(ckpt.data, dict) else None
+    if ds is not None and version != ds.version_id:
+        rule = f"made for dataset version {version}; data.dataset {ds.url} is {ds.version_id}"
+        out.append(Problem("--resume", rule, path))
+    if task is not None:
+        out += _shapes(ckpt, task, path)
+    return out
+
+
+def _compatible(
+    config: RunConfig, ckpt: LoadedCheckpoint, allow: bool, report: Report
+) -> list[Problem]:
+    from perdure.checkpoint import (
+        IncompatibleCheckpointError,
+        check_compatible,
+        config_override_entry,
+    )
+    from perdure.config.diff import diff_canonical
+
+    digest, canon = config_hash(config), canonical(config)
+    try:
+        keys = check_compatible(ckpt, digest, canon, allow_config_change=allow)
+    except IncompatibleCheckpointError:
+        differ = ", ".join(diff_canonical(ckpt.canonical_config, canon)) or "none"
+        rule = (
+            f"written under config hash {ckpt.config_hash}, this run's is {digest} "
+            f"(differing keys: {differ}); pass --allow-config-change "
+            "(perdure.run(..., allow_config_change=True)) to resume anyway, recorded in the "
+            "decision log"
+        )
+        return [Problem("--resume", rule, str(ckpt.path))]
+    if keys:
+        report.override = config_override_entry(ckpt, digest, keys)
+        report.notes.append(
+            f"--allow-config-change: resuming {ckpt.path} with {', '.join(keys)} changed "
+            "(recorded in the decision log)"
+        )
+    return []
+
+
+def _shapes(ckpt: LoadedCheckpoint, task: Task, path: str) -> list[Problem]:
+    """The checkpoint's model tensors against the task's (names and shapes)."""
+    want = {k: tuple(v.shape) for k, v in task.model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in ckpt.model.items()}
+    diffs = [
+        f"{k} is {list(got[k])} in the checkpoint, {list(want[k])} in the model"
+        for k in sorted(want.keys() & got.keys())
+        if want[k] != got[k]
+    ]
+    diffs += [f"{k} missing" for k in sorted(want.keys() - got.keys())]
+    diffs += [f"{k} not in the model" for k in sorted(got.keys() - want.keys())]
+    if not diffs:
+        return []
+    more = f" (and {len(diffs) - 3} more)" if len(diffs) > 3 else ""
+    rule = f"its model tensors do not fit the task's: {'; '.join(diffs[:3])}{more}"
+    return [Problem("--resume", rule, path)]
+
+
+__all__ = [
+    "DEFAULT_DATASET",
+    "PreflightError",
+    "Report",
+    "build_stdlib_dataset",
+    "preflight",
+    "stdlib_build_command",
+]
