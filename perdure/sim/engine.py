@@ -20,7 +20,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from perdure.sim.failures import Event
 from perdure.sim.steptime import StepModel
@@ -30,9 +30,9 @@ FAILURES = frozenset(
 )
 
 
-@dataclass(frozen=True)
-class State:
-    """What the run is at time ``t``."""
+class State(NamedTuple):
+    """What the run is at time ``t`` (a named tuple: immutable, and cheap to copy with
+    ``_replace``, which the loop does at every event)."""
 
     t: float
     steps: float
@@ -145,9 +145,9 @@ def step_time(ctx: Context, s: State) -> float:
 def advance(ctx: Context, s: State, t1: float) -> State:
     start = max(s.t, s.stall_until)
     if t1 <= start:
-        return replace(s, t=max(s.t, t1))
+        return s._replace(t=max(s.t, t1))
     ds = (t1 - start) / step_time(ctx, s)
-    return replace(s, t=t1, steps=s.steps + ds, samples=s.samples + ds * s.batch)
+    return s._replace(t=t1, steps=s.steps + ds, samples=s.samples + ds * s.batch)
 
 
 def reach_time(ctx: Context, s: State, steps: float) -> float:
@@ -196,7 +196,7 @@ def simulate(
         s = advance(ctx, s, t)
         if t == t_stop:
             if until_steps is not None:
-                s = replace(s, steps=until_steps, samples=max(s.samples, 0.0))
+                s = s._replace(steps=until_steps, samples=max(s.samples, 0.0))
             break
         if t_trig <= t_time:
             _fire_trigger(heapq.heappop(triggers), s, timed, probes, seq)

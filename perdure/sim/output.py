@@ -57,6 +57,8 @@ def validation_table(rows: Sequence[Row]) -> str:
         mark = " in range" if r.in_range else ""
         if r.flagged:
             mark += f" > {TOLERANCE} (docs/simulation.md)"
+        if r.note:
+            mark += " (not comparable: see docs/simulation.md)"
         lines.append(
             f"{r.workload:9s} {r.system:26s} {r.metric:10s} {r.predicted:9.3f} "
             f"{r.measured:9.3f} [{r.low:6.3f},{r.high:6.3f}] {r.diff:+7.3f}{mark}"
@@ -112,6 +114,7 @@ def record(
                 "low": r.low,
                 "high": r.high,
                 "diff": r.diff,
+                "note": r.note,
             }
             for r in validation
         ],

@@ -154,7 +154,7 @@ def torchft_costs(
     start = cal.torchrun_restart_s + RDZV_HOPS * env.one_way_s
     return torchft_policy.Costs(
         quorum_s=cal.torchft_quorum_s + QUORUM_HOPS * env.one_way_s,
-        pg_timeout_s=f.pg_timeout_s,
+        silent_s=max(f.pg_timeout_s, f.heartbeat_timeout_ms / 1000),
         join_s=cal.perdure_reconfigure_s + QUORUM_HOPS * env.one_way_s,
         group_start_s=start + heal,
         start_cpu_s=start,

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
 
 CHUNK_BYTES = 4 * 2**20
 """The chain's chunk: perdure's default ``CHUNK_ELEMS`` (1 Mi float32 values)."""
@@ -135,6 +134,11 @@ class AnalyticStep:
     chain_over_ring: float
     overhead: float
     """perdure's measured runtime overhead on its compute (1 for the peers)."""
+    _memo: dict[tuple[tuple[int, ...], float], float] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    """Step times already computed (the loop asks for the same few states again and
+    again; hashing the whole model for an lru_cache each time cost more than the maths)."""
 
     def reduce_s(self, members: tuple[int, ...], extra_lat_s: float = 0.0) -> float:
         return _reduce_s(self, members, extra_lat_s)
@@ -143,7 +147,11 @@ class AnalyticStep:
         self, members: tuple[int, ...], extra_lat_s: float = 0.0, starting: int = 0
     ) -> float:
         """``starting`` (processes starting up) costs nothing here: own devices."""
-        return _seconds(self, members, extra_lat_s)
+        key = (members, extra_lat_s)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = _seconds(self, members, extra_lat_s)
+        return t
 
     @property
     def slot_s(self) -> float:
@@ -160,7 +168,6 @@ class AnalyticStep:
         return algo(64.0, members, self.links)
 
 
-@lru_cache(maxsize=4096)
 def _reduce_s(m: AnalyticStep, members: tuple[int, ...], extra_lat_s: float) -> float:
     links = m.links.slower(extra_lat_s)
     p = m.compute.params
@@ -172,7 +179,6 @@ def _reduce_s(m: AnalyticStep, members: tuple[int, ...], extra_lat_s: float) -> 
     return ring_s(p * m.grad_bytes, members, links)
 
 
-@lru_cache(maxsize=4096)
 def _seconds(m: AnalyticStep, members: tuple[int, ...], extra_lat_s: float) -> float:
     k = sum(members)
     if m.reduction == "ddp":
@@ -203,7 +209,9 @@ class HostStep:
     def seconds(
         self, members: tuple[int, ...], extra_lat_s: float = 0.0, starting: int = 0
     ) -> float:
-        return _host_seconds(self, sum(members) + starting) + self.delay_hops * extra_lat_s
+        k = max(sum(members) + starting, 1)
+        ratio = interp(self.curve, k) / interp(self.curve, self.workers)
+        return self.step_s * ratio + self.delay_hops * extra_lat_s
 
     @property
     def ideal_s(self) -> float:
@@ -216,11 +224,6 @@ class HostStep:
 
     def small_allreduce_s(self, members: tuple[int, ...]) -> float:
         return 0.0
-
-
-@lru_cache(maxsize=1024)
-def _host_seconds(m: HostStep, k: int) -> float:
-    return m.step_s * interp(m.curve, max(k, 1)) / interp(m.curve, m.workers)
 
 
 def interp(curve: tuple[tuple[int, float], ...], x: float) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 from perdure.sim.engine import Context, State
 
@@ -11,23 +10,23 @@ from perdure.sim.engine import Context, State
 def lose_inflight(s: State, fraction: float = 1.0) -> State:
     """Drop ``fraction`` of the in-flight step's progress (1: it is redone from scratch)."""
     u = (s.steps - math.floor(s.steps + 1e-9)) * fraction
-    return replace(s, steps=s.steps - u, samples=s.samples - u * s.batch)
+    return s._replace(steps=s.steps - u, samples=s.samples - u * s.batch)
 
 
 def stall(s: State, seconds: float) -> State:
     """No progress for ``seconds`` more (after any stall already under way)."""
-    return replace(s, stall_until=max(s.stall_until, s.t) + seconds)
+    return s._replace(stall_until=max(s.stall_until, s.t) + seconds)
 
 
 def stall_until(s: State, t: float) -> State:
-    return replace(s, stall_until=max(s.stall_until, t))
+    return s._replace(stall_until=max(s.stall_until, t))
 
 
 def add_members(s: State, ctx: Context, region: int, n: int) -> State:
     """``n`` workers more in ``region`` (negative: fewer), within 0 and full strength."""
     members = list(s.members)
     members[region] = min(ctx.target[region], max(0, members[region] + n))
-    return replace(s, members=tuple(members))
+    return s._replace(members=tuple(members))
 
 
 def missing(s: State, ctx: Context) -> int:
@@ -46,10 +45,10 @@ def durable_step(ctx: Context, steps: float) -> float:
 def rollback(s: State, ctx: Context) -> State:
     """Back to the newest durable checkpoint (every full-batch step since is lost)."""
     to = min(s.steps, durable_step(ctx, s.steps))
-    return replace(s, steps=to, samples=s.samples - (s.steps - to) * s.batch)
+    return s._replace(steps=to, samples=s.samples - (s.steps - to) * s.batch)
 
 
 def set_down(s: State, region: int, down: bool) -> State:
     d = list(s.down)
     d[region] = down
-    return replace(s, down=tuple(d))
+    return s._replace(down=tuple(d))

@@ -79,9 +79,9 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return stall(s, c.close_s + FAIL_SETTLE_S + c.reconfigure_s), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
-        return replace(s, extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
+        return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
     if e.kind == "spike_end":
-        return replace(s, extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
+        return s._replace(extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
     if e.kind == "region_loss":
         return _region_loss(ctx, s, e)
     if e.kind == "region_back":
@@ -90,7 +90,7 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         redo = ctx.step.slot_s + ctx.step.small_allreduce_s(s.members)
         return stall(s, redo + ctx.step.seconds(s.members, s.extra_lat_s)), ()
     if e.kind == "started":
-        return replace(s, starting=max(0, s.starting - e.count)), ()
+        return s._replace(starting=max(0, s.starting - e.count)), ()
     if e.kind in ("replaced", "resumed"):
         return _arrive(ctx, s, e)
     return s, ()
@@ -108,7 +108,7 @@ def _deaths(
     c: Costs = ctx.costs
     s = lose_inflight(s, _lost_fraction(c, s, n))
     promoted = min(s.spares, n, s.members[e.region])
-    s = replace(s, spares=s.spares - promoted)
+    s = s._replace(spares=s.spares - promoted)
     s = add_members(s, ctx, e.region, -(n - promoted))
     s = stall(s, detect_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
     return _replacements(s, e, n)
@@ -124,7 +124,7 @@ def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]
     c: Costs = ctx.costs
     joining = min(e.count, missing(s, ctx), ctx.target[e.region] - s.members[e.region])
     spare = min(e.count - joining, ctx.spares - s.spares)
-    s = replace(s, spares=s.spares + max(0, spare))
+    s = s._replace(spares=s.spares + max(0, spare))
     if joining <= 0:
         return s, ()
     s = add_members(s, ctx, e.region, joining)
@@ -137,7 +137,7 @@ def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return stall(s, e.duration_s), ()
     s = lose_inflight(s, _lost_fraction(c, s, 1))
     promoted = min(s.spares, 1)
-    s = replace(s, spares=s.spares - promoted)
+    s = s._replace(spares=s.spares - promoted)
     s = add_members(s, ctx, e.region, -(1 - promoted))
     s = stall(s, c.horizon_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
     wake = Event(t=s.t + e.duration_s + c.boundary_s, kind="resumed", region=e.region)
@@ -155,14 +155,14 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     if e.region == ctx.coordinator and not s.coordinator_lost:
         if ctx.standby is None or s.down[ctx.standby]:
             return _wait_for(s, back), (back,)
-        s = replace(s, coordinator_lost=True)
+        s = s._replace(coordinator_lost=True)
         detect += c.settle_s
     return stall(s, detect + c.reconfigure_s), (back,)
 
 
 def _wait_for(s: State, back: Event) -> State:
     """No coordinator anywhere: nothing trains until the region is back."""
-    return replace(s, stall_until=max(s.stall_until, back.t))
+    return s._replace(stall_until=max(s.stall_until, back.t))
 
 
 def _region_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -188,7 +188,7 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.kind == "hardware_back":
         return _hardware_back(ctx, s, e)
     if e.kind == "launch":
-        return replace(s, starting=s.starting + e.count), ()
+        return s._replace(starting=s.starting + e.count), ()
     return handle(ctx, s, e)
 
 

@@ -3,7 +3,8 @@
 A replica group is a node's workers. What each failure costs:
 
 - a group's process dies (its sockets close) or a node goes silent (the survivors'
-  collective waits out ``pg_timeout_s``): the survivors abort the in-flight step and wait
+  collective waits out ``pg_timeout_s``, and the lighthouse its heartbeat timeout): the
+  survivors abort the in-flight step and wait
   for a new quorum without it (``quorum_s``: measured, the lighthouse's wait included),
   then train on with fewer groups, each step carrying a smaller batch;
 - the failed group restarts once its hardware is back: process start-up (measured) and
@@ -25,7 +26,7 @@ re-formation measured on this machine).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
@@ -43,8 +44,9 @@ from perdure.sim.policies.common import (
 class Costs:
     quorum_s: float
     """Survivors' abort and new quorum without the failed group."""
-    pg_timeout_s: float
-    """How long survivors wait on a silent peer."""
+    silent_s: float
+    """How long survivors wait on a silent peer: their collective's timeout, and at
+    least the lighthouse's heartbeat timeout before a quorum can leave it out."""
     join_s: float
     """Everyone's process group re-formed when a group returns."""
     group_start_s: float
@@ -58,7 +60,7 @@ class Costs:
 
 
 def _batch(ctx: Context, s: State) -> State:
-    return replace(s, batch=sum(s.members) / ctx.workers)
+    return s._replace(batch=sum(s.members) / ctx.workers)
 
 
 def _group_out(
@@ -82,12 +84,12 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.kind == "worker_death":
         return _group_out(ctx, s, e.region, wpn, 0.0, e.replace_s)
     if e.kind == "node_death":
-        detect = c.pg_timeout_s if e.silent else 0.0
+        detect = c.silent_s if e.silent else 0.0
         return _group_out(ctx, s, e.region, wpn, detect, e.replace_s)
     if e.kind == "hang":
-        if e.duration_s < c.pg_timeout_s:
+        if e.duration_s < c.silent_s:
             return stall(s, e.duration_s), ()
-        return _group_out(ctx, s, e.region, wpn, c.pg_timeout_s, e.duration_s)
+        return _group_out(ctx, s, e.region, wpn, c.silent_s, e.duration_s)
     if e.kind == "group_back":
         s = _batch(ctx, add_members(s, ctx, e.region, e.count))
         return stall(s, c.join_s), ()
@@ -99,16 +101,16 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return set_down(s, e.region, False), ()
     if e.kind == "nan_shard":
         s = rollback(lose_inflight(s), ctx)
-        return replace(stall(s, c.restart_s), restarts=s.restarts + 1), ()
+        return stall(s, c.restart_s)._replace(restarts=s.restarts + 1), ()
     if e.kind == "launch":
-        return replace(s, starting=s.starting + e.count), ()
+        return s._replace(starting=s.starting + e.count), ()
     if e.kind == "started":
-        return replace(s, starting=max(0, s.starting - e.count)), ()
+        return s._replace(starting=max(0, s.starting - e.count)), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
-        return replace(s, extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
+        return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
     if e.kind == "spike_end":
-        return replace(s, extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
+        return s._replace(extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
     return s, ()
 
 
@@ -116,7 +118,7 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     c: Costs = ctx.costs
     if s.down[e.region]:
         return s, ()
-    detect = c.pg_timeout_s if e.silent else 0.0
+    detect = c.silent_s if e.silent else 0.0
     n = s.members[e.region]
     s, follow = _group_out(ctx, set_down(s, e.region, True), e.region, n, detect, e.duration_s)
     if e.region == ctx.coordinator:  # the lighthouse was there

@@ -22,7 +22,7 @@ added (NCCL communicator set-up at scale is not counted, which favours torchrun)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
@@ -44,7 +44,7 @@ def _restart(ctx: Context, s: State, after_s: float) -> State:
     c: Costs = ctx.costs
     s = rollback(lose_inflight(s), ctx)
     s = stall_until(s, s.t + after_s)
-    return replace(stall(s, c.restart_s), restarts=s.restarts + 1)
+    return stall(s, c.restart_s)._replace(restarts=s.restarts + 1)
 
 
 def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -66,7 +66,7 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _restart(ctx, s, 0.0), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
-        return replace(s, extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
+        return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
     if e.kind == "spike_end":
-        return replace(s, extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
+        return s._replace(extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
     return s, ()
