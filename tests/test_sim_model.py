@@ -186,3 +186,12 @@ def test_constants_match_the_runtime() -> None:
     assert perdure_policy.FAIL_SETTLE_S == runtime_policy.FAIL_SETTLE_S
     for step_s in (0.01, 0.06, 0.3, 2.0):
         assert scenario.boundary_margin(step_s, 0.1) == runtime_policy.boundary_margin(step_s, 0.1)
+
+
+def test_a_death_inside_a_lost_region_changes_nothing() -> None:
+    ctx = replace(_host_context("perdure"), target=(2, 1), standby=1)
+    loss = Event(t=1.0, kind="region_loss", region=1, count=1, duration_s=5.0, silent=False)
+    death = Event(t=2.0, kind="worker_death", region=1)
+    alone = simulate(ctx, POLICIES["perdure"], [loss], until_steps=100)
+    both = simulate(ctx, POLICIES["perdure"], [loss, death], until_steps=100)
+    assert both.elapsed_s == pytest.approx(alone.elapsed_s)

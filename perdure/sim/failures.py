@@ -28,8 +28,8 @@ class Event:
     t: float
     """When (s); ignored while ``after_steps`` is set."""
     kind: str
-    """A failure kind, or a follow-up: ``replaced``, ``resumed``, ``region_back``,
-    ``spike_end``, ``group_back``, ``started``."""
+    """A failure kind, or a follow-up a policy scheduled (``spike_end``, ``region_back``,
+    ``hardware_back``, ``launch``, ``started``, ``replaced``, ``resumed``, ``group_back``)."""
     region: int = 0
     count: int = 1
     """Workers concerned (a node's workers, a region's)."""

@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 
 from perdure.runtime.control.detector import PhiAccrual
-from perdure.sim import policies
 from perdure.sim.calibrate import Calibration
 from perdure.sim.config import (
     PerduePolicyConfig,
@@ -247,7 +246,3 @@ def checkpoint_cost(
     if cfg.policies.torchrun.blocking_save:
         return write, 0.0
     return snapshot, write
-
-
-__all__ = ["POLICY_NAMES", "context", "step_models"]
-POLICY_NAMES = tuple(policies.POLICIES)

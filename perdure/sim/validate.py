@@ -30,7 +30,7 @@ from perdure.runtime.config import ClusterConfig
 from perdure.sim import scenario
 from perdure.sim.calibrate import Calibration, CalibrationError
 from perdure.sim.config import PerduePolicyConfig, TorchftPolicyConfig, TorchrunPolicyConfig
-from perdure.sim.engine import Context, Outcome, simulate
+from perdure.sim.engine import Context, simulate
 from perdure.sim.failures import Event
 from perdure.sim.policies import POLICIES
 from perdure.sim.steptime import HostStep
@@ -308,8 +308,3 @@ def validation(cal: Calibration, results: str | Path, demo_config: str | Path) -
     """Every row of the validation table."""
     r = Path(results)
     return [*goodput_rows(cal, r), *recovery_rows(cal, r), *demo_rows(cal, r, Path(demo_config))]
-
-
-def simulate_outcome(ctx: Context, system: str, events: list[Event], steps: int) -> Outcome:
-    """One run of ``system`` (for tests and notebooks)."""
-    return simulate(ctx, POLICIES[system], events, until_steps=steps)

@@ -52,3 +52,11 @@ def set_down(s: State, region: int, down: bool) -> State:
     d = list(s.down)
     d[region] = down
     return s._replace(down=tuple(d))
+
+
+STRIKES_A_WORKER = frozenset(("worker_death", "node_death", "hang"))
+
+
+def in_lost_region(s: State, kind: str, region: int) -> bool:
+    """A worker's or node's failure inside a region already lost changes nothing."""
+    return kind in STRIKES_A_WORKER and bool(s.down) and s.down[region]

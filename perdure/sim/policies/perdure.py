@@ -31,7 +31,14 @@ from dataclasses import dataclass, replace
 
 from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
-from perdure.sim.policies.common import add_members, lose_inflight, missing, set_down, stall
+from perdure.sim.policies.common import (
+    add_members,
+    in_lost_region,
+    lose_inflight,
+    missing,
+    set_down,
+    stall,
+)
 
 FAIL_SETTLE_S = 0.05
 """perdure's wait for a death that explains a failed collective before re-forming the
@@ -68,6 +75,8 @@ class Costs:
 def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     """perdure's reaction to one event."""
     c: Costs = ctx.costs
+    if in_lost_region(s, e.kind, e.region):
+        return s, ()
     if e.kind == "worker_death":
         return _deaths(ctx, s, e, 1, c.close_s)
     if e.kind == "node_death":

@@ -32,6 +32,7 @@ from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
 from perdure.sim.policies.common import (
     add_members,
+    in_lost_region,
     lose_inflight,
     rollback,
     set_down,
@@ -80,6 +81,8 @@ def _group_out(
 def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     """torchft's reaction to one event."""
     c: Costs = ctx.costs
+    if in_lost_region(s, e.kind, e.region):
+        return s, ()
     wpn = ctx.workers_per_node
     if e.kind == "worker_death":
         return _group_out(ctx, s, e.region, wpn, 0.0, e.replace_s)
