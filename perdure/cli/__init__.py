@@ -20,6 +20,7 @@ _COMMANDS = {
     "coordinator": "perdure.cli.worker:coordinator",
     "demo": "perdure.cli.demo:demo",
     "report": "perdure.cli.report:report",
+    "sim": "perdure.cli.sim:sim",
 }
 
 

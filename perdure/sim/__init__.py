@@ -1,0 +1,26 @@
+"""A discrete-event simulation of a training run on a deployment, calibrated on the
+costs this project measures (``benchmarks/results/*.json``).
+
+``perdure sim CONFIG.toml`` simulates a deployment (regions, nodes, workers, links), a
+workload (model size, batch, throughput), failure processes (rates or schedules) and
+three policies: perdure's re-planning, torchrun's restart from a checkpoint and
+torchft's per-step quorum; it reports goodput per policy with an interval over seeds,
+sweeps, plots and a validation against the benchmarks' measured runs. See
+``docs/simulation.md`` for the model, its assumptions, its validation and its limits.
+
+No torch is imported here: the simulator runs anywhere the config parser does.
+"""
+
+from perdure.sim.calibrate import Calibration, CalibrationError, load_calibration
+from perdure.sim.config import SimConfig, load_sim_config
+from perdure.sim.run import Summary, run_config
+
+__all__ = [
+    "Calibration",
+    "CalibrationError",
+    "SimConfig",
+    "Summary",
+    "load_calibration",
+    "load_sim_config",
+    "run_config",
+]

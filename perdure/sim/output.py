@@ -1,0 +1,238 @@
+"""What ``perdure sim`` prints and writes: tables, a JSON record and plots.
+
+Plots are PNGs drawn with matplotlib when it is installed (``requirements-bench.txt``),
+else standalone SVGs drawn with the report's own primitives (``perdure.report.svg``), so
+that a plot is written on any machine the simulator runs on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from perdure.report.svg import Linear, Log10, esc, fmt, log_ticks, nice_ticks, tick_label
+from perdure.sim.run import Summary
+from perdure.sim.sweep import Sweep
+from perdure.sim.validate import TOLERANCE, Row
+
+COLOURS = {
+    "perdure": "#1f77b4",
+    "perdure/chain": "#9ecae1",
+    "perdure/exact_flat": "#6baed6",
+    "perdure/exact_hier": "#08519c",
+    "torchrun": "#d62728",
+    "torchft": "#2ca02c",
+}
+
+
+def colour(label: str) -> str:
+    return COLOURS.get(label, "#555555")
+
+
+def goodput_table(rows: Sequence[Summary], days: float, seeds: int) -> str:
+    lines = [
+        f"goodput over {days:g} days, {seeds} seeds (mean, 5th-95th percentile); "
+        "efficiency: the same against compute alone",
+        f"{'policy':18s} {'goodput':>8s} {'interval':>17s} {'efficiency':>10s} "
+        f"{'step s':>7s} {'failures':>8s} {'restarts':>8s}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.policy:18s} {r.goodput:8.4f} [{r.low:.4f}, {r.high:.4f}] {r.efficiency:10.4f} "
+            f"{r.step_s:7.3f} {r.failures:8.1f} {r.restarts:8.1f}"
+        )
+    return "\n".join(lines)
+
+
+def validation_table(rows: Sequence[Row]) -> str:
+    lines = [
+        "validation: predicted against measured (measured: median [min, max] of repeats)",
+        f"{'workload':9s} {'system':26s} {'metric':10s} {'predicted':>9s} "
+        f"{'measured':>9s} {'range':>15s} {'diff':>7s}",
+    ]
+    for r in rows:
+        mark = " in range" if r.in_range else ""
+        if r.flagged:
+            mark += f" > {TOLERANCE} (docs/simulation.md)"
+        if r.note:
+            mark += " (not comparable: see docs/simulation.md)"
+        lines.append(
+            f"{r.workload:9s} {r.system:26s} {r.metric:10s} {r.predicted:9.3f} "
+            f"{r.measured:9.3f} [{r.low:6.3f},{r.high:6.3f}] {r.diff:+7.3f}{mark}"
+        )
+    return "\n".join(lines)
+
+
+def sweep_table(s: Sweep) -> str:
+    """Goodput at each value, and efficiency (against compute alone) after a slash."""
+    head = f"{'policy':18s} " + " ".join(f"{v:>15g}" for v in s.values)
+    lines = [f"sweep: {s.label} (goodput / efficiency)", head]
+    for policy, rows in s.rows.items():
+        cells = " ".join(f"{r.goodput:7.4f}/{r.efficiency:.4f}" for r in rows)
+        lines.append(f"{policy:18s} {cells}")
+    return "\n".join(lines)
+
+
+def record(
+    summaries: Sequence[Summary], sweeps: Sequence[Sweep], validation: Sequence[Row]
+) -> dict[str, Any]:
+    """Everything printed, as JSON-ready data."""
+
+    def summary(r: Summary) -> dict[str, Any]:
+        return {
+            "policy": r.policy,
+            "goodput": r.goodput,
+            "low": r.low,
+            "high": r.high,
+            "efficiency": r.efficiency,
+            "step_s": r.step_s,
+            "failures": r.failures,
+            "restarts": r.restarts,
+            "per_seed": [o.goodput for o in r.outcomes],
+        }
+
+    return {
+        "goodput": [summary(r) for r in summaries],
+        "sweeps": [
+            {
+                "name": s.name,
+                "values": list(s.values),
+                "rows": {p: [summary(r) for r in rows] for p, rows in s.rows.items()},
+            }
+            for s in sweeps
+        ],
+        "validation": [
+            {
+                "workload": r.workload,
+                "system": r.system,
+                "metric": r.metric,
+                "predicted": r.predicted,
+                "measured": r.measured,
+                "low": r.low,
+                "high": r.high,
+                "diff": r.diff,
+                "note": r.note,
+            }
+            for r in validation
+        ],
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def plot_sweep(s: Sweep, out_dir: Path) -> Path:
+    """One sweep's goodput per policy (band: 5th-95th percentile over seeds)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return _png(s, out_dir / f"sweep_{s.name}.png")
+    except ImportError:
+        path = out_dir / f"sweep_{s.name}.svg"
+        path.write_text(svg_chart(s))
+        return path
+
+
+def _png(s: Sweep, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for policy, rows in s.rows.items():
+        c = colour(policy)
+        ax.plot(s.values, [getattr(r, s.metric) for r in rows], marker="o", color=c, label=policy)
+        if s.metric == "goodput":
+            lows, highs = [r.low for r in rows], [r.high for r in rows]
+            ax.fill_between(s.values, lows, highs, color=c, alpha=0.15)
+    if s.log_x:
+        ax.set_xscale("log")
+    ax.set_xlabel(s.label)
+    ax.set_ylabel(s.metric)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def svg_chart(s: Sweep, width: int = 640, height: int = 400) -> str:
+    """A standalone SVG of :func:`plot_sweep` (no plotting library)."""
+    left, right, top, bottom = 64, 110, 24, 48
+    lo, hi = _extent(s)
+    pad = (hi - lo) * 0.08 or 0.01
+    y = Linear(lo - pad, hi + pad, height - bottom, top)
+    x0, x1 = min(s.values), max(s.values)
+    x: Linear | Log10
+    if s.log_x:
+        x = Log10(x0, x1 if x1 > x0 else x0 * 10, left, width - right)
+        xticks = log_ticks(x0, x1) or list(s.values)
+    else:
+        x = Linear(x0, x1 if x1 > x0 else x0 + 1, left, width - right)
+        xticks = list(s.values)
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
+        f"<title>{esc('goodput against ' + s.label)}</title>",
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+    ]
+    for t in nice_ticks(lo - pad, hi + pad, 6):
+        py = fmt(y(t))
+        parts.append(
+            f'<line x1="{left}" y1="{py}" x2="{width - right}" y2="{py}" stroke="#ddd"/>'
+            f'<text x="{left - 6}" y="{py}" text-anchor="end" dominant-baseline="middle">'
+            f"{esc(tick_label(t))}</text>"
+        )
+    for t in xticks:
+        px = fmt(x(t))
+        parts.append(
+            f'<text x="{px}" y="{height - bottom + 16}" text-anchor="middle">'
+            f"{esc(tick_label(t))}</text>"
+        )
+    parts.append(
+        f'<text x="{(left + width - right) / 2}" y="{height - 10}" text-anchor="middle">'
+        f"{esc(s.label)}</text>"
+        f'<text x="14" y="{top + (height - bottom - top) / 2}" text-anchor="middle" '
+        f'transform="rotate(-90 14 {top + (height - bottom - top) / 2})">{esc(s.metric)}</text>'
+    )
+    for i, (policy, rows) in enumerate(s.rows.items()):
+        parts.append(_series(colour(policy), rows, s.values, x, y, s.metric))
+        ly = top + 16 * i
+        c = colour(policy)
+        parts.append(
+            f'<line x1="{width - right + 10}" y1="{ly}" x2="{width - right + 30}" y2="{ly}" '
+            f'stroke="{c}" stroke-width="2"/><text x="{width - right + 34}" y="{ly}" '
+            f'dominant-baseline="middle">{esc(policy)}</text>'
+        )
+    parts.append("</svg>\n")
+    return "".join(parts)
+
+
+def _extent(s: Sweep) -> tuple[float, float]:
+    vals = [getattr(r, s.metric) for rows in s.rows.values() for r in rows]
+    if s.metric == "goodput":
+        vals += [v for rows in s.rows.values() for r in rows for v in (r.low, r.high)]
+    vals = [v for v in vals if math.isfinite(v)] or [0.0, 1.0]
+    return min(vals), max(vals)
+
+
+def _series(
+    c: str, rows: Sequence[Summary], values: Sequence[float], x: Any, y: Linear, metric: str
+) -> str:
+    pts = [(x(v), y(getattr(r, metric))) for v, r in zip(values, rows, strict=True)]
+    line = " ".join(f"{fmt(px)},{fmt(py)}" for px, py in pts)
+    dots = "".join(f'<circle cx="{fmt(px)}" cy="{fmt(py)}" r="3" fill="{c}"/>' for px, py in pts)
+    band = ""
+    if metric == "goodput":
+        top = [(x(v), y(r.high)) for v, r in zip(values, rows, strict=True)]
+        bottom = [(x(v), y(r.low)) for v, r in zip(values, rows, strict=True)][::-1]
+        poly = " ".join(f"{fmt(px)},{fmt(py)}" for px, py in top + bottom)
+        band = f'<polygon points="{poly}" fill="{c}" fill-opacity="0.15"/>'
+    return f'{band}<polyline points="{line}" fill="none" stroke="{c}" stroke-width="2"/>{dots}'

@@ -1,0 +1,204 @@
+"""perdure: re-plan around a failure; no survivor restarts, no committed step is lost.
+
+What each failure costs, as ``docs/architecture.md`` describes the runtime:
+
+- a worker's process dies: its socket closes (peers know within a one-way latency), the
+  survivors form a new membership epoch (``reconfigure_s``, measured) and redo the
+  in-flight step (the chain: its slot gradients died with the worker) or keep their
+  finished slots (the exact reduction: only the dead worker's share is redone). A warm
+  spare, if any, is promoted into the same epoch (plus a state copy); otherwise the
+  survivors take the dead worker's slots until its replacement, started after
+  ``replace_after_ms``, is planned in at a step boundary (an epoch change plus a copy);
+- a node dies silently, or a worker hangs: nothing closes, so the survivors wait in the
+  blocked collective until phi accrual crosses its threshold (``horizon_s``); a hang
+  shorter than that evicts nobody; a hung worker that wakes rejoins like a replacement;
+- a dropped link: the collective fails, the same members re-form after ``FAIL_SETTLE_S``;
+- a latency spike: steps slow down for its duration (nobody is evicted while the spike is
+  shorter than the detection horizon; the planner cannot take a member's last slot);
+- a region is lost: as many deaths at once; when the coordinator's region is lost, the
+  workers reconnect to the standby, which waits ``takeover_settle_ms``; without a
+  standby the run waits for the region; the region's workers rejoin when it is back;
+- a NaN shard: the bad slot is re-run on another member, a small reduction shares the
+  verdicts, the step is recomputed on resampled data.
+
+Limits: spares are not used for a whole region's loss (they replace single deaths);
+a spike longer than the detection horizon, which would evict, is not modelled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from perdure.sim.engine import Context, State
+from perdure.sim.failures import Event
+from perdure.sim.policies.common import (
+    add_members,
+    in_lost_region,
+    lose_inflight,
+    missing,
+    set_down,
+    stall,
+)
+
+FAIL_SETTLE_S = 0.05
+"""perdure's wait for a death that explains a failed collective before re-forming the
+same members (``runtime/control/policy.py``, kept equal by a test)."""
+
+
+@dataclass(frozen=True)
+class Costs:
+    """perdure's costs on one deployment (built by :mod:`perdure.sim.scenario`)."""
+
+    close_s: float
+    """A closed socket reaching the peers (one-way latency)."""
+    reconfigure_s: float
+    """Announce, ready, start, new process group: measured, plus the deployment's hops."""
+    horizon_s: float
+    """Silence until phi accrual declares a worker dead."""
+    settle_s: float
+    """The standby's settle time after a takeover."""
+    spare_copy_s: float
+    """State copy to a promoted spare."""
+    join_s: float
+    """Members' stall when joiners are planned in (epoch change + one state broadcast
+    from the first member with state to every receiver)."""
+    replace_after_s: float
+    """The launcher's delay before it starts a replacement (once hardware is there)."""
+    start_s: float
+    """A replacement process's start-up until it can be planned in (measured)."""
+    boundary_s: float
+    """From a ready joiner to the boundary its epoch starts at (members train on)."""
+    salvage: bool
+    """The exact reduction keeps the survivors' finished slots."""
+
+
+def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    """perdure's reaction to one event."""
+    c: Costs = ctx.costs
+    if in_lost_region(s, e.kind, e.region):
+        return s, ()
+    if e.kind == "worker_death":
+        return _deaths(ctx, s, e, 1, c.close_s)
+    if e.kind == "node_death":
+        return _deaths(ctx, s, e, e.count, c.horizon_s if e.silent else c.close_s)
+    if e.kind == "hang":
+        return _hang(ctx, s, e)
+    if e.kind == "link_flap":
+        s = lose_inflight(s, 0.0 if c.salvage else 1.0)
+        return stall(s, c.close_s + FAIL_SETTLE_S + c.reconfigure_s), ()
+    if e.kind == "latency_spike":
+        end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
+        return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
+    if e.kind == "spike_end":
+        return s._replace(extra_lat_s=max(0.0, s.extra_lat_s - e.extra_latency_s)), ()
+    if e.kind == "region_loss":
+        return _region_loss(ctx, s, e)
+    if e.kind == "region_back":
+        return _region_back(ctx, s, e)
+    if e.kind == "nan_shard":
+        redo = ctx.step.slot_s + ctx.step.small_allreduce_s(s.members)
+        return stall(s, redo + ctx.step.seconds(s.members, s.extra_lat_s)), ()
+    if e.kind == "started":
+        return s._replace(starting=max(0, s.starting - e.count)), ()
+    if e.kind in ("replaced", "resumed"):
+        return _arrive(ctx, s, e)
+    return s, ()
+
+
+def _lost_fraction(c: Costs, s: State, dead: int) -> float:
+    k = sum(s.members)
+    return min(1.0, dead / k) if c.salvage and k else 1.0
+
+
+def _deaths(
+    ctx: Context, s: State, e: Event, n: int, detect_s: float
+) -> tuple[State, tuple[Event, ...]]:
+    """``n`` workers of ``e.region`` are gone for good; replacements come later."""
+    c: Costs = ctx.costs
+    s = lose_inflight(s, _lost_fraction(c, s, n))
+    promoted = min(s.spares, n, s.members[e.region])
+    s = s._replace(spares=s.spares - promoted)
+    s = add_members(s, ctx, e.region, -(n - promoted))
+    s = stall(s, detect_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
+    return _replacements(s, e, n)
+
+
+def _replacements(s: State, e: Event, n: int) -> tuple[State, tuple[Event, ...]]:
+    """The failed hardware is back (or replaced) after the failure's own time."""
+    return s, (Event(t=s.t + e.replace_s, kind="hardware_back", region=e.region, count=n),)
+
+
+def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    """Replacements (or woken workers) join at a boundary, or refill the spare pool."""
+    c: Costs = ctx.costs
+    joining = min(e.count, missing(s, ctx), ctx.target[e.region] - s.members[e.region])
+    spare = min(e.count - joining, ctx.spares - s.spares)
+    s = s._replace(spares=s.spares + max(0, spare))
+    if joining <= 0:
+        return s, ()
+    s = add_members(s, ctx, e.region, joining)
+    return stall(s, c.join_s), ()
+
+
+def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    c: Costs = ctx.costs
+    if e.duration_s < c.horizon_s:  # nobody is evicted: everyone waits it out
+        return stall(s, e.duration_s), ()
+    s = lose_inflight(s, _lost_fraction(c, s, 1))
+    promoted = min(s.spares, 1)
+    s = s._replace(spares=s.spares - promoted)
+    s = add_members(s, ctx, e.region, -(1 - promoted))
+    s = stall(s, c.horizon_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
+    wake = Event(t=s.t + e.duration_s + c.boundary_s, kind="resumed", region=e.region)
+    return s, (wake,)
+
+
+def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    c: Costs = ctx.costs
+    if s.down[e.region]:
+        return s, ()
+    detect = c.horizon_s if e.silent else c.close_s
+    s = lose_inflight(s, _lost_fraction(c, s, s.members[e.region]))
+    s = set_down(add_members(s, ctx, e.region, -ctx.target[e.region]), e.region, True)
+    back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
+    if e.region == ctx.coordinator and not s.coordinator_lost:
+        if ctx.standby is None or s.down[ctx.standby]:
+            return _wait_for(s, back), (back,)
+        s = s._replace(coordinator_lost=True)
+        detect += c.settle_s
+    return stall(s, detect + c.reconfigure_s), (back,)
+
+
+def _wait_for(s: State, back: Event) -> State:
+    """No coordinator anywhere: nothing trains until the region is back."""
+    return s._replace(stall_until=max(s.stall_until, back.t))
+
+
+def _region_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    """The region's machines are back: its workers start again and join."""
+    s = set_down(s, e.region, False)
+    n = ctx.target[e.region] - s.members[e.region]
+    return _hardware_back(ctx, s, replace(e, count=n))
+
+
+def _hardware_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    """The launcher waits its delay, starts the process(es); once ready, they join."""
+    c: Costs = ctx.costs
+    t0 = s.t + c.replace_after_s
+    return s, (
+        Event(t=t0, kind="launch", count=e.count),
+        Event(t=t0 + c.start_s, kind="started", count=e.count),
+        Event(t=t0 + c.start_s + c.boundary_s, kind="replaced", region=e.region, count=e.count),
+    )
+
+
+def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+    """The handler the engine calls."""
+    if e.kind == "hardware_back":
+        return _hardware_back(ctx, s, e)
+    if e.kind == "launch":
+        return s._replace(starting=s.starting + e.count), ()
+    return handle(ctx, s, e)
+
+
+__all__ = ["FAIL_SETTLE_S", "Costs", "policy"]

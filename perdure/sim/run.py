@@ -1,0 +1,91 @@
+"""Simulate a config under each policy over several seeds, and summarise."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from perdure.sim import failures, scenario
+from perdure.sim.calibrate import Calibration
+from perdure.sim.config import SimConfig
+from perdure.sim.engine import Outcome, simulate
+from perdure.sim.policies import POLICIES
+
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Summary:
+    """One policy's results over seeds: means and the 5th-95th percentile range."""
+
+    policy: str
+    """The row's label: a policy, or ``perdure/<reduction>``."""
+    goodput: float
+    low: float
+    high: float
+    efficiency: float
+    """Mean :attr:`~perdure.sim.engine.Outcome.efficiency`."""
+    step_s: float
+    restarts: float
+    failures: float
+    outcomes: tuple[Outcome, ...]
+
+
+def horizon_s(cfg: SimConfig) -> float:
+    return cfg.workload.days * DAY
+
+
+def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
+    """(label, policy, config) of every row: each policy of ``policies.run``, perdure
+    once per reduction of ``policies.perdure_reductions`` when it lists any."""
+    out: list[tuple[str, str, SimConfig]] = []
+    p = cfg.policies
+    for name in p.run:
+        if name == "perdure" and p.perdure_reductions:
+            for red in p.perdure_reductions:
+                c = replace(cfg, policies=replace(p, perdure=replace(p.perdure, reduction=red)))
+                out.append((f"perdure/{red}", name, c))
+        else:
+            out.append((name, name, cfg))
+    return out
+
+
+def run_policy(
+    cfg: SimConfig, cal: Calibration, name: str, seeds: int, label: str | None = None
+) -> Summary:
+    """``seeds`` runs of ``name``; seed i draws the same failures for every policy."""
+    ctx = scenario.context(cfg, cal, name)
+    outs = []
+    n_failures = []
+    for seed in range(seeds):
+        history = failures.draw(cfg, seed, horizon_s(cfg))
+        n_failures.append(len(history))
+        if cfg.workload.steps is not None:
+            outs.append(simulate(ctx, POLICIES[name], history, until_steps=cfg.workload.steps))
+        else:
+            outs.append(simulate(ctx, POLICIES[name], history, until_s=horizon_s(cfg)))
+    g = [o.goodput for o in outs]
+    low, high = spread(g)
+    return Summary(
+        policy=label or name,
+        goodput=statistics.fmean(g),
+        low=low,
+        high=high,
+        efficiency=statistics.fmean(o.efficiency for o in outs),
+        step_s=outs[0].step_s,
+        restarts=statistics.fmean(o.restarts for o in outs),
+        failures=statistics.fmean(n_failures),
+        outcomes=tuple(outs),
+    )
+
+
+def spread(values: list[float]) -> tuple[float, float]:
+    """5th and 95th percentiles (the range for one seed: the value itself)."""
+    if len(values) < 2:
+        return values[0], values[0]
+    q = statistics.quantiles(values, n=20, method="inclusive")
+    return q[0], q[-1]
+
+
+def run_config(cfg: SimConfig, cal: Calibration, seeds: int | None = None) -> list[Summary]:
+    return [run_policy(c, cal, name, seeds or cfg.seeds, label) for label, name, c in variants(cfg)]

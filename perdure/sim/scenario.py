@@ -1,0 +1,248 @@
+"""From a config and the calibration to what each policy's simulation reads.
+
+The measured costs are loopback numbers of this machine; on a deployment each gains the
+one-way latencies of the messages its protocol sends (``*_HOPS``: counted from what the
+protocol does, not fitted) and the time its bytes take on the deployment's links. A
+copy of state pays the codec's measured rate (``Calibration.copy_gbps``, loopback: its
+CPU work) plus the wire.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from perdure.runtime.control.detector import PhiAccrual
+from perdure.sim.calibrate import Calibration
+from perdure.sim.config import (
+    PerduePolicyConfig,
+    SimConfig,
+    TorchftPolicyConfig,
+    TorchrunPolicyConfig,
+)
+from perdure.sim.engine import Context
+from perdure.sim.policies import perdure as perdure_policy
+from perdure.sim.policies import torchft as torchft_policy
+from perdure.sim.policies import torchrun as torchrun_policy
+from perdure.sim.steptime import AnalyticStep, ComputeModel, Links, StepModel
+
+EPOCH_HOPS = 7
+"""One-way messages of a membership epoch change: announce, ready, start (coordinator to
+workers and back), plus the new process group's rendezvous in the store (a set and a
+get: two round trips)."""
+RDZV_HOPS = 6
+"""A c10d rendezvous round: join, the barrier's wait, the final sync (three round trips)."""
+QUORUM_HOPS = 4
+"""torchft's quorum: request and answer from the lighthouse, then the process group's
+configure in the store (two round trips)."""
+
+
+def gbps_to_bps(gbps: float) -> float:
+    """Gbit/s to bytes/s."""
+    return gbps * 1e9 / 8
+
+
+def links(cfg: SimConfig) -> Links:
+    d = cfg.deployment
+    return Links(
+        intra_bps=gbps_to_bps(d.intra_region_gbps),
+        intra_lat_s=d.intra_region_latency_ms / 1000,
+        cross_bps=gbps_to_bps(d.cross_region_gbps),
+        cross_lat_s=d.cross_region_latency_ms / 1000,
+    )
+
+
+def one_way_s(cfg: SimConfig) -> float:
+    """The latency a coordinator's message pays to reach every member."""
+    d = cfg.deployment
+    ms = d.cross_region_latency_ms if len(d.regions) > 1 else d.intra_region_latency_ms
+    return ms / 1000
+
+
+def wire_bps(cfg: SimConfig) -> float:
+    """A state copy's wire rate: the source is the first member with state, so a joiner
+    elsewhere gets it across regions."""
+    ln = links(cfg)
+    return ln.intra_bps if len(cfg.deployment.regions) == 1 else min(ln.intra_bps, ln.cross_bps)
+
+
+def state_bytes(cfg: SimConfig, cal: Calibration) -> float:
+    per = cfg.workload.state_bytes_per_param or cal.state_bytes_per_param
+    return cfg.workload.params * per
+
+
+def horizon_s(heartbeat_s: float, acceptable_pause_s: float, threshold: float) -> float:
+    """Silence until perdure's own phi-accrual detector (``runtime/control/detector.py``)
+    declares a worker dead, after a full window of regular heartbeats."""
+    d = PhiAccrual(expected_interval_s=heartbeat_s, acceptable_pause_s=acceptable_pause_s)
+    for i in range(d.intervals.maxlen or 200):
+        d.heartbeat(i * heartbeat_s)
+    return d.horizon_s(threshold)
+
+
+def boundary_margin(step_s: float, heartbeat_s: float, cap: int = 20) -> int:
+    """Steps ahead a planned epoch change starts (``runtime/control/policy.py``'s rule,
+    kept equal by a test)."""
+    if step_s <= 0:
+        return 1
+    return min(cap, math.ceil(2 * heartbeat_s / step_s))
+
+
+def boundary_s(step_s: float, heartbeat_s: float) -> float:
+    """From a joiner's ready heartbeat to its epoch's start: a heartbeat to report it,
+    then the margin's steps (the members train on meanwhile)."""
+    return heartbeat_s + boundary_margin(step_s, heartbeat_s) * step_s
+
+
+@dataclass(frozen=True)
+class Environment:
+    """Where the measured costs are carried: one-way latency, wire rate, storage."""
+
+    one_way_s: float
+    wire_bps: float
+    storage_gbps: float
+    state_bytes: float
+    step_s: float
+
+
+def perdure_costs(
+    p: PerduePolicyConfig, cal: Calibration, env: Environment
+) -> perdure_policy.Costs:
+    reconfigure = cal.perdure_reconfigure_s + EPOCH_HOPS * env.one_way_s
+    copy = env.state_bytes * 8 / (cal.copy_gbps * 1e9) + env.state_bytes / env.wire_bps
+    hb = p.heartbeat_ms / 1000
+    return perdure_policy.Costs(
+        close_s=env.one_way_s,
+        reconfigure_s=reconfigure,
+        horizon_s=horizon_s(hb, p.acceptable_pause_ms / 1000, p.phi_threshold),
+        settle_s=p.takeover_settle_ms / 1000,
+        spare_copy_s=copy,
+        join_s=reconfigure + copy,
+        replace_after_s=p.replace_after_ms / 1000,
+        start_s=cal.perdure_replacement_start_s,
+        boundary_s=boundary_s(env.step_s, hb),
+        salvage=p.reduction != "chain",
+    )
+
+
+def torchrun_restart_s(cal: Calibration, env: Environment) -> float:
+    """The measured restart, its checkpoint load replaced by this state's from storage,
+    plus a rendezvous round's hops."""
+    measured_load = cal.torchrun_ckpt_bytes * 8 / (cal.torch_load_gbps * 1e9)
+    load = env.state_bytes * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
+    return cal.torchrun_restart_s - measured_load + load + RDZV_HOPS * env.one_way_s
+
+
+def torchrun_costs(
+    t: TorchrunPolicyConfig, cal: Calibration, env: Environment
+) -> torchrun_policy.Costs:
+    return torchrun_policy.Costs(
+        node_timeout_s=t.node_timeout_s,
+        collective_timeout_s=t.collective_timeout_s,
+        restart_s=torchrun_restart_s(cal, env),
+    )
+
+
+def torchft_costs(
+    f: TorchftPolicyConfig, cal: Calibration, env: Environment
+) -> torchft_policy.Costs:
+    """The process start-up of a restarted group is taken from torchrun's measured
+    restart (processes, Python, torch, rendezvous on this machine), the heal is the
+    state on the wire."""
+    heal = env.state_bytes / env.wire_bps
+    start = cal.torchrun_restart_s + RDZV_HOPS * env.one_way_s
+    return torchft_policy.Costs(
+        quorum_s=cal.torchft_quorum_s + QUORUM_HOPS * env.one_way_s,
+        silent_s=max(f.pg_timeout_s, f.heartbeat_timeout_ms / 1000),
+        join_s=cal.perdure_reconfigure_s + QUORUM_HOPS * env.one_way_s,
+        group_start_s=start + heal,
+        start_cpu_s=start,
+        lighthouse_restart_s=f.lighthouse_restart_minutes * 60,
+        restart_s=torchrun_restart_s(cal, env),
+    )
+
+
+def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
+    """Each policy's analytic step model on the deployment."""
+    w, p = cfg.workload, cfg.policies.perdure
+    compute = ComputeModel(
+        params=w.params,
+        tokens_per_step=w.tokens_per_step,
+        slots=w.slots,
+        worker_flops=w.worker_tflops * 1e12,
+        workers=cfg.deployment.workers,
+    )
+
+    def model(reduction: str, overhead: float) -> AnalyticStep:
+        return AnalyticStep(
+            compute=compute,
+            links=links(cfg),
+            reduction=reduction,
+            grad_bytes=w.grad_bytes,
+            int_bytes=p.int_bytes,
+            block=p.exact_block,
+            chain_over_ring=cal.chain_over_ring,
+            overhead=overhead,
+        )
+
+    return {
+        "perdure": model(p.reduction, cal.perdure_step_overhead),
+        "torchrun": model("ddp", 1.0),
+        "torchft": model("ddp", 1.0),
+    }
+
+
+def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
+    """What the policy ``name`` reads when simulating ``cfg``."""
+    step = step_models(cfg, cal)[name]
+    d = cfg.deployment
+    target = tuple(r.nodes * d.workers_per_node for r in d.regions)
+    step_s = step.seconds(target)
+    env = Environment(
+        one_way_s=one_way_s(cfg),
+        wire_bps=wire_bps(cfg),
+        storage_gbps=d.storage_gbps,
+        state_bytes=state_bytes(cfg, cal),
+        step_s=step_s,
+    )
+    every = max(1.0, round(cfg.checkpoint.every_minutes * 60 / step_s))
+    blocking, lag = checkpoint_cost(cfg, cal, name, env)
+    costs: object
+    if name == "perdure":
+        costs = perdure_costs(cfg.policies.perdure, cal, env)
+    elif name == "torchrun":
+        costs = torchrun_costs(cfg.policies.torchrun, cal, env)
+    else:
+        costs = torchft_costs(cfg.policies.torchft, cal, env)
+    names = [r.name for r in d.regions]
+    return Context(
+        step=step,
+        target=target,
+        workers_per_node=d.workers_per_node,
+        coordinator=d.coordinator,
+        standby=names.index(d.standby_region) if d.standby_region else None,
+        spares=cfg.policies.perdure.spares if name == "perdure" else 0,
+        ckpt_every_steps=every,
+        ckpt_blocking_s=blocking,
+        ckpt_lag_steps=lag / step_s,
+        costs=costs,
+    )
+
+
+def checkpoint_cost(
+    cfg: SimConfig, cal: Calibration, name: str, env: Environment
+) -> tuple[float, float]:
+    """(seconds a checkpoint blocks the step loop, seconds until it is durable).
+
+    perdure: a snapshot copy blocks; every replica writes 1/W of it in the background.
+    torchrun and torchft: a blocking ``torch.save`` of the whole state by one rank (the
+    benchmark's), or with ``blocking_save = false`` a snapshot and a background write."""
+    nbits = env.state_bytes * 8
+    snapshot = nbits / (cal.snapshot_gbps * 1e9)
+    if name == "perdure":
+        write = nbits / cfg.deployment.workers / (min(cal.write_gbps, env.storage_gbps) * 1e9)
+        return snapshot, write
+    write = nbits / (min(cal.torch_save_gbps, env.storage_gbps) * 1e9)
+    if cfg.policies.torchrun.blocking_save:
+        return write, 0.0
+    return snapshot, write

@@ -1,0 +1,197 @@
+"""perdure.sim's parts: reduction costs, failure draws, the event loop and the policies."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from perdure.sim import failures, load_calibration, load_sim_config, scenario
+from perdure.sim.engine import Context, simulate
+from perdure.sim.failures import Event
+from perdure.sim.policies import POLICIES
+from perdure.sim.policies import perdure as perdure_policy
+from perdure.sim.policies import torchft as torchft_policy
+from perdure.sim.policies import torchrun as torchrun_policy
+from perdure.sim.steptime import HostStep, Links, chain_s, exact_s, hier_s, interp, ring_s
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOYMENT = ROOT / "configs" / "sim" / "deployment-46.toml"
+WAN = Links(intra_bps=50e9, intra_lat_s=1e-5, cross_bps=12.5e9, cross_lat_s=0.03)
+
+
+# -- reduction costs ----------------------------------------------------------------------
+
+
+def test_one_region_never_pays_cross_region_latency() -> None:
+    assert ring_s(4e9, (8,), WAN) == pytest.approx(ring_s(4e9, (8,), WAN.slower(1.0)))
+    assert chain_s(4e9, (8,), WAN, 1.0) == pytest.approx(chain_s(4e9, (8,), WAN.slower(1.0), 1.0))
+
+
+def test_hierarchical_beats_flat_across_regions() -> None:
+    members = (96, 96, 88, 88)
+    assert hier_s(4e9, members, WAN) < ring_s(4e9, members, WAN)
+    # one cross-region latency instead of about 2R of them
+    spike = WAN.slower(0.2)
+    assert hier_s(4e9, members, spike) - hier_s(4e9, members, WAN) == pytest.approx(0.2)
+    assert ring_s(4e9, members, spike) - ring_s(4e9, members, WAN) > 1.0
+
+
+def test_chain_crosses_each_boundary_twice() -> None:
+    members = (4, 4, 4)
+    extra = chain_s(1e6, members, WAN.slower(0.1), 1.0) - chain_s(1e6, members, WAN, 1.0)
+    assert extra == pytest.approx(2 * 2 * 0.1)
+
+
+def test_int64_payload_moves_twice_the_bytes() -> None:
+    one = exact_s(1e9, (8,), WAN, hier=False, int_bytes=4, block=256)
+    two = exact_s(1e9, (8,), WAN, hier=False, int_bytes=8, block=256)
+    assert two / one == pytest.approx(2.0, rel=0.02)
+
+
+def test_host_curve_interpolates_and_clamps() -> None:
+    curve = ((1, 0.2), (2, 0.1), (4, 0.15))
+    assert interp(curve, 3) == pytest.approx(0.125)
+    assert interp(curve, 0) == 0.2 and interp(curve, 9) == 0.15
+
+
+# -- failures -----------------------------------------------------------------------------
+
+
+def test_a_seed_draws_the_same_history_and_rates_scale() -> None:
+    cfg = load_sim_config(DEPLOYMENT)
+    horizon = cfg.workload.days * 86400
+    assert failures.draw(cfg, 3, horizon) == failures.draw(cfg, 3, horizon)
+    assert failures.draw(cfg, 3, horizon) != failures.draw(cfg, 4, horizon)
+    scaled = replace(cfg, reference_rate=replace(cfg.reference_rate, scale=10.0))
+    deaths = [e for e in failures.draw(scaled, 0, horizon) if e.kind == "worker_death"]
+    expected = failures.rate_per_hour(cfg.failures[0], scaled) * horizon / 3600
+    assert len(deaths) == pytest.approx(expected, rel=0.5)
+
+
+def test_scheduled_region_loss_strikes_its_region() -> None:
+    cfg = load_sim_config(DEPLOYMENT)
+    losses = [e for e in failures.draw(cfg, 0, 30 * 86400) if e.kind == "region_loss"]
+    assert [(e.t, e.region) for e in losses] == [(300 * 3600.0, 0)]
+    assert losses[0].count == 12 * 8
+
+
+# -- the event loop and the policies --------------------------------------------------------
+
+
+def _host_context(system: str, *, spares: int = 0, ckpt_every: float = float("inf")) -> Context:
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    step = HostStep(step_s=0.1, workers=3, curve=((1, 1.0), (4, 1.0)), slots=12, cores=3)
+    env = scenario.Environment(
+        one_way_s=0.0, wire_bps=1e12, storage_gbps=1e3, state_bytes=1e6, step_s=0.1
+    )
+    costs: object = {
+        "perdure": lambda: scenario.perdure_costs(
+            scenario.PerduePolicyConfig(spares=spares), cal, env
+        ),
+        "torchrun": lambda: scenario.torchrun_costs(scenario.TorchrunPolicyConfig(), cal, env),
+        "torchft": lambda: scenario.torchft_costs(scenario.TorchftPolicyConfig(), cal, env),
+    }[system]()
+    return Context(
+        step=step,
+        target=(3,),
+        workers_per_node=1,
+        coordinator=0,
+        standby=None,
+        spares=spares,
+        ckpt_every_steps=ckpt_every,
+        ckpt_blocking_s=0.0,
+        ckpt_lag_steps=0.0,
+        costs=costs,
+    )
+
+
+@pytest.mark.parametrize("system", ["perdure", "torchrun", "torchft"])
+def test_no_failure_is_goodput_one(system: str) -> None:
+    out = simulate(_host_context(system), POLICIES[system], [], until_steps=100)
+    assert out.step_goodput == pytest.approx(1.0)
+    assert out.elapsed_s == pytest.approx(10.0)
+
+
+def _kill(after: int, delay: float = 0.05) -> Event:
+    return Event(t=0.0, kind="worker_death", after_steps=after, delay_s=delay)
+
+
+def test_perdure_chain_redoes_the_in_flight_step_and_keeps_every_commit() -> None:
+    ctx = _host_context("perdure")
+    c: perdure_policy.Costs = ctx.costs
+    out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
+    # lost: the 0.05 s of the step in flight, the epoch formation, and the join's stall
+    extra = 0.05 + c.reconfigure_s + c.join_s
+    assert out.elapsed_s == pytest.approx(10.0 + extra, rel=1e-6)
+    assert out.restarts == 0
+    assert out.probes[0].new_s == pytest.approx(c.reconfigure_s + 0.1)
+
+
+def test_exact_reduction_salvages_the_survivors_slots() -> None:
+    chain = _host_context("perdure")
+    exact = replace(chain, costs=replace(chain.costs, salvage=True))
+    kill = [_kill(10)]
+    lost_chain = simulate(chain, POLICIES["perdure"], kill, until_steps=100).elapsed_s
+    lost_exact = simulate(exact, POLICIES["perdure"], kill, until_steps=100).elapsed_s
+    assert lost_chain - lost_exact == pytest.approx(0.05 * 2 / 3, rel=1e-6)
+
+
+def test_a_warm_spare_avoids_the_join() -> None:
+    ctx = _host_context("perdure", spares=1)
+    c: perdure_policy.Costs = ctx.costs
+    out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
+    assert out.elapsed_s == pytest.approx(10.0 + 0.05 + c.reconfigure_s + c.spare_copy_s)
+
+
+def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
+    ctx = _host_context("torchrun", ckpt_every=10)
+    c: torchrun_policy.Costs = ctx.costs
+    out = simulate(ctx, POLICIES["torchrun"], [_kill(16, 0.0)], until_steps=100)
+    assert out.restarts == 1
+    assert out.elapsed_s == pytest.approx(10.0 + c.restart_s + 6 * 0.1)
+    assert out.probes[0].new_s == pytest.approx(c.restart_s + 7 * 0.1)
+
+
+def test_torchft_survivors_go_on_at_a_reduced_batch() -> None:
+    ctx = _host_context("torchft")
+    c: torchft_policy.Costs = ctx.costs
+    out = simulate(ctx, POLICIES["torchft"], [_kill(10, 0.0)], until_steps=100)
+    assert out.elapsed_s == pytest.approx(10.0 + c.quorum_s + c.join_s)
+    # once the quorum has formed and until the group is back, its share of every step's
+    # batch is missing
+    missing = (c.group_start_s - c.quorum_s) / 0.1 / 3
+    assert out.samples == pytest.approx(100 - missing, rel=1e-3)
+
+
+def test_a_hang_shorter_than_the_horizon_evicts_nobody() -> None:
+    ctx = _host_context("perdure")
+    c: perdure_policy.Costs = ctx.costs
+    short = Event(t=1.0, kind="hang", duration_s=c.horizon_s / 2)
+    out = simulate(ctx, POLICIES["perdure"], [short], until_steps=100)
+    assert out.elapsed_s == pytest.approx(10.0 + c.horizon_s / 2)
+
+
+def test_phi_horizon_is_about_the_acceptable_pause() -> None:
+    h = scenario.horizon_s(0.1, 4.0, 10.0)
+    assert 4.0 < h < 5.0
+
+
+def test_constants_match_the_runtime() -> None:
+    """The copies of runtime rules the simulator keeps (importing the runtime's policy
+    module pulls in torch, which the simulator avoids)."""
+    from perdure.runtime.control import policy as runtime_policy
+
+    assert perdure_policy.FAIL_SETTLE_S == runtime_policy.FAIL_SETTLE_S
+    for step_s in (0.01, 0.06, 0.3, 2.0):
+        assert scenario.boundary_margin(step_s, 0.1) == runtime_policy.boundary_margin(step_s, 0.1)
+
+
+def test_a_death_inside_a_lost_region_changes_nothing() -> None:
+    ctx = replace(_host_context("perdure"), target=(2, 1), standby=1)
+    loss = Event(t=1.0, kind="region_loss", region=1, count=1, duration_s=5.0, silent=False)
+    death = Event(t=2.0, kind="worker_death", region=1)
+    alone = simulate(ctx, POLICIES["perdure"], [loss], until_steps=100)
+    both = simulate(ctx, POLICIES["perdure"], [loss, death], until_steps=100)
+    assert both.elapsed_s == pytest.approx(alone.elapsed_s)
