@@ -58,4 +58,4 @@ def test_perdure_run_prints_a_repeating_worker_error_in_one_line(
     res = CliRunner().invoke(main, args)
     assert res.exit_code == 1, res.output
     [line] = res.output.strip().splitlines()
-    assert line.startswith(ERROR) and "Traceback" not in res.output
+    assert line.startswith(f"run failed: {ERROR}") and "Traceback" not in res.output

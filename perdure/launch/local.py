@@ -51,11 +51,6 @@ LOG_TAIL_BYTES = 64 * 1024
 """How much of a dead worker's log is searched for its last traceback."""
 
 
-class WorkerCrashError(RuntimeError):
-    """Workers failed in a way a replacement would repeat; the run is stopped. The message
-    is one line: the error and the log that holds its traceback."""
-
-
 def last_error(log: Path, since: int = 0) -> str | None:
     """The exception line that ends the last traceback written to ``log`` after byte
     ``since`` (what one process wrote: logs are appended to), or None (killed by a signal,
@@ -79,6 +74,11 @@ def last_error(log: Path, since: int = 0) -> str | None:
 class RunFailed(RuntimeError):
     """The run stopped on an error every replica reproduces (``run_failed`` in the log);
     the message is its reason, in one line. The summary is written before it is raised."""
+
+
+class WorkerCrashError(RunFailed):
+    """Workers failed in a way a replacement would repeat; the run is stopped. The message
+    is one line: the error and the log that holds its traceback."""
 
 
 class StopRequested(RuntimeError):
