@@ -63,7 +63,7 @@ def small_config(
 
 
 def run_to_end(
-    config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 50.0
+    config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 90.0
 ) -> dict[str, Any]:
     return run(config, run_dir=run_dir, resume=resume, timeout_s=timeout_s)
 

@@ -146,7 +146,7 @@ def test_all_four_classes_in_one_run_change_no_bit(
         {"kind": "delay", "target": "r1-0", "at_step": 150, "delay_ms": 500, "duration_s": 1.5},
         {"kind": "region_down", "target": "r0", "at_step": 250, "duration_s": 1.0},
     ]
-    s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=55)
+    s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=100)
     _assert_absorbed(s, poison_ref, ["poison_shard", "kill", "delay", "region_down"])
     assert _decisions(s) == _decisions(poison_ref)
 
