@@ -28,6 +28,7 @@ behind it.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -111,7 +112,7 @@ class ExactReducer:
     def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest ``e`` with ``|g| < 2**e`` over this rank's slots."""
         n = bufs[0].numel()
-        peak = torch.zeros(self._blocks(n), dtype=bufs[0].dtype)
+        peak = torch.zeros(-(-n // self.block), dtype=bufs[0].dtype)
         for b in bufs:
             for i in range(len(self._ranges(n))):
                 rows, (lo, hi) = self._span(b, i)
@@ -150,15 +151,8 @@ class ExactReducer:
 
     # -- blocks ----------------------------------------------------------------------------
 
-    def _blocks(self, n: int) -> int:
-        return -(-n // self.block)
-
-    def _ranges(self, n: int) -> list[tuple[int, int]]:
-        """Buckets of whole blocks, at most ``CHUNK`` values each, as block ranges; the
-        last, partial block is a bucket of its own."""
-        full, per = n // self.block, max(1, CHUNK // self.block)
-        out = [(lo, min(full, lo + per)) for lo in range(0, full, per)]
-        return out + ([(full, full + 1)] if n % self.block else [])
+    def _ranges(self, n: int) -> tuple[tuple[int, int], ...]:
+        return _bucket_ranges(n, self.block)
 
     def _flat(self, x: torch.Tensor, i: int) -> torch.Tensor:
         lo, hi = self._ranges(x.numel())[i]
@@ -177,6 +171,15 @@ class ExactReducer:
             acc = torch.empty(n, dtype=self.dtype, device=like.device)
             self.scratch[n] = (acc, torch.empty_like(like))
         return self.scratch[n]
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_ranges(n: int, block: int) -> tuple[tuple[int, int], ...]:
+    """Buckets of whole blocks, at most ``CHUNK`` values each, as block ranges; the last,
+    partial block is a bucket of its own. Cached: every step asks for the same ``n``."""
+    full, per = n // block, max(1, CHUNK // block)
+    out = [(lo, min(full, lo + per)) for lo in range(0, full, per)]
+    return tuple(out + ([(full, full + 1)] if n % block else []))
 
 
 def _wait(work: Any, timeout: timedelta, delay_s: float) -> None:
