@@ -120,11 +120,13 @@ def test_a_checkpoint_of_another_config_is_refused_naming_the_flag(
     ckpt = _checkpoint(small_config(small_dataset), tmp_path)
     changed = small_config(small_dataset, optim={"lr": 1e-3})
     [(key, rule, value)] = _problems(changed, resume=ckpt)
-    assert key == "--resume" and "differing keys: optim.lr" in rule
+    # the default optimizer's group carries the rate too: the recipe differs with the config
+    keys = "differing keys: identity.recipe.param_groups.0.lr, optim.lr"
+    assert key == "--resume" and keys in rule
     assert "--allow-config-change" in rule and value == ckpt
     allowed = preflight(changed, resume=ckpt, allow_config_change=True)
     assert allowed.override is not None and allowed.override["kind"] == "config_override"
-    assert allowed.override["details"]["keys"] == ["optim.lr"]
+    assert allowed.override["details"]["keys"] == ["identity.recipe.param_groups.0.lr", "optim.lr"]
 
 
 def test_a_checkpoint_whose_tensors_do_not_fit_the_model_is_refused(

@@ -238,11 +238,20 @@ class LocalLauncher:
             summary = write_summary(self.run_dir, self.config, started=self.started)
         if self.stop_signal:
             summary["stopped_by"] = self.stop_signal
-        failed = [
-            e for e in read_jsonl(self.run_dir / "events.jsonl") if e["event"] == ev.RUN_FAILED
+        events = [
+            e
+            for e in read_jsonl(self.run_dir / "events.jsonl")
+            if e.get("t", self.started) >= self.started
         ]
-        if failed and failed[-1]["t"] >= self.started:
+        failed = [e for e in events if e["event"] == ev.RUN_FAILED]
+        if failed:
             raise RunFailed(f"{failed[-1]['reason']} (see {self.run_dir}/events.jsonl)")
+        done = {e.get("final_hash") for e in events if e["event"] == ev.WORKER_DONE}
+        if len(done) > 1:
+            raise RunFailed(
+                "replicas ended with different final hashes (worker_done events in "
+                f"{self.run_dir}/events.jsonl): their state is not a function of the steps"
+            )
         return summary
 
     def _on_signal(self, signum: int, frame: Any = None) -> None:

@@ -101,8 +101,10 @@ def preflight(
     dataset = _dataset(config, problems, report, build_default, say)
     if dataset is not None:
         problems += _fit(config, task, dataset)
+    identity = _recipe(config, task, dataset, problems, report)
     if resume is not None:
-        problems += _resume(config, resume, task, dataset, allow_config_change, report)
+        args = (task, dataset, allow_config_change, report, identity)
+        problems += _resume(config, resume, *args)
     if dataset is not None:
         dataset.close()
     report.seconds = round(time.perf_counter() - t0, 3)
@@ -155,6 +157,62 @@ def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
 def _factory_problem(config: RunConfig, e: Exception) -> Problem:
     rule = f"{config.task.entry} raised {type(e).__name__}: {e}"
     return Problem("task.options", rule, config.task.options)
+
+
+def _recipe(
+    config: RunConfig,
+    task: Task | None,
+    ds: Dataset | None,
+    problems: list[Problem],
+    report: Report,
+) -> dict[str, Any] | None:
+    """The task's recipe as a worker builds it, its loss contract checked on the first
+    slot's samples; returns the run's identity (None when the task or dataset failed)."""
+    from perdure.runtime.replica.identity import check_loss_reduction, run_identity
+    from perdure.runtime.replica.recipe import Recipe
+
+    if task is None or ds is None:
+        return None
+    try:
+        recipe = Recipe(task, config.optim, config.train.steps)
+    except ValueError as e:
+        field, _, rule = str(e).partition(": ")
+        problems.append(Problem(field, rule, config.optim.schedule))
+        return None
+    except Exception as e:  # the user's optimizer or scheduler factory
+        problems.append(_factory_problem(config, e))
+        return None
+    if problems:  # the data does not fit the task or the batch: no slot to measure on
+        return run_identity(task, recipe.initial, ds.version_id)
+    try:
+        note = check_loss_reduction(task, _first_slot(config, ds))
+    except ValueError as e:
+        problems.append(
+            Problem("task.loss_reduction", str(e).partition(": ")[2], task.loss_reduction)
+        )
+        note = None
+    except Exception as e:  # the user's loss_fn on real samples
+        problems.append(
+            Problem("task.entry", f"loss_fn raised {type(e).__name__}: {e}", config.task.entry)
+        )
+        note = None
+    if note:
+        report.notes.append(note)
+    return run_identity(task, recipe.initial, ds.version_id)
+
+
+def _first_slot(config: RunConfig, ds: Dataset) -> dict[str, Any]:
+    from perdure.data import SlotLoader
+    from perdure.runtime.replica.slots import to_tensors
+
+    train = config.train
+    loader = SlotLoader(
+        ds, seed=train.seed, global_batch=train.global_batch, slots=train.slots, prefetch_steps=0
+    )
+    try:
+        return to_tensors(loader.batch(0, 0))
+    finally:
+        loader.close()
 
 
 # -- the dataset ---------------------------------------------------------------------------
@@ -275,6 +333,7 @@ def _resume(
     ds: Dataset | None,
     allow: bool,
     report: Report,
+    identity: dict[str, Any] | None,
 ) -> list[Problem]:
     from perdure.checkpoint import CheckpointError, load_checkpoint
 
@@ -282,7 +341,7 @@ def _resume(
         ckpt = load_checkpoint(path, verify=False)
     except (CheckpointError, OSError) as e:
         return [Problem("--resume", f"cannot be read: {e}", path)]
-    out = _compatible(config, ckpt, allow, report)
+    out = _compatible(config, ckpt, allow, report, identity)
     version = ckpt.data.get("version_id") if isinstance(ckpt.data, dict) else None
     if ds is not None and version != ds.version_id:
         rule = f"made for dataset version {version}; data.dataset {ds.url} is {ds.version_id}"
@@ -293,7 +352,11 @@ def _resume(
 
 
 def _compatible(
-    config: RunConfig, ckpt: LoadedCheckpoint, allow: bool, report: Report
+    config: RunConfig,
+    ckpt: LoadedCheckpoint,
+    allow: bool,
+    report: Report,
+    identity: dict[str, Any] | None,
 ) -> list[Problem]:
     from perdure.checkpoint import (
         IncompatibleCheckpointError,
@@ -302,7 +365,7 @@ def _compatible(
     )
     from perdure.config.diff import diff_canonical
 
-    digest, canon = config_hash(config), canonical(config)
+    digest, canon = config_hash(config, identity), canonical(config, identity)
     try:
         keys = check_compatible(ckpt, digest, canon, allow_config_change=allow)
     except IncompatibleCheckpointError:
@@ -325,7 +388,9 @@ def _compatible(
 
 def _shapes(ckpt: LoadedCheckpoint, task: Task, path: str) -> list[Problem]:
     """The checkpoint's model tensors against the task's (names and shapes)."""
-    want = {k: tuple(v.shape) for k, v in task.model.state_dict().items()}
+    from perdure.runtime.replica.task import plain_module
+
+    want = {k: tuple(v.shape) for k, v in plain_module(task.model).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in ckpt.model.items()}
     diffs = [
         f"{k} is {list(got[k])} in the checkpoint, {list(want[k])} in the model"

@@ -4,13 +4,17 @@ The math-affecting fields (marked with ``metadata=MATH``) form the *canonical co
 whose SHA-256 is the config hash written into every checkpoint. Worker counts, regions,
 ports, paths, checkpoint and logging settings are not part of it: they decide who computes
 what, which by the design invariant cannot change a bit.
+
+What the config file does not say but the math depends on is the run's *identity*
+(``runtime.replica.identity``): the dataset's version id and the task's actual recipe (its
+optimizer's hyperparameters, its scheduler, its loss reduction). The trainer and the
+launcher's preflight add it under the canonical key ``identity``; ``config_hash(config)``
+without it is the hash of the file alone (``perdure config``'s first line).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +23,7 @@ from typing import Any
 from perdure.chaos.config import ChaosConfig, check_targets
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.config.build import build
+from perdure.config.digest import canonical_text, hash_canonical
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
 from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
@@ -79,8 +84,9 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def canonical(config: RunConfig) -> dict[str, Any]:
-    """The math-affecting part of the config, as plain data with sorted keys."""
+def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The math-affecting part of the config, as plain data with sorted keys, with the
+    run's identity (dataset version, recipe) under ``identity`` when given."""
     out: dict[str, Any] = {}
     for section in dataclasses.fields(config):
         value = getattr(config, section.name)
@@ -91,6 +97,8 @@ def canonical(config: RunConfig) -> dict[str, Any]:
         }
         if math:
             out[section.name] = math
+    if identity is not None:
+        out["identity"] = identity
     return out
 
 
@@ -100,13 +108,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def canonical_json(config: RunConfig) -> str:
-    return json.dumps(canonical(config), sort_keys=True, separators=(",", ":"))
+def canonical_json(config: RunConfig, identity: dict[str, Any] | None = None) -> str:
+    return canonical_text(canonical(config, identity))
 
 
-def config_hash(config: RunConfig) -> str:
-    """SHA-256 of the canonical config, as ``sha256:<hex>``."""
-    return "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest()
+def config_hash(config: RunConfig, identity: dict[str, Any] | None = None) -> str:
+    """SHA-256 of the canonical config (with the run's identity when given), as
+    ``sha256:<hex>``."""
+    return hash_canonical(canonical(config, identity))
 
 
 def with_overrides(config: RunConfig, **sections: dict[str, Any]) -> RunConfig:

@@ -186,17 +186,42 @@ class StepRunner:
     # -- fingerprints ----------------------------------------------------------------------
 
     def compare_fingerprints(self) -> bool:
-        """Whether this replica agrees with the majority (a CRC of the parameters); the
-        odd ones out are logged. False: this replica must drop its state."""
-        mine = torch.tensor([self.tr.fingerprint()], dtype=torch.int64)
-        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        """Whether this replica agrees with the majority (a CRC per tensor of the model's
+        parameters and buffers); the odd ones out are logged with the tensors that differ.
+        False: this replica must drop its state and receive a peer's.
+
+        Without a strict majority (two replicas that differ, three that all differ) no
+        replica can be trusted over another: the model's state is not a function of the
+        slots (a buffer or parameter changed outside the step's math), and the run stops
+        with a :class:`MathError` naming the tensors."""
+        crcs = self.tr.fingerprint()
+        mine = torch.tensor(crcs, dtype=torch.int64)
+        outs = [torch.zeros(len(crcs), dtype=torch.int64) for _ in range(self.size)]
         timeout = self.seams.timeout()
         self.comm.call(lambda: self.comm.pg.allgather([outs], [mine]).wait(timeout))
-        values = [int(o) for o in outs]
+        values = [tuple(int(x) for x in o) for o in outs]
         if len(set(values)) == 1:
             return True
         majority = max(set(values), key=values.count)
         odd = [m for m, v in zip(self.plan.members, values, strict=True) if v != majority]
+        names = self.tr.fingerprint_names()
+        differ = sorted(
+            {
+                names[i]
+                for v in values
+                for i, (a, b) in enumerate(zip(v, majority, strict=True))
+                if a != b
+            }
+        )
         step = self.tr.next_step
-        self.seams.events.write({"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd})
+        self.seams.events.write(
+            {"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd, "tensors": differ}
+        )
+        if 2 * values.count(majority) <= len(values):
+            raise MathError(
+                f"step {step}: replicas {list(self.plan.members)} hold different model state "
+                f"and no majority agrees; tensors that differ: {', '.join(differ[:8])}"
+                f"{' ...' if len(differ) > 8 else ''} (the model changes state outside the "
+                "step's math: see docs/architecture.md, 'Buffers')"
+            )
         return self.seams.name not in odd

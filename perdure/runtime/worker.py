@@ -409,6 +409,10 @@ class Worker:
         """The final checkpoint (all members write it in parallel), then report done."""
         tr = self.trainer
         assert tr is not None and ep.ckpt is not None
+        every = self.config.cluster.fingerprint_every
+        if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
+            self.has_state = False  # no run ends with replicas that disagree
+            raise CommFailed(f"replica diverged at step {tr.next_step}")
         if self.final_saved != tr.next_step:
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)

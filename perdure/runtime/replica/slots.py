@@ -1,8 +1,8 @@
 """One slot's forward and backward, with randomness derived only from (seed, step, slot).
 
 The slot's gradient is flattened into a buffer laid out by ``layout.GradLayout``: ``P``
-gradient values, then S non-finite flags and S loss values, of which only this slot's
-entries are set.
+gradient values, the moves of the model's buffers (``buffers.BufferRule``), then S
+non-finite flags and S loss values, of which only this slot's entries are set.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from perdure.runtime.replica.buffers import BufferRule
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.task import LossFn
 
@@ -36,18 +37,23 @@ def to_tensors(batch: object) -> dict[str, torch.Tensor]:
 class SlotEngine:
     """Computes slot gradients of one model into flat buffers."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, seed: int, slots: int) -> None:
+    def __init__(
+        self, model: nn.Module, loss_fn: LossFn, seed: int, slots: int, *, mean_loss: bool = False
+    ) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.seed = seed
         self.slots = slots
+        self.mean_loss = mean_loss
+        """The task's loss is a mean over the slot's samples: scaled to a sum here."""
+        self.buffers = BufferRule(model)
         # Reversed: backward produces the last layers' gradients first, so the reduction can
         # stream the front of the buffer while the rest of the backward runs.
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.layout = GradLayout(self.offsets[-1], slots)
+        self.layout = GradLayout(self.offsets[-1], slots, moves=self.buffers.numel)
         self.numel = self.layout.numel
         self.size = self.layout.size
 
@@ -75,24 +81,38 @@ class SlotEngine:
             p.grad = None
         done = [False] * len(self.params)
         hooks = [] if ready is None else self._hooks(out, done, ready)
+        lay = self.layout
+        saved = self.buffers.snapshot()
+        moves = None
         try:
-            loss = self.loss_fn(self.model, batch)
+            loss = self._loss(batch)
             loss.backward()
+            moves = lay.buffer_moves(out)
         finally:
             for h in hooks:
                 h.remove()
+            self.buffers.record(saved, moves)
         for i, p in enumerate(self.params):
             if not done[i]:
                 self._copy(i, p, out)
-        lay = self.layout
         lay.tail(out).zero_()
         value = float(loss.detach())
-        finite = all_finite(lay.grads(out)) and np.isfinite(value)
+        finite = all_finite(lay.values(out)) and np.isfinite(value)
         lay.flags(out)[slot] = 0.0 if finite else 1.0
         lay.losses(out)[slot] = value if np.isfinite(value) else 0.0
         if ready is not None:
             ready.advance(self.size)
         return value
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The slot's loss as a sum over its samples (a mean is scaled by their count)."""
+        loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            kind = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"task.loss_fn: must return a scalar tensor (got {kind})")
+        if self.mean_loss:
+            loss = loss * batch["weight"].shape[0]
+        return loss
 
     def _copy(self, i: int, p: torch.Tensor, out: torch.Tensor) -> None:
         dst = out[self.offsets[i] : self.offsets[i + 1]]
@@ -132,6 +152,10 @@ class SlotEngine:
             n = p.numel()
             p.grad = grads[offset : offset + n].view_as(p)
             offset += n
+
+    def apply_buffers(self, flat: torch.Tensor) -> None:
+        """Move the model's buffers by the step's reduced buffer moves (``BufferRule``)."""
+        self.buffers.apply(self.layout.buffer_moves(flat), self.slots)
 
     def bad_slots(self, flat: torch.Tensor) -> list[int]:
         return self.layout.bad_slots(flat)

@@ -24,9 +24,11 @@ from perdure.checkpoint import (
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash
+from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
-from perdure.runtime.replica.task import build_optimizer, build_task, lr_at
+from perdure.runtime.replica.task import build_task, plain_module
 
 
 class MathError(RuntimeError):
@@ -56,8 +58,12 @@ class Trainer:
         configure_torch(train.threads_per_worker)
         task = build_task(config.task, train.seed)
         self.model = task.model
-        self.optimizer = build_optimizer(task, config.optim)
-        self.engine = SlotEngine(self.model, task.loss_fn, train.seed, train.slots)
+        self.module = plain_module(task.model)
+        """What checkpoints, state copies and fingerprints read: the plain module's keys."""
+        self.recipe = Recipe(task, config.optim, train.steps)
+        self.optimizer = self.recipe.optimizer
+        mean = task.loss_reduction == "mean"
+        self.engine = SlotEngine(self.model, task.loss_fn, train.seed, train.slots, mean_loss=mean)
         self.dataset = Dataset.open(
             config.data.dataset,
             cache_dir=config.data.cache_dir or cache_dir,
@@ -79,8 +85,9 @@ class Trainer:
                 )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
-        self.config_hash = config_hash(config)
-        self.canonical = canonical(config)
+        identity = run_identity(task, self.recipe.initial, self.dataset.version_id)
+        self.config_hash = config_hash(config, identity)
+        self.canonical = canonical(config, identity)
         self.provenance = provenance(config.task.entry)
 
     # -- the math of a step ----------------------------------------------------------------
@@ -140,14 +147,13 @@ class Trainer:
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
         self.engine.assign_grads(total, B)
+        self.engine.apply_buffers(total)
         if self.config.optim.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.config.optim.grad_clip, foreach=False
             )
-        lr = lr_at(step, self.config.optim, self.config.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        lr = self.recipe.set_lr(step)
+        self.recipe.step()
         if not self._params_finite():
             raise MathError(
                 f"step {step}: the optimizer made parameters non-finite from a finite gradient "
@@ -203,21 +209,25 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------------
 
-    def fingerprint(self) -> int:
-        """A cheap CRC of the parameters, compared across replicas every K steps."""
-        crc = 0
-        for p in self.model.parameters():
-            crc = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).numpy().data, crc)
-        return crc
+    def fingerprint(self) -> list[int]:
+        """A CRC per tensor of the model's state (parameters and buffers, in state-dict
+        order: see ``fingerprint_names``), compared across replicas every K steps."""
+        return [
+            zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+            for t in self.module.state_dict().values()
+        ]
+
+    def fingerprint_names(self) -> list[str]:
+        return list(self.module.state_dict().keys())
 
     def digest(self) -> str:
-        return state_digest(self.model.state_dict(), self.optimizer.state_dict())
+        return state_digest(self.module.state_dict(), self.recipe.state_dict())
 
     def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
         return CheckpointState(
             step=self.next_step,
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
+            model=self.module.state_dict(),
+            optimizer=self.recipe.state_dict(),
             rng=capture_rng(self.config.train.seed),
             data=self.loader.state(self.next_step).to_dict(),
             config_hash=self.config_hash,
@@ -237,8 +247,8 @@ class Trainer:
             allow_config_change=allow_config_change,
             provenance=self.provenance,
         )
-        self.model.load_state_dict(ckpt.model)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.module.load_state_dict(ckpt.model)
+        self.recipe.load_state_dict(ckpt.optimizer, source=str(path))
         restore_rng(ckpt.rng)
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
@@ -252,13 +262,13 @@ class Trainer:
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
         }
-        return self.model.state_dict(), self.optimizer.state_dict(), extra
+        return self.module.state_dict(), self.recipe.state_dict(), extra
 
     def adopt(
         self, model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
     ) -> None:
-        self.model.load_state_dict(model)
-        self.optimizer.load_state_dict(optim)
+        self.module.load_state_dict(model)
+        self.recipe.load_state_dict(optim, source="the received state")
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
