@@ -169,15 +169,14 @@ def _recipe(
     """The task's recipe as a worker builds it, its loss contract checked on the first
     slot's samples; returns the run's identity (None when the task or dataset failed)."""
     from perdure.runtime.replica.identity import check_loss_reduction, run_identity
-    from perdure.runtime.replica.recipe import Recipe
+    from perdure.runtime.replica.recipe import Recipe, RecipeError
 
     if task is None or ds is None:
         return None
     try:
         recipe = Recipe(task, config.optim, config.train.steps)
-    except ValueError as e:
-        field, _, rule = str(e).partition(": ")
-        problems.append(Problem(field, rule, config.optim.schedule))
+    except RecipeError as e:
+        problems.append(Problem(e.field, e.rule, e.value))
         return None
     except Exception as e:  # the user's optimizer or scheduler factory
         problems.append(_factory_problem(config, e))

@@ -28,6 +28,14 @@ from perdure.runtime.replica.task import Task, build_optimizer, lr_at
 SCHEDULER_KEY = "scheduler"
 
 
+class RecipeError(ValueError):
+    """A recipe the config contradicts: ``field``, the ``rule`` and the ``value``."""
+
+    def __init__(self, field: str, rule: str, value: object) -> None:
+        super().__init__(f"{field}: {rule} (got {value})")
+        self.field, self.rule, self.value = field, rule, value
+
+
 class Recipe:
     """The optimizer and the learning-rate policy of one replica."""
 
@@ -79,11 +87,12 @@ def check_recipe(task: Task, cfg: OptimConfig) -> None:
     if task.make_scheduler is None:
         return
     if cfg.schedule != "constant" or cfg.warmup_steps:
-        raise ValueError(
-            "optim.schedule: the task brings its own scheduler (Task.make_scheduler), which "
-            "sets the learning rates; the config's schedule must be 'constant' with "
-            f"warmup_steps = 0 (got schedule={cfg.schedule!r}, warmup_steps={cfg.warmup_steps})"
+        rule = (
+            "the task brings its own scheduler (Task.make_scheduler), which sets the learning "
+            "rates: set optim.schedule = 'constant' and optim.warmup_steps = 0"
         )
+        got = {"schedule": cfg.schedule, "warmup_steps": cfg.warmup_steps}
+        raise RecipeError("optim.schedule", rule, got)
 
 
 def identity_of(optimizer: Any, scheduler: Any, base_lrs: list[float]) -> dict[str, Any]:
