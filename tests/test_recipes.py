@@ -124,3 +124,12 @@ def test_a_compiled_model_checkpoints_with_the_plain_modules_keys(small_dataset:
     finally:
         compiled.close()
         eager.close()
+
+
+def test_the_preflight_computes_the_same_run_hash_as_every_worker(small_dataset: Path) -> None:
+    from perdure.run_config import config_hash
+
+    cfg = _cfg(small_dataset, "two_groups")
+    report = preflight(cfg)
+    assert report.identity is not None
+    assert config_hash(cfg, report.identity) == _hash(cfg) != config_hash(cfg)

@@ -79,6 +79,8 @@ class Report:
     override: dict[str, Any] | None = None
     """The decision-log entry of a config change allowed at resume (the workers record the
     same entry; the launcher logs it as the run's ``decision`` event)."""
+    identity: dict[str, Any] | None = None
+    """The run's identity (dataset version, recipe): with the config, the run's hash."""
 
 
 def preflight(
@@ -101,7 +103,7 @@ def preflight(
     dataset = _dataset(config, problems, report, build_default, say)
     if dataset is not None:
         problems += _fit(config, task, dataset)
-    identity = _recipe(config, task, dataset, problems, report)
+    identity = report.identity = _recipe(config, task, dataset, problems, report)
     if resume is not None:
         args = (task, dataset, allow_config_change, report, identity)
         problems += _resume(config, resume, *args)
