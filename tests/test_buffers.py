@@ -105,3 +105,12 @@ def test_replicas_whose_state_differs_with_no_majority_fail_the_run_naming_the_t
         run_to_end(cfg, tmp_path / "run")
     [diverged, *_] = events(tmp_path / "run", "replica_diverged")
     assert diverged["tensors"] == ["marker"] and diverged["step"] == 5
+
+
+def test_with_the_exact_reduction_buffers_are_equal_for_one_and_three_workers(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    exact = {"reduction": "exact"}
+    one = run_to_end(_config(small_dataset, 1, train=exact), tmp_path / "one")
+    three = run_to_end(_config(small_dataset, 3, train=exact), tmp_path / "three")
+    assert three["replica_hashes_agree"] and one["final_hash"] == three["final_hash"]
