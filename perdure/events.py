@@ -73,6 +73,8 @@ STATE_RECEIVED: Final = "state_received"
 """A receiver adopted a live peer's state."""
 STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
+SLOTS_SALVAGED: Final = "slots_salvaged"
+"""A member reused slots it finished in an abandoned attempt of the same step."""
 COLLECTIVE_FAILED: Final = "collective_failed"
 """A member's collective failed (peer closed, timeout, link drop)."""
 REPLICA_DIVERGED: Final = "replica_diverged"
@@ -134,6 +136,7 @@ NAMES: frozenset[str] = frozenset(
         RECOVERED_FROM_CHECKPOINT,
         STATE_RECEIVED,
         STEP_ABANDONED,
+        SLOTS_SALVAGED,
         COLLECTIVE_FAILED,
         REPLICA_DIVERGED,
         SUSPECT_WORKER,

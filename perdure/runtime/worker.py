@@ -41,6 +41,7 @@ from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
 from perdure.runtime.replica.trainer import MathError, Trainer
+from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
 from perdure.runtime.wchaos import ChaosState
 
@@ -98,6 +99,7 @@ class Worker:
         self.final_saved = -1
         self.leaving = False
         self.suspects: dict[str, int] = {}
+        self.salvage = SlotSalvage()
 
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
@@ -243,6 +245,7 @@ class Worker:
             take_comm_error=self.chaos.take_comm_error,
             evict_after=self.config.cluster.evict_after_suspect,
             suspects=self.suspects,
+            salvage=self.salvage,
         )
         reducer = make_reducer(self.config.train, rank, len(plan.members))
         return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer)

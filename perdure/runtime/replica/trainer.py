@@ -85,6 +85,9 @@ class Trainer:
                 )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
+        self.state_version = 0
+        """Changes with every change of the state a slot's gradient depends on (an update,
+        received or restored state, a quarantine): the key of salvaged slot buffers."""
         identity = run_identity(task, self.recipe.initial, self.dataset.version_id)
         self.config_hash = config_hash(config, identity)
         self.canonical = canonical(config, identity)
@@ -161,6 +164,7 @@ class Trainer:
                 "the model's own arithmetic)"
             )
         self.next_step = step + 1
+        self.state_version += 1
         return loss
 
     def _params_finite(self) -> bool:
@@ -196,6 +200,7 @@ class Trainer:
         slots = sorted(found)
         reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
         self.loader.quarantine(sorted(shards), step, reason)
+        self.state_version += 1
         entry = {
             "step": step,
             "kind": "quarantine",
@@ -252,6 +257,7 @@ class Trainer:
         restore_rng(ckpt.rng)
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
+        self.state_version += 1
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
         return notes
 
@@ -272,6 +278,7 @@ class Trainer:
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
+        self.state_version += 1
 
     def close(self) -> None:
         self.loader.close()
