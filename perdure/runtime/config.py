@@ -92,6 +92,12 @@ class TrainConfig:
     below its block's maximum; 32 halves the bytes on the wire and keeps ~26 bits."""
     reduction_block: int = field(default=256, metadata=MATH)
     """Values sharing one exponent in the ``exact`` reduction."""
+    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
+    """Arithmetic of the forward pass. ``bf16``: the forward and the loss run under
+    ``torch.autocast`` in bfloat16 (matmuls, convolutions; reductions and norms stay fp32
+    as autocast decides), the backward follows its casts; parameters, their gradients,
+    the optimizer state and the reduction stay fp32. The bits still depend only on the
+    slots, never on who computed them."""
     device: Literal["cpu"] = field(default="cpu", metadata=MATH)
     """Where the model, its slot gradients and the reduction live (``cpu``: gloo is the
     data plane). Kernels differ in their bits between devices, so it is part of the

@@ -7,6 +7,7 @@ non-finite flags and S loss values, of which only this slot's entries are set.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Callable
@@ -38,7 +39,14 @@ class SlotEngine:
     """Computes slot gradients of one model into flat buffers."""
 
     def __init__(
-        self, model: nn.Module, loss_fn: LossFn, seed: int, slots: int, *, mean_loss: bool = False
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        seed: int,
+        slots: int,
+        *,
+        mean_loss: bool = False,
+        precision: str = "fp32",
     ) -> None:
         self.model = model
         self.loss_fn = loss_fn
@@ -47,6 +55,7 @@ class SlotEngine:
         self.mean_loss = mean_loss
         """The task's loss is a mean over the slot's samples: scaled to a sum here."""
         self.buffers = BufferRule(model)
+        self.autocast = _autocast(model, precision)
         # Reversed: backward produces the last layers' gradients first, so the reduction can
         # stream the front of the buffer while the rest of the backward runs.
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
@@ -106,10 +115,12 @@ class SlotEngine:
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The slot's loss as a sum over its samples (a mean is scaled by their count)."""
-        loss = self.loss_fn(self.model, batch)
+        with self.autocast():
+            loss = self.loss_fn(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             kind = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise ValueError(f"task.loss_fn: must return a scalar tensor (got {kind})")
+        loss = loss.float()
         if self.mean_loss:
             loss = loss * batch["weight"].shape[0]
         return loss
@@ -180,6 +191,18 @@ def all_finite(x: torch.Tensor) -> bool:
     overflow, pays for the exact elementwise test.
     """
     return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
+
+
+def _autocast(model: nn.Module, precision: str) -> Callable[[], Any]:
+    """A context factory for the forward: autocast to bfloat16 on the model's device type
+    for ``bf16``, nothing for ``fp32``."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision != "bf16":
+        raise ValueError(f"train.precision: must be 'fp32' or 'bf16' (got {precision!r})")
+    first = next(model.parameters(), None)
+    kind = first.device.type if first is not None else "cpu"
+    return lambda: torch.autocast(device_type=kind, dtype=torch.bfloat16)
 
 
 def _seed_all(seed: int) -> None:

@@ -63,7 +63,14 @@ class Trainer:
         self.recipe = Recipe(task, config.optim, train.steps)
         self.optimizer = self.recipe.optimizer
         mean = task.loss_reduction == "mean"
-        self.engine = SlotEngine(self.model, task.loss_fn, train.seed, train.slots, mean_loss=mean)
+        self.engine = SlotEngine(
+            self.model,
+            task.loss_fn,
+            train.seed,
+            train.slots,
+            mean_loss=mean,
+            precision=train.precision,
+        )
         self.dataset = Dataset.open(
             config.data.dataset,
             cache_dir=config.data.cache_dir or cache_dir,
