@@ -199,6 +199,11 @@ class ClusterConfig:
     evict_after_suspect: int = 2
     """Evict a worker after this many non-finite slots that did not reproduce on another
     worker (a hardware suspect rather than bad data)."""
+    hierarchical_reduce: bool = True
+    """With ``train.reduction = "exact"`` and several regions: all-reduce inside each
+    region, then among one leader per region, then broadcast inside the region, so the
+    slow links carry one exchange per region whatever the worker count
+    (runtime/comm/tiers.py). The sum is exact either way: not a math setting."""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
 

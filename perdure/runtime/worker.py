@@ -197,8 +197,9 @@ class Worker:
         self.inflight = self.trainer.next_step
         abort = lambda: self._should_stop(self.inflight)  # noqa: E731
         try:
+            store = self._store()
             comm = Comm(
-                self._store(),
+                store,
                 start.prefix,
                 rank,
                 len(plan.members),
@@ -207,6 +208,8 @@ class Worker:
                 backend=self.placement.backend,
                 bind=self.host or self.client.local_address(),
             )
+            if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
+                comm.add_tiers(store, self.region)
         except (Abandoned, CommFailed) as e:
             self._failed(e)
             return

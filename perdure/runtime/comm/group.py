@@ -10,12 +10,15 @@ ends by itself when its own timeout expires, holding only the old group.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from perdure.runtime.comm.tiers import Tiers, build_tiers
 
 T = TypeVar("T")
 _SLICE_S = 0.01
@@ -77,7 +80,20 @@ class Comm:
         self.should_abort = should_abort
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{prefix}")
         group = _Group(prefix, rank, size, timeout, backend, bind)
+        self._group = group
         self.pg: Any = self.call(lambda: group.make(store))
+        self.tiers: Tiers | None = None
+        """The region and leader groups of a two-tier reduction (``add_tiers``)."""
+
+    def add_tiers(self, store: dist.Store, region: str) -> None:
+        """Build this epoch's two-tier groups (``comm/tiers.py``); every member calls it."""
+        g = self._group
+
+        def make(prefix: str, rank: int, size: int) -> Any:
+            return dataclasses.replace(g, prefix=prefix, rank=rank, size=size).make(store)
+
+        args = (store, g.prefix, self.rank, self.size, region, make, self.timeout)
+        self.tiers = self.call(lambda: build_tiers(*args))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
