@@ -30,9 +30,17 @@ TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 """Dtypes of the tokens field: the smallest that holds ``vocab_size - 1`` is chosen."""
 
 FIELD_DTYPES = (
-    "uint8", "int8", "uint16", "int16", "uint32", "int32", "int64",
-    "float16", "float32", "float64",
-)  # fmt: skip
+    "uint8",
+    "int8",
+    "uint16",
+    "int16",
+    "uint32",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+)
 """Dtypes of any other field (no uint64: it does not fit the int64 a task receives)."""
 
 RESERVED = ("weight",)
@@ -83,11 +91,15 @@ def valid_name(name: object) -> bool:
 def check_name(name: str, where: str) -> None:
     """Raise naming ``where`` unless ``name`` is a valid field name (see ``valid_name``)."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise DataError(f"{where}: field name must match [a-z_][a-z0-9_]* (at most 64 "
-                        f"characters) (got {name!r})")  # fmt: skip
+        raise DataError(
+            f"{where}: field name must match [a-z_][a-z0-9_]* (at most 64 "
+            f"characters) (got {name!r})"
+        )
     if name in RESERVED:
-        raise DataError(f"{where}: field name {name!r} is reserved (the runtime adds "
-                        f"{', '.join(RESERVED)} to every batch)")  # fmt: skip
+        raise DataError(
+            f"{where}: field name {name!r} is reserved (the runtime adds "
+            f"{', '.join(RESERVED)} to every batch)"
+        )
 
 
 @dataclass(frozen=True)
@@ -107,13 +119,15 @@ class FieldSpec:
     def __post_init__(self) -> None:
         kinds = ("integer", "float", *FIELD_DTYPES)
         if self.dtype is not None and self.dtype not in kinds:
-            raise ValueError(f"FieldSpec.dtype: must be one of {list(kinds)} or None "
-                             f"(got {self.dtype!r})")  # fmt: skip
+            raise ValueError(
+                f"FieldSpec.dtype: must be one of {list(kinds)} or None (got {self.dtype!r})"
+            )
         if self.shape is not None and not all(
             d is None or (isinstance(d, int) and d >= 0) for d in self.shape
         ):
-            raise ValueError(f"FieldSpec.shape: each entry must be an integer >= 0 or None "
-                             f"(got {self.shape!r})")  # fmt: skip
+            raise ValueError(
+                f"FieldSpec.shape: each entry must be an integer >= 0 or None (got {self.shape!r})"
+            )
 
     def mismatch(self, f: Field) -> str | None:
         """Why ``f`` does not fit this spec (naming both values), or None."""

@@ -32,8 +32,9 @@ class TokenizerJson:
         try:
             self.tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises its own Exception subclass
-            raise DataError(f"{path}: not a tokenizer.json the tokenizers library can load "
-                            f"({e})") from None  # fmt: skip
+            raise DataError(
+                f"{path}: not a tokenizer.json the tokenizers library can load ({e})"
+            ) from None
         self.vocab_size = int(self.tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = next(
             (i for t in EOS_NAMES if (i := self.tok.token_to_id(t)) is not None), None

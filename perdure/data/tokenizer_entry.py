@@ -63,13 +63,15 @@ class EntryTokenizer:
         try:
             text = codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
         except UnicodeDecodeError as e:
-            raise DataError(f"{source}: not UTF-8 text at byte {e.start} ({e.reason}); "
-                            f"--tokenizer reads text") from None  # fmt: skip
+            raise DataError(
+                f"{source}: not UTF-8 text at byte {e.start} ({e.reason}); --tokenizer reads text"
+            ) from None
         try:
             ids = self.fn(text)
         except Exception as e:
-            raise DataError(f"{source}: --tokenizer {self.entry} raised "
-                            f"{type(e).__name__}: {e}") from None  # fmt: skip
+            raise DataError(
+                f"{source}: --tokenizer {self.entry} raised {type(e).__name__}: {e}"
+            ) from None
         return as_ids(ids, f"{source}: --tokenizer {self.entry}")
 
 
@@ -88,8 +90,9 @@ def as_ids(ids: object, where: str) -> np.ndarray:
             f"dtype {arr.dtype}, shape {list(arr.shape)}{inner})"
         )
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= MAX_ID):
-        raise DataError(f"{where} returned ids outside [0, 2**32) "
-                        f"(got [{int(arr.min())}, {int(arr.max())}])")  # fmt: skip
+        raise DataError(
+            f"{where} returned ids outside [0, 2**32) (got [{int(arr.min())}, {int(arr.max())}])"
+        )
     return arr.astype(np.int64, copy=False)
 
 
@@ -105,11 +108,14 @@ def load_tokenizer(entry: str, file: str | None = None) -> EntryTokenizer:
         except DataError:
             raise
         except Exception as e:
-            raise DataError(f"--tokenizer: {entry}({file!r}) raised {type(e).__name__}: "
-                            f"{e}") from None  # fmt: skip
+            raise DataError(
+                f"--tokenizer: {entry}({file!r}) raised {type(e).__name__}: {e}"
+            ) from None
         if not callable(obj):
-            raise DataError(f"--tokenizer: {entry}({file!r}) must return a callable "
-                            f"text -> ids (got {type(obj).__name__})")  # fmt: skip
+            raise DataError(
+                f"--tokenizer: {entry}({file!r}) must return a callable "
+                f"text -> ids (got {type(obj).__name__})"
+            )
     vocab = _reported_int(obj, ("vocab_size", "get_vocab_size"), entry, minimum=1)
     eos = _reported_int(obj, ("eos_id",), entry, minimum=0)
     reported = _reported(obj, "identity", entry)
@@ -150,8 +156,9 @@ def _resolve(entry: str) -> Callable[..., Any]:
     try:
         mod = importlib.import_module(module)
     except Exception as e:  # an ImportError, or whatever the module raises as it loads
-        raise DataError(f"--tokenizer: cannot import module {module!r} "
-                        f"({type(e).__name__}: {e})") from None  # fmt: skip
+        raise DataError(
+            f"--tokenizer: cannot import module {module!r} ({type(e).__name__}: {e})"
+        ) from None
     obj: Any = mod
     for part in name.split("."):
         obj = getattr(obj, part, None)
@@ -168,8 +175,9 @@ def _reported(obj: object, name: str, entry: str) -> Any:
         try:
             value = value()
         except Exception as e:
-            raise DataError(f"--tokenizer: {entry}.{name}() raised {type(e).__name__}: "
-                            f"{e}") from None  # fmt: skip
+            raise DataError(
+                f"--tokenizer: {entry}.{name}() raised {type(e).__name__}: {e}"
+            ) from None
     return value
 
 
@@ -180,7 +188,9 @@ def _reported_int(obj: object, names: tuple[str, ...], entry: str, minimum: int)
             continue
         ok = isinstance(value, int | np.integer) and not isinstance(value, bool)
         if not ok or not minimum <= int(value) <= MAX_ID:
-            raise DataError(f"--tokenizer: {entry}.{name} must be an integer in "
-                            f"[{minimum}, 2**32] (got {value!r})")  # fmt: skip
+            raise DataError(
+                f"--tokenizer: {entry}.{name} must be an integer in "
+                f"[{minimum}, 2**32] (got {value!r})"
+            )
         return int(value)
     return None
