@@ -26,7 +26,7 @@ def _expected_stream(src: Path, tok: WordLevel, sep: int) -> np.ndarray:
     files = sorted(src.rglob("*.txt"), key=lambda f: f.relative_to(src).as_posix())
     out: list[int] = []
     for f in files:
-        out += tok(f.read_text()) + [sep]
+        out += [*tok(f.read_text()), sep]
     return np.array(out, dtype=np.int64)
 
 
