@@ -47,6 +47,15 @@ def test_an_entry_tokenizer_builds_its_ids_with_its_vocabulary_and_eos(tmp_path:
     assert m.dtype == "uint8"
 
 
+def test_an_empty_document_gives_no_ids_and_only_its_separator(tmp_path: Path) -> None:
+    src = _corpus(tmp_path)
+    (src / "d0" / "empty.txt").write_text("")
+    m = build_dataset([str(src)], str(tmp_path / "o"), seq_len=15, tokenizer=ENTRY)
+    want = _expected_stream(src, WordLevel(SPECIAL + WORDS), sep=1)
+    got = _all_tokens(tmp_path / "o")
+    assert m.sources["files"] == 7 and np.array_equal(got, want[: got.size])
+
+
 def test_a_changed_tokenizer_file_is_a_changed_dataset_version(tmp_path: Path) -> None:
     src = _corpus(tmp_path)
     vocab = tmp_path / "vocab.txt"

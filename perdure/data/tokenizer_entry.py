@@ -83,6 +83,8 @@ def as_ids(ids: object, where: str) -> np.ndarray:
         arr = np.asarray(ids)
     except (TypeError, ValueError) as e:
         raise DataError(f"{where} must return a sequence of integers ({e})") from None
+    if arr.ndim == 1 and arr.size == 0:  # an empty document: [] is float64 to numpy
+        return np.empty(0, dtype=np.int64)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
         inner = f", first item {type(arr.flat[0]).__name__}" if arr.size else ""
         raise DataError(
