@@ -15,6 +15,7 @@ from perdure.data import Dataset, SlotLoader
 from perdure.data.importer import import_arrays
 from perdure.events import read_jsonl
 from perdure.launch.preflight import PreflightError, preflight
+from perdure.run_config import with_overrides
 from perdure.runtime.replica.slots import to_tensors
 from tests.masked_task import loss_fn, make_task
 from tests.runtime_support import STDLIB, run_to_end, small_config
@@ -120,3 +121,16 @@ def test_preflight_refuses_a_dataset_without_a_field_the_task_needs(
     assert any("the task needs field 'labels' (Task.fields); the dataset has ['tokens']" in r
                for r in rules), problems  # fmt: skip
     assert any("needs field 'loss_mask'" in r for r in rules)
+
+
+def test_a_poisoned_shard_of_a_fields_dataset_is_rerun_sample_by_sample_and_quarantined(
+    fields_dataset: Path, tmp_path: Path
+) -> None:
+    """The per-sample rerun slices every field (trainer._row): were one lost, loss_fn
+    would raise in the rerun and the run would fail instead of quarantining."""
+    poison = {"kind": "poison_shard", "target": "1", "at_step": 4}
+    cfg = with_overrides(_config(fields_dataset, 2), chaos={"faults": [poison]})
+    s = run_to_end(cfg, tmp_path)
+    assert s["steps"] == STEPS and s["survivor_restarts"] == 0
+    [d] = [d for d in s["decisions"] if d["kind"] == "quarantine"]
+    assert d["shards"] == [1] and "reproduced on rerun" in d["reason"]
