@@ -16,7 +16,9 @@ weights for a moment (a model too large for the launcher's memory needs the work
 machine); a task that declares neither ``Task.vocab_size`` nor ``Task.max_len`` gets
 neither check; the batch is never run, so an error inside the model's forward is still
 the workers' to report (the launcher stops a run whose workers fail the same way twice
-at start-up, see ``launch/local.py``).
+at start-up, see ``launch/local.py``). Fields are checked only as far as the task
+declares them (``Task.fields``): a ``loss_fn`` that reads an undeclared field the dataset
+lacks fails in the workers (a ``KeyError`` naming it).
 """
 
 from __future__ import annotations
@@ -307,6 +309,30 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
             f"{ds.seq_len} (the model reads seq_len tokens a sample)"
         )
         out.append(Problem("task.options", rule, config.task.options))
+    return out + _fields_fit(config, task, ds)
+
+
+def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
+    """The fields the task declares (``Task.fields``) against the manifest's."""
+    from perdure.data.fields import FieldSpec
+
+    if task.fields is None:
+        return []
+    have = {f.name: f for f in ds.manifest.fields}
+    where = f"{ds.url}/manifest.json"
+    out = []
+    for name, spec in task.fields.items():
+        if not isinstance(spec, FieldSpec):
+            rule = f"Task.fields[{name!r}] must be a FieldSpec (got {type(spec).__name__})"
+            out.append(Problem("task.entry", rule, config.task.entry))
+        elif name not in have:
+            rule = (
+                f"the task needs field {name!r} (Task.fields); the dataset has "
+                f"{sorted(have)} ({where})"
+            )
+            out.append(Problem("data.dataset", rule, ds.url))
+        elif (why := spec.mismatch(have[name])) is not None:
+            out.append(Problem("data.dataset", f"field {name!r} {why} ({where})", ds.url))
     return out
 
 

@@ -29,10 +29,14 @@ def slot_seed(seed: int, step: int, slot: int) -> int:
 
 
 def to_tensors(batch: object) -> dict[str, torch.Tensor]:
-    """A loader batch (``tokens``, ``weight`` arrays) as torch tensors, zero-copy."""
+    """A loader batch (``tokens``, ``weight`` and the dataset's other ``fields``) as torch
+    tensors by name, zero-copy: what the task's ``loss_fn`` receives."""
     tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)  # type: ignore[attr-defined]
     weight = np.ascontiguousarray(batch.weight, dtype=np.float32)  # type: ignore[attr-defined]
-    return {"tokens": torch.from_numpy(tokens), "weight": torch.from_numpy(weight)}
+    out = {"tokens": torch.from_numpy(tokens), "weight": torch.from_numpy(weight)}
+    for name, value in getattr(batch, "fields", {}).items():
+        out[name] = torch.from_numpy(np.ascontiguousarray(value))
+    return out
 
 
 class SlotEngine:

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from perdure.data.fields import FieldSpec
 from perdure.runtime.config import OptimConfig, TaskConfig
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
@@ -62,6 +63,10 @@ class Task:
     """Token ids the model accepts: ``[0, vocab_size)`` (e.g. its embedding's rows)."""
     max_len: int | None = None
     """Longest token sequence the model reads (e.g. its position embedding's rows)."""
+    fields: dict[str, FieldSpec] | None = None
+    """The dataset fields ``loss_fn`` reads besides ``weight`` (e.g. ``{"labels":
+    FieldSpec("integer", (None,)), "loss_mask": FieldSpec(shape=(None,))}``): preflight
+    refuses a dataset that lacks one or holds it with another dtype or shape."""
 
 
 def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:

@@ -295,5 +295,6 @@ def _row(batch: Any, i: int) -> Any:
     class _One:
         tokens = batch.tokens[i : i + 1]
         weight = batch.weight[i : i + 1]
+        fields = {k: v[i : i + 1] for k, v in getattr(batch, "fields", {}).items()}  # noqa: RUF012
 
     return _One()
