@@ -59,7 +59,9 @@ def start_coordinator(
     if allow_config_change:
         args.append("--allow-config-change")
     if name == "standby":
-        args.append("--standby")
+        # One host here: the primary's fixed ports (if the config fixes them) are taken.
+        args += ["--standby", "--channel-port", "0", "--store-port", "0"]
+    args.append("--no-summary")  # the launcher writes it once every process has stopped
     return _spawn(python_cmd(*args), token, log)
 
 

@@ -25,7 +25,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Union
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
 MAX_STR = 4096
@@ -55,6 +55,8 @@ class Hello:
     epoch: int
     mac: str
     version: int = PROTOCOL_VERSION
+    address: str = ""
+    """The address its data plane (gloo, NCCL) listens on, where its peers reach it."""
 
 
 @dataclass(frozen=True)

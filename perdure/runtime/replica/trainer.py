@@ -23,7 +23,7 @@ from perdure.checkpoint import (
 )
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
-from perdure.run_config import RunConfig, canonical, config_hash
+from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import build_optimizer, build_task, lr_at
@@ -54,12 +54,12 @@ class Trainer:
         self.config = config
         train = config.train
         configure_torch(train.threads_per_worker)
-        task = build_task(config.task, train.seed)
+        task = build_task(config.task, train.seed, config.run.base_dir)
         self.model = task.model
         self.optimizer = build_optimizer(task, config.optim)
         self.engine = SlotEngine(self.model, task.loss_fn, train.seed, train.slots)
         self.dataset = Dataset.open(
-            config.data.dataset,
+            dataset_path(config),
             cache_dir=config.data.cache_dir or cache_dir,
             cache_mb=config.data.cache_mb,
         )
