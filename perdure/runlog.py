@@ -19,8 +19,11 @@ A merge is crash-safe: ``<log>.d/merged.json`` records, after each append, the m
 file's size and how far into each part it has read; a new merger (a standby taking
 over) first cuts the merged file back to the recorded size (an append the old merger
 did not finish recording), then goes on from the recorded offsets, so no line is lost or
-written twice. Limits: lines are ordered by their writers' clocks (as good as the hosts'
-time sync); a record written after the final merge (a worker's last line after the
+written twice. Limits: lines are ordered by their writers' clocks within a merge (as good
+as the hosts' time sync), and a line stamped just before a merge but written just after
+it (its writer preempted in between) lands in the next one, slightly out of order, as it
+would have landed late in one shared file; each writer's own lines keep their order. A
+record written after the final merge (a worker's last line after the
 coordinator exited, on a deployment without the local launcher) stays in its part file
 only; two coordinators merging at once (a split brain) would interleave appends, which
 the control plane's fencing must prevent.
