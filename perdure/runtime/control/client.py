@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.channel import LineSocket, Listener, connect
+from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
 
 log = logging.getLogger("perdure.worker")
 
@@ -115,6 +115,10 @@ class MembershipClient:
                 except (OSError, ConnectionError, p.ProtocolError) as e:
                     last = e
                     continue
+                except AdmissionRefused as e:
+                    if p.RUN_OVER in str(e):  # reconnected after the end: nothing to rejoin
+                        raise RunEnded(f"{self.me.name}: {e}") from None
+                    raise
                 self.line, self.host = line, host
                 with self.cond:
                     self.lost, self.announce = False, None

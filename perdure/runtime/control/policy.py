@@ -296,7 +296,7 @@ class Policy:
         if old is not None and old.alive:
             return f"worker name {h.name!r} is already in use"
         if self.finished:
-            return "the run is over"
+            return p.RUN_OVER
         return self._unroutable(h)
 
     def _unroutable(self, h: p.Hello) -> str | None:

@@ -32,6 +32,8 @@ MAX_STR = 4096
 MAX_LIST = 4096
 MAX_DEPTH = 12
 MAX_INT = 1 << 53
+RUN_OVER = "the run is over"
+"""The refusal's reason for a worker that comes back after the run ended."""
 
 
 class ProtocolError(ValueError):
