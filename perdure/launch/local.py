@@ -181,6 +181,7 @@ class LocalLauncher:
                 allow_config_change=self.allow_config_change,
                 name=name,
                 expected=self.config.cluster.workers,
+                writes_summary=True,  # below, once every process has stopped
                 log=self.run_dir / "logs" / f"{name}.log",
             )
             ports = wait_ports(self.run_dir / f"{name}.json", popen)
