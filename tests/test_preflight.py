@@ -89,7 +89,8 @@ def test_the_shipped_default_dataset_is_built_by_run_and_only_noted_by_check(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(pf, "STDLIB_MAX_MB", 0.2)
-    cfg = with_overrides(load_config(ROOT / "configs/quick.toml"), train={"global_batch": 16})
+    shipped = load_config(ROOT / "configs/quick.toml")  # relative to the repository root:
+    cfg = with_overrides(shipped, train={"global_batch": 16}, run={"base_dir": str(tmp_path)})
     checked = preflight(cfg)
     assert "perdure data build" in checked.notes[0] and not (tmp_path / "runs").exists()
     said: list[str] = []

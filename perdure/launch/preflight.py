@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from perdure.config.errors import ConfigError, Problem
 from perdure.data.config import DataConfig
-from perdure.run_config import RunConfig, canonical, config_hash
+from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 
 if TYPE_CHECKING:
     from perdure.checkpoint import LoadedCheckpoint
@@ -146,7 +146,7 @@ def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
 
     entry = config.task.entry
     try:
-        return build_task(config.task, config.train.seed)
+        return build_task(config.task, config.train.seed, config.run.base_dir)
     except ValueError as e:
         text = str(e)
         if text.startswith("task.entry: "):  # resolve()'s and build_task()'s own errors
@@ -230,9 +230,9 @@ def _dataset(
 ) -> Dataset | None:
     from perdure.data import DataError, Dataset
 
-    url = config.data.dataset
+    url = dataset_path(config)
     if _missing(url):
-        if url != DEFAULT_DATASET:
+        if config.data.dataset != DEFAULT_DATASET:
             problems.append(Problem("data.dataset", _how_to_build(url), url))
             return None
         if not build_default:

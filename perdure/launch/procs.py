@@ -42,7 +42,10 @@ def start_coordinator(
     expected: int,
     log: Path,
     allow_config_change: bool = False,
+    writes_summary: bool = False,
 ) -> subprocess.Popen[bytes]:
+    """``writes_summary``: the caller writes summary.json itself once every process has
+    stopped (the local launcher), so the coordinator does not (``--no-summary``)."""
     args = [
         "coordinator",
         "--config-json",
@@ -59,7 +62,10 @@ def start_coordinator(
     if allow_config_change:
         args.append("--allow-config-change")
     if name == "standby":
-        args.append("--standby")
+        # One host here: the primary's fixed ports (if the config fixes them) are taken.
+        args += ["--standby", "--channel-port", "0", "--store-port", "0"]
+    if writes_summary:
+        args.append("--no-summary")
     return _spawn(python_cmd(*args), token, log)
 
 

@@ -37,6 +37,13 @@ class RunOptions:
     """Run directory (events, metrics, checkpoints, summary); default ``runs/<run-id>``."""
     live_view: bool = True
     """Show the live terminal view when standard output is a terminal."""
+    base_dir: str | None = None
+    """Directory the config's relative paths (``data.dataset``) and the task's module
+    (``task.entry``, when it is not an installed package) are found from, itself relative
+    to the config file's directory; default: the config file's directory (for a config
+    built in Python, the working directory of ``perdure.run``). Set by ``load_config`` to
+    an absolute path, so that every process of the run, started from any directory on any
+    host, finds the same files."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -69,7 +76,37 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError([], source=f"{path} (no such file)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([], source=f"{path} (not valid TOML: {e})") from None
+    run = data.get("run")
+    if isinstance(run, dict) and isinstance(run.get("base_dir", "."), str):
+        base = (path.parent / run.get("base_dir", ".")).resolve()
+        data = {**data, "run": {**run, "base_dir": str(base)}}
+    elif run is None:
+        data = {**data, "run": {"base_dir": str(path.parent.resolve())}}
     return config_from_dict(data, source=str(path))
+
+
+def anchored(config: RunConfig) -> RunConfig:
+    """``config`` with ``run.base_dir`` absolute (the working directory when unset), as
+    the processes of a run must receive it: they may start anywhere."""
+    base = config.run.base_dir
+    if base is not None and Path(base).is_absolute():
+        return config
+    root = Path.cwd() / (base or ".")
+    return with_overrides(config, run={"base_dir": str(root.resolve())})
+
+
+def resolve_path(config: RunConfig, value: str) -> str:
+    """A path of the config as the processes of the run open it: a URL (``s3://...``) or
+    an absolute path as given, a relative one under ``run.base_dir`` (or the working
+    directory, for a config that has none)."""
+    if "://" in value or Path(value).is_absolute():
+        return value
+    return str(Path(config.run.base_dir or Path.cwd()) / value)
+
+
+def dataset_path(config: RunConfig) -> str:
+    """Where ``data.dataset`` is, for every process of the run."""
+    return resolve_path(config, config.data.dataset)
 
 
 def config_from_dict(data: dict[str, Any], source: str | None = None) -> RunConfig:

@@ -163,9 +163,20 @@ class ClusterConfig:
     """Region of the standby coordinator that takes over when the primary is lost; unset
     means no standby."""
     host: str = "127.0.0.1"
-    """Address the coordinator's store listens on."""
+    """Address every listener of the coordinator (control channel, store, metrics) binds,
+    and nothing else; ``perdure coordinator --host`` overrides it (one config serves the
+    primary and the standby, each on its own host). On a cluster, this machine's own
+    address; a wildcard (``0.0.0.0``) needs ``advertise``."""
+    advertise: str | None = None
+    """Address workers and the standby dial to reach the coordinator (``--advertise``);
+    default: ``host``. Set it when peers reach the coordinator through another address
+    than the one it binds (a NAT, a Kubernetes Service)."""
     port: int = 0
-    """Port of the coordinator's store; 0 picks a free one."""
+    """Port of the coordinator's store (``--store-port``); 0 picks a free one."""
+    channel_port: int = 0
+    """Port of the coordinator's control channel (``--channel-port``), what workers'
+    ``--coordinator HOST:PORT`` names; 0 picks a free one, which workers can then only
+    learn from the ports file: fix it on a cluster."""
     heartbeat_ms: int = 100
     """Interval of worker heartbeats."""
     phi_threshold: float = 10.0
@@ -178,6 +189,17 @@ class ClusterConfig:
     """Floor of the adaptive collective timeout. The failure detector, not this timeout,
     decides that a peer is dead; the timeout is a backstop for a stuck collective, so it
     stays above the detection horizon (acceptable pause plus a few heartbeats)."""
+    reform_backoff_ms: int = 50
+    """After a collective fails with no member lost (a dropped link, a peer that cannot
+    be reached), wait this long before re-forming the same members; the wait doubles with
+    each further failure before a step commits (exponential backoff)."""
+    reform_backoff_max_ms: int = 5000
+    """Longest wait between two re-formations of the same members."""
+    max_reform_failures: int = 10
+    """Consecutive collective failures with no member lost and no step committed after
+    which the run stops (``run_failed``, with the last error as the cause) instead of
+    re-forming for ever: a data plane that never forms is a configuration problem (an
+    unroutable address, a closed port), not a fault to absorb."""
     takeover_settle_ms: int = 500
     """A standby coordinator that takes over waits this long after the last worker
     reconnects before it forms the next membership epoch."""
@@ -218,10 +240,34 @@ class ClusterConfig:
             if v is not None:
                 c.check(v in names, key, f"must name a region of {names}", v)
         c.check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
+        c.check(
+            0 <= self.channel_port < 65536,
+            "channel_port",
+            "must be in [0, 65535]",
+            self.channel_port,
+        )
+        c.check(
+            self.port == 0 or self.port != self.channel_port,
+            "channel_port",
+            f"must differ from cluster.port ({self.port})",
+            self.channel_port,
+        )
+        c.check(bool(self.host.strip()), "host", "must be an address or host name", self.host)
+        if self.advertise is not None:
+            ok = bool(self.advertise.strip()) and not _wildcard(self.advertise)
+            c.check(ok, "advertise", "must be an address peers can dial", self.advertise)
         c.positive("heartbeat_ms", self.heartbeat_ms)
         c.positive("phi_threshold", self.phi_threshold)
         c.non_negative("acceptable_pause_ms", self.acceptable_pause_ms)
         c.positive("min_collective_timeout_ms", self.min_collective_timeout_ms)
+        c.positive("reform_backoff_ms", self.reform_backoff_ms)
+        c.check(
+            self.reform_backoff_max_ms >= self.reform_backoff_ms,
+            "reform_backoff_max_ms",
+            f"must be >= cluster.reform_backoff_ms ({self.reform_backoff_ms})",
+            self.reform_backoff_max_ms,
+        )
+        c.positive("max_reform_failures", self.max_reform_failures)
         c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.positive("join_timeout_ms", self.join_timeout_ms)
         c.non_negative("spares", self.spares)
@@ -235,3 +281,7 @@ class ClusterConfig:
     @property
     def workers(self) -> int:
         return sum(r.workers for r in self.regions)
+
+
+def _wildcard(host: str) -> bool:
+    return host.strip() in ("0.0.0.0", "::", "[::]", "*")

@@ -28,13 +28,15 @@ from perdure.checkpoint import (
     config_override_entry,
     load_checkpoint,
 )
-from perdure.events import JsonLines
+from perdure.events import Tail
 from perdure.run_config import RunConfig, config_from_dict
+from perdure.runlog import part, writer_id
 from perdure.runtime.comm.exchange import StoreExchange
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer
 from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
@@ -79,9 +81,13 @@ class Worker:
         timeout_s: float = 60.0,
         restore_priority: bool = False,
         host: str | None = None,
+        interface: str | None = None,
     ) -> None:
         self.name, self.region, self.role = name, region, role
-        self.host = host
+        self.interface = interface
+        self.host = interface_address(interface) if interface else host
+        """The data plane's address, when given (else: the address on the path to the
+        coordinator, found once connected)."""
         self.restore_priority = restore_priority
         self.timeout_s = timeout_s
         self.client = MembershipClient(
@@ -90,6 +96,7 @@ class Worker:
             token,
             timeout_s=timeout_s,
             progress=self._progress,
+            address=self.host,
         )
         self.inflight = -1
         self.has_state = False
@@ -120,8 +127,10 @@ class Worker:
         config = config_from_dict(welcome.config)
         self.run_dir = Path(welcome.run_dir)
         self.store_port = welcome.store_port
-        self.events = JsonLines(self.run_dir / "events.jsonl")
-        self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
+        writer = writer_id(self.name)  # a part file each: safe on a network file system
+        self.events = part(self.run_dir, "events", writer)
+        self.metrics = part(self.run_dir, "metrics", writer)
+        self.client.run_over = RunEndWatch(self.run_dir / "events.jsonl")
         self.config: RunConfig = config
         self.placement = Placement.of(config.train)
         self.chaos.arm(config.chaos)
@@ -207,6 +216,7 @@ class Worker:
                 abort,
                 backend=self.placement.backend,
                 bind=self.host or self.client.local_address(),
+                interface=self.interface,
             )
             if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
                 comm.add_tiers(store, self.region)
@@ -453,6 +463,21 @@ class Worker:
                     prepared=t is not None,
                 )
             )
+
+
+class RunEndWatch:
+    """Whether the run's merged event log shows its end (or failure) since this was
+    made; once true, true for good. Read only while the worker has no coordinator."""
+
+    def __init__(self, path: Path) -> None:
+        self.tail = Tail(path, from_end=True)
+        self.over = False
+
+    def __call__(self) -> bool:
+        if not self.over:
+            ends = (ev.RUN_END, ev.RUN_FAILED)
+            self.over = any(e.get("event") in ends for e in self.tail.read())
+        return self.over
 
 
 def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:

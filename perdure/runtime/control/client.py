@@ -10,17 +10,34 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.channel import LineSocket, Listener, connect
+from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
 
 log = logging.getLogger("perdure.worker")
 
 CONNECT_TIMEOUT_S = 5.0
+
+
+class RunEnded(ConnectionError):
+    """The run ended while this worker had no coordinator: nothing to reconnect to."""
+
+
+def route_source(host: str) -> str:
+    """The address this machine sends from to reach ``host`` (the kernel's route; no
+    packet is sent), or "" when there is no route."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -43,11 +60,19 @@ class MembershipClient:
         *,
         timeout_s: float,
         progress: Callable[[], tuple[int, bool]],
+        address: str | None = None,
     ) -> None:
         self.me, self.coordinators, self.token = me, coordinators, token
         self.timeout_s = timeout_s
         self.progress = progress
         """``() -> (next_step, has_state)`` for the hello."""
+        self.address = address
+        """The data plane's address (``--host`` / ``--interface``); unset: this worker's
+        own address on the path to the coordinator it reaches."""
+        self.run_over: Callable[[], bool] = lambda: False
+        """Whether the run ended meanwhile (set once the run directory is known): a
+        worker that lost its coordinator stops trying to reconnect then."""
+        self._trying = ""
         self.cond = threading.Condition()
         self.announce: p.Announce | None = None
         self.starts: dict[int, p.Start] = {}
@@ -72,6 +97,7 @@ class MembershipClient:
             has_state=has_state,
             epoch=self.epoch_no,
             mac=mac,
+            address=self.address or route_source(self._trying),
         )
 
     def connect(self) -> p.Welcome:
@@ -80,12 +106,19 @@ class MembershipClient:
         end = time.monotonic() + self.timeout_s
         last: Exception | None = None
         while time.monotonic() < end:
+            if self.run_over():
+                raise RunEnded(f"{self.me.name}: the run ended while it was reconnecting")
             for host, port in self.coordinators:
+                self._trying = host
                 try:
                     line, welcome = connect(host, port, self.token, self._hello, CONNECT_TIMEOUT_S)
                 except (OSError, ConnectionError, p.ProtocolError) as e:
                     last = e
                     continue
+                except AdmissionRefused as e:
+                    if p.RUN_OVER in str(e):  # reconnected after the end: nothing to rejoin
+                        raise RunEnded(f"{self.me.name}: {e}") from None
+                    raise
                 self.line, self.host = line, host
                 with self.cond:
                     self.lost, self.announce = False, None
@@ -141,6 +174,8 @@ class MembershipClient:
                     self.cond.release()
                     try:
                         on_reconnect(self.connect())
+                    except RunEnded as e:
+                        self.stopped, self.stop_reason = True, str(e)
                     finally:
                         self.cond.acquire()
                     continue

@@ -24,10 +24,12 @@ from collections import deque
 from dataclasses import dataclass
 
 from perdure import events as ev
-from perdure.events import JsonLines
+from perdure.events import Tail
 from perdure.run_config import RunConfig
+from perdure.runlog import Mergers, part, writer_id
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.address import Endpoints, coordinator_endpoints
 from perdure.runtime.control.channel import LineSocket, verify
 from perdure.runtime.control.store import StoreServer
 
@@ -38,6 +40,8 @@ ADMISSION_S = 10.0
 """Seconds a new connection has to answer its challenge."""
 MAX_UNADMITTED = 256
 SEND_TIMEOUT_S = 5.0
+RUN_END_POLL_S = 0.5
+"""How often an idle standby looks for the run's end in the merged event log."""
 """A send to a worker that does not read (its buffers full) fails after this long."""
 
 
@@ -61,17 +65,28 @@ class Coordinator:
         run_dir: str,
         token: str,
         resume: str | None = None,
-        host: str = "127.0.0.1",
-        store_port: int = 0,
-        channel_port: int = 0,
+        endpoints: Endpoints | None = None,
         expected_workers: int | None = None,
         standby: bool = False,
         allow_config_change: bool = False,
     ) -> None:
-        self.config, self.run_dir, self.token, self.host = config, run_dir, token, host
-        self.events = JsonLines(f"{run_dir}/events.jsonl")
-        self.store = StoreServer(host, store_port, token)
-        self.server = socket.create_server((host, channel_port))
+        """``endpoints``: where to listen (``address.coordinator_endpoints``; default:
+        the cluster config's). Every listener binds ``endpoints.bind`` only."""
+        self.config, self.run_dir, self.token = config, run_dir, token
+        self.endpoints = endpoints or coordinator_endpoints(config.cluster)
+        self.host = self.endpoints.advertise
+        """What peers dial (published in the ports file and the events)."""
+        bind = self.endpoints.bind
+        self.events = part(run_dir, "events", writer_id("standby" if standby else "coordinator"))
+        self.logs = Mergers(run_dir)
+        """Merges every process's part files into events.jsonl and metrics.jsonl while
+        this coordinator is the active one (``runlog.py``)."""
+        self.run_over = False
+        """A standby saw the run end under the primary (it then exits too)."""
+        self._ended = Tail(f"{run_dir}/events.jsonl", from_end=True)
+        self._ended_check = 0.0
+        self.store = StoreServer(bind, self.endpoints.store_port, token)
+        self.server = _listen(bind, self.endpoints.channel_port, "--channel-port")
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ, None)
@@ -109,7 +124,15 @@ class Coordinator:
 
     def serve(self, deadline_s: float | None = None) -> None:
         """Run until the run finishes (or ``deadline_s`` passes, or :meth:`stop`)."""
-        self.events.write({"event": ev.COORDINATOR_UP, "channel_port": self.channel_port})
+        self.events.write(
+            {
+                "event": ev.COORDINATOR_UP,
+                "host": self.host,
+                "bind": self.endpoints.bind,
+                "channel_port": self.channel_port,
+                "store_port": self.store_port,
+            }
+        )
         end = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             while not self.finished and (end is None or time.monotonic() < end):
@@ -119,8 +142,28 @@ class Coordinator:
                 self._expire_admissions(now)
                 self.queue.append(pol.Tick(now))
                 self._drain()
+                if self.active:
+                    self.logs.tick(now)
+                else:
+                    self._watch_run_end(now)
         finally:
             self._shutdown()
+
+    @property
+    def active(self) -> bool:
+        """Whether this coordinator runs the run now: the primary, or a standby that took
+        over (only the active one merges the logs)."""
+        return not self.policy.s.standby or self.policy.took_over
+
+    def _watch_run_end(self, now: float) -> None:
+        """An idle standby ends with the run: once the primary logs its end (or failure),
+        there is nothing left to take over."""
+        if now - self._ended_check < RUN_END_POLL_S:
+            return
+        self._ended_check = now
+        if any(e.get("event") in (ev.RUN_END, ev.RUN_FAILED) for e in self._ended.read()):
+            self.run_over = True
+            self.finished = True
 
     def stop(self) -> None:
         self.finished = True
@@ -301,6 +344,19 @@ class Coordinator:
         self.server.close()
         self.sel.close()
         self.store.close()
+        if self.active:
+            self.logs.tick(time.monotonic(), final=True)
+
+
+def _listen(host: str, port: int, flag: str) -> socket.socket:
+    """A listening socket on ``host:port`` only; an address this machine does not hold,
+    or a port in use, is an error naming the flag (not a traceback)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port} ({flag} / --host): {e.strerror}"
+        ) from None
 
 
 __all__ = ["Coordinator"]

@@ -28,6 +28,7 @@ standby's) rebuilds its view from them.
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import statistics
@@ -44,7 +45,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 FAIL_SETTLE_S = 0.05
 """After a collective failure, how long to wait for a death that explains it before
-re-forming the same members (a dropped link)."""
+re-forming the same members (a dropped link): ``cluster.reform_backoff_ms``'s default,
+doubled per failure in a row (see ``Policy._reform_wait_s``)."""
 
 # -- events in -------------------------------------------------------------------------------
 
@@ -172,6 +174,8 @@ class Member:
     done: bool = False
     prepared: bool = False
     """Its trainer is built: it can enter an epoch without making the members wait."""
+    address: str = ""
+    """Where its data plane listens (its hello's address)."""
 
 
 @dataclass
@@ -222,6 +226,10 @@ class Policy:
         self.finished = False
         self.took_over = False
         self.fail_at: float | None = None
+        self.reform_failures = 0
+        """Collective failures in a row with no member lost and no step committed."""
+        self.last_fail = ""
+        self.start_step = 0
         self.drain: p.Drain | None = None
         self.out: list[Effect] = []
         self.now = now
@@ -288,7 +296,25 @@ class Policy:
         if old is not None and old.alive:
             return f"worker name {h.name!r} is already in use"
         if self.finished:
-            return "the run is over"
+            return p.RUN_OVER
+        return self._unroutable(h)
+
+    def _unroutable(self, h: p.Hello) -> str | None:
+        """A data plane on a loopback address is reachable from its own host only: mixed
+        with members elsewhere, every group formation would fail (and be retried) for
+        ever. The worker that would mix them is refused, naming the other."""
+        if not h.address:
+            return None
+        for w in self._alive():
+            if w.address and _loopback(w.address) != _loopback(h.address):
+                lo, other = (h, w) if _loopback(h.address) else (w, h)
+                return (
+                    f"worker {lo.name} listens for its peers on the loopback address "
+                    f"{lo.address}, which {other.name} at {other.address} cannot reach: "
+                    f"start {lo.name} with --host or --interface of its own network address "
+                    "(and give every worker the coordinator's network address, not "
+                    "127.0.0.1)"
+                )
         return None
 
     def _admit(self, e: Joined) -> None:
@@ -299,6 +325,7 @@ class Policy:
         )
         detector.heartbeat(e.now)
         info = Member(h.name, h.region, h.role, detector, h.pid, h.next_step, h.has_state)
+        info.address = h.address
         self.workers[h.name] = info
         self.last_admission = e.now
         if self.s.standby and self.epoch < 0 and not self.took_over:
@@ -327,6 +354,7 @@ class Policy:
         msg = e.msg
         if isinstance(msg, p.Heartbeat):
             info.next_step = msg.next_step
+            self._note_progress(info)
             info.prepared = info.prepared or msg.prepared
             if msg.slot_s is not None:
                 info.slot_s = msg.slot_s
@@ -351,9 +379,12 @@ class Policy:
 
     def _abort(self, info: Member, reason: str) -> None:
         """Stop the run: an error every replica reproduces cannot be absorbed."""
+        self._give_up(reason, worker=info.name)
+
+    def _give_up(self, reason: str, worker: str | None = None) -> None:
         if self.finished:
             return
-        self._log(ev.RUN_FAILED, worker=info.name, reason=reason)
+        self._log(ev.RUN_FAILED, worker=worker, reason=reason)
         for w in self._alive():
             self._send(w.name, p.Stop(reason=f"run failed: {reason}"))
         self.finished = True
@@ -367,8 +398,27 @@ class Policy:
 
     def _on_fail(self, info: Member, msg: p.Fail, now: float) -> None:
         self._log(ev.COLLECTIVE_FAILED, worker=info.name, epoch=msg.epoch, error=msg.error)
-        if msg.epoch == self.epoch and self.pending is None:
+        if msg.epoch == self.epoch and self.pending is None and self.fail_at is None:
             self.fail_at = now
+            self.reform_failures += 1
+            self.last_fail = f"{info.name}: {msg.error}"
+
+    def _reform_wait_s(self) -> float:
+        """How long to wait for a death that explains a collective failure before
+        re-forming the same members: ``reform_backoff_ms``, doubled per failure in a row."""
+        c = self.cluster
+        wait_ms = c.reform_backoff_ms * 2 ** max(0, self.reform_failures - 1)
+        return min(wait_ms, c.reform_backoff_max_ms) / 1000
+
+    def _note_progress(self, info: Member) -> None:
+        """A member of the running epoch committed a step: failures are no longer in a row."""
+        if (
+            self.reform_failures
+            and self.current is not None
+            and info.name in self.current.members
+            and info.next_step > self.start_step
+        ):
+            self.reform_failures = 0
 
     def _on_leave(self, info: Member) -> None:
         """A graceful stop: finish the step in flight, then go on without the worker."""
@@ -427,9 +477,16 @@ class Policy:
         if self.pending is not None:
             self._progress_pending(now)
             return
-        if self.fail_at is not None and now - self.fail_at > FAIL_SETTLE_S:
-            # A collective failed but nobody died: a link dropped. Re-form the same members.
+        if self.fail_at is not None and now - self.fail_at > self._reform_wait_s():
+            # A collective failed but nobody died: a link dropped. Re-form the same members,
+            # unless they failed too often in a row to be a fault rather than a setting.
             self.fail_at = None
+            if self.reform_failures >= self.cluster.max_reform_failures:
+                self._give_up(
+                    f"the data plane failed {self.reform_failures} times in a row with no "
+                    f"member lost and no step committed; last error: {self.last_fail}"
+                )
+                return
             self._announce(self._members_now(), after=-1, reason="collective failed")
             return
         if self.current is None:
@@ -638,6 +695,7 @@ class Policy:
         self.current, self.pending = plan, None
         self.last_replan = self.now
         self.fail_at = None
+        self.start_step = start
         self._log(
             ev.EPOCH_STARTED,
             epoch=pend.epoch,
@@ -660,6 +718,16 @@ class Policy:
         if self.current is not None and list(self.current.members) == pend.members:
             return Plan(tuple(pend.members), self.current.ranges)
         return make_plan(pend.members, S)
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (as a worker reports it) is a loopback address; no lookups."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def boundary_margin(step_s: float | None, heartbeat_s: float, cap: int = 20) -> int:

@@ -25,13 +25,15 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Union
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
 MAX_STR = 4096
 MAX_LIST = 4096
 MAX_DEPTH = 12
 MAX_INT = 1 << 53
+RUN_OVER = "the run is over"
+"""The refusal's reason for a worker that comes back after the run ended."""
 
 
 class ProtocolError(ValueError):
@@ -55,6 +57,8 @@ class Hello:
     epoch: int
     mac: str
     version: int = PROTOCOL_VERSION
+    address: str = ""
+    """The address its data plane (gloo, NCCL) listens on, where its peers reach it."""
 
 
 @dataclass(frozen=True)

@@ -79,11 +79,14 @@ def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch
     )
 
 
-def resolve(entry: str) -> Callable[..., Any]:
-    """Import ``module:function``; errors name the entry and what went wrong."""
+def resolve(entry: str, base_dir: str | None = None) -> Callable[..., Any]:
+    """Import ``module:function``, from an installed package or else from ``base_dir``
+    (the config's ``run.base_dir``; the working directory when None); errors name the
+    entry and what went wrong."""
     module, _, name = entry.partition(":")
-    if os.getcwd() not in sys.path:  # as `python -m` does: tasks live beside the config
-        sys.path.append(os.getcwd())
+    root = base_dir or os.getcwd()
+    if root not in sys.path:  # appended: an installed package of that name wins
+        sys.path.append(root)
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -94,10 +97,10 @@ def resolve(entry: str) -> Callable[..., Any]:
     return fn
 
 
-def build_task(cfg: TaskConfig, seed: int) -> Task:
+def build_task(cfg: TaskConfig, seed: int, base_dir: str | None = None) -> Task:
     """Build the task with the generator seeded by ``seed`` (identical on every replica)."""
     torch.manual_seed(seed)
-    task = resolve(cfg.entry)(**cfg.options)
+    task = resolve(cfg.entry, base_dir)(**cfg.options)
     if not isinstance(task, Task):
         raise ValueError(f"task.entry: {cfg.entry!r} returned {type(task).__name__}, not a Task")
     if task.loss_reduction not in LOSS_REDUCTIONS:

@@ -23,7 +23,7 @@ from perdure.checkpoint import (
 )
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
-from perdure.run_config import RunConfig, canonical, config_hash
+from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.recipe import Recipe
@@ -56,7 +56,7 @@ class Trainer:
         self.config = config
         train = config.train
         configure_torch(train.threads_per_worker)
-        task = build_task(config.task, train.seed)
+        task = build_task(config.task, train.seed, config.run.base_dir)
         self.model = task.model
         self.module = plain_module(task.model)
         """What checkpoints, state copies and fingerprints read: the plain module's keys."""
@@ -72,7 +72,7 @@ class Trainer:
             precision=train.precision,
         )
         self.dataset = Dataset.open(
-            config.data.dataset,
+            dataset_path(config),
             cache_dir=config.data.cache_dir or cache_dir,
             cache_mb=config.data.cache_mb,
         )
