@@ -149,10 +149,12 @@ def coordinator(
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
     from perdure.config.errors import ConfigError
     from perdure.lifecycle import die_with_parent
+    from perdure.proctitle import set_title
     from perdure.run_config import config_from_dict, load_config
     from perdure.runtime.control.coordinator import Coordinator
 
     die_with_parent()  # started by a launcher: end with it (no-op when started by hand)
+    set_title("standby" if standby else "coordinator", run_dir=run_dir)
 
     if (config_toml is None) == (config_json is None):
         raise click.UsageError("give exactly one of --config (TOML) and --config-json")
@@ -189,6 +191,7 @@ def coordinator(
                     "host": c.host,
                     "store_port": c.store_port,
                     "channel_port": c.channel_port,
+                    "metrics_port": c.metrics.port,  # Prometheus (None: off or not bound)
                     "pid": os.getpid(),
                 },
                 f,

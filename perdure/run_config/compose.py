@@ -21,6 +21,7 @@ from perdure.checkpoint.config import CheckpointConfig
 from perdure.config.build import build
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
+from perdure.metrics.config import MetricsConfig
 from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
 
 
@@ -45,6 +46,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunOptions = field(default_factory=RunOptions)
 
     def __post_init__(self) -> None:

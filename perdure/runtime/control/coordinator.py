@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from perdure import events as ev
 from perdure.events import JsonLines
+from perdure.metrics.service import MetricsService
 from perdure.run_config import RunConfig
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
@@ -87,6 +88,10 @@ class Coordinator:
             allow_config_change=allow_config_change,
         )
         self.policy = pol.Policy(settings, time.monotonic())
+        self.metrics = MetricsService(
+            config.metrics, run_dir=run_dir, host=host, steps=config.train.steps,
+            standby=standby, active=lambda: not standby or self.policy.took_over,
+        )  # fmt: skip
         self.lines: dict[str, LineSocket] = {}
         self.unadmitted: dict[int, _Conn] = {}
         self.queue: deque[pol.Event] = deque()
@@ -301,6 +306,7 @@ class Coordinator:
         self.server.close()
         self.sel.close()
         self.store.close()
+        self.metrics.close()  # a last pass: the final steps reach TensorBoard
 
 
 __all__ = ["Coordinator"]
