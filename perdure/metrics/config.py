@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from perdure.config import Checker
@@ -46,3 +47,16 @@ class MetricsConfig:
                 "must not leave the run directory", self.tensorboard_dir)  # fmt: skip
         c.check(10 <= self.poll_ms <= 60000, "poll_ms", "must be in [10, 60000]", self.poll_ms)
         c.done()
+
+
+def missing_libraries(cfg: MetricsConfig) -> list[str]:
+    """One line per output that is on but whose library is not installed (preflight's
+    notes: the run still starts, without that output)."""
+    wanted = [("tensorboard", cfg.tensorboard, "tensorboard"),
+              ("prometheus", cfg.prometheus, "prometheus_client")]  # fmt: skip
+    return [
+        f"metrics.{key}: {module} is not installed, so the run has none (pip install "
+        f"perdure[metrics], or set metrics.{key} = false)"
+        for key, on, module in wanted
+        if on and importlib.util.find_spec(module) is None
+    ]
