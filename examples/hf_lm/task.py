@@ -21,12 +21,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
 
-from perdure.runtime.replica.task import Task  # noqa: E402
+from perdure.runtime.replica.task import Task
 
 
 def model_config(
