@@ -212,11 +212,13 @@ def coordinator(
 
     from perdure.config.errors import ConfigError
     from perdure.lifecycle import die_with_parent
+    from perdure.proctitle import set_title
     from perdure.run_config import config_from_dict, load_config
     from perdure.runtime.control.address import coordinator_endpoints
     from perdure.runtime.control.coordinator import Coordinator
 
     die_with_parent()  # started by a launcher: end with it (no-op when started by hand)
+    set_title("standby" if standby else "coordinator", run_dir=run_dir)
 
     if (config_toml is None) == (config_json is None):
         raise click.UsageError("give exactly one of --config (TOML) and --config-json")
@@ -269,6 +271,7 @@ def coordinator(
                     "bind": c.endpoints.bind,
                     "store_port": c.store_port,
                     "channel_port": c.channel_port,
+                    "metrics_port": c.metrics.port,  # Prometheus (None: off or not bound)
                     "pid": os.getpid(),
                 },
                 f,

@@ -273,7 +273,13 @@ class LocalLauncher:
         within ``ZYGOTE_READY_S`` (its log says why)."""
         if not hasattr(os, "fork"):
             return
-        self.zygote = Zygote(child_env(self.token), self.run_dir / "logs" / "zygote.log")
+        task_module = self.config.task.entry.partition(":")[0]
+        self.zygote = Zygote(
+            child_env(self.token),
+            self.run_dir / "logs" / "zygote.log",
+            run_dir=str(self.run_dir),
+            preload=[task_module] if self.config.cluster.preload_task else [],
+        )
         if not self.zygote.wait_ready(ZYGOTE_READY_S):
             self.events.write({"event": ev.ZYGOTE_UNAVAILABLE, "log": "logs/zygote.log"})
 

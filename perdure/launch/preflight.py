@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from perdure.config.errors import ConfigError, Problem
 from perdure.data.config import DataConfig
+from perdure.metrics.config import missing_libraries
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ def preflight(
     ``perdure run`` does); ``say`` hears about it before the build starts."""
     t0 = time.perf_counter()
     report = Report()
+    report.notes += missing_libraries(config.metrics)
     problems = _bounds(config)
     task = _task(config, problems) if config.train.seed < MAX_SEED else None
     dataset = _dataset(config, problems, report, build_default, say)

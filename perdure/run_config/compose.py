@@ -26,6 +26,7 @@ from perdure.config.build import build
 from perdure.config.digest import canonical_text, hash_canonical
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
+from perdure.metrics.config import MetricsConfig
 from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
 
 
@@ -57,6 +58,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunOptions = field(default_factory=RunOptions)
 
     def __post_init__(self) -> None:

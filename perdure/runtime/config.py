@@ -208,6 +208,12 @@ class ClusterConfig:
     replace_after_ms: int = 500
     """Delay before the local launcher starts a replacement for a dead worker; negative
     disables replacement."""
+    preload_task: bool = True
+    """The local launcher's fork server (the zygote every worker is forked from) imports
+    the module of ``task.entry`` before it forks, so that a replacement does not pay for
+    the task's imports (``transformers``: seconds). The task is still built in each
+    worker. Turn it off for a module that starts threads or opens a device at import
+    time, which a fork would copy in that state."""
     spares: int = 0
     """Warm standby workers started by the local launcher (imported, registered, holding
     no slots) that take over a dead worker's place at once."""

@@ -77,8 +77,10 @@ def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
     """Run one worker until the run ends; returns its exit code. SIGTERM asks it to
     leave at the next step boundary."""
     from perdure.lifecycle import die_with_parent
+    from perdure.proctitle import set_title
 
     die_with_parent()  # started by a launcher (not forked by its zygote): end with it
+    set_title("spare" if spec.role == "spare" else "worker", spec.name)
     token = token or os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"set the run token in the environment variable {TOKEN_ENV}")

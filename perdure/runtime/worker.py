@@ -29,6 +29,7 @@ from perdure.checkpoint import (
     load_checkpoint,
 )
 from perdure.events import Tail
+from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.exchange import StoreExchange
@@ -42,6 +43,7 @@ from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
+from perdure.runtime.replica.task import lr_at
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
@@ -126,6 +128,7 @@ class Worker:
         welcome = self.client.connect()
         config = config_from_dict(welcome.config)
         self.run_dir = Path(welcome.run_dir)
+        set_title("spare" if self.role == "spare" else "worker", self.name, welcome.run_dir)
         self.store_port = welcome.store_port
         writer = writer_id(self.name)  # a part file each: safe on a network file system
         self.events = part(self.run_dir, "events", writer)
@@ -405,6 +408,7 @@ class Worker:
             {
                 "step": t,
                 "loss": loss,
+                "lr": lr_at(t, self.config.optim, self.config.train.steps),
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
                 "membership_epoch": ep.number,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from perdure import events as ev
 from perdure.events import Tail
+from perdure.metrics.service import MetricsService
 from perdure.run_config import RunConfig
 from perdure.runlog import Mergers, part, writer_id
 from perdure.runtime.control import policy as pol
@@ -102,6 +103,10 @@ class Coordinator:
             allow_config_change=allow_config_change,
         )
         self.policy = pol.Policy(settings, time.monotonic())
+        self.metrics = MetricsService(
+            config.metrics, run_dir=run_dir, host=bind, steps=config.train.steps,
+            standby=standby, active=lambda: not standby or self.policy.took_over,
+        )  # fmt: skip
         self.lines: dict[str, LineSocket] = {}
         self.unadmitted: dict[int, _Conn] = {}
         self.queue: deque[pol.Event] = deque()
@@ -346,6 +351,7 @@ class Coordinator:
         self.store.close()
         if self.active:
             self.logs.tick(time.monotonic(), final=True)
+        self.metrics.close()  # a last pass: the final steps reach TensorBoard
 
 
 def _listen(host: str, port: int, flag: str) -> socket.socket:
