@@ -131,6 +131,12 @@ def worker(
     "and reconnect here.",
 )
 @click.option(
+    "--primary",
+    default=None,
+    help="A standby's probe address of the primary (HOST:PORT of its channel), checked "
+    "before taking over (default: the channel the primary recorded with its lease).",
+)
+@click.option(
     "--expected-workers",
     type=int,
     default=None,
@@ -144,6 +150,7 @@ def coordinator(
     resume: str | None,
     allow_config_change: bool,
     standby: bool,
+    primary: str | None,
     expected_workers: int | None,
 ) -> None:
     """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
@@ -151,6 +158,7 @@ def coordinator(
     from perdure.lifecycle import die_with_parent
     from perdure.run_config import config_from_dict, load_config
     from perdure.runtime.control.coordinator import Coordinator
+    from perdure.runtime.control.lease import LeaseHeld, LeaseStoreError
 
     die_with_parent()  # started by a launcher: end with it (no-op when started by hand)
 
@@ -166,17 +174,22 @@ def coordinator(
     except ConfigError as e:
         click.echo(str(e), err=True)
         sys.exit(2)
-    c = Coordinator(
-        config,
-        run_dir=run_dir,
-        token=_token(),
-        resume=resume,
-        allow_config_change=allow_config_change,
-        host=config.cluster.host,
-        store_port=config.cluster.port,
-        expected_workers=expected_workers,
-        standby=standby,
-    )
+    try:
+        c = Coordinator(
+            config,
+            run_dir=run_dir,
+            token=_token(),
+            resume=resume,
+            allow_config_change=allow_config_change,
+            host=config.cluster.host,
+            store_port=config.cluster.port,
+            expected_workers=expected_workers,
+            standby=standby,
+            primary=primary,
+        )
+    except (LeaseHeld, LeaseStoreError) as e:
+        click.echo(f"coordinator not started: {e}", err=True)
+        sys.exit(2)
     # SIGTERM (a launcher or cluster manager asking for a clean stop): drain the run at a
     # step boundary with a final checkpoint. SIGINT: stop serving now.
     signal.signal(signal.SIGTERM, lambda *_: c.request_drain("SIGTERM"))
@@ -195,4 +208,5 @@ def coordinator(
             )
         os.replace(tmp, ports_file)
     c.serve()
-    _exit(0 if c.policy.finished else 130)  # 0: the run ended (complete or drained)
+    # 0: the run ended (complete or drained); 3: fenced out by a newer generation
+    _exit(3 if c.policy.fenced else 0 if c.policy.finished else 130)

@@ -7,6 +7,12 @@ the reduction, non-finite flags, fingerprints) over a process group built under 
 store prefix. It leaves an epoch when the coordinator announces a new one (at once when a
 member failed, at a step boundary for joins and re-plans), when a collective fails, or
 when the run is complete. It never restarts: a fault is a new epoch.
+
+It works for one coordinator generation at a time (its epoch's ``start`` says which) and
+checks the run directory's fence (``control/fence.py``) before every step, on every
+heartbeat, and before a checkpoint commit: once a newer coordinator took over, it begins
+no step, commits no checkpoint, and leaves for the newer coordinator, keeping its state
+(every step it completed was begun under a generation the fence still allowed).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from perdure.runtime.comm.reducer import make_reducer
 from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.client import Identity, MembershipClient
+from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
@@ -58,6 +65,10 @@ class Epoch:
     comm: Comm
     runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.start.generation
 
     @property
     def size(self) -> int:
@@ -120,6 +131,7 @@ class Worker:
         self.store_port = welcome.store_port
         self.events = JsonLines(self.run_dir / "events.jsonl")
         self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
+        self.fence = Fence(self.run_dir)
         self.config: RunConfig = config
         self.placement = Placement.of(config.train)
         self.chaos.arm(config.chaos)
@@ -225,11 +237,22 @@ class Worker:
             )
         except CommFailed as e:
             self._failed(e)
+        except Fenced as e:
+            self._fenced(e.newer, str(e))
         except MathError as e:
             log.error("%s: %s", self.name, e)
             self.client.send(p.Abort(reason=str(e)[: p.MAX_STR]))
         finally:
             self._close_epoch(ep)
+
+    def _fenced(self, newer: int, why: str) -> None:
+        """A newer coordinator took over: leave this one (once per generation)."""
+        old = self.client.generation
+        if self.client.fenced_by(newer):
+            log.warning("%s: %s", self.name, why)
+            self.events.write(
+                {"event": ev.WORKER_FENCED, "worker": self.name, "generation": old, "newer": newer}
+            )
 
     def _runner(self, plan: Plan, rank: int, comm: Comm) -> StepRunner:
         assert self.trainer is not None
@@ -322,6 +345,7 @@ class Worker:
             world=ep.size,
             exchange=ex,
             log=self._ckpt_log if ep.rank == 0 else None,
+            before_commit=lambda: self.fence.check(ep.generation, "checkpoint commit"),
         )
 
     def _ckpt_log(self, record: dict[str, Any]) -> None:
@@ -346,6 +370,9 @@ class Worker:
             self.inflight = t
             if self._should_stop(t):
                 return
+            # The step's admission: its metrics line and its update belong to this
+            # generation only if the fence still allows it when the step begins.
+            self.fence.check(ep.generation, f"step {t}")
             self._step(ep, t)
         self._finish(ep)
 
@@ -392,6 +419,7 @@ class Worker:
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
                 "membership_epoch": ep.number,
+                "generation": ep.generation,
                 "slots": ep.plan.counts(),
                 "members": list(ep.plan.members),
             }
@@ -402,6 +430,7 @@ class Worker:
             "regions": [r.name for r in self.config.cluster.regions],
             "workers": list(ep.plan.members),
             "membership_epoch": ep.number,
+            "generation": ep.generation,
             "plan": ep.plan.to_dict(),
         }
 
@@ -432,6 +461,7 @@ class Worker:
                     self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None
+            self._poll_fence()
             delay = self.chaos.delay_s()
             if delay:
                 time.sleep(delay)
@@ -443,6 +473,17 @@ class Worker:
                     prepared=t is not None,
                 )
             )
+
+    def _poll_fence(self) -> None:
+        """A worker waiting on a coordinator that stopped (hung, cut off without its
+        connection closing) learns of the takeover here, not only at its next step."""
+        try:
+            newer = self.fence.current()
+        except (OSError, ValueError) as e:
+            log.warning("%s: cannot read the fence: %s", self.name, e)
+            return
+        if newer > self.client.generation:
+            self._fenced(newer, f"the run directory's fence is at generation {newer}")
 
 
 def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:

@@ -4,6 +4,15 @@ A :class:`MembershipClient` holds the channel to the coordinator (or, once that 
 to the first standby that answers), records what the coordinator announced (the newest
 epoch notice, the start of each epoch, the end of the run) and answers the step loop's
 one question: must step ``t`` stop in this epoch? It knows nothing of training.
+
+Workers prefer the primary: coordinators are tried in the order given, the primary first,
+on every reconnection. A coordinator that cannot admit now (a standby that does not hold
+the run's lease, a coordinator renewing its own) answers "retry", and the worker goes on
+to the next one and round again, with a growing pause, until its join timeout: reaching a
+standby is not a reason to follow it. The client remembers the newest coordinator
+generation it followed: it announces it in every hello (an older coordinator that reads
+it fences itself out), refuses a welcome from an older one, and leaves its coordinator
+when the run directory's fence shows a newer one (:meth:`fenced_by`).
 """
 
 from __future__ import annotations
@@ -16,11 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.channel import LineSocket, Listener, connect
+from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
 
 log = logging.getLogger("perdure.worker")
 
 CONNECT_TIMEOUT_S = 5.0
+RETRY_PAUSE_S = (0.1, 0.5)
+"""Pause between rounds over the coordinators: first, and most (it grows by half)."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,8 @@ class MembershipClient:
         self.epoch_no = -1
         self.line: LineSocket | None = None
         self.host = ""
+        self.generation = 0
+        """The newest coordinator generation this worker followed."""
 
     # -- connection ------------------------------------------------------------------------
 
@@ -72,6 +85,7 @@ class MembershipClient:
             has_state=has_state,
             epoch=self.epoch_no,
             mac=mac,
+            generation=self.generation,
         )
 
     def connect(self) -> p.Welcome:
@@ -79,25 +93,48 @@ class MembershipClient:
         ``timeout_s`` passes."""
         end = time.monotonic() + self.timeout_s
         last: Exception | None = None
+        pause = RETRY_PAUSE_S[0]
         while time.monotonic() < end:
             for host, port in self.coordinators:
                 try:
                     line, welcome = connect(host, port, self.token, self._hello, CONNECT_TIMEOUT_S)
+                except AdmissionRefused as e:
+                    if not e.retry:
+                        raise
+                    last = e
+                    continue
                 except (OSError, ConnectionError, p.ProtocolError) as e:
                     last = e
+                    continue
+                if welcome.generation < self.generation:
+                    line.close()  # a superseded coordinator (it fences itself on our hello)
+                    last = ConnectionError(f"{host}:{port} is at old generation")
                     continue
                 self.line, self.host = line, host
                 with self.cond:
                     self.lost, self.announce = False, None
+                    self.generation = welcome.generation
                 Listener(line, self._on_message, self._on_lost).start()
                 return welcome
-            time.sleep(0.1)
+            time.sleep(pause)
+            pause = min(RETRY_PAUSE_S[1], pause * 1.5)
         raise ConnectionError(
             f"{self.me.name}: no coordinator reachable at {self.coordinators}: {last}"
         )
 
     def _on_message(self, msg: p.Message) -> None:
         with self.cond:
+            if isinstance(msg, p.Announce | p.Start) and msg.generation != self.generation:
+                # Not the generation this connection was admitted under: a broken peer.
+                log.warning(
+                    "%s: %s of generation %d on a channel of generation %d",
+                    self.me.name,
+                    msg.type,
+                    msg.generation,
+                    self.generation,
+                )
+                self._drop()
+                return
             if isinstance(msg, p.Announce):
                 self.announce = msg
             elif isinstance(msg, p.Start):
@@ -112,6 +149,24 @@ class MembershipClient:
         with self.cond:
             self.lost = True
             self.cond.notify_all()
+
+    def _drop(self) -> None:
+        """Leave the coordinator (caller holds ``cond``): the step loop stops at once and
+        the next announcement wait reconnects."""
+        self.lost = True
+        if self.line is not None:
+            self.line.close()
+        self.cond.notify_all()
+
+    def fenced_by(self, generation: int) -> bool:
+        """The run directory's fence is at ``generation``: if that is newer than the
+        coordinator we follow, leave it (True) and find the newer one."""
+        with self.cond:
+            if generation <= self.generation or self.lost:
+                return False
+            self.generation = generation  # from now on, no older coordinator is followed
+            self._drop()
+            return True
 
     def local_address(self) -> str | None:
         """This worker's address on the path to its coordinator: where its peers reach it

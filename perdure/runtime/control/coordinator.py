@@ -10,18 +10,24 @@ Nothing a peer sends can stop it: a line that is not a valid message disconnects
 peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), a
 connection that has not answered its challenge within ``ADMISSION_S`` is dropped, and at
 most ``MAX_UNADMITTED`` connections may wait for admission at once.
+
+The run's lease (``control/lease.py``) is set up here: a primary acquires it before it
+serves (a new generation, installed in the run directory's fence), a standby starts
+watching it; from then on its I/O runs on the lease agent's thread
+(``control/lease_agent.py``), whose answers join the queue as events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import selectors
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perdure import events as ev
 from perdure.events import JsonLines
@@ -29,6 +35,8 @@ from perdure.run_config import RunConfig
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import LineSocket, verify
+from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
+from perdure.runtime.control.lease_agent import LeaseAgent
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
@@ -67,7 +75,10 @@ class Coordinator:
         expected_workers: int | None = None,
         standby: bool = False,
         allow_config_change: bool = False,
+        primary: str | None = None,
     ) -> None:
+        """``primary`` (a standby's): the ``HOST:PORT`` it probes the primary at before
+        taking over; default: the channel the primary recorded with its lease."""
         self.config, self.run_dir, self.token, self.host = config, run_dir, token, host
         self.events = JsonLines(f"{run_dir}/events.jsonl")
         self.store = StoreServer(host, store_port, token)
@@ -86,12 +97,36 @@ class Coordinator:
             standby=standby,
             allow_config_change=allow_config_change,
         )
-        self.policy = pol.Policy(settings, time.monotonic())
         self.lines: dict[str, LineSocket] = {}
         self.unadmitted: dict[int, _Conn] = {}
         self.queue: deque[pol.Event] = deque()
+        self.policy = self._lease(settings, primary)
         self.finished = False
         self._next_conn = 0
+
+    def _lease(self, settings: pol.Settings, primary: str | None) -> pol.Policy:
+        """Acquire (a primary) or watch (a standby) the run's lease; the policy over it."""
+        c = self.config.cluster
+        store = open_lease_store(
+            c.ha_backend,
+            run_dir=self.run_dir,
+            ttl_s=c.lease_ttl_ms / 1000,
+            token=self.token,
+            etcd_endpoints=list(c.etcd_endpoints),
+            etcd_prefix=c.etcd_prefix,
+        )
+        role = "standby" if settings.standby else "primary"
+        # Limit: a wildcard bind address is recorded as is; a standby then needs --primary.
+        holder = holder_record(settings.instance, f"{self.host}:{self.channel_port}", role)
+        generation, until = 0, -math.inf
+        if not settings.standby:
+            grant = acquire_for_primary(store, self.run_dir, holder)
+            generation, until = grant.generation, grant.until
+        self.agent = LeaseAgent(
+            store, self.run_dir, holder, self.queue.append, generation=generation, primary=primary
+        )
+        settings = replace(settings, generation=max(1, generation))
+        return pol.Policy(settings, time.monotonic(), lease_until=until)
 
     @property
     def store_port(self) -> int:
@@ -109,7 +144,14 @@ class Coordinator:
 
     def serve(self, deadline_s: float | None = None) -> None:
         """Run until the run finishes (or ``deadline_s`` passes, or :meth:`stop`)."""
-        self.events.write({"event": ev.COORDINATOR_UP, "channel_port": self.channel_port})
+        self.events.write(
+            {
+                "event": ev.COORDINATOR_UP,
+                "channel_port": self.channel_port,
+                "standby": self.policy.s.standby,
+                "generation": self.policy.generation,
+            }
+        )
         end = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             while not self.finished and (end is None or time.monotonic() < end):
@@ -151,8 +193,10 @@ class Coordinator:
             self._disconnect(effect.worker)
         elif isinstance(effect, pol.FindCheckpoint):
             self.queue.append(self._find_checkpoint(effect.epoch))
-        else:
+        elif isinstance(effect, pol.Finish):
             self.finished = True
+        else:
+            self.agent.submit(effect)
 
     def _send(self, worker: str, msg: p.FromCoordinator) -> None:
         line = self.lines.get(worker)
@@ -175,7 +219,7 @@ class Coordinator:
         conn = self.unadmitted.pop(effect.conn, None)
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.line.send(p.Refused(reason=effect.reason))
+                conn.line.send(p.Refused(reason=effect.reason, retry=effect.retry))
             self._close(conn.line)
 
     def _disconnect(self, worker: str) -> None:
@@ -245,7 +289,13 @@ class Coordinator:
         conn = _Conn(self._next_conn, line, secrets.token_hex(16), time.monotonic())
         self._next_conn += 1
         try:
-            line.send(p.Challenge(nonce=conn.nonce))
+            line.send(
+                p.Challenge(
+                    nonce=conn.nonce,
+                    generation=self.policy.generation,
+                    serving=self.policy.serving,
+                )
+            )
         except OSError:
             sock.close()
             return
@@ -294,6 +344,7 @@ class Coordinator:
         line.close()
 
     def _shutdown(self) -> None:
+        self.agent.close()  # lands a queued EndLease before the process goes
         for line in list(self.lines.values()):
             line.close()
         for conn in list(self.unadmitted.values()):
