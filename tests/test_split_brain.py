@@ -34,6 +34,11 @@ from tests.runtime_support import run_to_end, small_config
 STEPS = 80
 WORKERS = ["r0-0", "r0-1", "r0-2"]
 
+# Five processes started one by one with ``python -m perdure`` (no fork server) plus the
+# undisturbed reference run: about 30 s each here when idle, but past pytest's 120 s when
+# the 2 cores are shared with other test runs (load 12-16 seen).
+pytestmark = pytest.mark.timeout(300)
+
 
 def _config(dataset: Path, **cluster: Any) -> Any:
     return small_config(
