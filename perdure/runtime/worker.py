@@ -398,7 +398,10 @@ class Worker:
             and tr.next_step % ck == 0
             and tr.next_step < self.client.last_step(self.config.train.steps)
         ):
-            ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            try:
+                ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            except CheckpointSaveError as e:  # the previous save failed while we waited
+                log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
 
     def _check_saves(self, ckpt: AsyncCheckpointer) -> None:
         """A failed background save (disk full, storage gone) costs that checkpoint, not

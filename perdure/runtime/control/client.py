@@ -17,12 +17,15 @@ when the run directory's fence shows a newer one (:meth:`fenced_by`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
@@ -114,7 +117,9 @@ class MembershipClient:
                 with self.cond:
                     self.lost, self.announce = False, None
                     self.generation = welcome.generation
-                Listener(line, self._on_message, self._on_lost).start()
+                # Bound to this line: a listener of a line we left must not touch the next.
+                on_message = partial(self._on_message, line=line)
+                Listener(line, on_message, partial(self._on_lost, line)).start()
                 return welcome
             time.sleep(pause)
             pause = min(RETRY_PAUSE_S[1], pause * 1.5)
@@ -122,8 +127,10 @@ class MembershipClient:
             f"{self.me.name}: no coordinator reachable at {self.coordinators}: {last}"
         )
 
-    def _on_message(self, msg: p.Message) -> None:
+    def _on_message(self, msg: p.Message, line: LineSocket) -> None:
         with self.cond:
+            if line is not self.line:
+                return  # a late message on a channel this worker already left
             if isinstance(msg, p.Announce | p.Start) and msg.generation != self.generation:
                 # Not the generation this connection was admitted under: a broken peer.
                 log.warning(
@@ -145,8 +152,10 @@ class MembershipClient:
                 self.stopped, self.stop_reason = True, msg.reason
             self.cond.notify_all()
 
-    def _on_lost(self) -> None:
+    def _on_lost(self, line: LineSocket | None = None) -> None:
         with self.cond:
+            if line is not None and line is not self.line:
+                return  # the end of a channel this worker already left
             self.lost = True
             self.cond.notify_all()
 
@@ -155,6 +164,8 @@ class MembershipClient:
         the next announcement wait reconnects."""
         self.lost = True
         if self.line is not None:
+            with contextlib.suppress(OSError):  # wakes the listener's blocked recv
+                self.line.sock.shutdown(socket.SHUT_RDWR)
             self.line.close()
         self.cond.notify_all()
 

@@ -15,6 +15,8 @@ revealed):
 - ``generation``: the newest generation granted (a decimal string);
 - ``leader``: the holder's record, attached to its etcd lease: etcd deletes it when the
   holder stops renewing, which is what "expired" means here;
+- ``holder``: the same record, not attached to the lease: who held it last, so that a
+  standby can probe the primary's channel after etcd removed ``leader``;
 - ``ended``: the generation the run finished under.
 
 Taking the lease is one transaction: ``generation`` still what the caller saw and
@@ -144,6 +146,10 @@ class EtcdLease:
         return self.base + "leader"
 
     @property
+    def _holder_key(self) -> str:
+        return self.base + "holder"
+
+    @property
     def _ended_key(self) -> str:
         return self.base + "ended"
 
@@ -152,7 +158,8 @@ class EtcdLease:
         gen = int(_unb64(kvs[self._gen_key]["value"])) if self._gen_key in kvs else 0
         ended = int(_unb64(kvs[self._ended_key]["value"])) if self._ended_key in kvs else 0
         leader = kvs.get(self._leader_key)
-        holder: dict[str, Any] = json.loads(_unb64(leader["value"])) if leader else {}
+        last = leader or kvs.get(self._holder_key)
+        holder: dict[str, Any] = json.loads(_unb64(last["value"])) if last else {}
         state = "none" if gen == 0 else "ended" if ended >= gen and not leader else "held"
         version = int(leader["create_revision"]) if leader else 0
         return LeaseView(gen, version, state, leader is not None, holder)
@@ -205,6 +212,7 @@ class EtcdLease:
                         "lease": lease,
                     }
                 },
+                {"request_put": {"key": _b64(self._holder_key), "value": _b64(record)}},
                 {"request_delete_range": {"key": _b64(self._ended_key)}},
             ],
         )

@@ -364,6 +364,8 @@ class Policy:
         self.last_probe = -math.inf
         self.probe_detail = ""
         self.acquiring = False
+        self.primary_channel = ""
+        """Where the last holder's channel was (a lease record may vanish with its lease)."""
         self.waiting: set[str] = set()
         self.was_leading = self.leading
 
@@ -907,6 +909,7 @@ class Policy:
             return
         self.view = e.view
         self.seen_live = self.seen_live or e.view.live
+        self.primary_channel = str(e.view.holder.get("channel") or self.primary_channel)
         if isinstance(e, LeaseLost):
             self.acquiring = False
         if self.generation > 0 and e.view.generation > self.generation:
@@ -926,7 +929,7 @@ class Policy:
             and self.now - self.last_probe >= self.ttl_s / 2
         ):
             self.probing = True
-            self.out.append(ProbePrimary(str(view.holder.get("channel", ""))))
+            self.out.append(ProbePrimary(self.primary_channel))
 
     def _on_probe(self, e: PrimaryProbed) -> None:
         self.probing, self.last_probe = False, e.now
