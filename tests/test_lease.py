@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from perdure import events as ev
 from perdure.checkpoint import CheckpointSaveError, save_checkpoint
 from perdure.checkpoint.async_save import AsyncCheckpointer
 from perdure.run_config import RunConfig
@@ -202,7 +203,7 @@ def test_a_summary_for_a_fenced_generation_is_refused(tmp_path: Path) -> None:
     from perdure.launch.summary import write_summary
 
     (tmp_path / "events.jsonl").write_text(
-        json.dumps({"t": 1.0, "event": "run_end", "next_step": 5, "generation": 1}) + "\n"
+        json.dumps({"t": 1.0, "event": ev.RUN_END, "next_step": 5, "generation": 1}) + "\n"
     )
     s = write_summary(tmp_path, RunConfig(), started=0.0)
     assert s["generation"] == 1 and (tmp_path / "summary.json").exists()
