@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from perdure import events as ev
 from perdure.checkpoint import CheckpointSaveError, save_checkpoint
 from perdure.checkpoint.async_save import AsyncCheckpointer
 from perdure.run_config import RunConfig
+from perdure.runtime.control import policy as pol
 from perdure.runtime.control.fence import (
     Fence,
     Fenced,
@@ -31,7 +33,9 @@ from perdure.runtime.control.lease import (
     Lost,
     acquire_for_primary,
 )
+from perdure.runtime.control.lease_agent import LeaseAgent
 from tests.checkpoint_support import make_state
+from tests.fence_support import wait_for
 
 TTL = 1.0
 ME = {"instance": "a", "channel": "127.0.0.1:1"}
@@ -212,3 +216,53 @@ def test_a_summary_for_a_fenced_generation_is_refused(tmp_path: Path) -> None:
     with pytest.raises(Fenced, match="summary refused"):
         write_summary(tmp_path, RunConfig(), started=0.0)
     assert not (tmp_path / "summary.json").exists()
+
+
+class _GatedRenewals:
+    """The file lease, with renewals that wait for the test (a slow store)."""
+
+    def __init__(self, inner: FileLease) -> None:
+        self.inner, self.ttl_s = inner, inner.ttl_s
+        self.gate, self.entered = threading.Event(), threading.Event()
+        self.renewals = self.observations = 0
+
+    def observe(self) -> LeaseView:
+        self.observations += 1
+        return self.inner.observe()
+
+    def acquire(self, expect: LeaseView, floor: int, holder: dict) -> Granted | Lost:
+        return self.inner.acquire(expect, floor, holder)
+
+    def renew(self, generation: int) -> Granted | Lost:
+        self.renewals += 1
+        self.entered.set()
+        self.gate.wait(10)
+        return self.inner.renew(generation)
+
+    def end(self, generation: int) -> None:
+        self.inner.end(generation)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_lease_agent_stops_renewing_when_told_even_with_a_renewal_in_flight(
+    tmp_path: Path,
+) -> None:
+    inner = FileLease(tmp_path, 0.5)
+    inner.acquire(LeaseView(), 0, ME)
+    store = _GatedRenewals(inner)
+    events: list[pol.Event] = []
+    agent = LeaseAgent(store, tmp_path, ME, events.append, generation=1)
+    try:
+        assert store.entered.wait(10)
+        agent.submit(pol.WatchLease())  # while the renewal is in flight
+        store.gate.set()
+        wait_for(lambda: store.observations >= 3, 10, "observations")
+        assert store.renewals == 1
+        kinds = [type(e) for e in events]
+        assert kinds[0] is pol.LeaseGranted and set(kinds[1:]) == {pol.LeaseObserved}
+        agent.submit(pol.EndLease(1))
+    finally:
+        agent.close()
+    assert json.loads((tmp_path / "control" / "lease.json").read_text())["state"] == "ended"

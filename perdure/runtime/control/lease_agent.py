@@ -101,7 +101,7 @@ class LeaseAgent:
     def _do(self, job: pol.LeaseEffect | None, hold: int) -> None:
         if job is None:
             if hold > 0:
-                self._answer(self.store.renew(hold))
+                self._answer(self.store.renew(hold), acquired=False)
             else:
                 self.post(pol.LeaseObserved(self.store.observe(), time.monotonic()))
         elif isinstance(job, pol.AcquireLease):
@@ -109,18 +109,21 @@ class LeaseAgent:
             got = self.store.acquire(job.expect, floor, self.holder)
             if isinstance(got, Granted):
                 install_fence(self.run_dir, got.generation, self.holder)
-            self._answer(got)
+            self._answer(got, acquired=True)
         elif isinstance(job, pol.ProbePrimary):
             serving, detail = probe(self.primary or job.channel, min(1.0, self.store.ttl_s / 2))
             self.post(pol.PrimaryProbed(serving, detail, time.monotonic()))
         elif isinstance(job, pol.EndLease):
             self.store.end(job.generation)
 
-    def _answer(self, got: Any) -> None:
+    def _answer(self, got: Any, *, acquired: bool) -> None:
+        """Post the answer. Only an acquisition switches to holding: a renewal's answer
+        must not undo a ``WatchLease`` that arrived while it was in flight."""
         now = time.monotonic()
         if isinstance(got, Granted):
-            with self.cond:
-                self.hold = got.generation
+            if acquired:
+                with self.cond:
+                    self.hold = got.generation
             self.post(pol.LeaseGranted(got.generation, got.until, now))
         else:
             with self.cond:
