@@ -111,7 +111,8 @@ def test_the_first_epoch_starts_once_every_expected_worker_is_ready() -> None:
     out = d.tick()
     notices = [e for e in out if isinstance(e, pol.Send)]
     assert {e.to for e in notices} == {"w0", "w1", "w2"}
-    assert all(e.msg == p.Announce(epoch=0, members=["w0", "w1", "w2"], after=-1) for e in notices)
+    first = p.Announce(epoch=0, members=["w0", "w1", "w2"], after=-1, generation=1)
+    assert all(e.msg == first for e in notices)
     starts = d.starts(d.ready("w0", "w1", "w2"))
     assert set(starts) == {"w0", "w1", "w2"}
     start = starts["w0"]

@@ -152,6 +152,12 @@ def worker(
     "and reconnect here.",
 )
 @click.option(
+    "--primary",
+    default=None,
+    help="A standby's probe address of the primary (HOST:PORT of its channel), checked "
+    "before taking over (default: the channel the primary recorded with its lease).",
+)
+@click.option(
     "--expected-workers",
     type=int,
     default=None,
@@ -196,6 +202,7 @@ def coordinator(
     resume: str | None,
     allow_config_change: bool,
     standby: bool,
+    primary: str | None,
     expected_workers: int | None,
     host: str | None,
     advertise: str | None,
@@ -216,6 +223,7 @@ def coordinator(
     from perdure.run_config import config_from_dict, load_config
     from perdure.runtime.control.address import coordinator_endpoints
     from perdure.runtime.control.coordinator import Coordinator
+    from perdure.runtime.control.lease import LeaseHeld, LeaseStoreError
 
     die_with_parent()  # started by a launcher: end with it (no-op when started by hand)
     set_title("standby" if standby else "coordinator", run_dir=run_dir)
@@ -254,7 +262,11 @@ def coordinator(
             endpoints=endpoints,
             expected_workers=expected_workers,
             standby=standby,
+            primary=primary,
         )
+    except (LeaseHeld, LeaseStoreError) as e:
+        click.echo(f"coordinator not started: {e}", err=True)
+        sys.exit(2)
     except OSError as e:
         click.echo(f"perdure coordinator: {e}", err=True)
         sys.exit(2)
@@ -278,10 +290,11 @@ def coordinator(
             )
         os.replace(tmp, ports_file)
     c.serve()
-    if c.policy.finished and not no_summary:
+    if c.policy.finished and not c.policy.fenced and not no_summary:
         _write_summary(config, run_dir, started)
-    # 0: the run ended (complete, drained or failed; or, for an idle standby, under the primary)
-    _exit(0 if c.policy.finished or c.run_over else 130)
+    # 0: the run ended (complete, drained or failed; or, for an idle standby, under the
+    # primary); 3: fenced out by a newer generation
+    _exit(3 if c.policy.fenced else 0 if c.policy.finished or c.run_over else 130)
 
 
 def _write_summary(config: RunConfig, run_dir: str, started: float) -> None:

@@ -200,6 +200,22 @@ class ClusterConfig:
     which the run stops (``run_failed``, with the last error as the cause) instead of
     re-forming for ever: a data plane that never forms is a configuration problem (an
     unroutable address, a closed port), not a fault to absorb."""
+    ha_backend: Literal["embedded", "etcd"] = "embedded"
+    """Where the coordinators' lease lives, which decides who may coordinate and raises the
+    generation that fences out an old primary. ``embedded``: a file in the run directory
+    (one host, or hosts whose shared run directory has working ``flock`` and atomic
+    rename). ``etcd``: a key under an etcd lease (``etcd_endpoints``), for a coordinator
+    that must survive the loss of the host or region holding the run directory's server."""
+    lease_ttl_ms: int = 2000
+    """The coordinator lease's time to live. A standby takes over no sooner than this after
+    the primary's last renewal (and only if it cannot reach a serving primary); a primary
+    renews every quarter of it and stops coordinating before it runs out. etcd rounds it up
+    to whole seconds (and to its own minimum, 2 s by default)."""
+    etcd_endpoints: list[str] = field(default_factory=list)
+    """``http(s)://HOST:PORT`` of the etcd servers (client URLs), tried in order; required
+    with ``ha_backend = "etcd"``."""
+    etcd_prefix: str = "/perdure"
+    """Key prefix of the run's lease in etcd (a hash of the run token follows it)."""
     takeover_settle_ms: int = 500
     """A standby coordinator that takes over waits this long after the last worker
     reconnects before it forms the next membership epoch."""
@@ -274,6 +290,22 @@ class ClusterConfig:
             self.reform_backoff_max_ms,
         )
         c.positive("max_reform_failures", self.max_reform_failures)
+        c.check(self.lease_ttl_ms >= 500, "lease_ttl_ms", "must be >= 500", self.lease_ttl_ms)
+        if self.ha_backend == "etcd":
+            c.check(
+                bool(self.etcd_endpoints),
+                "etcd_endpoints",
+                'must name at least one endpoint with ha_backend = "etcd"',
+                self.etcd_endpoints,
+            )
+        for url in self.etcd_endpoints:
+            c.check(_http_url(url), "etcd_endpoints", "must be http(s)://HOST:PORT", url)
+        c.check(
+            self.etcd_prefix.startswith("/") and " " not in self.etcd_prefix,
+            "etcd_prefix",
+            "must start with '/' and hold no spaces",
+            self.etcd_prefix,
+        )
         c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.positive("join_timeout_ms", self.join_timeout_ms)
         c.non_negative("spares", self.spares)
@@ -291,3 +323,13 @@ class ClusterConfig:
 
 def _wildcard(host: str) -> bool:
     return host.strip() in ("0.0.0.0", "::", "[::]", "*")
+
+
+def _http_url(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        return u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None
+    except ValueError:
+        return False

@@ -7,6 +7,12 @@ the reduction, non-finite flags, fingerprints) over a process group built under 
 store prefix. It leaves an epoch when the coordinator announces a new one (at once when a
 member failed, at a step boundary for joins and re-plans), when a collective fails, or
 when the run is complete. It never restarts: a fault is a new epoch.
+
+It works for one coordinator generation at a time (its epoch's ``start`` says which) and
+checks the run directory's fence (``control/fence.py``) before every step, on every
+heartbeat, and before a checkpoint commit: once a newer coordinator took over, it begins
+no step, commits no checkpoint, and leaves for the newer coordinator, keeping its state
+(every step it completed was begun under a generation the fence still allowed).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.client import Identity, MembershipClient
+from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
@@ -63,6 +70,10 @@ class Epoch:
     comm: Comm
     runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.start.generation
 
     @property
     def size(self) -> int:
@@ -134,6 +145,7 @@ class Worker:
         self.events = part(self.run_dir, "events", writer)
         self.metrics = part(self.run_dir, "metrics", writer)
         self.client.run_over = RunEndWatch(self.run_dir / "events.jsonl")
+        self.fence = Fence(self.run_dir)
         self.config: RunConfig = config
         self.placement = Placement.of(config.train)
         self.chaos.arm(config.chaos)
@@ -243,11 +255,22 @@ class Worker:
             )
         except CommFailed as e:
             self._failed(e)
+        except Fenced as e:
+            self._fenced(e.newer, str(e))
         except MathError as e:
             log.error("%s: %s", self.name, e)
             self.client.send(p.Abort(reason=str(e)[: p.MAX_STR]))
         finally:
             self._close_epoch(ep)
+
+    def _fenced(self, newer: int, why: str) -> None:
+        """A newer coordinator took over: leave this one (once per generation)."""
+        old = self.client.generation
+        if self.client.fenced_by(newer):
+            log.warning("%s: %s", self.name, why)
+            self.events.write(
+                {"event": ev.WORKER_FENCED, "worker": self.name, "generation": old, "newer": newer}
+            )
 
     def _runner(self, plan: Plan, rank: int, comm: Comm) -> StepRunner:
         assert self.trainer is not None
@@ -341,6 +364,7 @@ class Worker:
             world=ep.size,
             exchange=ex,
             log=self._ckpt_log if ep.rank == 0 else None,
+            before_commit=lambda: self.fence.check(ep.generation, "checkpoint commit"),
         )
 
     def _ckpt_log(self, record: dict[str, Any]) -> None:
@@ -365,6 +389,9 @@ class Worker:
             self.inflight = t
             if self._should_stop(t):
                 return
+            # The step's admission: its metrics line and its update belong to this
+            # generation only if the fence still allows it when the step begins.
+            self.fence.check(ep.generation, f"step {t}")
             self._step(ep, t)
         self._finish(ep)
 
@@ -390,7 +417,10 @@ class Worker:
             and tr.next_step % ck == 0
             and tr.next_step < self.client.last_step(self.config.train.steps)
         ):
-            ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            try:
+                ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            except CheckpointSaveError as e:  # the previous save failed while we waited
+                log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
 
     def _check_saves(self, ckpt: AsyncCheckpointer) -> None:
         """A failed background save (disk full, storage gone) costs that checkpoint, not
@@ -412,6 +442,7 @@ class Worker:
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
                 "membership_epoch": ep.number,
+                "generation": ep.generation,
                 "slots": ep.plan.counts(),
                 "members": list(ep.plan.members),
             }
@@ -422,6 +453,7 @@ class Worker:
             "regions": [r.name for r in self.config.cluster.regions],
             "workers": list(ep.plan.members),
             "membership_epoch": ep.number,
+            "generation": ep.generation,
             "plan": ep.plan.to_dict(),
         }
 
@@ -456,6 +488,7 @@ class Worker:
                     self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None
+            self._poll_fence()
             delay = self.chaos.delay_s()
             if delay:
                 time.sleep(delay)
@@ -467,6 +500,17 @@ class Worker:
                     prepared=t is not None,
                 )
             )
+
+    def _poll_fence(self) -> None:
+        """A worker waiting on a coordinator that stopped (hung, cut off without its
+        connection closing) learns of the takeover here, not only at its next step."""
+        try:
+            newer = self.fence.current()
+        except (OSError, ValueError) as e:
+            log.warning("%s: cannot read the fence: %s", self.name, e)
+            return
+        if newer > self.client.generation:
+            self._fenced(newer, f"the run directory's fence is at generation {newer}")
 
 
 class RunEndWatch:

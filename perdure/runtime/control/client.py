@@ -4,10 +4,20 @@ A :class:`MembershipClient` holds the channel to the coordinator (or, once that 
 to the first standby that answers), records what the coordinator announced (the newest
 epoch notice, the start of each epoch, the end of the run) and answers the step loop's
 one question: must step ``t`` stop in this epoch? It knows nothing of training.
+
+Workers prefer the primary: coordinators are tried in the order given, the primary first,
+on every reconnection. A coordinator that cannot admit now (a standby that does not hold
+the run's lease, a coordinator renewing its own) answers "retry", and the worker goes on
+to the next one and round again, with a growing pause, until its join timeout: reaching a
+standby is not a reason to follow it. The client remembers the newest coordinator
+generation it followed: it announces it in every hello (an older coordinator that reads
+it fences itself out), refuses a welcome from an older one, and leaves its coordinator
+when the run directory's fence shows a newer one (:meth:`fenced_by`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -15,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
@@ -22,6 +33,8 @@ from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listen
 log = logging.getLogger("perdure.worker")
 
 CONNECT_TIMEOUT_S = 5.0
+RETRY_PAUSE_S = (0.1, 0.5)
+"""Pause between rounds over the coordinators: first, and most (it grows by half)."""
 
 
 class RunEnded(ConnectionError):
@@ -83,6 +96,8 @@ class MembershipClient:
         self.epoch_no = -1
         self.line: LineSocket | None = None
         self.host = ""
+        self.generation = 0
+        """The newest coordinator generation this worker followed."""
 
     # -- connection ------------------------------------------------------------------------
 
@@ -98,6 +113,7 @@ class MembershipClient:
             epoch=self.epoch_no,
             mac=mac,
             address=self.address or route_source(self._trying),
+            generation=self.generation,
         )
 
     def connect(self) -> p.Welcome:
@@ -105,6 +121,7 @@ class MembershipClient:
         ``timeout_s`` passes."""
         end = time.monotonic() + self.timeout_s
         last: Exception | None = None
+        pause = RETRY_PAUSE_S[0]
         while time.monotonic() < end:
             if self.run_over():
                 raise RunEnded(f"{self.me.name}: the run ended while it was reconnecting")
@@ -112,25 +129,49 @@ class MembershipClient:
                 self._trying = host
                 try:
                     line, welcome = connect(host, port, self.token, self._hello, CONNECT_TIMEOUT_S)
-                except (OSError, ConnectionError, p.ProtocolError) as e:
-                    last = e
-                    continue
                 except AdmissionRefused as e:
                     if p.RUN_OVER in str(e):  # reconnected after the end: nothing to rejoin
                         raise RunEnded(f"{self.me.name}: {e}") from None
-                    raise
+                    if not e.retry:
+                        raise
+                    last = e
+                    continue
+                except (OSError, ConnectionError, p.ProtocolError) as e:
+                    last = e
+                    continue
+                if welcome.generation < self.generation:
+                    line.close()  # a superseded coordinator (it fences itself on our hello)
+                    last = ConnectionError(f"{host}:{port} is at old generation")
+                    continue
                 self.line, self.host = line, host
                 with self.cond:
                     self.lost, self.announce = False, None
-                Listener(line, self._on_message, self._on_lost).start()
+                    self.generation = welcome.generation
+                # Bound to this line: a listener of a line we left must not touch the next.
+                on_message = partial(self._on_message, line=line)
+                Listener(line, on_message, partial(self._on_lost, line)).start()
                 return welcome
-            time.sleep(0.1)
+            time.sleep(pause)
+            pause = min(RETRY_PAUSE_S[1], pause * 1.5)
         raise ConnectionError(
             f"{self.me.name}: no coordinator reachable at {self.coordinators}: {last}"
         )
 
-    def _on_message(self, msg: p.Message) -> None:
+    def _on_message(self, msg: p.Message, line: LineSocket) -> None:
         with self.cond:
+            if line is not self.line:
+                return  # a late message on a channel this worker already left
+            if isinstance(msg, p.Announce | p.Start) and msg.generation != self.generation:
+                # Not the generation this connection was admitted under: a broken peer.
+                log.warning(
+                    "%s: %s of generation %d on a channel of generation %d",
+                    self.me.name,
+                    msg.type,
+                    msg.generation,
+                    self.generation,
+                )
+                self._drop()
+                return
             if isinstance(msg, p.Announce):
                 self.announce = msg
             elif isinstance(msg, p.Start):
@@ -141,10 +182,32 @@ class MembershipClient:
                 self.stopped, self.stop_reason = True, msg.reason
             self.cond.notify_all()
 
-    def _on_lost(self) -> None:
+    def _on_lost(self, line: LineSocket | None = None) -> None:
         with self.cond:
+            if line is not None and line is not self.line:
+                return  # the end of a channel this worker already left
             self.lost = True
             self.cond.notify_all()
+
+    def _drop(self) -> None:
+        """Leave the coordinator (caller holds ``cond``): the step loop stops at once and
+        the next announcement wait reconnects."""
+        self.lost = True
+        if self.line is not None:
+            with contextlib.suppress(OSError):  # wakes the listener's blocked recv
+                self.line.sock.shutdown(socket.SHUT_RDWR)
+            self.line.close()
+        self.cond.notify_all()
+
+    def fenced_by(self, generation: int) -> bool:
+        """The run directory's fence is at ``generation``: if that is newer than the
+        coordinator we follow, leave it (True) and find the newer one."""
+        with self.cond:
+            if generation <= self.generation or self.lost:
+                return False
+            self.generation = generation  # from now on, no older coordinator is followed
+            self._drop()
+            return True
 
     def local_address(self) -> str | None:
         """This worker's address on the path to its coordinator: where its peers reach it

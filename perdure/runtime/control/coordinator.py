@@ -10,18 +10,24 @@ Nothing a peer sends can stop it: a line that is not a valid message disconnects
 peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), a
 connection that has not answered its challenge within ``ADMISSION_S`` is dropped, and at
 most ``MAX_UNADMITTED`` connections may wait for admission at once.
+
+The run's lease (``control/lease.py``) is set up here: a primary acquires it before it
+serves (a new generation, installed in the run directory's fence), a standby starts
+watching it; from then on its I/O runs on the lease agent's thread
+(``control/lease_agent.py``), whose answers join the queue as events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import selectors
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perdure import events as ev
 from perdure.events import Tail
@@ -32,6 +38,8 @@ from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import Endpoints, coordinator_endpoints
 from perdure.runtime.control.channel import LineSocket, verify
+from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
+from perdure.runtime.control.lease_agent import LeaseAgent
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
@@ -70,9 +78,12 @@ class Coordinator:
         expected_workers: int | None = None,
         standby: bool = False,
         allow_config_change: bool = False,
+        primary: str | None = None,
     ) -> None:
         """``endpoints``: where to listen (``address.coordinator_endpoints``; default:
-        the cluster config's). Every listener binds ``endpoints.bind`` only."""
+        the cluster config's). Every listener binds ``endpoints.bind`` only. ``primary`` (a
+        standby's): the ``HOST:PORT`` it probes the primary at before taking over; default:
+        the channel the primary recorded with its lease."""
         self.config, self.run_dir, self.token = config, run_dir, token
         self.endpoints = endpoints or coordinator_endpoints(config.cluster)
         self.host = self.endpoints.advertise
@@ -102,16 +113,40 @@ class Coordinator:
             standby=standby,
             allow_config_change=allow_config_change,
         )
-        self.policy = pol.Policy(settings, time.monotonic())
+        self.lines: dict[str, LineSocket] = {}
+        self.unadmitted: dict[int, _Conn] = {}
+        self.queue: deque[pol.Event] = deque()
+        self.policy = self._lease(settings, primary)
         self.metrics = MetricsService(
             config.metrics, run_dir=run_dir, host=bind, steps=config.train.steps,
             standby=standby, active=lambda: not standby or self.policy.took_over,
         )  # fmt: skip
-        self.lines: dict[str, LineSocket] = {}
-        self.unadmitted: dict[int, _Conn] = {}
-        self.queue: deque[pol.Event] = deque()
         self.finished = False
         self._next_conn = 0
+
+    def _lease(self, settings: pol.Settings, primary: str | None) -> pol.Policy:
+        """Acquire (a primary) or watch (a standby) the run's lease; the policy over it."""
+        c = self.config.cluster
+        store = open_lease_store(
+            c.ha_backend,
+            run_dir=self.run_dir,
+            ttl_s=c.lease_ttl_ms / 1000,
+            token=self.token,
+            etcd_endpoints=list(c.etcd_endpoints),
+            etcd_prefix=c.etcd_prefix,
+        )
+        role = "standby" if settings.standby else "primary"
+        # Limit: a wildcard bind address is recorded as is; a standby then needs --primary.
+        holder = holder_record(settings.instance, f"{self.host}:{self.channel_port}", role)
+        generation, until = 0, -math.inf
+        if not settings.standby:
+            grant = acquire_for_primary(store, self.run_dir, holder)
+            generation, until = grant.generation, grant.until
+        self.agent = LeaseAgent(
+            store, self.run_dir, holder, self.queue.append, generation=generation, primary=primary
+        )
+        settings = replace(settings, generation=max(1, generation))
+        return pol.Policy(settings, time.monotonic(), lease_until=until)
 
     @property
     def store_port(self) -> int:
@@ -136,6 +171,8 @@ class Coordinator:
                 "bind": self.endpoints.bind,
                 "channel_port": self.channel_port,
                 "store_port": self.store_port,
+                "standby": self.policy.s.standby,
+                "generation": self.policy.generation,
             }
         )
         end = None if deadline_s is None else time.monotonic() + deadline_s
@@ -199,8 +236,10 @@ class Coordinator:
             self._disconnect(effect.worker)
         elif isinstance(effect, pol.FindCheckpoint):
             self.queue.append(self._find_checkpoint(effect.epoch))
-        else:
+        elif isinstance(effect, pol.Finish):
             self.finished = True
+        else:
+            self.agent.submit(effect)
 
     def _send(self, worker: str, msg: p.FromCoordinator) -> None:
         line = self.lines.get(worker)
@@ -223,7 +262,7 @@ class Coordinator:
         conn = self.unadmitted.pop(effect.conn, None)
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.line.send(p.Refused(reason=effect.reason))
+                conn.line.send(p.Refused(reason=effect.reason, retry=effect.retry))
             self._close(conn.line)
 
     def _disconnect(self, worker: str) -> None:
@@ -293,7 +332,13 @@ class Coordinator:
         conn = _Conn(self._next_conn, line, secrets.token_hex(16), time.monotonic())
         self._next_conn += 1
         try:
-            line.send(p.Challenge(nonce=conn.nonce))
+            line.send(
+                p.Challenge(
+                    nonce=conn.nonce,
+                    generation=self.policy.generation,
+                    serving=self.policy.serving,
+                )
+            )
         except OSError:
             sock.close()
             return
@@ -342,6 +387,7 @@ class Coordinator:
         line.close()
 
     def _shutdown(self) -> None:
+        self.agent.close()  # lands a queued EndLease before the process goes
         for line in list(self.lines.values()):
             line.close()
         for conn in list(self.unadmitted.values()):
