@@ -280,5 +280,7 @@ def test_a_loopback_data_plane_mixed_with_remote_hosts_is_refused_with_the_reaso
         "worker r0-0 listens for its peers on the loopback address 127.0.0.1, which r0-1 at "
         f"{c.hs[2].address} cannot reach" in log
     ), log
+    # the coordinator's own record reaches events.jsonl at its next log merge (50 ms)
+    c.wait("the refusal in the merged log", lambda: bool(c.events(ev.REFUSED)), 10)
     (refused,) = c.events(ev.REFUSED)
     assert refused["worker"] == "r0-1" and "loopback" in refused["reason"]
