@@ -94,14 +94,14 @@ class ExactReducer:
             if not all_finite(b):
                 torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
         exps = self._exponents(bufs)
+        if pg is not None:
+            _delay(send_delay_s)
         if pg is not None and tiers is not None:
-            if send_delay_s > 0:
-                time.sleep(send_delay_s)
             tiered_allreduce(tiers, exps, dist.ReduceOp.MAX, timeout)
         elif pg is not None:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-            _wait(pg.allreduce([exps], opts), timeout, send_delay_s)
+            pg.allreduce([exps], opts).wait(timeout)
         k = self._shift(exps)
         acc, out = self._buffers(bufs[0])
         scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
@@ -196,7 +196,6 @@ def _bucket_ranges(n: int, block: int) -> tuple[tuple[int, int], ...]:
     return tuple(out + ([(full, full + 1)] if n % block else []))
 
 
-def _wait(work: Any, timeout: timedelta, delay_s: float) -> None:
+def _delay(delay_s: float) -> None:
     if delay_s > 0:
         time.sleep(delay_s)  # injected link latency (the delay fault), before the exchange
-    work.wait(timeout)
