@@ -63,16 +63,34 @@ def part(run_dir: str | Path, log: str, writer: str) -> JsonLines:
 
 
 class Merger:
-    """Merges the part files of one log into the merged file; one merger at a time."""
+    """Merges the part files of one log into the merged file; one merger at a time.
 
-    def __init__(self, run_dir: str | Path, log: str) -> None:
+    ``metrics`` has a line per committed step, written by *every* member that committed
+    it (so a step is logged whoever of them survives: rank 0 alone lost a step's line
+    when it abandoned a step the others committed, its coordinator lost mid-step). The
+    merger keeps the first line of each step and drops the rest: ``last_step``, the
+    highest step merged in this launch, is in its crash-safe record, so a standby that
+    takes over goes on with it, and a new launch (``new_launch``: the primary of a run
+    resumed in its own directory, which logs its steps again) starts it afresh. A step
+    redone within a launch (a rollback to a checkpoint) computes the same bits and keeps
+    its first line. Limit: a step's line counts as a duplicate if a later step's line
+    was stamped before it by every writer's clock, which clock skew between hosts larger
+    than a step could cause only if no member that committed both wrote them in order.
+    """
+
+    def __init__(self, run_dir: str | Path, log: str, *, new_launch: bool = False) -> None:
         assert log in LOGS, log
         self.merged = Path(run_dir) / f"{log}.jsonl"
         self.parts = Path(run_dir) / f"{log}.d"
         self.state_path = self.parts / STATE
         self.offsets: dict[str, int] = {}
         self.size = 0
+        self.per_step = log == "metrics"
+        self.last_step = -1
         self._recover()
+        if new_launch and self.last_step >= 0:
+            self.last_step = -1
+            self._save()  # a standby taking over from this launch must not see the old one
 
     def _recover(self) -> None:
         """Pick up where the last merger's record says it stopped."""
@@ -80,6 +98,7 @@ class Merger:
             state = json.loads(self.state_path.read_text())
             self.size = int(state["size"])
             self.offsets = {str(k): int(v) for k, v in state["offsets"].items()}
+            self.last_step = int(state.get("last_step", -1))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.size = self.merged.stat().st_size if self.merged.exists() else 0
             self.offsets = {}
@@ -102,7 +121,8 @@ class Merger:
         if not reached:
             return 0
         batch.sort(key=lambda x: (x[0], x[1]))
-        data = b"".join(line + b"\n" for _, _, line in batch)
+        lines = self._first_per_step([line for _, _, line in batch])
+        data = b"".join(line + b"\n" for line in lines)
         try:
             self._append(data)
         except OSError:
@@ -110,7 +130,21 @@ class Merger:
         self.offsets.update(reached)
         self.size += len(data)
         self._save()
-        return len(batch)
+        return len(lines)
+
+    def _first_per_step(self, lines: list[bytes]) -> list[bytes]:
+        """``lines`` less, for ``metrics``, every line of a step already merged (in
+        order: the first line of a new step raises ``last_step``)."""
+        if not self.per_step:
+            return lines
+        out = []
+        for line in lines:
+            step = _step(line)
+            if step is not None and step <= self.last_step:
+                continue
+            self.last_step = max(self.last_step, step if step is not None else -1)
+            out.append(line)
+        return out
 
     def _append(self, data: bytes) -> None:
         if not data:
@@ -132,7 +166,8 @@ class Merger:
     def _save(self) -> None:
         tmp = self.state_path.with_name(STATE + ".tmp")
         with contextlib.suppress(OSError):
-            tmp.write_text(json.dumps({"size": self.size, "offsets": self.offsets}))
+            state = {"size": self.size, "offsets": self.offsets, "last_step": self.last_step}
+            tmp.write_text(json.dumps(state))
             os.replace(tmp, self.state_path)
 
 
@@ -170,6 +205,16 @@ def _stamp(line: bytes) -> float | None:
     return float(t) if isinstance(t, int | float) else None
 
 
+def _step(line: bytes) -> int | None:
+    """A metrics line's ``step`` (None: not a step's line)."""
+    try:
+        record: Any = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def merge_all(run_dir: str | Path, final: bool = False) -> None:
     """Merge every log of the run once (the launcher's last merge, a tool's)."""
     for log in LOGS:
@@ -179,8 +224,11 @@ def merge_all(run_dir: str | Path, final: bool = False) -> None:
 class Mergers:
     """The coordinator's mergers of every log, at most one merge per ``MERGE_S``."""
 
-    def __init__(self, run_dir: str | Path) -> None:
+    def __init__(self, run_dir: str | Path, *, new_launch: bool = False) -> None:
+        """``new_launch``: this coordinator starts a launch (a primary), so the metrics
+        merger logs steps afresh; a standby taking over goes on with the launch."""
         self.run_dir = run_dir
+        self.new_launch = new_launch
         self._mergers: list[Merger] | None = None
         self._last = 0.0
 
@@ -189,7 +237,7 @@ class Mergers:
             return
         self._last = now
         if self._mergers is None:  # created on first use: a standby merges once active
-            self._mergers = [Merger(self.run_dir, log) for log in LOGS]
+            self._mergers = [Merger(self.run_dir, log, new_launch=self.new_launch) for log in LOGS]
         for m in self._mergers:
             m.merge(final=final)
 

@@ -259,15 +259,9 @@ def test_the_coordinators_host_lost_mid_run_the_standby_finishes_it_bitwise_equa
     assert codes["coordinator"] == -signal.SIGKILL
     summary = c.summary()  # summary.json: by the standby
     assert summary["final_hash"] == reference, c.logs()
-    steps = c.steps()
-    assert len(steps) == len(set(steps)) and set(steps) <= set(range(STEPS))
-    # Known gap (to fix): only rank 0 writes a step's metrics line, so a step the other
-    # members committed while rank 0 abandoned it (its coordinator lost mid-step) has no
-    # line. Any missing step must be exactly such a step; every other step appears once.
-    abandoned = c.events(ev.STEP_ABANDONED)
-    for missing in set(range(STEPS)) - set(steps):
-        by = {e["worker"] for e in abandoned if e["step"] == missing}
-        assert by == {"r0-0"}, (missing, abandoned)
+    # Every step once, also one that rank 0 abandoned while the others committed it (its
+    # coordinator lost mid-step): every member logs what it commits.
+    assert sorted(c.steps()) == list(range(STEPS)), c.events(ev.STEP_ABANDONED)
     assert len(c.events(ev.COORDINATOR_TAKEOVER)) == 1
     assert summary["replica_hashes_agree"]
 

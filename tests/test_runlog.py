@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 from pathlib import Path
+from typing import Any
 
 from perdure import events as ev
 from perdure.events import read_jsonl
@@ -78,3 +79,47 @@ def test_a_regular_merge_holds_back_lines_stamped_after_it_began(tmp_path: Path)
     assert m.merge() == 1  # the far-future line is not yet in order with the others
     assert m.merge(final=True) == 1
     assert [r["event"] for r in read_jsonl(tmp_path / "events.jsonl")] == ["join", "leave"]
+
+
+def _steps(log: Any, steps: range, **extra: Any) -> None:
+    for s in steps:
+        log.write({"step": s, "loss": float(s), **extra})
+
+
+def test_every_member_logs_its_steps_and_the_merge_keeps_each_step_once(tmp_path: Path) -> None:
+    """Rank 0 (w0) abandoned step 5, which the others committed: their lines carry it."""
+    w0, w1, w2 = (part(tmp_path, "metrics", f"w{k}") for k in range(3))
+    for log, steps in ((w0, range(5)), (w1, range(8)), (w2, range(8))):
+        _steps(log, steps)
+    m = Merger(tmp_path, "metrics")
+    m.merge(final=True)
+    _steps(w1, range(8, 10))
+    Merger(tmp_path, "metrics").merge(final=True)  # a standby taking over goes on
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(10))
+    state = json.loads((tmp_path / "metrics.d" / STATE).read_text())
+    assert state["last_step"] == 9
+
+
+def test_a_new_launch_logs_the_steps_it_redoes_and_a_rollback_does_not(tmp_path: Path) -> None:
+    w = part(tmp_path, "metrics", "w0")
+    _steps(w, range(6))
+    _steps(w, range(3, 8), rollback=True)  # redone after a rollback: the same bits
+    Merger(tmp_path, "metrics").merge(final=True)
+    first = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in first] == list(range(8))
+    assert [r.get("rollback", False) for r in first] == [False] * 6 + [True] * 2
+    # resumed in its own directory from step 4: the new launch's lines are all kept
+    _steps(part(tmp_path, "metrics", "w0-resumed"), range(4, 10))
+    Merger(tmp_path, "metrics", new_launch=True).merge(final=True)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [
+        *range(8),
+        *range(4, 10),
+    ]
+
+
+def test_events_are_never_deduplicated_by_step(tmp_path: Path) -> None:
+    log = part(tmp_path, "events", "w0")
+    for _ in range(2):
+        log.write({"event": ev.STEP_ABANDONED, "step": 3})
+    merge_all(tmp_path, final=True)
+    assert [r["step"] for r in read_jsonl(tmp_path / "events.jsonl")] == [3, 3]

@@ -53,7 +53,7 @@ class RunCollector:
         gauges = [
             ("step", "The last committed step.", s.step),
             ("steps_target", "train.steps: the steps the run is to commit.", self.steps),
-            ("loss", "Loss of the last committed step (rank 0's metrics line).", s.loss),
+            ("loss", "Loss of the last committed step (its metrics line).", s.loss),
             ("learning_rate", "Learning rate of the last committed step.", s.lr),
             ("step_seconds", "Wall time of the last committed step.", s.step_s),
             ("tokens_per_second", "Tokens per second of the last committed step.", s.tokens_per_s),

@@ -1,6 +1,6 @@
 """The run as its logs show it, folded into numbers a dashboard can plot. No I/O but reads.
 
-:class:`RunView` tails ``metrics.jsonl`` (rank 0's line per committed step) and
+:class:`RunView` tails ``metrics.jsonl`` (one line per committed step) and
 ``events.jsonl`` (every process's events) from the moment it is made, so a coordinator
 sees this launch's records only (a run resumed in its own directory appends to the
 previous launch's logs). :func:`snapshot` is a pure function of the records read so far.

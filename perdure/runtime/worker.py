@@ -405,8 +405,9 @@ class Worker:
         ep.ckpt.wait_snapshot()
         loss = tr.apply(t, total)
         step_s = time.monotonic() - t0
-        if ep.rank == 0:
-            self._metrics(ep, t, loss, step_s)
+        # Every member logs the step it committed (the merger keeps one line per step):
+        # rank 0 alone would leave no line for a step it abandoned and the others kept.
+        self._metrics(ep, t, loss, step_s)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
             self.has_state = False  # receive a live peer's state in the next epoch
@@ -445,6 +446,7 @@ class Worker:
                 "generation": ep.generation,
                 "slots": ep.plan.counts(),
                 "members": list(ep.plan.members),
+                "worker": self.name,
             }
         )
 

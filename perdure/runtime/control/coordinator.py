@@ -90,7 +90,7 @@ class Coordinator:
         """What peers dial (published in the ports file and the events)."""
         bind = self.endpoints.bind
         self.events = part(run_dir, "events", writer_id("standby" if standby else "coordinator"))
-        self.logs = Mergers(run_dir)
+        self.logs = Mergers(run_dir, new_launch=not standby)
         """Merges every process's part files into events.jsonl and metrics.jsonl while
         this coordinator is the active one (``runlog.py``)."""
         self.run_over = False
