@@ -121,30 +121,31 @@ class Merger:
         if not reached:
             return 0
         batch.sort(key=lambda x: (x[0], x[1]))
-        lines = self._first_per_step([line for _, _, line in batch])
-        data = b"".join(line + b"\n" for line in lines)
+        kept, last_step = self._first_per_step([line for _, _, line in batch])
+        data = b"".join(line + b"\n" for line in kept)
         try:
             self._append(data)
         except OSError:
             return 0  # a full disk or a lost mount: the parts keep the records; retried
+        self.last_step = last_step
         self.offsets.update(reached)
         self.size += len(data)
         self._save()
-        return len(lines)
+        return len(kept)
 
-    def _first_per_step(self, lines: list[bytes]) -> list[bytes]:
+    def _first_per_step(self, lines: list[bytes]) -> tuple[list[bytes], int]:
         """``lines`` less, for ``metrics``, every line of a step already merged (in
-        order: the first line of a new step raises ``last_step``)."""
+        order: the first line of a new step raises the mark), and the new ``last_step``."""
         if not self.per_step:
-            return lines
-        out = []
+            return lines, self.last_step
+        out, last = [], self.last_step
         for line in lines:
             step = _step(line)
-            if step is not None and step <= self.last_step:
+            if step is not None and step <= last:
                 continue
-            self.last_step = max(self.last_step, step if step is not None else -1)
+            last = max(last, step if step is not None else -1)
             out.append(line)
-        return out
+        return out, last
 
     def _append(self, data: bytes) -> None:
         if not data:
