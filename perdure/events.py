@@ -73,6 +73,10 @@ BECAME_SPARE: Final = "became_spare"
 """An admitted worker past the configured count waits as a warm spare."""
 SPARE_PROMOTED: Final = "spare_promoted"
 """A warm spare replaces a lost member in the next epoch."""
+MEMBER_BENCHED: Final = "member_benched"
+"""A member whose link lags (``lag_s`` over the others') leaves the collective, not the run."""
+MEMBER_UNBENCHED: Final = "member_unbenched"
+"""A benched member's link is back to speed: it is planned in again."""
 EPOCH_ANNOUNCED: Final = "epoch_announced"
 """Phase 1 of a membership epoch: members and the step boundary."""
 READY_TIMEOUT: Final = "ready_timeout"
@@ -149,6 +153,8 @@ NAMES: frozenset[str] = frozenset(
         RECONNECT,
         BECAME_SPARE,
         SPARE_PROMOTED,
+        MEMBER_BENCHED,
+        MEMBER_UNBENCHED,
         EPOCH_ANNOUNCED,
         READY_TIMEOUT,
         EPOCH_STARTED,

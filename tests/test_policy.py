@@ -417,3 +417,76 @@ def test_a_loopback_data_plane_mixed_with_remote_peers_is_refused_naming_both() 
         d2.feed(pol.Joined(1, _hello_at("w0", addr), True, 0.0))
         out = d2.feed(pol.Joined(2, _hello_at("w1", addr), True, 0.0))
         assert any(isinstance(e, pol.Accept) for e in out), (i, out)
+
+
+# -- bench-out -------------------------------------------------------------------------------
+
+
+def _beats(d: Driver, seconds: float, late: dict[str, float] | None = None) -> None:
+    """Heartbeats from every member every 0.1 s for ``seconds``, each ``late[w]`` late
+    (its sender's clock is 50 s behind the coordinator's: only changes of delay count)."""
+    late = late or {}
+    for _ in range(round(seconds / 0.1)):
+        d.now += 0.1
+        for w in sorted(d.policy.workers):
+            sent = d.now - 50.0 - late.get(w, 0.0)
+            beat = p.Heartbeat(next_step=5, prepared=True, slot_s=0.01, sent=sent)
+            d.feed(pol.Received(w, beat, d.now, wall=d.now))
+        d.tick(0.0)
+
+
+def test_a_member_whose_link_lags_leaves_the_collective_at_once_and_comes_back_after() -> None:
+    d = running(3, slots=6, replan_interval_ms=1000)
+    _beats(d, 1.0)
+    assert d.policy.pending is None
+    _beats(d, 0.2, late={"w2": 0.8})  # two heartbeats 0.8 s late
+    pending = d.policy.pending
+    assert pending is not None and pending.reason == "bench" and pending.after == -1
+    assert pending.members == ["w0", "w1"]
+    (benched,) = d.logged(ev.MEMBER_BENCHED)
+    assert benched["worker"] == "w2" and benched["lag_s"] == pytest.approx(0.8)
+    assert d.logged(ev.LEAVE) == []  # not evicted: still admitted, idle
+    d.ready("w0", "w1", next_step=5)
+    _beats(d, 0.9, late={"w2": 0.8})
+    assert d.policy.pending is None  # still late: stays out
+    _beats(d, 1.2)  # back to speed for more than replan_interval_ms
+    pending = d.policy.pending
+    assert pending is not None and pending.reason == "unbench"
+    assert pending.members == ["w0", "w1", "w2"] and pending.after > 5
+    assert [e["worker"] for e in d.logged(ev.MEMBER_UNBENCHED)] == ["w2"]
+    d.recv("w2", p.Ready(epoch=pending.epoch, next_step=5, has_state=True))
+    start = d.starts(d.ready("w0", "w1", next_step=pending.after))["w2"]
+    assert start.receivers == ["w2"]  # behind the others: it receives the state
+
+
+def test_a_lag_every_member_shares_benches_nobody() -> None:
+    d = running(3, slots=6)
+    _beats(d, 1.0)
+    _beats(d, 1.0, late={w: 0.9 for w in ("w0", "w1", "w2")})  # e.g. a clock step
+    assert d.policy.pending is None and d.logged(ev.MEMBER_BENCHED) == []
+
+
+def test_a_silent_pair_of_members_leaves_in_one_epoch_and_a_spare_takes_a_place() -> None:
+    d = running(4, slots=8)
+    d.admit("s0")  # past the expected count: a warm spare
+    _beats(d, 1.0)
+    for _ in range(8):  # w2 and w3 go silent for 0.8 s
+        d.now += 0.1
+        for w in ("w0", "w1", "s0"):
+            beat = p.Heartbeat(next_step=5, prepared=True, slot_s=0.01, sent=d.now - 50.0)
+            d.feed(pol.Received(w, beat, d.now, wall=d.now))
+        d.tick(0.0)
+        if d.policy.pending is not None:
+            break
+    pending = d.policy.pending
+    assert pending is not None and pending.reason == "bench"
+    assert [e["worker"] for e in d.logged(ev.MEMBER_BENCHED)] == ["w2", "w3"]
+    assert [e["worker"] for e in d.logged(ev.SPARE_PROMOTED)] == ["s0"]
+    assert pending.members == ["s0", "w0", "w1"]
+
+
+def test_with_bench_lag_ms_zero_a_lagging_member_stays_in() -> None:
+    d = running(3, slots=6, bench_lag_ms=0)
+    _beats(d, 1.0)
+    _beats(d, 1.0, late={"w2": 2.0})
+    assert d.logged(ev.MEMBER_BENCHED) == []

@@ -165,7 +165,8 @@ def _collective(events: list[Record]) -> list[Record]:
     """One failure per epoch whose collective failures no lost member explains: no member
     was lost from the epoch's start to ``EXPLAIN_S`` after its first collective failure
     (a worker stopped and woken reports its stale epoch's failure long after its loss)."""
-    lost = [e["t"] for e in events if e["event"] in (ev.LEAVE, ev.PROCESS_EXIT)]
+    gone = (ev.LEAVE, ev.PROCESS_EXIT, ev.MEMBER_BENCHED)  # benched: out of the collective
+    lost = [e["t"] for e in events if e["event"] in gone]
     started = {e.get("epoch"): e["t"] for e in events if e["event"] == ev.EPOCH_STARTED}
     groups: dict[Any, list[Record]] = {}
     for e in events:

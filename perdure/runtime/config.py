@@ -240,6 +240,12 @@ class ClusterConfig:
     """Most slots one re-plan moves (bounded, so that plans do not oscillate)."""
     replan_interval_ms: int = 2000
     """Least time between two re-plans, and between an epoch's start and a re-plan."""
+    bench_lag_ms: int = 500
+    """Bench-out: a member whose link is this much later than the others' (measured from
+    its heartbeats, ``control/lag.py``), when the others are faster without it, leaves
+    the collective at once: no slots, not waited for, not evicted (the step in flight is
+    redone, its finished slots salvaged). Once its lag stays under half of this for
+    ``replan_interval_ms`` it is planned back in and receives the state. 0: never."""
     evict_after_suspect: int = 2
     """Evict a worker after this many non-finite slots that did not reproduce on another
     worker (a hardware suspect rather than bad data)."""
@@ -312,6 +318,7 @@ class ClusterConfig:
         c.check(self.slow_ratio > 1, "slow_ratio", "must be > 1", self.slow_ratio)
         c.positive("max_slot_moves", self.max_slot_moves)
         c.positive("replan_interval_ms", self.replan_interval_ms)
+        c.non_negative("bench_lag_ms", self.bench_lag_ms)
         c.positive("evict_after_suspect", self.evict_after_suspect)
         c.positive("fingerprint_every", self.fingerprint_every)
         c.done()

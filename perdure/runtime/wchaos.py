@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from perdure import events as ev
@@ -103,3 +105,22 @@ class ChaosState:
         with self._lock:
             hit, self._comm_error = self._comm_error, False
             return hit
+
+
+class DelayedLink:
+    """The heartbeats' path with the ``delay`` fault's latency in it: each line goes out
+    ``delay_s`` after it was stamped, in order, and later lines keep their rate (a link
+    with latency, not a slower sender). Lines whose time came are sent at each call, so
+    the granularity is the heartbeat interval."""
+
+    def __init__(self, send: Callable[[Any], object]) -> None:
+        self._send = send
+        self._queue: deque[tuple[float, Any]] = deque()
+
+    def send(self, beat: Any, delay_s: float, now: float) -> None:
+        due = now + delay_s
+        if self._queue and self._queue[-1][0] > due:
+            due = self._queue[-1][0]  # a link keeps its order when its latency drops
+        self._queue.append((due, beat))
+        while self._queue and self._queue[0][0] <= now:
+            self._send(self._queue.popleft()[1])

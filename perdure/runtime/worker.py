@@ -54,7 +54,7 @@ from perdure.runtime.replica.task import lr_at
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
-from perdure.runtime.wchaos import ChaosState
+from perdure.runtime.wchaos import ChaosState, DelayedLink
 
 log = logging.getLogger("perdure.worker")
 
@@ -482,6 +482,7 @@ class Worker:
         interval = self.config.cluster.heartbeat_ms / 1000
         store: dist.Store | None = None
         watched = self.chaos.watches(self.name, self.region)
+        link = DelayedLink(self.client.send)
         while not self.stopped:
             time.sleep(interval)
             try:
@@ -491,17 +492,14 @@ class Worker:
             except (RuntimeError, dist.DistError):
                 store = None
             self._poll_fence()
-            delay = self.chaos.delay_s()
-            if delay:
-                time.sleep(delay)
             t = self.trainer
-            self.client.send(
-                p.Heartbeat(
-                    next_step=t.next_step if t else 0,
-                    slot_s=self.timer.slot_s,
-                    prepared=t is not None,
-                )
+            beat = p.Heartbeat(
+                next_step=t.next_step if t else 0,
+                slot_s=self.timer.slot_s,
+                prepared=t is not None,
+                sent=time.time(),
             )
+            link.send(beat, self.chaos.delay_s(), time.monotonic())
 
     def _poll_fence(self) -> None:
         """A worker waiting on a coordinator that stopped (hung, cut off without its

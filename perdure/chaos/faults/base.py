@@ -37,8 +37,8 @@ _SHAPES: dict[str, tuple[Callable[[str], bool], str]] = {
 }
 """Target rules that need no cluster: the form of the name."""
 
-_LOST = frozenset({ev.LEAVE, ev.COLLECTIVE_FAILED, ev.LEAVE_REQUESTED})
-"""Events that say a member was lost or asked to go."""
+_LOST = frozenset({ev.LEAVE, ev.COLLECTIVE_FAILED, ev.LEAVE_REQUESTED, ev.MEMBER_BENCHED})
+"""Events that say a member was lost, asked to go, or was taken out of the collective."""
 
 
 class Fault:

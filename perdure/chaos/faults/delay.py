@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 class Delay(Fault):
     """Extra latency (``delay_ms``) on each heartbeat and data-plane send of a worker or
     region for ``duration_s`` (posted in the store, applied by the worker): nobody is
-    evicted, the planner moves slots away and back."""
+    evicted; the planner benches the lagging member (its heartbeats show the lag) and plans
+    it back in once its link is back to speed."""
 
     kind = "delay"
     failure_class = "network"
@@ -35,7 +36,9 @@ class Delay(Fault):
         return []
 
     def detected(self, e: Record, fault: Record, region_workers: set[str]) -> bool:
-        """The planner moved slots away from the slow member."""
+        """The planner benched the lagging member (or moved slots away from it)."""
+        if e["event"] == ev.MEMBER_BENCHED:
+            return e.get("worker") == fault["target"] or e.get("worker") in region_workers
         return e["event"] == ev.EPOCH_ANNOUNCED and e.get("reason") == "rebalance"
 
     def absorbed(self, fault: Record, events: list[Record], detect: Record | None) -> bool:

@@ -311,9 +311,10 @@ class Coordinator:
             log.warning("%s broke the protocol: %s", worker, e)
             self.queue.append(pol.Closed(worker, f"protocol error: {e}", now))
             return
+        wall = time.time()
         for msg in msgs:
             if isinstance(msg, p.FromWorker):
-                self.queue.append(pol.Received(worker, msg, now))
+                self.queue.append(pol.Received(worker, msg, now, wall))
             else:
                 self.queue.append(pol.Closed(worker, f"protocol error: sent {msg.type}", now))
                 return

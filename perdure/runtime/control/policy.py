@@ -59,6 +59,7 @@ from perdure import events as ev
 from perdure.run_config import RunConfig, to_dict
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.detector import PhiAccrual
+from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
 from perdure.runtime.control.lease import LeaseView
 from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance
 
@@ -90,6 +91,8 @@ class Received:
     worker: str
     msg: p.FromWorker
     now: float
+    wall: float | None = None
+    """The wall clock at its arrival (heartbeat stamps are the sender's wall clock)."""
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,10 @@ class Member:
     """Its trainer is built: it can enter an epoch without making the members wait."""
     address: str = ""
     """Where its data plane listens (its hello's address)."""
+    lag: LinkLag = field(default_factory=LinkLag)
+    """Its link's latency over its floor, from its heartbeats' stamps."""
+    calm_since: float | None = None
+    """Benched: since when its link has been back to speed."""
 
 
 @dataclass
@@ -543,6 +550,8 @@ class Policy:
             info.prepared = info.prepared or msg.prepared
             if msg.slot_s is not None:
                 info.slot_s = msg.slot_s
+            if msg.sent is not None and e.wall is not None:
+                info.lag.sample(msg.sent, e.wall, e.now)
         elif isinstance(msg, p.Ready):
             self._on_ready(info, msg)
         elif isinstance(msg, p.Fail):
@@ -681,7 +690,7 @@ class Policy:
         if self.current is None:
             self._maybe_first_epoch(now)
             return
-        if self.drain is None:
+        if self.drain is None and not self._maybe_bench(now):
             self._maybe_grow()
             self._maybe_replan(now)
         self._maybe_finish()
@@ -741,6 +750,85 @@ class Policy:
             self._announce(
                 list(plan.members), after=self._boundary(), reason="rebalance", counts=new.counts()
             )
+
+    # -- bench-out -------------------------------------------------------------------------
+
+    def _lags(self, now: float) -> list[float]:
+        """The current members' link lags, in plan order."""
+        assert self.current is not None
+        interval = self.cluster.heartbeat_ms / 1000
+        return [self.workers[m].lag.lag_s(now, interval) for m in self.current.members]
+
+    def _maybe_bench(self, now: float) -> bool:
+        """Take the members whose links lag out of the collective (or plan a recovered one
+        back in); True if an epoch was announced. Each is judged against the members that
+        would remain (``_to_bench``), so a region that went silent leaves in one epoch."""
+        limit = self.cluster.bench_lag_ms / 1000
+        if limit <= 0 or self.current is None:
+            return False
+        if self._maybe_unbench(now, limit):
+            return True
+        step_s = self._step_s()
+        if len(self.current.members) < 2 or step_s is None:
+            return False
+        benched = self._to_bench(now, limit, step_s)
+        if not benched:
+            return False
+        rest = [m for m in self.current.members if m not in benched]
+        for name, lag_s in benched.items():
+            info = self.workers[name]
+            info.role, info.calm_since = "benched", None
+            self._log(ev.MEMBER_BENCHED, worker=name, lag_s=round(lag_s, 3),
+                      step_s=round(step_s, 4))  # fmt: skip
+            rest += self._promote_spare(info)
+        self._announce(rest, after=-1, reason="bench")
+        return True
+
+    def _to_bench(self, now: float, limit: float, step_s: float) -> dict[str, float]:
+        """Members (worst first) whose lag over the others' median exceeds ``limit`` and
+        costs more than the remaining members (or a warm spare) carrying their slots."""
+        assert self.current is not None
+        members = list(self.current.members)
+        lags = self._lags(now)
+        excess = {m: excess_over_peers(lags, i) for i, m in enumerate(members)}
+        spares = sum(1 for w in self._alive("spare") if w.prepared)
+        out: dict[str, float] = {}
+        for name in sorted(members, key=lambda m: (-excess[m], m)):
+            left = len(members) - len(out)
+            if excess[name] < limit or not bench_pays(step_s, excess[name], left, spares > 0):
+                break
+            out[name] = excess[name]
+            spares -= 1
+        return out
+
+    def _maybe_unbench(self, now: float, limit: float) -> bool:
+        """A benched member whose lag (over the members' median) stayed under half the
+        bench limit for ``replan_interval_ms`` is planned back in at a boundary, or
+        becomes a warm spare if a spare took its place."""
+        assert self.current is not None
+        lags = self._lags(now)
+        base = statistics.median(lags) if lags else 0.0
+        interval = self.cluster.heartbeat_ms / 1000
+        for w in self._alive("benched"):
+            if w.lag.lag_s(now, interval) - base >= limit / 2:
+                w.calm_since = None
+            elif w.calm_since is None:
+                w.calm_since = now
+            elif now - w.calm_since >= self.cluster.replan_interval_ms / 1000:
+                return self._unbench(w)
+        return False
+
+    def _unbench(self, w: Member) -> bool:
+        assert self.current is not None
+        members = list(self.current.members)
+        self._log(ev.MEMBER_UNBENCHED, worker=w.name)
+        if len(members) >= min(self.s.config.train.slots, self.s.expected):
+            w.role = "spare"
+            self._log(ev.BECAME_SPARE, worker=w.name)
+            return False
+        w.role = "worker"
+        self._announce([*members, w.name], after=self._boundary(), reason="unbench")
+        return True
 
     def _boundary(self) -> int:
         """The first step of a planned (not failure-driven) epoch change: far enough ahead
@@ -827,7 +915,9 @@ class Policy:
         assert pend is not None
         if not pend.members:
             # Every member is gone: start over with whoever is (or comes back) alive.
-            idle = [w.name for w in self._alive("worker") if not w.done]
+            idle = [w.name for w in self._alive() if w.role in ("worker", "benched") and not w.done]
+            for name in idle:
+                self.workers[name].role = "worker"  # a benched member rather than nobody
             if idle:
                 self._announce(idle, after=-1, reason="all members lost")
             return

@@ -14,7 +14,8 @@ coordinator *generation* (the fencing token of ``control/lease.py``): every welc
 announcement and start carries the generation of the coordinator that sent it, a hello
 carries the newest one the worker followed, the challenge says whether its sender is
 serving, and a refusal may say "retry" (a standby that does not hold the lease, or a
-coordinator renewing its own).
+coordinator renewing its own). Version 3 added the heartbeat's ``sent`` stamp, from which
+the coordinator measures each member's link latency (``control/lag.py``).
 
 Limits: a line is at most ``MAX_LINE`` bytes (the welcome, which carries the run config,
 is the largest message); strings, lists and nesting are bounded so that decoding is cheap
@@ -30,7 +31,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Union
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
 MAX_STR = 4096
@@ -77,6 +78,8 @@ class Heartbeat:
     next_step: int
     prepared: bool
     slot_s: float | None = None
+    sent: float | None = None
+    """The sender's wall clock when it stamped this heartbeat, before the link carried it."""
 
 
 @dataclass(frozen=True)
