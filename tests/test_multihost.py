@@ -24,10 +24,10 @@ import pytest
 
 from perdure import events as ev
 from perdure.events import read_jsonl
-from perdure.run_config import RunConfig, to_dict, with_overrides
+from perdure.run_config import RunConfig, with_overrides
 from perdure.runtime.control.fence import current_generation
 from tests.netns_support import Hosts, hosts
-from tests.runtime_support import run_to_end, small_config
+from tests.runtime_support import run_to_end, small_config, write_toml
 
 pytestmark = pytest.mark.slow
 
@@ -47,34 +47,6 @@ def reference(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     summary = run_to_end(_config(small_dataset), tmp_path_factory.mktemp("mh-ref") / "run")
     assert summary["final_hash"]
     return str(summary["final_hash"])
-
-
-# -- a config file, as an operator writes it ---------------------------------------------
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    assert isinstance(v, dict), v
-    items = [f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None]
-    return "{ " + ", ".join(items) + " }"
-
-
-def write_toml(config: RunConfig, path: Path) -> Path:
-    """``config`` as a TOML file (unset fields left out)."""
-    lines = []
-    for section, fields in to_dict(config).items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in fields.items() if v is not None]
-        lines.append("")
-    path.write_text("\n".join(lines))
-    return path
 
 
 # -- the cluster -------------------------------------------------------------------------
