@@ -35,6 +35,7 @@ SUITE = [
     ("exact", "bench_exact.py", [], ["--quick"]),
     ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "5"], ["--quick"]),
     ("preload", "bench_preload.py", [], ["--quick"]),
+    ("rtt", "bench_rtt.py", [], ["--quick"]),
 ]
 
 
@@ -316,6 +317,34 @@ def md_preload(d: dict) -> str:
     )
 
 
+def md_rtt(d: dict) -> str:
+    def sec(x: float | None) -> str:
+        return f"{x:.3f}" if x is not None else "-"
+
+    rows = []
+    for r in d["rows"]:
+        bar = "-" if "meets_bar" not in r else ("yes" if r["meets_bar"] else "no")
+        if r["mode"] == "chain" and bar != "-":
+            bar += " (not under the bar)"
+        extra = r.get("extra_rtts")
+        rows.append([r["mode"], r["workers"], f"{r['rtt_ms']:g}", sec(r["step_s_median"]),
+                     sec(r["undisturbed_step_s"]), "-" if extra is None else f"{extra:.1f}",
+                     bar, "ok" if r["ok"] else f"failed {r['exit_codes']}"])  # fmt: skip
+    head = ["mode", "W", "RTT ms", "step s (median)", "step at RTT 0", "(step - RTT 0 step) / RTT",
+            "<= 4 RTT", "run"]  # fmt: skip
+    echo = "; ".join(
+        f"{e['rtt_ms']:g} ms asked: {e['across_ms_median']:.2f} ms across regions, "
+        f"{e['within_ms_median']:.2f} ms within one"
+        for e in d["echo"]
+    )
+    return (
+        table(head, rows)
+        + f"\n\nGoal: {d['goal']}. TCP echo (64 B, median of 10) through the delay router: "
+        + f"{echo}. Exact-reduction final hashes agree across modes and RTTs: "
+        + f"{d['exact_hashes_agree']}; load average at start {d['machine']['loadavg_at_start']}."
+    )
+
+
 RENDER = {
     "reduce": md_reduce,
     "step": md_step,
@@ -324,6 +353,7 @@ RENDER = {
     "exact": md_exact,
     "store": md_store,
     "preload": md_preload,
+    "rtt": md_rtt,
 }
 
 

@@ -132,6 +132,10 @@ class Hosts:
             self._route("del", a, b)
         self._cuts.discard((min(i, j), max(i, j)))
 
+    def cuts(self) -> set[tuple[int, int]]:
+        """The paths cut now, as ``(lower, higher)`` host indices."""
+        return set(self._cuts)
+
     def _route(self, op: str, a: int, b: int) -> None:
         ns, to = self.hosts[a].netns, self.hosts[b].address
         _ip("-n", ns, "route", op, "prohibit", f"{to}/32")

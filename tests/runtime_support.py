@@ -11,7 +11,7 @@ from typing import Any
 from perdure.data import build_dataset
 from perdure.events import read_jsonl
 from perdure.launch.api import run
-from perdure.run_config import RunConfig, config_from_dict
+from perdure.run_config import RunConfig, config_from_dict, to_dict
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -86,3 +86,28 @@ def logged(path: Path, event: str, count: int = 1, timeout_s: float = 5.0) -> li
         if len(found) >= count or time.monotonic() > end:
             return found
         time.sleep(0.02)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    assert isinstance(v, dict), v
+    items = [f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None]
+    return "{ " + ", ".join(items) + " }"
+
+
+def write_toml(config: RunConfig, path: Path) -> Path:
+    """``config`` as a TOML file (unset fields left out)."""
+    lines = []
+    for section, fields in to_dict(config).items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in fields.items() if v is not None]
+        lines.append("")
+    path.write_text("\n".join(lines))
+    return path
