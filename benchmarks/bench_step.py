@@ -253,6 +253,8 @@ def perdure_run(
     """``perdure run`` as a user starts it; returns metrics, events, summary and wall time."""
     cfg = json.loads(json.dumps(cfg))
     cfg["train"]["steps"] = steps
+    # the config is written outside the repository: tasks resolve from the repository
+    cfg.setdefault("run", {}).setdefault("base_dir", str(REPO))
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "bench.toml"
     path.write_text(to_toml(cfg))

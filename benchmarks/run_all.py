@@ -36,6 +36,7 @@ SUITE = [
     ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "5"], ["--quick"]),
     ("preload", "bench_preload.py", [], ["--quick"]),
     ("rtt", "bench_rtt.py", [], ["--quick"]),
+    ("spike", "bench_spike.py", [], ["--quick"]),
 ]
 
 
@@ -345,6 +346,32 @@ def md_rtt(d: dict) -> str:
     )
 
 
+def md_spike(d: dict) -> str:
+    def sec(x: float | None) -> str:
+        return f"{x:.3f}" if x is not None else "-"
+
+    rows = []
+    for r in d["runs"]:
+        if r.get("rc") != 0:
+            rows.append([r["mode"], "-", "-", "-", "-", f"failed (rc {r.get('rc')})"])
+            continue
+        rows.append([r["mode"], sec(r["before_s"]), sec(r["during_s"]), sec(r["ratio"]),
+                     f"{sec(r['median_step_before_s'])} / {sec(r['median_step_during_s'])}",
+                     ", ".join(r["benched"]) or "-"])  # fmt: skip
+    head = ["mode", "s per step before", "s per step in the spike", "ratio",
+            "median step_s before / in", "benched"]  # fmt: skip
+    a, sm = d["args"], d["summary"]
+    ratios = {m: " / ".join(f"{x:.2f}" for x in sm[m]["ratio"] or []) or "-" for m in sm}
+    return (
+        table(head, rows)
+        + f"\n\nSpike: {a['delay_ms']} ms on local-1 for {a['spike_s']} s at step "
+        + f"{a['at_step']}, {a['spares']} spare(s). Ratio (min / median / max): bench "
+        + f"{ratios['bench']}, wait {ratios['wait']}; goal <= {d['goal']}x. One final hash "
+        + f"for every run: {sm['bench']['one_final_hash'] and sm['wait']['one_final_hash']}; "
+        + f"load average at start {d['machine']['loadavg_at_start']}."
+    )
+
+
 RENDER = {
     "reduce": md_reduce,
     "step": md_step,
@@ -354,6 +381,7 @@ RENDER = {
     "store": md_store,
     "preload": md_preload,
     "rtt": md_rtt,
+    "spike": md_spike,
 }
 
 
