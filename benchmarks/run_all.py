@@ -353,20 +353,28 @@ def md_spike(d: dict) -> str:
     rows = []
     for r in d["runs"]:
         if r.get("rc") != 0:
-            rows.append([r["mode"], "-", "-", "-", "-", f"failed (rc {r.get('rc')})"])
+            rows.append([r["mode"], *["-"] * 6, f"failed (rc {r.get('rc')})"])
             continue
         rows.append([r["mode"], sec(r["before_s"]), sec(r["during_s"]), sec(r["ratio"]),
+                     sec(r.get("settled_ratio")), sec(r.get("bench_after_s")),
                      f"{sec(r['median_step_before_s'])} / {sec(r['median_step_during_s'])}",
                      ", ".join(r["benched"]) or "-"])  # fmt: skip
     head = ["mode", "s per step before", "s per step in the spike", "ratio",
-            "median step_s before / in", "benched"]  # fmt: skip
+            "ratio after the first 1.5 s", "benched after s", "median step_s before / in",
+            "benched"]  # fmt: skip
     a, sm = d["args"], d["summary"]
-    ratios = {m: " / ".join(f"{x:.2f}" for x in sm[m]["ratio"] or []) or "-" for m in sm}
+
+    def span(xs: list[float] | None) -> str:
+        return " / ".join(f"{x:.2f}" for x in xs or []) or "-"
+
+    ratios = {m: span(sm[m]["ratio"]) for m in sm}
+    settled = {m: span(sm[m].get("settled_ratio")) for m in sm}
     return (
         table(head, rows)
         + f"\n\nSpike: {a['delay_ms']} ms on local-1 for {a['spike_s']} s at step "
         + f"{a['at_step']}, {a['spares']} spare(s). Ratio (min / median / max): bench "
-        + f"{ratios['bench']}, wait {ratios['wait']}; goal <= {d['goal']}x. One final hash "
+        + f"{ratios['bench']}, wait {ratios['wait']}; after the first 1.5 s: bench "
+        + f"{settled['bench']}, wait {settled['wait']}; goal <= {d['goal']}x. One final hash "
         + f"for every run: {sm['bench']['one_final_hash'] and sm['wait']['one_final_hash']}; "
         + f"load average at start {d['machine']['loadavg_at_start']}."
     )
