@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 
 from perdure.run_config import RunConfig
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.channel import AdmissionRefused, connect, mac, verify
+from perdure.runtime.control.channel import UNACKED_S, AdmissionRefused, connect, mac, verify
 from perdure.runtime.control.coordinator import Coordinator
 from tests.runtime_support import logged
 
@@ -51,6 +52,19 @@ def test_worker_with_the_run_token_is_admitted_and_gets_the_config(
     assert welcome.store_port == coordinator.store_port
     assert welcome.config["train"]["slots"] == RunConfig().train.slots
     line.close()
+
+
+@pytest.mark.skipif(
+    not hasattr(socket, "TCP_USER_TIMEOUT"), reason="needs Linux's TCP_USER_TIMEOUT"
+)
+def test_a_channel_whose_bytes_go_unacknowledged_for_15_s_counts_as_lost(
+    coordinator: Coordinator,
+) -> None:
+    """A blackholed path breaks the channel after UNACKED_S, not TCP's ~15 minutes."""
+    line, _ = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    ms = line.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+    line.close()
+    assert ms == UNACKED_S * 1000 == 15000
 
 
 def test_unauthorised_worker_is_refused_and_logged(

@@ -77,7 +77,7 @@ def test_a_run_over_two_regions_with_tiers_equals_one_worker(
 def test_one_member_per_region_is_combined_by_the_direct_exchange_with_the_same_bits() -> None:
     g = torch.Generator().manual_seed(1)
     regions = ["a", "b", "c", "d"]
-    slots = [[torch.randn(777, generator=g) * 10 ** r for _ in range(2)] for r in range(4)]
+    slots = [[torch.randn(777, generator=g) * 10**r for _ in range(2)] for r in range(4)]
     alone = ExactReducer(0, 1, slots=8, bits=64, block=16)
     reference = alone.reduce(None, [b.clone() for rank in slots for b in rank], TIMEOUT)
     for flat, tiered in _reduce_all(regions, [[b.clone() for b in rank] for rank in slots]):

@@ -44,6 +44,7 @@ from perdure.runtime.comm.reducer import make_reducer
 from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
+from perdure.runtime.control.channel import UNACKED_S
 from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
@@ -147,6 +148,8 @@ class Worker:
         self.client.run_over = RunEndWatch(self.run_dir / "events.jsonl")
         self.fence = Fence(self.run_dir)
         self.config: RunConfig = config
+        pause_s = config.cluster.acceptable_pause_ms / 1000
+        self.client.set_unacked_limit(max(UNACKED_S, 2 * pause_s))
         self.placement = Placement.of(config.train)
         self.chaos.arm(config.chaos)
         # Beat from admission on: building the trainer can take seconds on a busy machine.

@@ -35,7 +35,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-
 DIRECT_MAX = 16
 """Most leaders combined by a direct exchange (beyond, the backend's all-reduce)."""
 DIRECT_TAG = 0x7E1

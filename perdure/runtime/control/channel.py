@@ -78,6 +78,23 @@ class AdmissionRefused(RuntimeError):
         self.retry = retry
 
 
+UNACKED_S = 15.0
+"""How long the worker's end of the channel lets its sent bytes go unacknowledged before
+the connection counts as lost (``TCP_USER_TIMEOUT``). Heartbeats flow every interval, so
+a path that silently drops packets (a host that lost power, a blackholed route) breaks
+the channel after this long, and the worker tries its other coordinators, instead of
+waiting out TCP's retransmissions (~15 minutes). Well above ``acceptable_pause_ms``'s
+default, so a link loss the run absorbs keeps its connection."""
+
+
+def unacked_limit(sock: socket.socket, seconds: float) -> None:
+    """Set ``TCP_USER_TIMEOUT`` where the platform has it (Linux); elsewhere, nothing."""
+    opt = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if opt is not None:
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.IPPROTO_TCP, opt, int(seconds * 1000))
+
+
 def connect(
     host: str, port: int, token: str, hello: Callable[[str], p.Hello], timeout_s: float
 ) -> tuple[LineSocket, p.Welcome]:
@@ -85,6 +102,7 @@ def connect(
     the challenge. Returns the socket and the welcome."""
     sock = socket.create_connection((host, port), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    unacked_limit(sock, UNACKED_S)
     line = LineSocket(sock)
     try:
         challenge = line.recv(timeout_s)

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from functools import partial
 
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
+from perdure.runtime.control.channel import (
+    UNACKED_S,
+    AdmissionRefused,
+    LineSocket,
+    Listener,
+    connect,
+    unacked_limit,
+)
 
 log = logging.getLogger("perdure.worker")
 
@@ -95,6 +102,8 @@ class MembershipClient:
         self.lost = False
         self.epoch_no = -1
         self.line: LineSocket | None = None
+        self.unacked_s = UNACKED_S
+        """The channel's ``TCP_USER_TIMEOUT`` (``channel.UNACKED_S``)."""
         self.host = ""
         self.generation = 0
         """The newest coordinator generation this worker followed."""
@@ -115,6 +124,13 @@ class MembershipClient:
             address=self.address or route_source(self._trying),
             generation=self.generation,
         )
+
+    def set_unacked_limit(self, seconds: float) -> None:
+        """The channel's ``TCP_USER_TIMEOUT`` from now on (the run's config asks for more
+        than the default when it tolerates longer pauses)."""
+        self.unacked_s = seconds
+        if self.line is not None:
+            unacked_limit(self.line.sock, seconds)
 
     def connect(self) -> p.Welcome:
         """Reach the first coordinator that admits this worker, trying each in turn until
@@ -143,6 +159,7 @@ class MembershipClient:
                     line.close()  # a superseded coordinator (it fences itself on our hello)
                     last = ConnectionError(f"{host}:{port} is at old generation")
                     continue
+                unacked_limit(line.sock, self.unacked_s)
                 self.line, self.host = line, host
                 with self.cond:
                     self.lost, self.announce = False, None
