@@ -310,14 +310,7 @@ class LocalLauncher:
             p.reaped = True
             if p.popen.returncode == 0:
                 continue
-            self.events.write(
-                {
-                    "event": ev.PROCESS_EXIT,
-                    "worker": p.name,
-                    "code": p.popen.returncode,
-                    "injected": p.expected_exit,
-                }
-            )
+            self.events.write(self._exit_record(p))
             if not p.expected_exit:
                 self._crashed(p)
             if delay >= 0 and p.kind == "worker":
@@ -329,6 +322,15 @@ class LocalLauncher:
                 del self.replacements[name]
                 self._start_worker(name, old.region, gen=old.generation + 1)
                 self.events.write({"event": ev.REPLACEMENT_STARTED, "worker": name})
+
+    def _exit_record(self, p: Proc) -> dict[str, Any]:
+        """The ``process_exit`` event of a worker that died (a launcher may add to it)."""
+        return {
+            "event": ev.PROCESS_EXIT,
+            "worker": p.name,
+            "code": p.popen.returncode,
+            "injected": p.expected_exit,
+        }
 
     def _crashed(self, p: Proc) -> None:
         """A worker died with no fault injected into it. Two start-up crashes (before the
@@ -391,7 +393,7 @@ class LocalLauncher:
         if p is None:
             return []
         p.expected_exit = p.expected_exit or expected_exit
-        os.kill(p.popen.pid, sig)
+        p.popen.send_signal(sig)  # through the process's own handle: it may run elsewhere
         return [p.popen.pid]
 
     def processes(self, region: str) -> list[str]:

@@ -18,8 +18,10 @@ from perdure.runtime.entry import TOKEN_ENV, WorkerSpec
 class Process(Protocol):
     """What the launcher needs of a process: ``subprocess.Popen`` or a zygote's child."""
 
-    pid: int
     returncode: int | None
+
+    @property
+    def pid(self) -> int: ...
 
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...
@@ -43,6 +45,27 @@ def start_coordinator(
     log: Path,
     allow_config_change: bool = False,
 ) -> subprocess.Popen[bytes]:
+    args = coordinator_args(
+        config_json,
+        run_dir,
+        resume=resume,
+        name=name,
+        expected=expected,
+        allow_config_change=allow_config_change,
+    )
+    return _spawn(python_cmd(*args), token, log)
+
+
+def coordinator_args(
+    config_json: Path,
+    run_dir: Path,
+    *,
+    resume: str | None,
+    name: str,
+    expected: int,
+    allow_config_change: bool = False,
+) -> list[str]:
+    """The ``perdure coordinator`` arguments of coordinator ``name`` (or ``standby``)."""
     args = [
         "coordinator",
         "--config-json",
@@ -60,10 +83,10 @@ def start_coordinator(
         args.append("--allow-config-change")
     if name == "standby":
         args.append("--standby")
-    return _spawn(python_cmd(*args), token, log)
+    return args
 
 
-def wait_ports(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> dict:
+def wait_ports(path: Path, proc: Process, timeout_s: float = 60.0) -> dict:
     """The ports ``proc`` published in ``path`` (a file from another process is ignored)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

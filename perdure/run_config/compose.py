@@ -14,13 +14,14 @@ import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from perdure.chaos.config import ChaosConfig, check_targets
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.config.build import build
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
+from perdure.run_config.launch import RayConfig
 from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
 
 
@@ -32,6 +33,9 @@ class RunOptions:
     """Run directory (events, metrics, checkpoints, summary); default ``runs/<run-id>``."""
     live_view: bool = True
     """Show the live terminal view when standard output is a terminal."""
+    launcher: Literal["local", "ray"] = "local"
+    """What starts the run's processes: ``local`` (processes on this machine) or ``ray``
+    (Ray actors on a cluster, see ``[ray]``); ``perdure run --launcher`` overrides it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -46,6 +50,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     run: RunOptions = field(default_factory=RunOptions)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         c = Checker()

@@ -1,0 +1,648 @@
+"""The Ray launcher: a run's coordinator, standby, workers and spares as Ray actors.
+
+Ray plays the cluster manager's part that the local launcher plays by hand: it places each
+process on a node of its region (a custom resource or a node label per region, see
+``RayConfig``), and when a node or an actor dies it restarts the actor on a node that
+fits, where the launcher starts the replacement. Everything else stays perdure's own:
+the replacement joins through the coordinator's admission like any worker (the run does
+not restart), the data plane is gloo (NCCL on GPU) between the processes, not Ray's
+collectives, and the monitor loop, the crash rules, chaos, the live view and
+``summary.json`` are the local launcher's (this class inherits them), so a run on Ray
+writes the same events, summary and report, plus one ``process_placed`` event per start.
+
+Each actor (:class:`ProcessHost`) hosts one perdure process at a time, started from the
+actor as ``python -m perdure coordinator|worker`` in its own session, rather than running
+perdure inside the actor's own process, because:
+
+- signals must reach the process itself: a ``hang`` fault stops it (SIGSTOP) and resumes
+  it, and a stopped actor could not be asked to resume it on another machine;
+- exit codes stay exact (-9 for a kill, a positive code for an exception), which the crash
+  rules and ``summary.json``'s failures read;
+- perdure's processes exit without running C++ destructors (``cli/worker.py``), install
+  their own signal handlers and fix their own thread counts: none of it fits inside a Ray
+  worker process that Ray owns.
+
+The process dies with its actor (``lifecycle.die_with_parent``: the actor's pid is its
+parent), and every actor is owned by this driver, so Ray kills them all when the driver
+exits, even by SIGKILL; the launcher also kills them at the end of the run.
+
+Limits: the run directory must be shared storage at the same path on the driver and every
+node (events, metrics, checkpoints and the ports files are read there), as must the code
+(perdure, the task, the dataset path; the launcher passes its ``PYTHONPATH`` and working
+directory); there is no fork server, so a replacement pays its imports (~2-3 s); a pid in
+the event log is the pid on its node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import itertools
+import json
+import logging
+import os
+import secrets
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import perdure
+from perdure import events as ev
+from perdure.config.errors import ConfigError, Problem
+from perdure.launch.local import LocalLauncher, Proc
+from perdure.launch.procs import child_env, coordinator_args, wait_ports
+from perdure.run_config import RunConfig, to_dict, with_overrides
+from perdure.run_config.launch import RayConfig
+from perdure.runtime.entry import WorkerSpec
+
+log = logging.getLogger("perdure.launch")
+
+PLACEMENT_AMOUNT = 0.01
+"""How much of its region's custom resource a process asks for: a label-like request (a
+node with ``region:R: 1`` hosts up to 100 processes), as Ray's own ``node:<ip>`` resource
+is used; CPUs and GPUs do the capacity accounting."""
+
+CALL_TIMEOUT_S = 10.0
+"""How long a call to a live actor (a signal, a placement query) may take."""
+
+POLL_S = 0.02
+"""How often an actor looks at its process's exit."""
+
+INSTALL_HINT = "pip install 'perdure[ray]' (ray==2.60.0)"
+
+
+class RayClusterError(ConfigError):
+    """The Ray cluster cannot host this run (unreachable, or a region with no node to place
+    its processes on); every problem at once, before any process starts."""
+
+    def __str__(self) -> str:
+        n = len(self.problems)
+        lines = [f"ray cluster {self.source or ''}: {n} problem{'s' if n != 1 else ''}"]
+        return "\n".join([*lines, *(f"  - {p}" for p in self.problems)])
+
+
+# -- the actor ------------------------------------------------------------------------------
+
+
+class ProcessHost:
+    """A Ray actor that hosts one perdure process at a time on its node (run as an async
+    actor: a method waiting for an exit does not block a signal).
+
+    Processes are numbered by the launcher (``launch``), so that a wait or a signal meant
+    for one process can never reach its successor. Starting a process stops the one still
+    running here first: a name has one process."""
+
+    def __init__(self) -> None:
+        self.incarnation = secrets.token_hex(8)
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.current: int | None = None
+
+    async def start(
+        self,
+        launch: int,
+        args: list[str],
+        token: str,
+        log_path: str,
+        cwd: str | None,
+        host_flag: str | None,
+    ) -> dict[str, Any]:
+        """Start ``python -m perdure ARGS`` (plus ``HOST_FLAG <this node's address>``);
+        where it runs and its pid."""
+        import ray
+
+        self._stop_current()
+        ip = ray.util.get_node_ip_address()
+        argv = [sys.executable, "-m", "perdure", *args, *([host_flag, ip] if host_flag else [])]
+        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+        usable_cwd = cwd if cwd and Path(cwd).is_dir() else None
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=child_env(token),  # its parent is this actor: it dies with it
+                cwd=usable_cwd,
+                start_new_session=True,
+            )
+        self.procs[launch] = proc
+        self.current = launch
+        return {
+            "pid": proc.pid,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ip,
+            "actor_pid": os.getpid(),
+            "incarnation": self.incarnation,
+        }
+
+    async def wait_exit(self, launch: int) -> int:
+        """The exit code of process ``launch`` (negative: the signal that killed it)."""
+        while launch not in self.procs:  # its start was submitted first; it may not have run
+            await asyncio.sleep(POLL_S)
+        proc = self.procs[launch]
+        while proc.poll() is None:
+            await asyncio.sleep(POLL_S)
+        return proc.returncode
+
+    async def signal(self, launch: int, sig: int) -> int | None:
+        """Send ``sig`` to process ``launch`` if it runs; its pid, or None."""
+        proc = self.procs.get(launch)
+        if proc is None or proc.poll() is not None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
+        return proc.pid
+
+    async def node(self) -> dict[str, Any]:
+        import ray
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "actor_pid": os.getpid(),
+            "incarnation": self.incarnation,
+        }
+
+    def _stop_current(self) -> None:
+        proc = self.procs.get(self.current) if self.current is not None else None
+        if proc is not None and proc.poll() is None:
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, sig)
+            proc.wait(timeout=CALL_TIMEOUT_S)
+
+
+# -- the driver's handle on one process -----------------------------------------------------
+
+
+class RayProcess:
+    """One process started by a :class:`ProcessHost`, seen by the launcher as a
+    ``launch.procs.Process`` (what ``subprocess.Popen`` offers it).
+
+    If the actor dies (its node lost, the actor killed), the process died with it, killed
+    by SIGKILL (``die_with_parent``): its return code is then -9 and ``cause`` says what
+    Ray reported. Limit: an actor that Ray reports unavailable but that is only cut off for
+    a while is taken for dead too; its replacement, started in the same actor, stops the
+    old process first, so a name never runs twice."""
+
+    def __init__(
+        self,
+        host: Any,
+        launch: int,
+        args: list[str],
+        token: str,
+        log_path: Path,
+        *,
+        cwd: str | None,
+        host_flag: str | None,
+        start_timeout_s: float,
+    ) -> None:
+        self.host = host
+        self.launch = launch
+        self.start_timeout_s = start_timeout_s
+        self._info = host.start.remote(launch, args, token, str(log_path), cwd, host_flag)
+        self._exit = host.wait_exit.remote(launch)
+        self.returncode: int | None = None
+        self.cause: str | None = None
+        self._placed: dict[str, Any] | None = None
+
+    # placement
+
+    def placed(self) -> dict[str, Any] | None:
+        """Where the process runs, once its actor has started it (never blocks)."""
+        import ray
+
+        if self._placed is None:
+            ready, _ = ray.wait([self._info], timeout=0)
+            if ready:
+                try:
+                    self._placed = ray.get(self._info)
+                except ray.exceptions.RayError as e:
+                    self._placed = {"error": _first_line(e)}
+        return self._placed
+
+    @property
+    def pid(self) -> int:
+        """The process's pid on its node; waits for the start (up to ``start_timeout_s``)."""
+        import ray
+
+        if self._placed is None:
+            try:
+                self._placed = ray.get(self._info, timeout=self.start_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"a Ray actor did not start its process within {self.start_timeout_s:g} s "
+                    "(its region's nodes are full or gone; see ray.start_timeout_s)"
+                ) from None
+            except ray.exceptions.RayError as e:
+                self._placed = {"error": _first_line(e)}
+        pid = self._placed.get("pid")
+        return int(pid) if pid is not None else -1
+
+    # the Process protocol
+
+    def poll(self) -> int | None:
+        import ray
+
+        if self.returncode is None:
+            ready, _ = ray.wait([self._exit], timeout=0)
+            if ready:
+                self._exited(lambda: ray.get(self._exit))
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import ray
+
+        if self.returncode is None:
+            try:
+                self._exited(lambda: ray.get(self._exit, timeout=timeout))
+            except ray.exceptions.GetTimeoutError:
+                name = f"ray process {self.launch}"
+                raise subprocess.TimeoutExpired(name, timeout or 0) from None
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        """Through the actor; nothing when the process is not (or no longer) running, or
+        its actor is not placed yet."""
+        import ray
+
+        if self.poll() is not None or self.placed() is None:
+            return
+        with contextlib.suppress(ray.exceptions.RayError):
+            ray.get(self.host.signal.remote(self.launch, int(sig)), timeout=CALL_TIMEOUT_S)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _exited(self, get: Any) -> None:
+        import ray
+
+        try:
+            self.returncode = int(get())
+        except ray.exceptions.GetTimeoutError:
+            raise
+        except ray.exceptions.RayError as e:  # the actor died, and the process with it
+            self.returncode = -int(signal.SIGKILL)
+            self.cause = _first_line(e)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+# -- the cluster ----------------------------------------------------------------------------
+
+
+@dataclass
+class RayCluster:
+    """A connection to a Ray cluster checked to host the run (``connect``)."""
+
+    address: str
+    nodes: list[dict[str, Any]]
+    owned: bool
+    """Whether this connection is ours to close (not a caller's own ``ray.init``)."""
+    started_local: bool = False
+    runtime_env: dict[str, Any] = field(default_factory=dict)
+
+
+def needed_regions(config: RunConfig) -> dict[str, float]:
+    """Region -> the Ray CPUs its workers and spares reserve; coordinators' regions too
+    (with 0 when no worker lives there)."""
+    cl, rc = config.cluster, config.ray
+    need: dict[str, float] = {r.name: r.workers * rc.worker_cpus for r in cl.regions if r.workers}
+    for i in range(cl.spares):
+        home = cl.regions[i % len(cl.regions)].name
+        need[home] = need.get(home, 0.0) + rc.worker_cpus
+    for r in (cl.coordinator_region or cl.regions[0].name, cl.standby_region):
+        if r is not None:
+            need.setdefault(r, 0.0)
+    return need
+
+
+def placement(rc: RayConfig, region: str) -> dict[str, Any]:
+    """The actor options that keep a process in ``region``."""
+    if rc.placement == "label":
+        return {"label_selector": {rc.label: region}}
+    return {"resources": {f"{rc.resource_prefix}{region}": PLACEMENT_AMOUNT}}
+
+
+def in_region(rc: RayConfig, node: dict[str, Any], region: str) -> bool:
+    if rc.placement == "label":
+        return (node.get("Labels") or {}).get(rc.label) == region
+    return float((node.get("Resources") or {}).get(f"{rc.resource_prefix}{region}", 0)) > 0
+
+
+def region_problems(config: RunConfig, nodes: list[dict[str, Any]]) -> list[Problem]:
+    """What keeps the cluster's alive ``nodes`` from hosting ``config``: a region with no
+    node, or with fewer CPUs (or GPUs) than its workers reserve. Pure, for tests."""
+    rc = config.ray
+    alive = [n for n in nodes if n.get("Alive", True)]
+    what = (
+        (lambda r: f"label {rc.label}={r}")
+        if rc.placement == "label"
+        else (lambda r: f"resource {rc.resource_prefix}{r}")
+    )
+    out: list[Problem] = []
+    gpus = rc.worker_gpus * (config.cluster.workers + config.cluster.spares)
+    have_gpus = sum(float((n.get("Resources") or {}).get("GPU", 0)) for n in alive)
+    if gpus > have_gpus:
+        out.append(
+            Problem("ray.worker_gpus", f"the workers reserve {gpus:g} GPUs; the cluster has "
+                    f"{have_gpus:g}", rc.worker_gpus)
+        )  # fmt: skip
+    for region, cpus in needed_regions(config).items():
+        mine = [n for n in alive if in_region(rc, n, region)]
+        if not mine:
+            hint = (
+                f"ray start --labels {rc.label}={region}"
+                if rc.placement == "label"
+                else f"""ray start --resources '{{"{rc.resource_prefix}{region}": 1}}'"""
+            )
+            out.append(
+                Problem(
+                    f"cluster.regions ({region})",
+                    f"no alive Ray node has the {what(region)}: start its nodes with {hint}",
+                    _regions_seen(rc, alive),
+                )
+            )
+            continue
+        have = sum(float((n.get("Resources") or {}).get("CPU", 0)) for n in mine)
+        if cpus > have:
+            out.append(
+                Problem(
+                    f"ray.worker_cpus ({region})",
+                    f"the region's workers reserve {cpus:g} CPUs; its nodes have {have:g}",
+                    rc.worker_cpus,
+                )
+            )
+    return out
+
+
+def _regions_seen(rc: RayConfig, nodes: list[dict[str, Any]]) -> list[str]:
+    """What the nodes offer, to show in an error: their region resources or labels."""
+    if rc.placement == "label":
+        return sorted({str((n.get("Labels") or {}).get(rc.label)) for n in nodes})
+    keys = {k for n in nodes for k in (n.get("Resources") or {})}
+    return sorted(k for k in keys if k.startswith(rc.resource_prefix))
+
+
+def job_runtime_env() -> dict[str, Any]:
+    """Where the cluster's processes find perdure when it is not installed there: this
+    driver's ``PYTHONPATH``, and the directory perdure was imported from (a checkout)."""
+    root = str(Path(perdure.__file__).resolve().parent.parent)
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if "site-packages" not in root and root not in paths:
+        paths.insert(0, root)
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}} if paths else {}
+
+
+@contextlib.contextmanager
+def connect(config: RunConfig) -> Iterator[RayCluster]:
+    """Connect to the cluster of ``config.ray.address`` (or start a private local one) and
+    check that it can host the run; raise :class:`RayClusterError` naming each problem.
+    The connection is closed on exit (a private cluster is stopped); one a caller opened
+    with ``ray.init`` is used and left open."""
+    try:
+        import ray
+    except ImportError:
+        raise RayClusterError(
+            [Problem("run.launcher", f"the Ray launcher needs Ray: {INSTALL_HINT}", "ray")]
+        ) from None
+    rc = config.ray
+    owned = not ray.is_initialized()
+    env = job_runtime_env()
+    local = rc.address == "local"
+    if owned:
+        kwargs: dict[str, Any] = {
+            "namespace": rc.namespace,
+            "log_to_driver": False,
+            "runtime_env": env or None,
+        }
+        if local:
+            need = needed_regions(config)
+            kwargs |= {
+                "address": "local",
+                "num_cpus": max(os.cpu_count() or 1, int(sum(need.values()) + 0.999)),
+                "resources": {f"{rc.resource_prefix}{r}": 1.0 for r in need},
+                "include_dashboard": False,
+                "labels": {rc.label: next(iter(need))} if rc.placement == "label" else None,
+            }
+            kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        else:
+            kwargs["address"] = None if rc.address == "auto" else rc.address
+        try:
+            ray.init(**kwargs)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise RayClusterError(
+                [Problem("ray.address", f"cannot connect to Ray: {_first_line(e)}", rc.address)]
+            ) from None
+    try:
+        cluster = RayCluster(
+            address=rc.address,
+            nodes=ray.nodes(),
+            owned=owned,
+            started_local=local and owned,
+            runtime_env=env,
+        )
+        problems = region_problems(config, cluster.nodes)
+        if problems:
+            raise RayClusterError(problems, source=rc.address)
+        yield cluster
+    finally:
+        if owned:
+            ray.shutdown()
+
+
+# -- the launcher ---------------------------------------------------------------------------
+
+
+class RayLauncher(LocalLauncher):
+    """Runs one training run on a Ray cluster; ``run()`` returns the summary.
+
+    The local launcher with its processes started by actors: ``_start_coordinators``,
+    ``_start_worker``, ``_stop_all`` and the fork server are replaced, the monitor loop,
+    crash rules, ``ClusterControl`` and ``Roster`` are inherited (a process's handle is a
+    :class:`RayProcess`, so a signal from a fault travels through its actor)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: str | Path,
+        *,
+        cluster: RayCluster,
+        **options: Any,
+    ) -> None:
+        super().__init__(config, run_dir, **options)
+        self.cluster = cluster
+        self.hosts: dict[str, Any] = {}
+        """One actor per process name, created once: a replacement runs in the same
+        actor, which Ray has restarted wherever its region has room if it died."""
+        self._launches = itertools.count(1)
+        self._unlogged: list[Proc] = []
+        self._cwd = os.getcwd()
+
+    # -- actors ----------------------------------------------------------------------------
+
+    def _host(self, name: str, region: str, kind: str) -> Any:
+        import ray
+
+        if name not in self.hosts:
+            rc = self.config.ray
+            worker = kind in ("worker", "spare")
+            restarts = -1 if kind == "worker" and self.config.cluster.replace_after_ms >= 0 else 0
+            cls = ray.remote(ProcessHost).options(
+                num_cpus=rc.worker_cpus if worker else 0,
+                num_gpus=rc.worker_gpus if worker else 0,
+                max_restarts=restarts,
+                max_task_retries=0,
+                **placement(rc, region),
+            )
+            self.hosts[name] = cls.remote()
+        return self.hosts[name]
+
+    def _process(
+        self, name: str, region: str, kind: str, args: list[str], host_flag: str | None
+    ) -> RayProcess:
+        log = self.run_dir / "logs" / f"{name}.log"
+        return RayProcess(
+            self._host(name, region, kind),
+            next(self._launches),
+            args,
+            self.token,
+            log,
+            cwd=self._cwd,
+            host_flag=host_flag,
+            start_timeout_s=self.config.ray.start_timeout_s,
+        )
+
+    # -- processes -------------------------------------------------------------------------
+
+    def _start_zygote(self) -> None:
+        """No fork server on Ray: each process is started by its own actor."""
+
+    def _start_coordinators(self) -> None:
+        """Each coordinator listens on its node's address as Ray knows it (what the other
+        nodes reach it by), whatever ``cluster.host`` says (its default is loopback)."""
+        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        cl = self.config.cluster
+        names = [("coordinator", cl.coordinator_region or cl.regions[0].name)]
+        if cl.standby_region:
+            names.append(("standby", cl.standby_region))
+        for name, region in names:
+            node = self._node_of(name, region)
+            own = with_overrides(self.config, cluster={"host": _bind_address(node["node_ip"])})
+            cfg_path = self.run_dir / f"{name}.config.json"
+            cfg_path.write_text(json.dumps(to_dict(own), indent=2))
+            args = coordinator_args(
+                cfg_path,
+                self.run_dir,
+                resume=self.resume,
+                name=name,
+                expected=cl.workers,
+                allow_config_change=self.allow_config_change,
+            )
+            popen = self._process(name, region, "coordinator", args, host_flag=None)
+            proc = Proc(name, region, "coordinator", popen)
+            self.coordinators.append(proc)
+            self._unlogged.append(proc)
+            timeout = self.config.ray.start_timeout_s
+            ports = wait_ports(self.run_dir / f"{name}.json", popen, timeout)
+            self.addresses.append(f"{ports['host']}:{ports['channel_port']}")
+            self.store_addrs.append((ports["host"], int(ports["store_port"])))
+
+    def _node_of(self, name: str, region: str) -> dict[str, Any]:
+        import ray
+
+        host = self._host(name, region, "coordinator")
+        timeout = self.config.ray.start_timeout_s
+        try:
+            return dict(ray.get(host.node.remote(), timeout=timeout))
+        except ray.exceptions.GetTimeoutError:
+            ask = placement(self.config.ray, region)
+            raise TimeoutError(
+                f"the {name}'s actor was not placed within {timeout:g} s (it asks Ray for "
+                f"{ask}; see ray.start_timeout_s)"
+            ) from None
+
+    def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
+        log = self.run_dir / "logs" / f"{name}.log"
+        self._log_start[name] = log.stat().st_size if log.exists() else 0
+        spec = WorkerSpec(
+            name=name,
+            region=region,
+            coordinators=list(self.addresses),
+            role=role,
+            yield_cpu=gen > 0,
+        )
+        # the worker's data plane listens on its node's address: the actor adds --host
+        popen = self._process(name, region, role, spec.argv(), host_flag="--host")
+        self.procs[name] = proc = Proc(name, region, role, popen, generation=gen)
+        self._unlogged.append(proc)
+
+    def _tick(self) -> None:
+        self._log_placements()
+        super()._tick()
+
+    def _log_placements(self) -> None:
+        """One ``process_placed`` event per started process, once its actor reports it."""
+        for proc in list(self._unlogged):
+            assert isinstance(proc.popen, RayProcess)
+            where = proc.popen.placed()
+            if where is None:
+                continue
+            self._unlogged.remove(proc)
+            self.events.write(
+                {
+                    "event": ev.PROCESS_PLACED,
+                    "worker": proc.name,
+                    "kind": proc.kind,
+                    "region": proc.region,
+                    **where,
+                }
+            )
+
+    def _exit_record(self, p: Proc) -> dict[str, Any]:
+        """The local launcher's, with Ray's word when the process died with its actor."""
+        record = super()._exit_record(p)
+        cause = p.popen.cause if isinstance(p.popen, RayProcess) else None
+        return {**record, "cause": cause} if cause else record
+
+    def _stop_all(self) -> None:
+        """Stop every process through its actor as the local launcher does (SIGTERM to
+        workers, SIGINT to coordinators, SIGKILL after 10 s), then kill every actor."""
+        import ray
+
+        try:
+            self._log_placements()
+            super()._stop_all()
+        finally:
+            for handle in self.hosts.values():
+                with contextlib.suppress(ray.exceptions.RayError, ValueError):
+                    ray.kill(handle, no_restart=True)
+
+
+def _bind_address(ip: str) -> str:
+    """The address to bind for ``ip`` (a v6 address as it is, no brackets)."""
+    return str(ipaddress.ip_address(ip))
+
+
+__all__ = [
+    "ProcessHost",
+    "RayCluster",
+    "RayClusterError",
+    "RayLauncher",
+    "RayProcess",
+    "connect",
+    "needed_regions",
+    "region_problems",
+]
