@@ -53,7 +53,7 @@ def start_coordinator(
         expected=expected,
         allow_config_change=allow_config_change,
     )
-    return _spawn(python_cmd(*args), token, log)
+    return spawn(python_cmd(*args), token, log)
 
 
 def coordinator_args(
@@ -135,7 +135,7 @@ def start_worker(
         forked = zygote.spawn(spec, child_env(token), log)
         if forked is not None:
             return forked
-    return _spawn(python_cmd(*spec.argv()), token, log)
+    return spawn(python_cmd(*spec.argv()), token, log)
 
 
 def child_env(token: str) -> dict[str, str]:
@@ -151,7 +151,9 @@ def child_env(token: str) -> dict[str, str]:
     }
 
 
-def _spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
+def spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session, its output appended to ``log``, the run token and
+    this process's pid (it dies with us) in its environment."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = child_env(token)
     with open(log, "ab") as out:

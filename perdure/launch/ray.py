@@ -45,7 +45,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +54,15 @@ import perdure
 from perdure import events as ev
 from perdure.config.errors import ConfigError, Problem
 from perdure.launch.local import LocalLauncher, Proc
-from perdure.launch.procs import child_env, coordinator_args, wait_ports
+from perdure.launch.procs import (
+    Process,
+    child_env,
+    coordinator_args,
+    python_cmd,
+    spawn,
+    wait_ports,
+)
+from perdure.launch.zygote import Zygote
 from perdure.run_config import RunConfig, to_dict, with_overrides
 from perdure.run_config.launch import RayConfig
 from perdure.runtime.entry import WorkerSpec
@@ -69,6 +76,9 @@ is used; CPUs and GPUs do the capacity accounting."""
 
 CALL_TIMEOUT_S = 10.0
 """How long a call to a live actor (a signal, a placement query) may take."""
+
+ZYGOTE_READY_S = 60.0
+"""How long a worker's start waits for its actor's fork server (then: a new process)."""
 
 POLL_S = 0.02
 """How often an actor looks at its process's exit."""
@@ -93,43 +103,57 @@ class ProcessHost:
     """A Ray actor that hosts one perdure process at a time on its node (run as an async
     actor: a method waiting for an exit does not block a signal).
 
-    Processes are numbered by the launcher (``launch``), so that a wait or a signal meant
-    for one process can never reach its successor. Starting a process stops the one still
-    running here first: a name has one process."""
+    A worker's host starts a fork server (``launch/zygote.py``) as soon as it is placed,
+    so that ``import torch`` overlaps the coordinator's start-up, and a replacement started
+    in the same actor (its process died, its node did not) is a fork that starts within
+    ~0.05 s; a coordinator is a new process. Processes are numbered by the launcher
+    (``launch``), so that a wait or a signal meant for one process never reaches its
+    successor; starting a process stops the one still running here first: a name has
+    one process."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self, cwd: str | None, pythonpath: list[str], token: str, zygote_log: str | None
+    ) -> None:
         self.incarnation = secrets.token_hex(8)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, Process] = {}
         self.current: int | None = None
+        self.token = token
+        # This actor's process is its own: its children start where the driver runs and
+        # find the code where the driver found it (a cluster shares paths: see the limits).
+        if cwd and Path(cwd).is_dir():
+            os.chdir(cwd)
+        paths = [*pythonpath, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
+        self.zygote: Zygote | None = None
+        if zygote_log is not None and hasattr(os, "fork"):
+            self.zygote = Zygote(child_env(token), Path(zygote_log))
 
     async def start(
         self,
         launch: int,
-        args: list[str],
-        token: str,
         log_path: str,
-        cwd: str | None,
-        host_flag: str | None,
+        *,
+        args: list[str] | None = None,
+        spec: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Start ``python -m perdure ARGS`` (plus ``HOST_FLAG <this node's address>``);
-        where it runs and its pid."""
+        """Start a process: ``python -m perdure ARGS``, or the worker of ``spec`` (a
+        ``WorkerSpec``'s fields), its data plane on this node's address; where it runs."""
         import ray
 
         self._stop_current()
         ip = ray.util.get_node_ip_address()
-        argv = [sys.executable, "-m", "perdure", *args, *([host_flag, ip] if host_flag else [])]
-        Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-        usable_cwd = cwd if cwd and Path(cwd).is_dir() else None
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(
-                argv,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=child_env(token),  # its parent is this actor: it dies with it
-                cwd=usable_cwd,
-                start_new_session=True,
-            )
+        log = Path(log_path)
+        log.parent.mkdir(parents=True, exist_ok=True)
+        proc: Process | None = None
+        if spec is not None:
+            worker = WorkerSpec(**{**spec, "host": _bind_address(ip)})
+            if self.zygote is not None:
+                await asyncio.to_thread(self.zygote.wait_ready, ZYGOTE_READY_S)
+                proc = self.zygote.spawn(worker, child_env(self.token), log)
+            args = worker.argv()
+        if proc is None:
+            assert args is not None
+            proc = spawn(python_cmd(*args), self.token, log)  # its parent is this actor
         self.procs[launch] = proc
         self.current = launch
         return {
@@ -137,6 +161,7 @@ class ProcessHost:
             "node_id": ray.get_runtime_context().get_node_id(),
             "node_ip": ip,
             "actor_pid": os.getpid(),
+            "forked": not isinstance(proc, subprocess.Popen),
             "incarnation": self.incarnation,
         }
 
@@ -145,17 +170,16 @@ class ProcessHost:
         while launch not in self.procs:  # its start was submitted first; it may not have run
             await asyncio.sleep(POLL_S)
         proc = self.procs[launch]
-        while proc.poll() is None:
+        while (code := proc.poll()) is None:
             await asyncio.sleep(POLL_S)
-        return proc.returncode
+        return code
 
     async def signal(self, launch: int, sig: int) -> int | None:
         """Send ``sig`` to process ``launch`` if it runs; its pid, or None."""
         proc = self.procs.get(launch)
         if proc is None or proc.poll() is not None:
             return None
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, sig)
+        proc.send_signal(sig)
         return proc.pid
 
     async def node(self) -> dict[str, Any]:
@@ -171,9 +195,8 @@ class ProcessHost:
     def _stop_current(self) -> None:
         proc = self.procs.get(self.current) if self.current is not None else None
         if proc is not None and proc.poll() is None:
-            for sig in (signal.SIGCONT, signal.SIGKILL):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, sig)
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
             proc.wait(timeout=CALL_TIMEOUT_S)
 
 
@@ -194,18 +217,17 @@ class RayProcess:
         self,
         host: Any,
         launch: int,
-        args: list[str],
-        token: str,
         log_path: Path,
         *,
-        cwd: str | None,
-        host_flag: str | None,
+        args: list[str] | None = None,
+        spec: WorkerSpec | None = None,
         start_timeout_s: float,
     ) -> None:
         self.host = host
         self.launch = launch
         self.start_timeout_s = start_timeout_s
-        self._info = host.start.remote(launch, args, token, str(log_path), cwd, host_flag)
+        fields = spec.to_dict() if spec is not None else None
+        self._info = host.start.remote(launch, str(log_path), args=args, spec=fields)
         self._exit = host.wait_exit.remote(launch)
         self.returncode: int | None = None
         self.cause: str | None = None
@@ -396,14 +418,23 @@ def _regions_seen(rc: RayConfig, nodes: list[dict[str, Any]]) -> list[str]:
     return sorted(k for k in keys if k.startswith(rc.resource_prefix))
 
 
-def job_runtime_env() -> dict[str, Any]:
-    """Where the cluster's processes find perdure when it is not installed there: this
-    driver's ``PYTHONPATH``, and the directory perdure was imported from (a checkout)."""
+def code_paths() -> list[str]:
+    """Where this driver found perdure and the task: the checkout perdure was imported
+    from (none when it is installed) and ``$PYTHONPATH``."""
     root = str(Path(perdure.__file__).resolve().parent.parent)
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if "site-packages" not in root and root not in paths:
-        paths.insert(0, root)
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(paths)}} if paths else {}
+    return list(dict.fromkeys([root, *paths] if "site-packages" not in root else paths))
+
+
+def job_runtime_env() -> dict[str, Any]:
+    """The job's runtime environment: none when Ray's workers can import perdure as they
+    are (installed, or a checkout that is the driver's working directory, which Ray puts
+    on its workers' path); otherwise ``PYTHONPATH`` from :func:`code_paths` (Ray then
+    starts a dedicated worker process per actor: slower)."""
+    root = str(Path(perdure.__file__).resolve().parent.parent)
+    if "site-packages" in root or Path(root) == Path.cwd().resolve():
+        return {}
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(code_paths())}}
 
 
 @contextlib.contextmanager
@@ -494,6 +525,7 @@ class RayLauncher(LocalLauncher):
     # -- actors ----------------------------------------------------------------------------
 
     def _host(self, name: str, region: str, kind: str) -> Any:
+        """The actor of process ``name``, created on first use."""
         import ray
 
         if name not in self.hosts:
@@ -507,33 +539,48 @@ class RayLauncher(LocalLauncher):
                 max_task_retries=0,
                 **placement(rc, region),
             )
-            self.hosts[name] = cls.remote()
+            zygote = str(self.run_dir / "logs" / f"zygote-{name}.log") if worker else None
+            self.hosts[name] = cls.remote(self._cwd, code_paths(), self.token, zygote)
         return self.hosts[name]
 
     def _process(
-        self, name: str, region: str, kind: str, args: list[str], host_flag: str | None
+        self,
+        name: str,
+        region: str,
+        kind: str,
+        *,
+        args: list[str] | None = None,
+        spec: WorkerSpec | None = None,
     ) -> RayProcess:
-        log = self.run_dir / "logs" / f"{name}.log"
         return RayProcess(
             self._host(name, region, kind),
             next(self._launches),
-            args,
-            self.token,
-            log,
-            cwd=self._cwd,
-            host_flag=host_flag,
+            self.run_dir / "logs" / f"{name}.log",
+            args=args,
+            spec=spec,
             start_timeout_s=self.config.ray.start_timeout_s,
         )
+
+    def _place_workers(self) -> None:
+        """Create every worker's and spare's actor now, before the coordinators: Ray
+        places them and their fork servers import torch while the coordinators start."""
+        cl = self.config.cluster
+        for region in cl.regions:
+            for i in range(region.workers):
+                self._host(f"{region.name}-{i}", region.name, "worker")
+        for i in range(cl.spares):
+            self._host(f"spare-{i}", cl.regions[i % len(cl.regions)].name, "spare")
 
     # -- processes -------------------------------------------------------------------------
 
     def _start_zygote(self) -> None:
-        """No fork server on Ray: each process is started by its own actor."""
+        """No fork server on the driver: each worker's actor has its own."""
 
     def _start_coordinators(self) -> None:
         """Each coordinator listens on its node's address as Ray knows it (what the other
         nodes reach it by), whatever ``cluster.host`` says (its default is loopback)."""
         (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        self._place_workers()
         cl = self.config.cluster
         names = [("coordinator", cl.coordinator_region or cl.regions[0].name)]
         if cl.standby_region:
@@ -551,7 +598,7 @@ class RayLauncher(LocalLauncher):
                 expected=cl.workers,
                 allow_config_change=self.allow_config_change,
             )
-            popen = self._process(name, region, "coordinator", args, host_flag=None)
+            popen = self._process(name, region, "coordinator", args=args)
             proc = Proc(name, region, "coordinator", popen)
             self.coordinators.append(proc)
             self._unlogged.append(proc)
@@ -584,8 +631,8 @@ class RayLauncher(LocalLauncher):
             role=role,
             yield_cpu=gen > 0,
         )
-        # the worker's data plane listens on its node's address: the actor adds --host
-        popen = self._process(name, region, role, spec.argv(), host_flag="--host")
+        # the worker's data plane listens on its node's address: the actor sets spec.host
+        popen = self._process(name, region, role, spec=spec)
         self.procs[name] = proc = Proc(name, region, role, popen, generation=gen)
         self._unlogged.append(proc)
 
