@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the local Ray cluster fixture reads /proc"
 )
 
-STEPS = 40
+STEPS = 150
 TIMEOUT_S = 110.0
 """A Ray run here: ~10 s of Ray start-up (actors, fork servers) on an idle machine; the
 bars are on the bits and the events, never on the time."""
@@ -160,7 +160,7 @@ def test_a_killed_worker_process_and_a_killed_worker_actor_are_absorbed_bitwise_
     SIGKILL of r1-0's actor process, which takes its process with it: Ray restarts the
     actor, the launcher starts the replacement in it, and it joins through admission."""
     cfg = _config(small_dataset, chaos={"faults": [{"kind": "kill", "target": "r0-1",
-                                                    "at_step": 8}]})  # fmt: skip
+                                                    "at_step": 60}]})  # fmt: skip
     rd = tmp_path / "run"
     killed: list[int] = []
 
@@ -169,7 +169,7 @@ def test_a_killed_worker_process_and_a_killed_worker_actor_are_absorbed_bitwise_
         killed.append(placed["actor_pid"])
         os.kill(placed["actor_pid"], signal.SIGKILL)
 
-    watcher = _at_step(rd, 20, kill_actor)
+    watcher = _at_step(rd, 3, kill_actor)
     summary = _on_ray(cfg, rd, cluster)
     watcher.join(5)
     assert killed, "the actor was never killed"
@@ -183,6 +183,8 @@ def test_a_killed_worker_process_and_a_killed_worker_actor_are_absorbed_bitwise_
     first, second = _placed(rd, "r1-0")
     assert second["actor_pid"] != first["actor_pid"]  # Ray restarted the actor
     assert second["incarnation"] != first["incarnation"]
+    joins = [e["pid"] for e in events(rd, ev.JOIN) if e["worker"] == "r1-0"]
+    assert joins == [first["pid"], second["pid"]]  # the replacement joined the same run
     again = _placed(rd, "r0-1")
     assert len(again) == 2 and again[0]["actor_pid"] == again[1]["actor_pid"]  # same actor
     assert again[1]["forked"] is True  # from its actor's fork server
@@ -234,7 +236,7 @@ def test_a_killed_node_is_absorbed_and_its_worker_replaced_on_another_node(
         victims.append(node.name)
         node.kill()
 
-    watcher = _at_step(rd, 10, kill_node)
+    watcher = _at_step(rd, 5, kill_node)
     try:
         summary = _on_ray(_config(small_dataset), rd, cluster)
     finally:
@@ -247,6 +249,8 @@ def test_a_killed_node_is_absorbed_and_its_worker_replaced_on_another_node(
     assert summary["survivor_restarts"] == 0
     first, second = _placed(rd, "r1-0")
     assert second["node_id"] != first["node_id"]  # placed by Ray on the other r1 node
+    joins = [e["pid"] for e in events(rd, ev.JOIN) if e["worker"] == "r1-0"]
+    assert joins == [first["pid"], second["pid"]]
     [exit_] = [e for e in events(rd, ev.PROCESS_EXIT) if e["worker"] == "r1-0"]
     assert exit_["code"] == -9 and exit_["injected"] is False
     assert [e["worker"] for e in events(rd, ev.REPLACEMENT_STARTED)] == ["r1-0"]

@@ -45,6 +45,7 @@ import os
 import secrets
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +80,9 @@ CALL_TIMEOUT_S = 10.0
 
 ZYGOTE_READY_S = 60.0
 """How long a worker's start waits for its actor's fork server (then: a new process)."""
+
+RESUBMIT_S = 0.2
+"""How often a start is sent again while Ray restarts its actor."""
 
 POLL_S = 0.02
 """How often an actor looks at its process's exit."""
@@ -207,11 +211,14 @@ class RayProcess:
     """One process started by a :class:`ProcessHost`, seen by the launcher as a
     ``launch.procs.Process`` (what ``subprocess.Popen`` offers it).
 
-    If the actor dies (its node lost, the actor killed), the process died with it, killed
-    by SIGKILL (``die_with_parent``): its return code is then -9 and ``cause`` says what
-    Ray reported. Limit: an actor that Ray reports unavailable but that is only cut off for
-    a while is taken for dead too; its replacement, started in the same actor, stops the
-    old process first, so a name never runs twice."""
+    A start sent while Ray restarts the actor (after its node or process died) is refused
+    by Ray; it is sent again every ``RESUBMIT_S`` until the actor is back, for up to
+    ``start_timeout_s``, and the process counts as alive (starting) meanwhile. If the
+    actor dies once the process runs, the process died with it, killed by SIGKILL
+    (``die_with_parent``): its return code is -9 and ``cause`` says what Ray reported.
+    Limit: an actor that Ray reports unavailable but that is only cut off for a while is
+    taken for dead too; its replacement, started in the same actor, stops the old process
+    first, so a name never runs twice."""
 
     def __init__(
         self,
@@ -226,44 +233,55 @@ class RayProcess:
         self.host = host
         self.launch = launch
         self.start_timeout_s = start_timeout_s
-        fields = spec.to_dict() if spec is not None else None
-        self._info = host.start.remote(launch, str(log_path), args=args, spec=fields)
-        self._exit = host.wait_exit.remote(launch)
+        self._start_args = (launch, str(log_path))
+        self._start_kwargs = {"args": args, "spec": spec.to_dict() if spec is not None else None}
         self.returncode: int | None = None
         self.cause: str | None = None
         self._placed: dict[str, Any] | None = None
+        self._first_sent = time.monotonic()
+        self._submit()
+
+    def _submit(self) -> None:
+        self._sent = time.monotonic()
+        self._info = self.host.start.remote(*self._start_args, **self._start_kwargs)
+        self._exit = self.host.wait_exit.remote(self.launch)
 
     # placement
 
     def placed(self) -> dict[str, Any] | None:
-        """Where the process runs, once its actor has started it (never blocks)."""
+        """Where the process runs once its actor has started it, ``{"error": ...}`` if it
+        could not be, None while it is starting (never blocks)."""
         import ray
 
-        if self._placed is None:
-            ready, _ = ray.wait([self._info], timeout=0)
-            if ready:
-                try:
-                    self._placed = ray.get(self._info)
-                except ray.exceptions.RayError as e:
-                    self._placed = {"error": _first_line(e)}
+        if self._placed is not None:
+            return self._placed
+        ready, _ = ray.wait([self._info], timeout=0)
+        if not ready:
+            return None
+        try:
+            self._placed = dict(ray.get(self._info))
+        except ray.exceptions.ActorUnavailableError as e:  # restarting: send it again
+            if time.monotonic() - self._first_sent > self.start_timeout_s:
+                self._placed = {"error": _first_line(e)}
+            elif time.monotonic() - self._sent > RESUBMIT_S:
+                self._submit()
+        except ray.exceptions.RayError as e:  # the actor is gone for good
+            self._placed = {"error": _first_line(e)}
         return self._placed
 
     @property
     def pid(self) -> int:
-        """The process's pid on its node; waits for the start (up to ``start_timeout_s``)."""
-        import ray
-
-        if self._placed is None:
-            try:
-                self._placed = ray.get(self._info, timeout=self.start_timeout_s)
-            except ray.exceptions.GetTimeoutError:
+        """The process's pid on its node; waits for the start (up to ``start_timeout_s``);
+        -1 if it could not start."""
+        end = self._first_sent + self.start_timeout_s + CALL_TIMEOUT_S
+        while (where := self.placed()) is None:
+            if time.monotonic() > end:
                 raise TimeoutError(
                     f"a Ray actor did not start its process within {self.start_timeout_s:g} s "
                     "(its region's nodes are full or gone; see ray.start_timeout_s)"
-                ) from None
-            except ray.exceptions.RayError as e:
-                self._placed = {"error": _first_line(e)}
-        pid = self._placed.get("pid")
+                )
+            time.sleep(POLL_S)
+        pid = where.get("pid")
         return int(pid) if pid is not None else -1
 
     # the Process protocol
@@ -271,33 +289,43 @@ class RayProcess:
     def poll(self) -> int | None:
         import ray
 
-        if self.returncode is None:
-            ready, _ = ray.wait([self._exit], timeout=0)
-            if ready:
-                self._exited(lambda: ray.get(self._exit))
+        if self.returncode is not None:
+            return self.returncode
+        where = self.placed()
+        if where is None:
+            return None  # starting
+        if "error" in where:
+            self.returncode, self.cause = -int(signal.SIGKILL), str(where["error"])
+            return self.returncode
+        ready, _ = ray.wait([self._exit], timeout=0)
+        if ready:
+            self._exited(lambda: ray.get(self._exit))
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        import ray
-
-        if self.returncode is None:
-            try:
-                self._exited(lambda: ray.get(self._exit, timeout=timeout))
-            except ray.exceptions.GetTimeoutError:
-                name = f"ray process {self.launch}"
-                raise subprocess.TimeoutExpired(name, timeout or 0) from None
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(f"ray process {self.launch}", timeout or 0)
+            time.sleep(POLL_S)
         assert self.returncode is not None
         return self.returncode
 
     def send_signal(self, sig: int) -> None:
         """Through the actor; nothing when the process is not (or no longer) running, or
-        its actor is not placed yet."""
+        not started yet."""
         import ray
 
         if self.poll() is not None or self.placed() is None:
             return
         with contextlib.suppress(ray.exceptions.RayError):
             ray.get(self.host.signal.remote(self.launch, int(sig)), timeout=CALL_TIMEOUT_S)
+
+    def abandon(self) -> None:
+        """The run is over: a process its actor has not started yet never will be (the
+        actor is killed next)."""
+        if self.returncode is None and self.placed() is None:
+            self.returncode, self.cause = -int(signal.SIGKILL), "stopped before it started"
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
@@ -310,8 +338,6 @@ class RayProcess:
 
         try:
             self.returncode = int(get())
-        except ray.exceptions.GetTimeoutError:
-            raise
         except ray.exceptions.RayError as e:  # the actor died, and the process with it
             self.returncode = -int(signal.SIGKILL)
             self.cause = _first_line(e)
@@ -670,6 +696,9 @@ class RayLauncher(LocalLauncher):
         import ray
 
         try:
+            for p in [*self.procs.values(), *self.coordinators]:
+                if isinstance(p.popen, RayProcess):
+                    p.popen.abandon()
             self._log_placements()
             super()._stop_all()
         finally:
