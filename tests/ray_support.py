@@ -86,8 +86,12 @@ class Node:
         return out
 
     def kill(self) -> None:
-        """The node dies at once: its raylet and every process of its ``ray start``."""
-        for pid in self.raylet_pids():
+        """The node dies at once, as a machine does: its raylet, every process the raylet
+        started (Ray's workers, our actors and their children, each in a session of its
+        own) and every process of its ``ray start``."""
+        doomed = set(self.raylet_pids())
+        doomed |= {d for r in list(doomed) for d in descendants(r)}
+        for pid in doomed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
@@ -184,11 +188,10 @@ class LocalRayCluster:
             return int(last[0]) if last[0].isdigit() else 0
         return 0
 
-    def node_hosting(self, pid: int) -> Node:
-        """The node whose raylet is the grandparent of ``pid`` (a perdure process's parent
-        is its actor, a worker process of the raylet)."""
-        actor = _ppid(pid)
-        raylet = _ppid(actor)
+    def node_hosting(self, actor_pid: int) -> Node:
+        """The node whose raylet started the actor process ``actor_pid`` (Ray's worker
+        processes are the raylet's children)."""
+        raylet = _ppid(actor_pid)
         return next(n for n in self.nodes if raylet in n.raylet_pids())
 
     def stop(self) -> None:
@@ -218,6 +221,22 @@ def _ppid_of(stat: str) -> int:
 
 def _ppid(pid: int) -> int:
     return _ppid_of(Path(f"/proc/{pid}/stat").read_text())
+
+
+def descendants(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                children.setdefault(_ppid_of((d / "stat").read_text()), []).append(int(d.name))
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
 
 
 def marked_processes(marker: str) -> list[int]:
