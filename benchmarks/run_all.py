@@ -34,6 +34,7 @@ SUITE = [
     ("store", "bench_store.py", [], ["--quick"]),
     ("exact", "bench_exact.py", [], ["--quick"]),
     ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "5"], ["--quick"]),
+    ("launch", "bench_launch.py", [], ["--quick"]),
 ]
 
 

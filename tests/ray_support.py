@@ -117,14 +117,16 @@ class LocalRayCluster:
         env.pop("RAY_ADDRESS", None)
         return env
 
-    def start_node(self, name: str, *, cpus: int, resources: dict[str, float]) -> Node:
-        """Start a node (the head first) and wait until the cluster sees it."""
+    def start_node(self, name: str, *, region: str, cpus: int) -> Node:
+        """Start a node (the head first) in ``region``, marked both ways the launcher can
+        place by: the resource ``region:<region>`` and the label ``region=<region>``."""
         p = free_ports(9)
-        labels = {"test-node": name}
+        labels = {"test-node": name, "region": region}
+        resources = {f"region:{region}": 1}
         args = [
             ray_bin(), "start", "--block", "--disable-usage-stats",
             f"--num-cpus={cpus}", f"--resources={json.dumps(resources)}",
-            f"--labels=test-node={name}", f"--node-manager-port={p[0]}",
+            f"--labels=test-node={name},region={region}", f"--node-manager-port={p[0]}",
             f"--object-manager-port={p[1]}", f"--metrics-export-port={p[2]}",
             f"--dashboard-agent-listen-port={p[3]}", f"--dashboard-agent-grpc-port={p[4]}",
             f"--runtime-env-agent-port={p[5]}", "--object-store-memory=100000000",
@@ -212,7 +214,8 @@ class LocalRayCluster:
         for pid in left:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(self.root, ignore_errors=True)
+        if not os.environ.get("PERDURE_TEST_KEEP_RAY_LOGS"):  # set it to look at Ray's logs
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _ppid_of(stat: str) -> int:
@@ -262,9 +265,9 @@ def local_ray_cluster():
     root = Path(tempfile.mkdtemp(prefix="prd-ray-", dir="/tmp"))
     cluster = LocalRayCluster(root=root, marker=uuid.uuid4().hex)
     try:
-        cluster.start_node("head", cpus=4, resources={"region:r0": 1})
-        cluster.start_node("n1", cpus=4, resources={"region:r1": 1})
-        node = cluster.start_node("n2", cpus=4, resources={"region:r1": 1})
+        cluster.start_node("head", region="r0", cpus=4)
+        cluster.start_node("n1", region="r1", cpus=4)
+        node = cluster.start_node("n2", region="r1", cpus=4)
         cluster._wait_for(3, node.proc)
         yield cluster
     finally:

@@ -81,6 +81,9 @@ CALL_TIMEOUT_S = 10.0
 ZYGOTE_READY_S = 60.0
 """How long a worker's start waits for its actor's fork server (then: a new process)."""
 
+UNPLACED_WARN_S = 30.0
+"""After this long waiting for Ray to place it, a process is named on stderr."""
+
 RESUBMIT_S = 0.2
 """How often a start is sent again while Ray restarts its actor."""
 
@@ -238,7 +241,7 @@ class RayProcess:
         self.returncode: int | None = None
         self.cause: str | None = None
         self._placed: dict[str, Any] | None = None
-        self._first_sent = time.monotonic()
+        self.first_sent = time.monotonic()
         self._submit()
 
     def _submit(self) -> None:
@@ -261,7 +264,7 @@ class RayProcess:
         try:
             self._placed = dict(ray.get(self._info))
         except ray.exceptions.ActorUnavailableError as e:  # restarting: send it again
-            if time.monotonic() - self._first_sent > self.start_timeout_s:
+            if time.monotonic() - self.first_sent > self.start_timeout_s:
                 self._placed = {"error": _first_line(e)}
             elif time.monotonic() - self._sent > RESUBMIT_S:
                 self._submit()
@@ -273,7 +276,7 @@ class RayProcess:
     def pid(self) -> int:
         """The process's pid on its node; waits for the start (up to ``start_timeout_s``);
         -1 if it could not start."""
-        end = self._first_sent + self.start_timeout_s + CALL_TIMEOUT_S
+        end = self.first_sent + self.start_timeout_s + CALL_TIMEOUT_S
         while (where := self.placed()) is None:
             if time.monotonic() > end:
                 raise TimeoutError(
@@ -546,6 +549,7 @@ class RayLauncher(LocalLauncher):
         actor, which Ray has restarted wherever its region has room if it died."""
         self._launches = itertools.count(1)
         self._unlogged: list[Proc] = []
+        self._warned: set[str] = set()
         self._cwd = os.getcwd()
 
     # -- actors ----------------------------------------------------------------------------
@@ -672,6 +676,7 @@ class RayLauncher(LocalLauncher):
             assert isinstance(proc.popen, RayProcess)
             where = proc.popen.placed()
             if where is None:
+                self._warn_unplaced(proc)
                 continue
             self._unlogged.remove(proc)
             self.events.write(
@@ -683,6 +688,18 @@ class RayLauncher(LocalLauncher):
                     **where,
                 }
             )
+
+    def _warn_unplaced(self, proc: Proc) -> None:
+        """Say once, on stderr, that a process waits for Ray to place it (its region's
+        nodes are full or gone): the run goes on without it meanwhile."""
+        assert isinstance(proc.popen, RayProcess)
+        waited = time.monotonic() - proc.popen.first_sent
+        if waited > UNPLACED_WARN_S and proc.name not in self._warned:
+            self._warned.add(proc.name)
+            log.warning(
+                "%s has waited %.0f s for Ray to place it (it asks for %s)",
+                proc.name, waited, placement(self.config.ray, proc.region),
+            )  # fmt: skip
 
     def _exit_record(self, p: Proc) -> dict[str, Any]:
         """The local launcher's, with Ray's word when the process died with its actor."""
