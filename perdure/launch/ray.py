@@ -10,9 +10,10 @@ collectives, and the monitor loop, the crash rules, chaos, the live view and
 ``summary.json`` are the local launcher's (this class inherits them), so a run on Ray
 writes the same events, summary and report, plus one ``process_placed`` event per start.
 
-Each actor (:class:`ProcessHost`) hosts one perdure process at a time, started from the
-actor as ``python -m perdure coordinator|worker`` in its own session, rather than running
-perdure inside the actor's own process, because:
+Each actor (:class:`ProcessHost`, in ``launch/ray_host.py``, a module that imports no
+torch) hosts one perdure process at a time, started from the actor as ``python -m perdure
+coordinator|worker`` (a worker: forked from the actor's fork server) in its own session,
+rather than running perdure inside the actor's own process, because:
 
 - signals must reach the process itself: a ``hang`` fault stops it (SIGSTOP) and resumes
   it, and a stopped actor could not be asked to resume it on another machine;
@@ -35,14 +36,11 @@ the event log is the pid on its node.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import ipaddress
 import itertools
 import json
 import logging
 import os
-import secrets
 import signal
 import subprocess
 import time
@@ -55,15 +53,8 @@ import perdure
 from perdure import events as ev
 from perdure.config.errors import ConfigError, Problem
 from perdure.launch.local import LocalLauncher, Proc
-from perdure.launch.procs import (
-    Process,
-    child_env,
-    coordinator_args,
-    python_cmd,
-    spawn,
-    wait_ports,
-)
-from perdure.launch.zygote import Zygote
+from perdure.launch.procs import coordinator_args, wait_ports
+from perdure.launch.ray_host import CALL_TIMEOUT_S, POLL_S, ProcessHost, bind_address
 from perdure.run_config import RunConfig, to_dict, with_overrides
 from perdure.run_config.launch import RayConfig
 from perdure.runtime.entry import WorkerSpec
@@ -75,20 +66,11 @@ PLACEMENT_AMOUNT = 0.01
 node with ``region:R: 1`` hosts up to 100 processes), as Ray's own ``node:<ip>`` resource
 is used; CPUs and GPUs do the capacity accounting."""
 
-CALL_TIMEOUT_S = 10.0
-"""How long a call to a live actor (a signal, a placement query) may take."""
-
-ZYGOTE_READY_S = 60.0
-"""How long a worker's start waits for its actor's fork server (then: a new process)."""
-
 UNPLACED_WARN_S = 30.0
 """After this long waiting for Ray to place it, a process is named on stderr."""
 
 RESUBMIT_S = 0.2
 """How often a start is sent again while Ray restarts its actor."""
-
-POLL_S = 0.02
-"""How often an actor looks at its process's exit."""
 
 INSTALL_HINT = "pip install 'perdure[ray]' (ray==2.60.0)"
 
@@ -101,110 +83,6 @@ class RayClusterError(ConfigError):
         n = len(self.problems)
         lines = [f"ray cluster {self.source or ''}: {n} problem{'s' if n != 1 else ''}"]
         return "\n".join([*lines, *(f"  - {p}" for p in self.problems)])
-
-
-# -- the actor ------------------------------------------------------------------------------
-
-
-class ProcessHost:
-    """A Ray actor that hosts one perdure process at a time on its node (run as an async
-    actor: a method waiting for an exit does not block a signal).
-
-    A worker's host starts a fork server (``launch/zygote.py``) as soon as it is placed,
-    so that ``import torch`` overlaps the coordinator's start-up, and a replacement started
-    in the same actor (its process died, its node did not) is a fork that starts within
-    ~0.05 s; a coordinator is a new process. Processes are numbered by the launcher
-    (``launch``), so that a wait or a signal meant for one process never reaches its
-    successor; starting a process stops the one still running here first: a name has
-    one process."""
-
-    def __init__(
-        self, cwd: str | None, pythonpath: list[str], token: str, zygote_log: str | None
-    ) -> None:
-        self.incarnation = secrets.token_hex(8)
-        self.procs: dict[int, Process] = {}
-        self.current: int | None = None
-        self.token = token
-        # This actor's process is its own: its children start where the driver runs and
-        # find the code where the driver found it (a cluster shares paths: see the limits).
-        if cwd and Path(cwd).is_dir():
-            os.chdir(cwd)
-        paths = [*pythonpath, *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
-        self.zygote: Zygote | None = None
-        if zygote_log is not None and hasattr(os, "fork"):
-            self.zygote = Zygote(child_env(token), Path(zygote_log))
-
-    async def start(
-        self,
-        launch: int,
-        log_path: str,
-        *,
-        args: list[str] | None = None,
-        spec: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:
-        """Start a process: ``python -m perdure ARGS``, or the worker of ``spec`` (a
-        ``WorkerSpec``'s fields), its data plane on this node's address; where it runs."""
-        import ray
-
-        self._stop_current()
-        ip = ray.util.get_node_ip_address()
-        log = Path(log_path)
-        log.parent.mkdir(parents=True, exist_ok=True)
-        proc: Process | None = None
-        if spec is not None:
-            worker = WorkerSpec(**{**spec, "host": _bind_address(ip)})
-            if self.zygote is not None:
-                await asyncio.to_thread(self.zygote.wait_ready, ZYGOTE_READY_S)
-                proc = self.zygote.spawn(worker, child_env(self.token), log)
-            args = worker.argv()
-        if proc is None:
-            assert args is not None
-            proc = spawn(python_cmd(*args), self.token, log)  # its parent is this actor
-        self.procs[launch] = proc
-        self.current = launch
-        return {
-            "pid": proc.pid,
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ip,
-            "actor_pid": os.getpid(),
-            "forked": not isinstance(proc, subprocess.Popen),
-            "incarnation": self.incarnation,
-        }
-
-    async def wait_exit(self, launch: int) -> int:
-        """The exit code of process ``launch`` (negative: the signal that killed it)."""
-        while launch not in self.procs:  # its start was submitted first; it may not have run
-            await asyncio.sleep(POLL_S)
-        proc = self.procs[launch]
-        while (code := proc.poll()) is None:
-            await asyncio.sleep(POLL_S)
-        return code
-
-    async def signal(self, launch: int, sig: int) -> int | None:
-        """Send ``sig`` to process ``launch`` if it runs; its pid, or None."""
-        proc = self.procs.get(launch)
-        if proc is None or proc.poll() is not None:
-            return None
-        proc.send_signal(sig)
-        return proc.pid
-
-    async def node(self) -> dict[str, Any]:
-        import ray
-
-        return {
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "node_ip": ray.util.get_node_ip_address(),
-            "actor_pid": os.getpid(),
-            "incarnation": self.incarnation,
-        }
-
-    def _stop_current(self) -> None:
-        proc = self.procs.get(self.current) if self.current is not None else None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.kill()
-            proc.wait(timeout=CALL_TIMEOUT_S)
 
 
 # -- the driver's handle on one process -----------------------------------------------------
@@ -617,7 +495,7 @@ class RayLauncher(LocalLauncher):
             names.append(("standby", cl.standby_region))
         for name, region in names:
             node = self._node_of(name, region)
-            own = with_overrides(self.config, cluster={"host": _bind_address(node["node_ip"])})
+            own = with_overrides(self.config, cluster={"host": bind_address(node["node_ip"])})
             cfg_path = self.run_dir / f"{name}.config.json"
             cfg_path.write_text(json.dumps(to_dict(own), indent=2))
             args = coordinator_args(
@@ -724,13 +602,7 @@ class RayLauncher(LocalLauncher):
                     ray.kill(handle, no_restart=True)
 
 
-def _bind_address(ip: str) -> str:
-    """The address to bind for ``ip`` (a v6 address as it is, no brackets)."""
-    return str(ipaddress.ip_address(ip))
-
-
 __all__ = [
-    "ProcessHost",
     "RayCluster",
     "RayClusterError",
     "RayLauncher",
