@@ -282,6 +282,25 @@ def md_store(d: dict) -> str:
     return table(head, [row])
 
 
+def md_launch(d: dict) -> str:
+    if "skipped" in d:
+        return f"(skipped: {d['skipped']})"
+    keys = ("coordinator_up_s", "all_joined_s", "first_step_s", "wall_s")
+    rows = [[side, *(fmt(d[side][k], 2) for k in keys)] for side in ("local", "ray")]
+    head = ["launcher", "coordinator up s", "all joined s", "first step s", "wall s"]
+    first = fmt(d["ratio_ray_over_local_first_step"], 2)
+    wall = fmt(d["ratio_ray_over_local_wall"], 2)
+    load = [round(x, 1) for x in d["machine"]["loadavg_at_start"]]
+    note = (
+        f"Ray / local, paired per repeat: first step {first}, wall {wall}. "
+        f"{d['workers']} workers over {d['regions']} regions, {d['steps']} steps, "
+        f"{d['repeats']} repeats; same final hash: {d['same_final_hash']}; load average at "
+        f"the start {load}. The cluster ({d['ray_cluster_nodes']} nodes on this machine) "
+        f"took {d['ray_cluster_start_s']} s to start, before any run."
+    )
+    return table(head, rows) + "\n\n" + note
+
+
 RENDER = {
     "reduce": md_reduce,
     "step": md_step,
@@ -289,6 +308,7 @@ RENDER = {
     "scaling": md_scaling,
     "exact": md_exact,
     "store": md_store,
+    "launch": md_launch,
 }
 
 
