@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -109,8 +110,18 @@ class LocalRayCluster:
     address: str = ""
     nodes: list[Node] = field(default_factory=list)
 
+    def auth(self) -> dict[str, str]:
+        """Ray's token authentication, with this cluster's own token file: set for the
+        cluster, its drivers and any Ray they start (``ray.address = "local"``), so that
+        nothing reads or writes ``~/.ray/auth_token`` (which a new local Ray creates)."""
+        token = self.root / "auth_token"
+        if not token.exists():
+            token.write_text(secrets.token_hex(32))
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+
     def env(self) -> dict[str, str]:
         env = {**os.environ, MARKER: self.marker, "RAY_USAGE_STATS_ENABLED": "0", **FAST_DEATH}
+        env.update(self.auth())
         repo = str(Path(__file__).resolve().parent.parent)
         paths = [repo, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
@@ -261,9 +272,14 @@ def marked_processes(marker: str) -> list[int]:
 
 @contextlib.contextmanager
 def local_ray_cluster():
-    """A head (region ``r0``) and two raylets (both region ``r1``), small and short-lived."""
+    """A head (region ``r0``) and two raylets (both region ``r1``), small and short-lived.
+    While it runs, this process's environment carries the cluster's authentication (a
+    driver started here, or by a child, connects with it)."""
     root = Path(tempfile.mkdtemp(prefix="prd-ray-", dir="/tmp"))
     cluster = LocalRayCluster(root=root, marker=uuid.uuid4().hex)
+    saved = {k: os.environ.get(k) for k in cluster.auth()}
+    os.environ.update(cluster.auth())
+    _refresh_ray_auth()
     try:
         cluster.start_node("head", region="r0", cpus=4)
         cluster.start_node("n1", region="r1", cpus=4)
@@ -272,6 +288,24 @@ def local_ray_cluster():
         yield cluster
     finally:
         cluster.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _refresh_ray_auth()
+
+
+def _refresh_ray_auth() -> None:
+    """Make an already imported Ray read the authentication settings again (it caches
+    them at import; Ray's own set-up refreshes them the same way)."""
+    import sys
+
+    if "ray" in sys.modules:
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 def write_toml(data: dict[str, object], path: Path) -> Path:

@@ -160,6 +160,22 @@ def test_perdure_run_on_ray_ends_bitwise_equal_to_the_local_launcher(
     assert _placed(rd, "r1-0")[0]["node_id"] != _placed(rd, "r0-0")[0]["node_id"]
 
 
+def test_a_private_local_ray_ends_bitwise_equal_and_is_stopped_after(
+    cluster: LocalRayCluster, small_dataset: Path, tmp_path: Path, reference: dict[str, Any]
+) -> None:
+    """``ray.address = "local"``: a one-node Ray started for the run with every region's
+    resource (the laptop path), stopped at its end. (Beside the module's cluster, whose
+    fixture sets the authentication this new Ray uses too.)"""
+    import ray
+
+    summary = run(_config(small_dataset), run_dir=tmp_path / "run", timeout_s=TIMEOUT_S,
+                  launcher="ray", ray_address="local")  # fmt: skip
+    assert summary["final_hash"] == reference["final_hash"]
+    assert not ray.is_initialized()
+    [node] = {e["node_id"] for e in events(tmp_path / "run", ev.PROCESS_PLACED)}
+    assert node
+
+
 def test_a_killed_worker_process_and_a_killed_worker_actor_are_absorbed_bitwise_equal(
     cluster: LocalRayCluster, small_dataset: Path, tmp_path: Path, reference: dict[str, Any]
 ) -> None:

@@ -240,7 +240,6 @@ class RayCluster:
     nodes: list[dict[str, Any]]
     owned: bool
     """Whether this connection is ours to close (not a caller's own ``ray.init``)."""
-    started_local: bool = False
     runtime_env: dict[str, Any] = field(default_factory=dict)
 
 
@@ -389,7 +388,6 @@ def connect(config: RunConfig) -> Iterator[RayCluster]:
             address=rc.address,
             nodes=ray.nodes(),
             owned=owned,
-            started_local=local and owned,
             runtime_env=env,
         )
         problems = region_problems(config, cluster.nodes)
