@@ -34,6 +34,7 @@ SUITE = [
     ("store", "bench_store.py", [], ["--quick"]),
     ("exact", "bench_exact.py", [], ["--quick"]),
     ("checkpoint", "bench_checkpoint.py", ["--params", "50e6", "--repeats", "5"], ["--quick"]),
+    ("preload", "bench_preload.py", [], ["--quick"]),
     ("launch", "bench_launch.py", [], ["--quick"]),
 ]
 
@@ -301,6 +302,40 @@ def md_launch(d: dict) -> str:
     return table(head, rows) + "\n\n" + note
 
 
+def md_preload(d: dict) -> str:
+    def med(x: dict | None) -> str:
+        return f"{x['median']:.3f}" if x else "-"
+
+    rows = [
+        [
+            name,
+            med(d["fork_import_s"][name]),
+            med(d["planned_in_from_start_s"][name]),
+            med(d["planned_in_from_kill_s"][name]),
+        ]
+        for name in ("preload", "no_preload")
+    ]
+    head = ["zygote", "task import in a fork (s)", "planned in, from start (s)",
+            "planned in, from kill (s)"]  # fmt: skip
+    ratio = d.get("ratio_preload_over_no_preload")
+    bound = d.get("ratio_at_most")
+    load = d["machine"].get("loadavg_at_start")
+    late = [r["not_in_after_s"] for r in d["runs"]["no_preload"] if r.get("not_in_after_s")]
+    if late:
+        rows[1][2] = f"> {min(late):.1f} (not planned in before the run ended)"
+    return "\n".join(
+        [
+            table(head, rows),
+            "",
+            f"Medians of {d['repeats']} run(s) per variant; planned-in ratio preload / "
+            f"no_preload (paired): {fmt(ratio)}"
+            + (f", at most {fmt(bound)} where no_preload never got in" if bound else "")
+            + "; final hashes agree: "
+            f"{d['final_hashes_agree']}; load average at start {load}.",
+        ]
+    )
+
+
 RENDER = {
     "reduce": md_reduce,
     "step": md_step,
@@ -308,6 +343,7 @@ RENDER = {
     "scaling": md_scaling,
     "exact": md_exact,
     "store": md_store,
+    "preload": md_preload,
     "launch": md_launch,
 }
 

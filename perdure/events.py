@@ -30,7 +30,21 @@ RUN_START: Final = "run_start"
 COORDINATOR_UP: Final = "coordinator_up"
 """A coordinator listens (its channel port)."""
 COORDINATOR_TAKEOVER: Final = "coordinator_takeover"
-"""A standby coordinator took over from workers' soft state."""
+"""A standby coordinator took over from workers' soft state: the primary's lease expired and
+its probe found no serving primary (the new generation, the previous one, the probe)."""
+COORDINATOR_FENCED: Final = "coordinator_fenced"
+"""A coordinator saw a newer generation (in the lease store or a worker's hello) and
+stopped: its last record (its generation, the newer one, where it saw it)."""
+LEASE_LAPSED: Final = "lease_lapsed"
+"""A coordinator's lease ran out before it renewed it: it dropped its workers and
+coordinates nothing until it renews."""
+LEASE_REGAINED: Final = "lease_regained"
+"""A coordinator whose lease had lapsed renewed it under the same generation."""
+LEASE_UNAVAILABLE: Final = "lease_unavailable"
+"""The lease store did not answer (first failure of a streak; the error)."""
+WORKER_FENCED: Final = "worker_fenced"
+"""A worker found the run directory's fence above its generation: it left its epoch and
+looks for the newer coordinator."""
 ZYGOTE_UNAVAILABLE: Final = "zygote_unavailable"
 """The fork server was not ready; workers start as new processes."""
 WORKER_DONE: Final = "worker_done"
@@ -73,6 +87,8 @@ STATE_RECEIVED: Final = "state_received"
 """A receiver adopted a live peer's state."""
 STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
+SLOTS_SALVAGED: Final = "slots_salvaged"
+"""A member reused slots it finished in an abandoned attempt of the same step."""
 COLLECTIVE_FAILED: Final = "collective_failed"
 """A member's collective failed (peer closed, timeout, link drop)."""
 REPLICA_DIVERGED: Final = "replica_diverged"
@@ -117,6 +133,11 @@ NAMES: frozenset[str] = frozenset(
         RUN_START,
         COORDINATOR_UP,
         COORDINATOR_TAKEOVER,
+        COORDINATOR_FENCED,
+        LEASE_LAPSED,
+        LEASE_REGAINED,
+        LEASE_UNAVAILABLE,
+        WORKER_FENCED,
         ZYGOTE_UNAVAILABLE,
         WORKER_DONE,
         RUN_END,
@@ -136,6 +157,7 @@ NAMES: frozenset[str] = frozenset(
         RECOVERED_FROM_CHECKPOINT,
         STATE_RECEIVED,
         STEP_ABANDONED,
+        SLOTS_SALVAGED,
         COLLECTIVE_FAILED,
         REPLICA_DIVERGED,
         SUSPECT_WORKER,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sysconfig
+import time
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,14 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
+
+
+def logged(path: Path, event: str, count: int = 1, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+    """The records of ``event`` in a live run's merged log, once there are ``count`` of
+    them (the coordinator merges the processes' part files every ``runlog.MERGE_S``)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        found = [e for e in read_jsonl(path) if e.get("event") == event]
+        if len(found) >= count or time.monotonic() > end:
+            return found
+        time.sleep(0.02)

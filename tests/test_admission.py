@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from perdure.events import read_jsonl
 from perdure.run_config import RunConfig
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import AdmissionRefused, connect, mac, verify
 from perdure.runtime.control.coordinator import Coordinator
+from tests.runtime_support import logged
 
 TOKEN = "s3cret-run-token"
 
@@ -58,7 +58,7 @@ def test_unauthorised_worker_is_refused_and_logged(
 ) -> None:
     with pytest.raises(AdmissionRefused, match="bad run token"):
         connect("127.0.0.1", coordinator.channel_port, "wrong", _hello("intruder"), 5.0)
-    refused = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "refused"]
+    refused = logged(tmp_path / "events.jsonl", "refused")
     assert refused == [{**refused[0], "worker": "intruder", "reason": "bad run token"}]
     assert "intruder" not in coordinator.workers
 

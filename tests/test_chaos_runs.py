@@ -107,7 +107,10 @@ def test_region_loss_with_its_coordinator_is_absorbed_by_the_standby(
     _assert_absorbed(s, clean_ref, ["region_down"])
     assert len(events(tmp_path, "coordinator_takeover")) == 1
     reasons = [e["reason"] for e in events(tmp_path, "epoch_started")]
-    assert reasons[:2] == ["start", "takeover"]
+    # The standby's first epoch starts as announced at the takeover, or, when the region is
+    # back before the lease lets the standby take over (it waits for the primary's lease to
+    # expire), re-announced once after a returning member was not ready in time.
+    assert reasons[0] == "start" and reasons[1] in ("takeover", "ready timeout")
 
 
 def test_poisoned_shard_is_quarantined_exactly_as_in_the_reference(

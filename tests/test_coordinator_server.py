@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from perdure import events as ev
-from perdure.events import read_jsonl
 from perdure.run_config import RunConfig, with_overrides
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.channel import connect
 from perdure.runtime.control.coordinator import Coordinator
+from tests.runtime_support import logged
 
 
 class FakeLine:
@@ -109,7 +109,7 @@ def test_garbage_before_admission_is_logged_and_disconnected(tmp_path: Path) -> 
             s.settimeout(5)
             assert b"without a newline" in s.recv(4096)
         assert t.is_alive()
-        refused = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == ev.REFUSED]
+        refused = logged(tmp_path / "events.jsonl", ev.REFUSED, count=5)
         assert len(refused) == 5 and all("protocol error" in e["reason"] for e in refused)
     finally:
         c.stop()

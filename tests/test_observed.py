@@ -131,3 +131,25 @@ def test_workers_lost_with_their_coordinator_are_detected_by_the_epoch_without_t
     ]
     assert all(f["scheduled"] and f["detected"] and f["absorbed"] for f in failures), failures
     assert failures[0]["detected_by"] == ev.EPOCH_STARTED
+
+
+def test_a_worker_lost_with_the_coordinator_is_detected_by_an_epoch_of_its_replacement() -> None:
+    """The standby takes over only after the primary's lease expired: by then the launcher's
+    replacement (same name, another process) may be back, and is in the first epoch."""
+    fault = _e(2.0, ev.FAULT_INJECTED, fault=0, kind="region_down", target="a", pids=[10])
+    log = [
+        *BASE,
+        fault,
+        _e(2.05, ev.PROCESS_EXIT, worker="a-0", code=-9, injected=True),
+        _e(2.9, ev.JOIN, worker="a-0", region="a", pid=20),
+        _e(3.0, ev.COORDINATOR_TAKEOVER, by="standby", generation=2),
+        _start(3.5, 1, ["a-0", "a-1", "b-0"], 35),
+        _e(9.0, ev.RUN_END),
+    ]
+    exits = [f for f in observed_failures(log, _metrics(9)) if f["kind"] == "process_exit"]
+    assert [(f["worker"], f["detected_by"], f["absorbed"]) for f in exits] == [
+        ("a-0", ev.EPOCH_STARTED, True)
+    ]
+    log.remove(log[-4])  # no replacement joined: the old process "is" the member
+    exits = [f for f in observed_failures(log, _metrics(9)) if f["kind"] == "process_exit"]
+    assert not exits[0]["detected"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -110,7 +111,8 @@ def test_the_first_epoch_starts_once_every_expected_worker_is_ready() -> None:
     out = d.tick()
     notices = [e for e in out if isinstance(e, pol.Send)]
     assert {e.to for e in notices} == {"w0", "w1", "w2"}
-    assert all(e.msg == p.Announce(epoch=0, members=["w0", "w1", "w2"], after=-1) for e in notices)
+    first = p.Announce(epoch=0, members=["w0", "w1", "w2"], after=-1, generation=1)
+    assert all(e.msg == first for e in notices)
     starts = d.starts(d.ready("w0", "w1", "w2"))
     assert set(starts) == {"w0", "w1", "w2"}
     start = starts["w0"]
@@ -354,3 +356,64 @@ def test_a_drain_before_the_first_epoch_ends_the_run_at_once() -> None:
     d.admit("w0")
     out = d.feed(pol.DrainRequested("SIGTERM", 0.0))
     assert pol.Finish() in out and d.policy.finished
+
+
+def _fail_and_reform(d: Driver, epoch: int) -> float:
+    """A collective of ``epoch`` fails with nobody lost; the seconds until the same
+    members are re-announced (ticked in 10 ms steps)."""
+    d.recv("w0", p.Fail(epoch=epoch, error="Connection refused"))
+    waited = 0.0
+    while d.policy.pending is None and not d.policy.finished:
+        d.tick(0.01)
+        waited += 0.01
+    if d.policy.pending is not None:
+        d.ready("w0", "w1", next_step=0)
+    return waited
+
+
+def test_repeated_collective_failures_back_off_exponentially_then_stop_the_run_with_the_cause() -> (
+    None
+):
+    d = running(2, reform_backoff_ms=50, reform_backoff_max_ms=300, max_reform_failures=5)
+    waits = [_fail_and_reform(d, e) for e in range(5)]
+    # 50, 100, 200, then capped at 300 ms (each seen on the first 10 ms tick past it)
+    assert waits[:4] == pytest.approx([0.055, 0.105, 0.205, 0.305], abs=0.006)
+    assert d.policy.finished and d.policy.epoch == 4  # no fifth re-formation
+    (failed,) = d.logged(ev.RUN_FAILED)
+    assert failed["reason"] == (
+        "the data plane failed 5 times in a row with no member lost and no step committed; "
+        "last error: w0: Connection refused"
+    )
+    stops = [e for e in d.out if isinstance(e, pol.Send) and isinstance(e.msg, p.Stop)]
+    assert sorted(e.to for e in stops) == ["w0", "w1"]
+
+
+def test_a_committed_step_resets_the_backoff() -> None:
+    d = running(2, reform_backoff_ms=50, reform_backoff_max_ms=5000, max_reform_failures=3)
+    assert _fail_and_reform(d, 0) == pytest.approx(0.055, abs=0.006)
+    assert _fail_and_reform(d, 1) == pytest.approx(0.105, abs=0.006)
+    d.recv("w0", p.Heartbeat(next_step=1, prepared=True))  # a step committed in epoch 2
+    assert _fail_and_reform(d, 2) == pytest.approx(0.055, abs=0.006)
+    assert not d.policy.finished
+
+
+def _hello_at(name: str, address: str) -> p.Hello:
+    return dataclasses.replace(hello(name), address=address)
+
+
+def test_a_loopback_data_plane_mixed_with_remote_peers_is_refused_naming_both() -> None:
+    d = Driver(make_policy(3))
+    d.feed(pol.Joined(1, _hello_at("w0", "127.0.0.1"), True, 0.0))
+    out = d.feed(pol.Joined(2, _hello_at("w1", "10.231.0.3"), True, 0.0))
+    (reject,) = [e for e in out if isinstance(e, pol.Reject)]
+    assert reject.reason.startswith(
+        "worker w0 listens for its peers on the loopback address 127.0.0.1, which w1 at "
+        "10.231.0.3 cannot reach: start w0 with --host or --interface"
+    )
+    assert d.logged(ev.REFUSED)[-1]["reason"] == reject.reason
+    # workers that all use loopback (one host) or all network addresses are admitted
+    for i, addr in enumerate(("127.0.0.1", "10.231.0.4")):
+        d2 = Driver(make_policy(3))
+        d2.feed(pol.Joined(1, _hello_at("w0", addr), True, 0.0))
+        out = d2.feed(pol.Joined(2, _hello_at("w1", addr), True, 0.0))
+        assert any(isinstance(e, pol.Accept) for e in out), (i, out)

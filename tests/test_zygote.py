@@ -81,3 +81,19 @@ def test_spawn_is_refused_once_the_zygote_is_gone(zygote: Zygote, tmp_path: Path
     assert not zygote.ready
     assert zygote.spawn(_spec(1, 1), child_env("t"), tmp_path / "v.log") is None
     assert zygote.exit_code(2**22 + 12345) == UNKNOWN_EXIT
+
+
+def test_a_task_module_that_fails_to_import_is_logged_and_the_zygote_still_serves(
+    tmp_path: Path,
+) -> None:
+    z = Zygote(child_env("t"), tmp_path / "z.log", preload=["json", "no_such_task_module_xyz"])
+    try:
+        assert z.wait_ready(60), (tmp_path / "z.log").read_text()
+        assert z.preloaded == ["json"]
+        log = (tmp_path / "z.log").read_text()
+        assert "could not preload 'no_such_task_module_xyz'" in log
+        assert "ModuleNotFoundError" in log
+        p = _spawn(z, _spec(_free_port(), 0.5), tmp_path / "w.log")
+        assert p.wait(20) == 1  # it forks as before: the workers report the import themselves
+    finally:
+        z.close()

@@ -104,7 +104,7 @@ def _process_exits(events: list[Record]) -> tuple[list[Record], set[int]]:
             if _is(x, ev.LEAVE, e["worker"]) and since < x["t"] <= e["t"] + EXPLAIN_S
         ]
         claimed.update(leaves)
-        detect = events[leaves[0]] if leaves else (_replanned(events, e) if join else e)
+        detect = events[leaves[0]] if leaves else (_replanned(events, e, join) if join else e)
         first = min(e["t"], detect["t"]) if detect else e["t"]  # the leave may come first
         pid = join.get("pid") if join else None
         detail = f"exit code {e.get('code')}"
@@ -113,18 +113,29 @@ def _process_exits(events: list[Record]) -> tuple[list[Record], set[int]]:
     return out, claimed
 
 
-def _replanned(events: list[Record], exit_: Record) -> Record | None:
-    """The first epoch started without the dead worker, from just before its exit on: its
+def _replanned(events: list[Record], exit_: Record, join: Record) -> Record | None:
+    """The first epoch started without the dead process, from just before its exit on: its
     detection when no coordinator logged a ``leave`` (the coordinator died with it, and a
-    standby took over without ever knowing it)."""
-    since = exit_["t"] - EXPLAIN_S
+    standby took over without ever knowing it). Without it means: its worker is not a
+    member, or the member of that name is another process (a replacement that joined
+    after ``join``, the dead one's admission)."""
+    since, worker = exit_["t"] - EXPLAIN_S, exit_["worker"]
+
+    def replaced(before: float) -> bool:
+        return any(
+            _is(j, ev.JOIN, worker)
+            and join["t"] < j["t"] <= before
+            and j.get("pid") != join.get("pid")
+            for j in events
+        )
+
     return next(
         (
             e
             for e in events
             if e["event"] == ev.EPOCH_STARTED
             and e["t"] >= since
-            and exit_["worker"] not in e.get("plan", {}).get("members", [])
+            and (worker not in e.get("plan", {}).get("members", []) or replaced(e["t"]))
         ),
         None,
     )

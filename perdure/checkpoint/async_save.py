@@ -55,13 +55,17 @@ class AsyncCheckpointer:
         world: int = 1,
         exchange: Exchange | None = None,
         log: Log | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> None:
+        """``before_commit`` (rank 0) runs just before a save's commit and may refuse it
+        by raising (a writer whose coordinator generation was fenced out)."""
         if world > 1 and exchange is None:
             raise ValueError(f"AsyncCheckpointer: world={world} needs an exchange")
         self.root = Path(root)
         self.config = config
         self.rank, self.world, self.exchange = rank, world, exchange
         self._log = log or (lambda _e: None)
+        self._before_commit = before_commit
         self._buffers = SnapshotBuffers()
         self._job: _Job | None = None
         self._thread: threading.Thread | None = None
@@ -143,6 +147,7 @@ class AsyncCheckpointer:
                 world=self.world,
                 exchange=self.exchange,
                 retention=retention,
+                before_commit=self._before_commit,
             )
             self._log(
                 {

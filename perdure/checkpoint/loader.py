@@ -295,7 +295,7 @@ def check_compatible(
                 f"{loaded.path}: written by commit {old}, this run is at commit {new}",
                 stacklevel=2,
             )
-    if loaded.config_hash == config_hash:
+    if loaded.config_hash == config_hash or _legacy_match(loaded, canonical):
         return []
     from perdure.config.diff import diff_canonical
 
@@ -307,6 +307,24 @@ def check_compatible(
             "Pass allow_config_change to resume anyway (the override is recorded)."
         )
     return keys or ["<canonical config equal; hash differs>"]
+
+
+def _legacy_match(loaded: LoadedCheckpoint, canonical: dict[str, Any]) -> bool:
+    """A checkpoint written before the run's identity (dataset version, recipe) was part of
+    the hash matches on the config alone, with a warning that the identity went unchecked."""
+    from perdure.config.digest import hash_canonical
+
+    if "identity" in loaded.canonical_config or "identity" not in canonical:
+        return False
+    bare = {k: v for k, v in canonical.items() if k != "identity"}
+    if loaded.config_hash != hash_canonical(bare):
+        return False
+    warnings.warn(
+        f"{loaded.path}: written before the run's identity (dataset version, optimizer, "
+        "scheduler) was recorded: only the config file's settings were compared",
+        stacklevel=3,
+    )
+    return True
 
 
 def config_override_entry(

@@ -115,7 +115,10 @@ def write_checkpoint(
     world: int = 1,
     exchange: Exchange | None = None,
     retention: CheckpointConfig | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> Path:
+    """``before_commit`` runs on rank 0 right before the rename that commits; an
+    exception from it fails the save on every rank, leaving only the temporary directory."""
     if world > 1 and exchange is None:
         raise ValueError(f"save of step {prep.step}: world={world} needs an exchange")
     if not 0 <= rank < world:
@@ -149,7 +152,7 @@ def write_checkpoint(
     status: dict[str, Any] = {"rank": rank, "error": None}
     if rank == 0:
         try:
-            _commit(root, tmp, final, prep, parts, gathered, world)
+            _commit(root, tmp, final, prep, parts, gathered, world, before_commit)
         except Exception as e:
             own_error = e
             status["error"] = f"{type(e).__name__}: {e}"
@@ -256,6 +259,7 @@ def _commit(
     parts: list[list[Chunk]],
     gathered: list[dict[str, Any]],
     world: int,
+    before_commit: Callable[[], None] | None = None,
 ) -> None:
     files = [f for g in gathered for f in g["files"]]
     crash_point("before_manifest")
@@ -264,6 +268,8 @@ def _commit(
     os.replace(tmp / (layout.MANIFEST + ".tmp"), tmp / layout.MANIFEST)
     fsync_dir(tmp)
     crash_point("after_manifest")
+    if before_commit is not None:
+        before_commit()  # e.g. the fence: a stale writer's save stays uncommitted
     old = None
     if final.exists():
         # Re-saving a step (a resumed run): move the old one aside, swap, then delete it.

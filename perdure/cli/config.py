@@ -43,9 +43,12 @@ def check(file: str, canonical: bool, no_preflight: bool) -> None:
         click.echo(f"note: {note}")
     took = f" (preflight {report.seconds:.2f} s)" if report else ""
     click.echo(f"{file}: ok{took}")
-    click.echo(f"config hash: {config_hash(cfg)}")
+    identity = report.identity if report else None
+    click.echo(f"config hash: {config_hash(cfg, identity)}")
+    if identity is None:
+        click.echo("note: the file's settings only (without the dataset version and recipe)")
     if canonical:
-        click.echo(json.dumps(canon(cfg), indent=2, sort_keys=True))
+        click.echo(json.dumps(canon(cfg, identity), indent=2, sort_keys=True))
 
 
 @config.command("fields")

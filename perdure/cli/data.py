@@ -1,27 +1,63 @@
-"""``perdure data``: build, verify and inspect versioned datasets."""
+"""``perdure data``: build, import, verify and inspect versioned datasets."""
 
 from __future__ import annotations
 
 import json
 import sys
 import time
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import click
 
 
 @click.group()
 def data() -> None:
-    """Build, verify and inspect versioned datasets (manifest + checksummed shards)."""
+    """Build, import, verify and inspect versioned datasets (manifest + checksummed shards)."""
 
 
 @data.command("build")
 @click.argument("sources", nargs=-1, required=True)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
-@click.option("--seq-len", default=128, show_default=True, help="Tokens per sample, minus one.")
+@click.option(
+    "--seq-len",
+    default=128,
+    show_default=True,
+    help="Tokens a model reads per sample; samples hold seq_len + 1 tokens.",
+)
 @click.option("--shard-mb", default=64.0, show_default=True, help="Target shard size in MiB.")
 @click.option("--include", default="*", show_default=True, help="File-name pattern in dirs.")
 @click.option("--max-mb", type=float, default=None, help="Read at most this many MiB of source.")
+@click.option(
+    "--tokenizer",
+    "tokenizer",
+    metavar="MODULE:FUNCTION",
+    default=None,
+    help="A callable text -> list of token ids (default: bytes, vocabulary 256). "
+    "Its module is imported from the working directory or sys.path.",
+)
+@click.option(
+    "--tokenizer-file",
+    type=click.Path(exists=True),
+    default=None,
+    help="A local file or directory (e.g. tokenizer.json) handed to --tokenizer, "
+    "which is then a factory called once as MODULE:FUNCTION(PATH); its "
+    "SHA-256 enters the version id. perdure.data.hf:tokenizer_json loads a "
+    "Hugging Face tokenizers file.",
+)
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="Token ids are below this (at least what --tokenizer reports). Default: "
+    "what the tokenizer reports, else the largest id seen + 1.",
+)
+@click.option(
+    "--separator",
+    type=int,
+    default=None,
+    help="Token id appended after every source file. Default: the tokenizer's "
+    "eos_id if it reports one, else 0 (the NUL byte for bytes).",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def build(
     sources: tuple[str, ...],
@@ -30,22 +66,137 @@ def build(
     shard_mb: float,
     include: str,
     max_mb: float | None,
+    tokenizer: str | None,
+    tokenizer_file: str | None,
+    vocab_size: int | None,
+    separator: int | None,
     force: bool,
 ) -> None:
-    """Tokenize SOURCES (files, directories, globs) byte-level into a dataset at OUT."""
+    """Tokenize SOURCES (files, directories, globs) into a dataset at OUT (byte-level
+    unless --tokenizer)."""
     from perdure.data import DataError, build_dataset
 
+    if tokenizer is None and tokenizer_file is not None:
+        _fail("--tokenizer-file: needs --tokenizer (the factory to hand the file to)")
+    if tokenizer is None and vocab_size is not None:
+        _fail("--vocab-size: the byte tokenizer's vocabulary is 256; pass --tokenizer too")
     start = time.perf_counter()
     try:
         m = build_dataset(list(sources), out, seq_len=seq_len, shard_mb=shard_mb,
-                          include=include, max_mb=max_mb, overwrite=force)  # fmt: skip
+                          include=include, max_mb=max_mb, overwrite=force,
+                          tokenizer=tokenizer, tokenizer_file=tokenizer_file,
+                          vocab_size=vocab_size, separator=separator)  # fmt: skip
     except DataError as e:
         _fail(str(e))
     took = time.perf_counter() - start
     click.echo(f"{out}: {m.num_samples} samples of {seq_len + 1} tokens in {len(m.shards)} "
                f"shards from {m.sources['files']} files ({m.sources['bytes']} bytes) in "
                f"{took:.2f} s")  # fmt: skip
+    _say_vocab(m)
     click.echo(f"version id: {m.version_id}")
+
+
+@data.command("import")
+@click.argument("files", nargs=-1)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Output directory.")
+@click.option(
+    "--seq-len",
+    type=int,
+    default=None,
+    help="Cut 1-D streams into samples of seq_len + 1 values (the tail that does "
+    "not fill a sample is dropped). Needed for a 1-D source.",
+)
+@click.option(
+    "--dtype",
+    default=None,
+    metavar="DTYPE",
+    help="Dtype of raw (non-.npy) files: uint16 for nanoGPT's train.bin; uint8, "
+    "int8, uint16, int16, uint32, int32, int64, float16, float32, float64.",
+)
+@click.option(
+    "--field",
+    "extra",
+    multiple=True,
+    metavar="NAME=PATH[:DTYPE]",
+    help="Another per-sample field (e.g. labels, loss_mask) from a file; repeat "
+    "to add fields or to append files to one. :DTYPE for a raw file "
+    "(default --dtype). tokens=PATH adds token files too.",
+)
+@click.option(
+    "--vocab-size",
+    type=int,
+    default=None,
+    help="Token ids are below this. Default: the largest id + 1.",
+)
+@click.option(
+    "--tokenizer-name",
+    default="pretokenized",
+    show_default=True,
+    help="What produced the tokens (e.g. gpt2): enters the version id.",
+)
+@click.option("--shard-mb", default=64.0, show_default=True, help="Target shard size in MiB.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+def import_(
+    files: tuple[str, ...],
+    out: str,
+    seq_len: int | None,
+    dtype: str | None,
+    extra: tuple[str, ...],
+    vocab_size: int | None,
+    tokenizer_name: str,
+    shard_mb: float,
+    force: bool,
+) -> None:
+    """Import pre-tokenized FILES (.npy, or raw little-endian token files) as the tokens of
+    a dataset at OUT, with any other --field; .npy files carry their dtype and shape."""
+    from perdure.data import DataError
+    from perdure.data.importer import import_arrays
+
+    fields: dict[str, list[str]] = {"tokens": list(files)} if files else {}
+    dtypes: dict[str, str] = {}
+    for spec in extra:
+        name, path, raw = _field_spec(spec)
+        fields.setdefault(name, []).append(path)
+        if raw is not None:
+            if dtypes.get(name, raw) != raw:
+                _fail(f"--field: {name} given with dtypes {dtypes[name]} and {raw}")
+            dtypes[name] = raw
+    start = time.perf_counter()
+    try:
+        m = import_arrays(fields, out, seq_len=seq_len, dtype=dtype, dtypes=dtypes,
+                          vocab_size=vocab_size, tokenizer=tokenizer_name, shard_mb=shard_mb,
+                          overwrite=force)  # fmt: skip
+    except DataError as e:
+        _fail(str(e))
+    took = time.perf_counter() - start
+    layout = ", ".join(f.describe() for f in m.fields)
+    click.echo(f"{out}: {m.num_samples} samples ({layout}) in {len(m.shards)} shards from "
+               f"{m.sources['files']} files in {took:.2f} s")  # fmt: skip
+    for name, n in m.sources.get("dropped_tail", {}).items():
+        if n:
+            click.echo(f"dropped the last {n} values of {name}: fewer than one sample")
+    _say_vocab(m)
+    click.echo(f"version id: {m.version_id}")
+
+
+def _field_spec(spec: str) -> tuple[str, str, str | None]:
+    name, eq, rest = spec.partition("=")
+    if not eq or not name or not rest:
+        _fail(f"--field: must be NAME=PATH[:DTYPE] (got {spec!r})")
+    path, colon, raw = rest.rpartition(":")
+    if not colon or "/" in raw or "." in raw:  # no dtype suffix (or a ':' inside the path)
+        return name, rest, None
+    return name, path, raw
+
+
+def _say_vocab(m: Any) -> None:
+    source = m.sources.get("vocab_size_from")
+    vocab = m.build.get("vocab_size")
+    if source == "max_id":
+        click.echo(f"vocabulary: {vocab} (the largest token id + 1; pass --vocab-size for "
+                   "the tokenizer's own)")  # fmt: skip
+    elif source is not None:
+        click.echo(f"vocabulary: {vocab} (from {source})")
 
 
 @data.command("verify")
@@ -83,6 +234,7 @@ def inspect(url: str, as_json: bool) -> None:
         "version id": m.version_id,
         "samples": m.num_samples,
         "sample": f"{m.seq_len + 1} x {m.dtype} (seq_len {m.seq_len})",
+        "fields": "; ".join(f.describe() for f in m.fields),
         "tokens": m.num_tokens,
         "shards": len(m.shards),
         "bytes": sum(s.bytes for s in m.shards),

@@ -38,13 +38,15 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
     from perdure.launch.api import run
     from perdure.launch.demo import DATASET, ensure_dataset, fault_table, reference
     from perdure.report import write_report
-    from perdure.run_config import load_config
+    from perdure.run_config import dataset_path, load_config
 
     console = Console() if sys.stdout.isatty() else Console(width=120)
     root = Path(__file__).resolve().parents[2]
     default = root / "configs" / ("demo_quick.toml" if quick else "demo.toml")
     config = load_config(config_file or default)
-    version = ensure_dataset(Path(config.data.dataset or DATASET), console)
+    version = ensure_dataset(
+        Path(dataset_path(config) if config.data.dataset else DATASET), console
+    )
     ref, source = reference(config, version, console)
     rd = Path(run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     show = sys.stdout.isatty() if live is None else live

@@ -6,10 +6,14 @@ import json
 import os
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 import click
 
 from perdure.runtime.entry import TOKEN_ENV
+
+if TYPE_CHECKING:
+    from perdure.run_config import RunConfig
 
 
 def _exit(code: int) -> None:
@@ -54,8 +58,14 @@ def _token() -> str:
 @click.option(
     "--host",
     default=None,
-    help="Address this worker's data plane listens on, where its peers reach it "
+    help="Address this worker's data plane (gloo, NCCL) listens on and its peers dial "
     "(default: its own address on the path to the coordinator).",
+)
+@click.option(
+    "--interface",
+    default=None,
+    help="Network interface of the data plane, by name (e.g. eth1), instead of --host "
+    "(gloo's device; NCCL_SOCKET_IFNAME for NCCL).",
 )
 @click.option(
     "--join-timeout-s",
@@ -70,9 +80,14 @@ def worker(
     role: str,
     yield_cpu_until_ready: bool,
     host: str | None,
+    interface: str | None,
     join_timeout_s: float,
 ) -> None:
-    """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN."""
+    """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN.
+
+    It exits when the run ends (0), when its coordinators refuse it (1, with the reason)
+    or when none is reachable for --join-timeout-s (1)."""
+    from perdure.runtime.control.channel import AdmissionRefused
     from perdure.runtime.entry import WorkerSpec, run_worker
 
     _token()
@@ -85,10 +100,16 @@ def worker(
             yield_cpu=yield_cpu_until_ready,
             join_timeout_s=join_timeout_s,
             host=host,
+            interface=interface,
         )
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--coordinator") from None
-    _exit(run_worker(spec))
+    try:
+        code = run_worker(spec)
+    except (AdmissionRefused, ConnectionError, ValueError) as e:
+        click.echo(f"perdure worker {name}: {e}", err=True)
+        code = 1
+    _exit(code)
 
 
 @click.command()
@@ -131,10 +152,47 @@ def worker(
     "and reconnect here.",
 )
 @click.option(
+    "--primary",
+    default=None,
+    help="A standby's probe address of the primary (HOST:PORT of its channel), checked "
+    "before taking over (default: the channel the primary recorded with its lease).",
+)
+@click.option(
     "--expected-workers",
     type=int,
     default=None,
     help="Workers to wait for before the first membership epoch (default: config).",
+)
+@click.option(
+    "--host",
+    default=None,
+    help="Address every listener (channel, store) binds, and no other "
+    "[default: cluster.host]. The standby gives its own host's address here.",
+)
+@click.option(
+    "--advertise",
+    default=None,
+    help="Address workers dial to reach this coordinator, written to the ports file "
+    "[default: cluster.advertise, else --host].",
+)
+@click.option(
+    "--channel-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="TCP port of the control channel, what workers' --coordinator HOST:PORT names; "
+    "0: a free one [default: cluster.channel_port].",
+)
+@click.option(
+    "--store-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="TCP port of the run's store; 0: a free one [default: cluster.port].",
+)
+@click.option(
+    "--no-summary",
+    is_flag=True,
+    help="Do not write summary.json and report.html when the run ends (a launcher that "
+    "writes them itself).",
 )
 def coordinator(
     config_toml: str | None,
@@ -144,15 +202,31 @@ def coordinator(
     resume: str | None,
     allow_config_change: bool,
     standby: bool,
+    primary: str | None,
     expected_workers: int | None,
+    host: str | None,
+    advertise: str | None,
+    channel_port: int | None,
+    store_port: int | None,
+    no_summary: bool,
 ) -> None:
-    """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN."""
+    """Run a coordinator (membership, failure detection, plans). Token from $PERDURE_RUN_TOKEN.
+
+    It ends with the run (exit 0): when every member is done, or, for an idle standby,
+    when the primary logs the run's end. The coordinator that ran the run to its end
+    then writes RUN_DIR/summary.json and RUN_DIR/report.html."""
+    import time
+
     from perdure.config.errors import ConfigError
     from perdure.lifecycle import die_with_parent
+    from perdure.proctitle import set_title
     from perdure.run_config import config_from_dict, load_config
+    from perdure.runtime.control.address import coordinator_endpoints
     from perdure.runtime.control.coordinator import Coordinator
+    from perdure.runtime.control.lease import LeaseHeld, LeaseStoreError
 
     die_with_parent()  # started by a launcher: end with it (no-op when started by hand)
+    set_title("standby" if standby else "coordinator", run_dir=run_dir)
 
     if (config_toml is None) == (config_json is None):
         raise click.UsageError("give exactly one of --config (TOML) and --config-json")
@@ -166,17 +240,36 @@ def coordinator(
     except ConfigError as e:
         click.echo(str(e), err=True)
         sys.exit(2)
-    c = Coordinator(
-        config,
-        run_dir=run_dir,
-        token=_token(),
-        resume=resume,
-        allow_config_change=allow_config_change,
-        host=config.cluster.host,
-        store_port=config.cluster.port,
-        expected_workers=expected_workers,
-        standby=standby,
-    )
+    try:
+        endpoints = coordinator_endpoints(
+            config.cluster,
+            host=host,
+            advertise=advertise,
+            channel_port=channel_port,
+            store_port=store_port,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--host") from None
+    started = time.time()
+    token = _token()
+    try:
+        c = Coordinator(
+            config,
+            run_dir=run_dir,
+            token=token,
+            resume=resume,
+            allow_config_change=allow_config_change,
+            endpoints=endpoints,
+            expected_workers=expected_workers,
+            standby=standby,
+            primary=primary,
+        )
+    except (LeaseHeld, LeaseStoreError) as e:
+        click.echo(f"coordinator not started: {e}", err=True)
+        sys.exit(2)
+    except OSError as e:
+        click.echo(f"perdure coordinator: {e}", err=True)
+        sys.exit(2)
     # SIGTERM (a launcher or cluster manager asking for a clean stop): drain the run at a
     # step boundary with a final checkpoint. SIGINT: stop serving now.
     signal.signal(signal.SIGTERM, lambda *_: c.request_drain("SIGTERM"))
@@ -187,12 +280,33 @@ def coordinator(
             json.dump(
                 {
                     "host": c.host,
+                    "bind": c.endpoints.bind,
                     "store_port": c.store_port,
                     "channel_port": c.channel_port,
+                    "metrics_port": c.metrics.port,  # Prometheus (None: off or not bound)
                     "pid": os.getpid(),
                 },
                 f,
             )
         os.replace(tmp, ports_file)
     c.serve()
-    _exit(0 if c.policy.finished else 130)  # 0: the run ended (complete or drained)
+    if c.policy.finished and not c.policy.fenced and not no_summary:
+        _write_summary(config, run_dir, started)
+    # 0: the run ended (complete, drained or failed; or, for an idle standby, under the
+    # primary); 3: fenced out by a newer generation
+    _exit(3 if c.policy.fenced else 0 if c.policy.finished or c.run_over else 130)
+
+
+def _write_summary(config: RunConfig, run_dir: str, started: float) -> None:
+    """summary.json and report.html, whatever started this coordinator (the events of
+    this launch only: those stamped since it started)."""
+    from pathlib import Path
+
+    from perdure.launch.summary import write_summary
+    from perdure.report import write_report
+
+    try:
+        write_summary(Path(run_dir), config, started=started)
+        write_report(run_dir)
+    except Exception as e:  # the run is over either way: one line, not a traceback
+        click.echo(f"perdure coordinator: summary or report not written: {e}", err=True)

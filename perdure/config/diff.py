@@ -14,6 +14,12 @@ def diff_canonical(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> li
         va, vb = a.get(k), b.get(k)
         if isinstance(va, dict) and isinstance(vb, dict):
             out += diff_canonical(va, vb, key)
+        elif isinstance(va, list) and isinstance(vb, list) and len(va) == len(vb):
+            out += diff_canonical(_indexed(va), _indexed(vb), key)
         elif va != vb:
             out.append(key)
     return out
+
+
+def _indexed(items: list[Any]) -> dict[str, Any]:
+    return {str(i): v for i, v in enumerate(items)}

@@ -17,6 +17,9 @@ _EXPORTS = {
     "DataError": "errors",
     "DataState": "state",
     "Dataset": "dataset",
+    "EntryTokenizer": "tokenizer_entry",
+    "Field": "fields",
+    "FieldSpec": "fields",
     "Manifest": "manifest",
     "Order": "order",
     "Quarantine": "quarantine",
@@ -26,6 +29,8 @@ _EXPORTS = {
     "SlotLoader": "loader",
     "build_dataset": "build",
     "byte_tokenizer": "tokenize",
+    "import_arrays": "importer",
+    "load_tokenizer": "tokenizer_entry",
     "parse_manifest": "manifest",
     "permute": "order",
     "position_to_sample": "order",
@@ -39,6 +44,9 @@ __all__ = [
     "DataError",
     "DataState",
     "Dataset",
+    "EntryTokenizer",
+    "Field",
+    "FieldSpec",
     "Manifest",
     "Order",
     "Quarantine",
@@ -48,6 +56,8 @@ __all__ = [
     "SlotLoader",
     "build_dataset",
     "byte_tokenizer",
+    "import_arrays",
+    "load_tokenizer",
     "parse_manifest",
     "permute",
     "position_to_sample",
@@ -61,6 +71,8 @@ if TYPE_CHECKING:
     from perdure.data.build import build_dataset
     from perdure.data.dataset import Dataset
     from perdure.data.errors import DataError, ShardError
+    from perdure.data.fields import Field, FieldSpec
+    from perdure.data.importer import import_arrays
     from perdure.data.loader import SlotLoader
     from perdure.data.manifest import Manifest, ShardInfo, parse_manifest
     from perdure.data.order import Order, permute, position_to_sample, positions_to_samples
@@ -68,6 +80,7 @@ if TYPE_CHECKING:
     from perdure.data.slots import slot_positions
     from perdure.data.state import DataState
     from perdure.data.tokenize import byte_tokenizer
+    from perdure.data.tokenizer_entry import EntryTokenizer, load_tokenizer
     from perdure.data.verify import verify_dataset
 
 

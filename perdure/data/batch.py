@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -31,6 +31,9 @@ class Batch:
     """float32 ``[B/S]``: loss weight per sample (see the class docstring)."""
     bad_shards: tuple[int, ...] = ()
     """Shards of this slot that failed to load (their rows are zero, weights NaN)."""
+    fields: dict[str, np.ndarray] = field(default_factory=dict)
+    """The dataset's other fields (``labels``, ``loss_mask``, ...) by name, ``[B/S, *shape]``
+    each: integers as int64, floats in their stored dtype. Empty for a tokens-only dataset."""
 
     @property
     def finite(self) -> bool:

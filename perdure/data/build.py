@@ -6,6 +6,12 @@ non-overlapping samples of ``seq_len + 1`` tokens (the model reads ``[:-1]`` and
 ``[1:]``); the last partial sample is dropped. Samples fill shards of ``samples_per_shard``
 rows, ``floor(shard_mb MiB / row bytes)``; the last shard may hold fewer.
 
+Tokenizers: byte-level by default; a Python callable ``bytes -> ids`` with ``vocab_size``;
+or an import entry ``module:function`` (``perdure data build --tokenizer``, see
+:mod:`perdure.data.tokenizer_entry`), whose vocabulary is what it reports, or
+``vocab_size``, or else the largest id seen + 1 (then the ids are spooled to a temporary
+file first, since the shards' dtype depends on that largest id).
+
 Everything is a pure function of the file contents and the parameters, so the same inputs
 give byte-identical shards and the same version id anywhere. The build writes into a
 temporary sibling directory and renames it into place: a reader never sees half a dataset.
@@ -15,17 +21,15 @@ are plain files); the build reads sources one at a time and holds one shard in m
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from perdure.data.errors import DataError
 from perdure.data.hashing import sha256_hex
-from perdure.data.manifest import MANIFEST_NAME, Manifest, ShardInfo
+from perdure.data.manifest import Manifest, ShardInfo
+from perdure.data.output import commit, staged, write_file
 from perdure.data.sources import list_sources
 from perdure.data.tokenize import (
     BYTE_VOCAB,
@@ -36,8 +40,11 @@ from perdure.data.tokenize import (
     dtype_for,
     tokenizer_name,
 )
+from perdure.data.tokenizer_entry import EntryTokenizer, load_tokenizer
 
 MiB = 1 << 20
+SPOOL_CHUNK = 1 << 24
+"""Tokens read back from the spool at a time (64 MiB of uint32)."""
 
 
 def build_dataset(
@@ -46,112 +53,187 @@ def build_dataset(
     *,
     seq_len: int = 128,
     shard_mb: float = 64.0,
-    tokenizer: Tokenizer | None = None,
+    tokenizer: Tokenizer | EntryTokenizer | str | None = None,
+    tokenizer_file: str | None = None,
     vocab_size: int | None = None,
-    separator: int = SEPARATOR,
+    separator: int | None = None,
     include: str = "*",
     max_mb: float | None = None,
     overwrite: bool = False,
 ) -> Manifest:
     """Build a dataset from ``sources`` into the directory ``out``; return its manifest.
 
-    ``tokenizer`` maps a file's bytes to token ids (default: bytes, vocab 256; a custom
-    tokenizer needs ``vocab_size``). ``include`` filters file names found in directories.
+    ``tokenizer`` maps a file's bytes to token ids (default: bytes, vocab 256; a Python
+    callable needs ``vocab_size``), or is an entry ``module:function`` (or an
+    :class:`EntryTokenizer`) mapping text to ids, with ``tokenizer_file`` handed to it
+    when given. ``separator``: the token after each document (default 0, or an entry
+    tokenizer's ``eos_id``). ``include`` filters file names found in directories.
     ``max_mb`` caps the source bytes read (files in order, the last one truncated).
     ``overwrite`` replaces an existing ``out``; otherwise an existing ``out`` is an error.
     """
-    vocab = _check_args(seq_len, shard_mb, tokenizer, vocab_size, separator, max_mb)
-    dest = Path(out)
-    if dest.exists() and not overwrite:
-        raise DataError(f"build: output {dest} already exists (pass overwrite=True / --force)")
-    files = list_sources(sources, include)
-    dtype = dtype_for(vocab)
-    row_tokens = seq_len + 1
-    per_shard = max(1, int(shard_mb * MiB) // (row_tokens * np.dtype(dtype).itemsize))
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        writer = _ShardWriter(tmp, dtype, row_tokens, per_shard)
-        stats = _feed(files, writer, tokenizer or byte_tokenizer, vocab, separator, max_mb)
+    _check_args(seq_len, shard_mb, max_mb)
+    if isinstance(tokenizer, str):
+        tokenizer = load_tokenizer(tokenizer, tokenizer_file)
+    elif tokenizer_file is not None:
+        raise DataError(f"build: tokenizer_file ({tokenizer_file!r}) needs tokenizer as an "
+                        "entry string, module:function, to hand the file to")  # fmt: skip
+    plan = _plan(tokenizer, vocab_size, separator)
+    with staged(out, overwrite, "build") as tmp:
+        files = list_sources(sources, include)
+        if plan.vocab is None:
+            spool = _Spool(tmp / ".spool")
+            stats = _feed(files, spool, plan, max_mb)
+            plan.vocab = max(spool.max_id, plan.separator) + 1
+            writer = _ShardWriter(tmp, dtype_for(plan.vocab), seq_len + 1, shard_mb)
+            spool.replay(writer)
+        else:
+            writer = _ShardWriter(tmp, dtype_for(plan.vocab), seq_len + 1, shard_mb)
+            stats = _feed(files, writer, plan, max_mb)
+        stats["tokens"] = writer.tokens_in
         shards = writer.finish()
-        build = {
+        build: dict[str, Any] = {
             "seq_len": seq_len,
-            "samples_per_shard": per_shard,
-            "tokenizer": tokenizer_name(tokenizer),
-            "vocab_size": vocab,
-            "separator": separator,
+            "samples_per_shard": writer.per_shard,
+            "tokenizer": plan.name,
+            "vocab_size": plan.vocab,
+            "separator": plan.separator,
         }
-        manifest = Manifest(seq_len, dtype, tuple(shards), build, stats).with_version_id()
-        _write_file(tmp / MANIFEST_NAME, manifest.to_json().encode())
-        _commit(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if plan.identity:
+            build["tokenizer_identity"] = plan.identity
+        if plan.vocab_from is not None:
+            stats["vocab_size_from"] = plan.vocab_from
+        manifest = Manifest(seq_len, writer.dtype_name, tuple(shards), build, stats)
+        manifest = manifest.with_version_id()
+        commit(tmp, out, manifest)
     return manifest
 
 
-def _check_args(
-    seq_len: int,
-    shard_mb: float,
-    tokenizer: Tokenizer | None,
-    vocab_size: int | None,
-    separator: int,
-    max_mb: float | None,
-) -> int:
+class _Plan:
+    """How the sources become ids: the tokenizer, its name, vocabulary and separator."""
+
+    def __init__(self, name: str, encode: Any, vocab: int | None, separator: int) -> None:
+        self.name, self.encode, self.vocab, self.separator = name, encode, vocab, separator
+        self.identity: dict[str, Any] = {}
+        self.vocab_from: str | None = None
+        """For an entry tokenizer: where the vocabulary came from (informational)."""
+
+
+def _plan(tok: Tokenizer | EntryTokenizer | None, vocab: int | None, sep: int | None) -> _Plan:
+    if isinstance(tok, EntryTokenizer):
+        return _entry_plan(tok, vocab, sep)
+    if tok is not None and tok is not byte_tokenizer and vocab is None:
+        raise DataError("build: a custom tokenizer needs vocab_size (got None)")
+    vocab = BYTE_VOCAB if vocab is None else vocab
+    if vocab < 1:
+        raise DataError(f"build: vocab_size must be >= 1 (got {vocab})")
+    dtype_for(vocab)  # raises for a vocabulary past 2**32
+    sep = SEPARATOR if sep is None else sep
+    if not 0 <= sep < vocab:
+        raise DataError(f"build: separator must be in [0, {vocab}) (got {sep})")
+    return _Plan(tokenizer_name(tok), tok or byte_tokenizer, vocab, sep)
+
+
+def _entry_plan(tok: EntryTokenizer, vocab: int | None, sep: int | None) -> _Plan:
+    reported, flag = tok.vocab_size, vocab
+    if flag is not None:
+        if not 1 <= flag <= 2**32:
+            raise DataError(f"build: --vocab-size must be in [1, 2**32] (got {flag})")
+        if reported is not None and flag < reported:
+            raise DataError(f"build: --vocab-size {flag} is smaller than the vocab_size "
+                            f"{reported} that --tokenizer {tok.entry} reports")  # fmt: skip
+    chosen = flag if flag is not None else reported
+    sep = sep if sep is not None else (tok.eos_id if tok.eos_id is not None else SEPARATOR)
+    bound = chosen if chosen is not None else 2**32
+    if not 0 <= sep < bound:
+        raise DataError(f"build: separator must be in [0, {bound}) (got {sep})")
+    plan = _Plan(tok.entry, tok, chosen, sep)
+    plan.identity = tok.identity
+    plan.vocab_from = "--vocab-size" if flag is not None else (
+        "tokenizer" if reported is not None else "max_id")  # fmt: skip
+    return plan
+
+
+def _check_args(seq_len: int, shard_mb: float, max_mb: float | None) -> None:
     if seq_len < 1:
         raise DataError(f"build: seq_len must be >= 1 (got {seq_len})")
     if not shard_mb > 0:
         raise DataError(f"build: shard_mb must be > 0 (got {shard_mb})")
     if max_mb is not None and not max_mb > 0:
         raise DataError(f"build: max_mb must be > 0 (got {max_mb})")
-    if tokenizer is not None and tokenizer is not byte_tokenizer and vocab_size is None:
-        raise DataError("build: a custom tokenizer needs vocab_size (got None)")
-    vocab = BYTE_VOCAB if vocab_size is None else vocab_size
-    if vocab < 1:
-        raise DataError(f"build: vocab_size must be >= 1 (got {vocab})")
-    if not 0 <= separator < vocab:
-        raise DataError(f"build: separator must be in [0, {vocab}) (got {separator})")
-    return vocab
 
 
-def _feed(
-    files: list[Path],
-    writer: _ShardWriter,
-    tokenizer: Tokenizer,
-    vocab: int,
-    separator: int,
-    max_mb: float | None,
-) -> dict[str, int]:
+def _feed(files: list[Path], sink: Any, plan: _Plan, max_mb: float | None) -> dict[str, Any]:
+    """Tokenize ``files`` in order into ``sink`` (a shard writer or a spool), a separator
+    after each; ids are checked against the vocabulary as they come."""
     budget = None if max_mb is None else int(max_mb * MiB)
-    sep = np.array([separator], dtype=writer.dtype)
+    sep = np.array([plan.separator], dtype=np.int64)
     used, read = 0, 0
     for f in files:
         data = f.read_bytes()
+        cut = budget is not None and len(data) > budget - read
         if budget is not None:
             data = data[: budget - read]
         read += len(data)
-        ids = tokenizer(data) if tokenizer is byte_tokenizer else check_tokens(
-            tokenizer(data), vocab, str(f))  # fmt: skip
-        writer.add(ids.astype(writer.dtype, copy=False))
-        writer.add(sep)
+        sink.add(_ids(plan, data, str(f), final=not cut))
+        sink.add(sep)
         used += 1
         if budget is not None and read >= budget:
             break
-    return {"files": used, "bytes": read, "tokens": writer.tokens_in}
+    return {"files": used, "bytes": read}
+
+
+def _ids(plan: _Plan, data: bytes, source: str, final: bool) -> np.ndarray:
+    if plan.encode is byte_tokenizer:
+        return byte_tokenizer(data)
+    if isinstance(plan.encode, EntryTokenizer):
+        ids = plan.encode.encode(data, source, final=final)
+        if plan.vocab is None:
+            return ids  # range-checked against 2**32 already; the vocabulary is max + 1
+        if ids.size and int(ids.max()) >= plan.vocab:
+            raise DataError(f"{source}: --tokenizer {plan.name} returned id {int(ids.max())}, "
+                            f"outside the vocabulary [0, {plan.vocab})")  # fmt: skip
+        return ids
+    return check_tokens(plan.encode(data), plan.vocab or 0, source)
+
+
+class _Spool:
+    """Ids of a build whose vocabulary is not known up front, as uint32 in a temporary
+    file inside the build directory (removed before the commit)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.f = open(path, "wb")  # noqa: SIM115 (closed in replay or with the build dir)
+        self.max_id = -1
+
+    def add(self, ids: np.ndarray) -> None:
+        if ids.size:
+            self.max_id = max(self.max_id, int(ids.max()))
+            self.f.write(ids.astype("<u4").tobytes())
+
+    def replay(self, writer: _ShardWriter) -> None:
+        self.f.close()
+        if self.path.stat().st_size:
+            stream = np.memmap(self.path, dtype="<u4", mode="r")
+            for start in range(0, stream.size, SPOOL_CHUNK):
+                writer.add(np.asarray(stream[start : start + SPOOL_CHUNK]))
+            del stream
+        self.path.unlink()
 
 
 class _ShardWriter:
     """Accumulates tokens and writes full shards as raw little-endian row-major arrays."""
 
-    def __init__(self, root: Path, dtype: str, row_tokens: int, per_shard: int) -> None:
-        self.root, self.row, self.per_shard = root, row_tokens, per_shard
+    def __init__(self, root: Path, dtype: str, row_tokens: int, shard_mb: float) -> None:
+        self.root, self.row, self.dtype_name = root, row_tokens, dtype
         self.dtype = np.dtype(dtype).newbyteorder("<")
+        self.per_shard = max(1, int(shard_mb * MiB) // (row_tokens * self.dtype.itemsize))
         self.chunks: list[np.ndarray] = []
         self.pending = 0
         self.tokens_in = 0
         self.shards: list[ShardInfo] = []
 
     def add(self, ids: np.ndarray) -> None:
+        ids = ids.astype(self.dtype, copy=False)
         self.chunks.append(ids)
         self.pending += ids.size
         self.tokens_in += ids.size
@@ -179,23 +261,5 @@ class _ShardWriter:
     def _write(self, tokens: np.ndarray) -> None:
         data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
         name = f"shard-{len(self.shards):05d}.bin"
-        _write_file(self.root / name, data)
+        write_file(self.root / name, data)
         self.shards.append(ShardInfo(name, tokens.size // self.row, len(data), sha256_hex(data)))
-
-
-def _write_file(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _commit(tmp: Path, dest: Path) -> None:
-    """Rename ``tmp`` to ``dest``; an existing ``dest`` is moved aside first, then removed."""
-    old = None
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{os.getpid()}-{time.time_ns()}"
-        os.rename(dest, old)
-    os.rename(tmp, dest)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from perdure.data.errors import DataError, ShardError
+from perdure.data.fields import TOKENS, served_dtype
 from perdure.data.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from perdure.data.store import ShardStore, open_fs
 
@@ -101,21 +102,54 @@ class Dataset:
         dtype: np.dtype | type | None = None,
         shards: np.ndarray | None = None,
     ) -> tuple[np.ndarray, dict[int, ShardError]]:
-        """Rows of ``ids`` (converted to ``dtype`` while copied, default: stored dtype), with
-        the rows of unreadable shards left zero and those shards' errors returned instead of
-        raised (the slot loader's path). ``shards``: ``shard_of(ids)`` if already known."""
+        """Token rows of ``ids`` (converted to ``dtype`` while copied, default: stored dtype),
+        with the rows of unreadable shards left zero and those shards' errors returned instead
+        of raised (the slot loader's path). ``shards``: ``shard_of(ids)`` if already known."""
+        if self.manifest.extra_fields:
+            records, bad = self.read_records(ids, shards)
+            return records[TOKENS].astype(dtype or self.manifest.np_dtype()), bad
         out = np.empty((ids.size, self.seq_len + 1), dtype=dtype or self.manifest.np_dtype())
+        return out, self._read_into(out, ids, shards)
+
+    def read_records(
+        self, ids: np.ndarray, shards: np.ndarray | None = None
+    ) -> tuple[np.ndarray, dict[int, ShardError]]:
+        """Whole samples of ``ids`` as records of every field (``manifest.record_dtype()``);
+        unreadable shards as in :meth:`read_available`."""
+        out = np.empty(ids.size, dtype=self.manifest.record_dtype())
+        if not self.manifest.extra_fields:  # one field: the record is the token row
+            out[TOKENS], bad = self.read_available(ids, None, shards)
+            return out, bad
+        return out, self._read_into(out, ids, shards)
+
+    def read_fields(
+        self, ids: np.ndarray, shards: np.ndarray | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[int, ShardError]]:
+        """Every field of ``ids`` by name, in the dtype a task receives
+        (:func:`~perdure.data.fields.served_dtype`: integers as int64); unreadable shards as
+        in :meth:`read_available`."""
+        if not self.manifest.extra_fields:  # the common case keeps the cast-while-copying path
+            tokens, bad = self.read_available(ids, np.int64, shards)
+            return {TOKENS: tokens}, bad
+        records, bad = self.read_records(ids, shards)
+        return {f.name: records[f.name].astype(served_dtype(f.dtype))
+                for f in self.manifest.fields}, bad  # fmt: skip
+
+    def _read_into(
+        self, out: np.ndarray, ids: np.ndarray, shards: np.ndarray | None
+    ) -> dict[int, ShardError]:
+        """Fill ``out`` (token rows or records, one per id) from the shards."""
         if shards is None:  # given shards mean ids the caller already checked
             self._check_ids(ids)
             shards = np.searchsorted(self.starts, ids, side="right") - 1
         bad: dict[int, ShardError] = {}
         if ids.size == 0:
-            return out, bad
+            return bad
         rows = ids - self.starts[shards]
         lo, hi = int(shards.min()), int(shards.max())
         if lo == hi:
             out[:] = self._gather(lo, rows, bad)
-            return out, bad
+            return bad
         order = np.argsort(shards, kind="stable")
         ks, rs = shards[order], rows[order]
         cuts = [0, *(np.flatnonzero(np.diff(ks)) + 1).tolist(), ids.size]
@@ -128,14 +162,17 @@ class Dataset:
             # Long rows: bandwidth dominates, so copy each row only twice.
             for k, a, b in spans:
                 out[order[a:b]] = self._gather(k, rs[a:b], bad)
-        return out, bad
+        return bad
 
     def _gather(self, shard: int, rows: np.ndarray, bad: dict[int, ShardError]) -> np.ndarray:
         try:
             return self.store.rows(shard)[rows]
         except ShardError as e:
             bad[shard] = e
-            return np.zeros((rows.size, self.seq_len + 1), dtype=self.manifest.np_dtype())
+            m = self.manifest
+            if m.extra_fields:
+                return np.zeros(rows.size, dtype=m.record_dtype())
+            return np.zeros((rows.size, self.seq_len + 1), dtype=m.np_dtype())
 
     def _check_ids(self, ids: np.ndarray) -> None:
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= self.num_samples):

@@ -25,6 +25,7 @@ import numpy as np
 from perdure.data.batch import Batch
 from perdure.data.dataset import Dataset
 from perdure.data.errors import DataError, ShardError
+from perdure.data.fields import TOKENS
 from perdure.data.order import positions_to_samples
 from perdure.data.prefetch import Prefetcher
 from perdure.data.quarantine import Quarantine, QuarantineEntry
@@ -182,14 +183,15 @@ class SlotLoader:
             q, poisoned = self._quarantine, frozenset(self._poisoned)
         pos, ids = self._samples(step, slot, q)
         shards = self._shard_of(ids)
-        tokens, bad = self.dataset.read_available(ids, np.int64, shards)
+        values, bad = self.dataset.read_fields(ids, shards)
+        tokens = values.pop(TOKENS)
         weight = np.ones(ids.size, dtype=np.float32)
         hit = poisoned | bad.keys()
         if hit:
             weight[np.isin(shards, np.fromiter(hit, dtype=np.int64))] = np.nan
         if bad:
             self._report(bad, step)
-        return Batch(step, slot, tokens, ids, pos, shards, weight, tuple(sorted(bad)))
+        return Batch(step, slot, tokens, ids, pos, shards, weight, tuple(sorted(bad)), values)
 
     def _report(self, bad: dict[int, ShardError], step: int) -> None:
         with self._lock:

@@ -1,8 +1,12 @@
 """``manifest.json``: what a dataset holds, how to read it, and its content address.
 
 The manifest is the only metadata of a dataset. Shards are raw little-endian arrays of
-shape ``[samples, seq_len + 1]`` whose dtype is in ``sample.dtype``; the manifest gives each
-shard's sample count, byte size and SHA-256. The *version id* is a SHA-256 over the shard
+shape ``[samples, seq_len + 1]`` whose dtype is in ``sample.dtype`` (format version 1, a
+tokens-only dataset), or of ``samples`` packed records of the named fields listed in
+``sample.fields`` (format version 2: ``tokens`` first, then e.g. ``labels``,
+``loss_mask``); the manifest gives each shard's sample count, byte size and SHA-256. A
+tokens-only dataset is always written as version 1, so its manifest and version id are
+what they were before fields existed. The *version id* is a SHA-256 over the shard
 checksums and the build parameters that give the tokens their meaning (see
 :func:`version_id`), so any change of content or meaning changes it, and two builds of the
 same content agree on it on any machine. Schema: ``docs/data.md``.
@@ -17,12 +21,24 @@ from typing import Any
 import numpy as np
 
 from perdure.data.errors import DataError, Problems
+from perdure.data.fields import (
+    FIELD_DTYPES,
+    RESERVED,
+    TOKEN_DTYPES,
+    TOKENS,
+    Field,
+    record_dtype,
+    valid_name,
+)
 from perdure.data.hashing import canonical_hash
 
 FORMAT = "perdure-dataset"
 FORMAT_VERSION = 1
+"""The version of a tokens-only dataset (one row of tokens per sample)."""
+FIELDS_FORMAT_VERSION = 2
+"""The version of a dataset with fields besides ``tokens``."""
 MANIFEST_NAME = "manifest.json"
-DTYPES = ("uint8", "uint16", "uint32")
+DTYPES = TOKEN_DTYPES
 """Allowed token dtypes, always stored little-endian."""
 
 
@@ -52,14 +68,31 @@ class Manifest:
     """Informational (file count, bytes read); not part of the version id, since the same
     content read from other paths is the same dataset."""
     version_id: str = ""
+    extra_fields: tuple[Field, ...] = ()
+    """The fields besides ``tokens``, in record order (empty: format version 1)."""
 
     @property
     def sample_shape(self) -> tuple[int]:
+        """Shape of the tokens field of one sample."""
         return (self.seq_len + 1,)
 
     @property
+    def fields(self) -> tuple[Field, ...]:
+        """Every field of a sample, in record order: ``tokens`` first."""
+        return (Field(TOKENS, self.dtype, self.sample_shape), *self.extra_fields)
+
+    @property
+    def format_version(self) -> int:
+        return FIELDS_FORMAT_VERSION if self.extra_fields else FORMAT_VERSION
+
+    @property
     def row_bytes(self) -> int:
-        return (self.seq_len + 1) * np.dtype(self.dtype).itemsize
+        """Bytes of one sample (all its fields)."""
+        return sum(f.nbytes for f in self.fields)
+
+    def record_dtype(self) -> np.dtype:
+        """One sample as a packed structured dtype (every field, in order)."""
+        return record_dtype(self.fields)
 
     @property
     def num_samples(self) -> int:
@@ -74,14 +107,20 @@ class Manifest:
 
     def with_version_id(self) -> Manifest:
         return Manifest(self.seq_len, self.dtype, self.shards, self.build, self.sources,
-                        version_id(self))  # fmt: skip
+                        version_id(self), self.extra_fields)  # fmt: skip
+
+    def sample_dict(self) -> dict[str, Any]:
+        if not self.extra_fields:
+            return {"dtype": self.dtype, "byte_order": "little", "shape": [self.seq_len + 1]}
+        return {"byte_order": "little", "fields": [f.to_dict() for f in self.fields],
+                "row_bytes": self.row_bytes}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "version_id": self.version_id,
-            "sample": {"dtype": self.dtype, "byte_order": "little", "shape": [self.seq_len + 1]},
+            "sample": self.sample_dict(),
             "seq_len": self.seq_len,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
@@ -95,11 +134,16 @@ class Manifest:
 
 
 def version_id(m: Manifest) -> str:
-    """``sha256:<hex>`` over the format version, sample layout, build parameters and every
-    shard's (file, samples, bytes, sha256), in shard order."""
+    """``sha256:<hex>`` over the format version, sample layout (every field's name, dtype
+    and shape), build parameters and every shard's (file, samples, bytes, sha256), in
+    shard order. Version 1 hashes exactly what it always has."""
+    if m.extra_fields:
+        sample: dict[str, Any] = {"fields": [[f.name, f.dtype, list(f.shape)] for f in m.fields]}
+    else:
+        sample = {"dtype": m.dtype, "shape": [m.seq_len + 1]}
     return canonical_hash({
-        "format_version": FORMAT_VERSION,
-        "sample": {"dtype": m.dtype, "shape": [m.seq_len + 1]},
+        "format_version": m.format_version,
+        "sample": sample,
         "build": m.build,
         "shards": [[s.file, s.samples, s.bytes, s.sha256] for s in m.shards],
     })  # fmt: skip
@@ -116,14 +160,19 @@ def parse_manifest(text: str, source: str) -> Manifest:
         p.done()
     p.check(data.get("format") == FORMAT, "format", f"must be {FORMAT!r}", data.get("format"))
     fv = data.get("format_version")
-    p.check(fv == FORMAT_VERSION, "format_version", f"must be {FORMAT_VERSION}", fv)
-    seq_len, dtype = _sample(data, p)
-    shards = _shards(data.get("shards"), seq_len, dtype, p)
+    known = (FORMAT_VERSION, FIELDS_FORMAT_VERSION)
+    p.check(fv in known, "format_version", f"must be one of {list(known)}", fv)
+    if fv == FIELDS_FORMAT_VERSION:
+        seq_len, dtype, extra = _sample_fields(data, p)
+    else:
+        (seq_len, dtype), extra = _sample(data, p), ()
+    row = sum(f.nbytes for f in (Field(TOKENS, dtype, (seq_len + 1,)), *extra))
+    shards = _shards(data.get("shards"), row, p)
     build, sources = data.get("build", {}), data.get("sources", {})
     p.check(isinstance(build, dict), "build", "must be an object", build)
     p.check(isinstance(sources, dict), "sources", "must be an object", sources)
     p.done()
-    m = Manifest(seq_len, dtype, tuple(shards), build, sources).with_version_id()
+    m = Manifest(seq_len, dtype, tuple(shards), build, sources, "", extra).with_version_id()
     vid = data.get("version_id")
     p.check(vid == m.version_id, "version_id", f"does not match the content ({m.version_id})", vid)
     n = data.get("num_samples")
@@ -150,12 +199,60 @@ def _sample(data: dict[str, Any], p: Problems) -> tuple[int, str]:
     return (seq_len if ok else 1), (dtype if dtype in DTYPES else "uint8")
 
 
-def _shards(raw: object, seq_len: int, dtype: str, p: Problems) -> list[ShardInfo]:
+def _sample_fields(data: dict[str, Any], p: Problems) -> tuple[int, str, tuple[Field, ...]]:
+    """Version 2: ``sample.fields``, tokens first; seq_len is the tokens' length - 1."""
+    seq_len: Any = data.get("seq_len")
+    ok = isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1
+    p.check(ok, "seq_len", "must be an integer >= 1", seq_len)
+    sample: Any = data.get("sample")
+    if not p.check(isinstance(sample, dict), "sample", "must be an object", sample):
+        return 1, "uint8", ()
+    order = sample.get("byte_order")
+    p.check(order == "little", "sample.byte_order", "must be 'little'", order)
+    raw: Any = sample.get("fields")
+    if not p.check(isinstance(raw, list) and len(raw) >= 2, "sample.fields",
+                   "must be a list of at least two fields (tokens and another)", raw):  # fmt: skip
+        return 1, "uint8", ()
+    fields = [_field(f, i, p) for i, f in enumerate(raw)]
+    names = [f.name for f in fields if f is not None]
+    p.check(len(set(names)) == len(names), "sample.fields", "field names must be unique", names)
+    tokens = fields[0]
+    if tokens is not None and p.check(tokens.name == TOKENS, "sample.fields[0].name",
+                                      f"must be {TOKENS!r}", tokens.name):  # fmt: skip
+        p.check(tokens.dtype in TOKEN_DTYPES, "sample.fields[0].dtype",
+                f"must be one of {list(TOKEN_DTYPES)}", tokens.dtype)  # fmt: skip
+        if ok:
+            p.check(tokens.shape == (seq_len + 1,), "sample.fields[0].shape",
+                    f"must be [seq_len + 1] = [{seq_len + 1}]", list(tokens.shape))  # fmt: skip
+    extra = tuple(f for f in fields[1:] if f is not None)
+    row = sample.get("row_bytes")
+    want = sum(f.nbytes for f in fields if f is not None)
+    p.check(row == want, "sample.row_bytes", f"must equal the fields' bytes {want}", row)
+    dtype = tokens.dtype if tokens is not None and tokens.dtype in TOKEN_DTYPES else "uint8"
+    return (seq_len if ok else 1), dtype, extra
+
+
+def _field(raw: object, i: int, p: Problems) -> Field | None:
+    key = f"sample.fields[{i}]"
+    if not p.check(isinstance(raw, dict), key, "must be an object", raw):
+        return None
+    assert isinstance(raw, dict)
+    name, dtype, shape = raw.get("name"), raw.get("dtype"), raw.get("shape")
+    ok = p.check(valid_name(name), f"{key}.name",
+                 f"must be a lower-case identifier, not one of {list(RESERVED)}", name)  # fmt: skip
+    ok &= p.check(dtype in FIELD_DTYPES, f"{key}.dtype", f"must be one of {list(FIELD_DTYPES)}",
+                  dtype)  # fmt: skip
+    ok &= p.check(isinstance(shape, list) and all(_is_count(d) and d > 0 for d in shape),
+                  f"{key}.shape", "must be a list of integers > 0 ([] for one value)",
+                  shape)  # fmt: skip
+    return Field(name, dtype, tuple(shape)) if ok else None  # type: ignore[arg-type]
+
+
+def _shards(raw: object, row: int, p: Problems) -> list[ShardInfo]:
     if not p.check(isinstance(raw, list) and len(raw) > 0, "shards", "must be a non-empty list",
                    raw if not isinstance(raw, list) else "[]"):  # fmt: skip
         return []
     assert isinstance(raw, list)
-    row = (seq_len + 1) * np.dtype(dtype).itemsize
     out, names = [], set()
     for i, s in enumerate(raw):
         key = f"shards[{i}]"

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import mmap
 import os
 import shutil
@@ -81,7 +82,8 @@ class ShardStore:
         return f"{self.root}/{self.manifest.shards[shard].file}"
 
     def rows(self, shard: int) -> np.ndarray:
-        """The shard as a read-only ``[samples, seq_len + 1]`` array; raises ShardError."""
+        """The shard as a read-only array, ``[samples, seq_len + 1]`` tokens (a tokens-only
+        dataset) or ``[samples]`` records of every field; raises ShardError."""
         if self.local:  # nothing is ever evicted: a plain dict read is safe without the lock
             arr = self._maps.get(shard)
             if arr is not None:
@@ -113,8 +115,11 @@ class ShardStore:
         info = self.manifest.shards[shard]
         path = self.root + "/" + info.file if self.local else self._fetch(shard)
         path = path.removeprefix("file://")
+        m = self.manifest
+        dtype, shape = (m.record_dtype(), (info.samples,)) if m.extra_fields else (
+            m.np_dtype(), (info.samples, m.seq_len + 1))  # fmt: skip
         try:
-            arr = _map(path, self.manifest.np_dtype(), (info.samples, self.manifest.seq_len + 1))
+            arr = _map(path, dtype, shape)
         except (OSError, ValueError) as e:
             raise ShardError(shard, self.url(shard), f"cannot be mapped ({e})") from None
         if shard not in self._verified:
@@ -167,12 +172,12 @@ class ShardStore:
                 self._owned_tmp = None
 
 
-def _map(path: str, dtype: np.dtype, shape: tuple[int, int]) -> np.ndarray:
+def _map(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     """Read-only zero-copy array over a file: a plain ndarray on an ``mmap`` (not
     ``np.memmap``, whose subclass hooks cost microseconds on every indexing)."""
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        expected = shape[0] * shape[1] * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if size != expected:
             raise ValueError(f"size {size} bytes, expected {expected}")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)

@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from perdure import events as ev
-from perdure.events import JsonLines, Tail, read_jsonl
+from perdure.events import Tail, read_jsonl
 from perdure.launch.base import MonitorHook, Progress, WorkerState
 from perdure.launch.procs import Process, child_env, start_coordinator, start_worker, wait_ports
 from perdure.launch.zygote import Zygote
-from perdure.run_config import RunConfig, to_dict
+from perdure.run_config import RunConfig, anchored, to_dict
+from perdure.runlog import merge_all, part, writer_id
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -131,7 +132,7 @@ class LocalLauncher:
         hooks: list[MonitorHook] | None = None,
         allow_config_change: bool = False,
     ) -> None:
-        self.config = config
+        self.config = anchored(config)  # absolute run.base_dir: workers start anywhere
         self.run_dir = Path(run_dir)
         self.resume = resume
         self.allow_config_change = allow_config_change
@@ -146,7 +147,7 @@ class LocalLauncher:
         self.procs: dict[str, Proc] = {}
         self.coordinators: list[Proc] = []
         self.addresses: list[str] = []
-        self.events = JsonLines(self.run_dir / "events.jsonl")
+        self.events = part(self.run_dir, "events", writer_id("launcher"))
         self.started = time.time()
         self.replacements: dict[str, float] = {}
         self.store_addrs: list[tuple[str, int]] = []
@@ -180,6 +181,7 @@ class LocalLauncher:
                 allow_config_change=self.allow_config_change,
                 name=name,
                 expected=self.config.cluster.workers,
+                writes_summary=True,  # below, once every process has stopped
                 log=self.run_dir / "logs" / f"{name}.log",
             )
             ports = wait_ports(self.run_dir / f"{name}.json", popen)
@@ -235,14 +237,24 @@ class LocalLauncher:
                 self._monitor()
         finally:
             self._stop_all()
+            merge_all(self.run_dir, final=True)  # every writer has stopped: the last lines
             summary = write_summary(self.run_dir, self.config, started=self.started)
         if self.stop_signal:
             summary["stopped_by"] = self.stop_signal
-        failed = [
-            e for e in read_jsonl(self.run_dir / "events.jsonl") if e["event"] == ev.RUN_FAILED
+        events = [
+            e
+            for e in read_jsonl(self.run_dir / "events.jsonl")
+            if e.get("t", self.started) >= self.started
         ]
-        if failed and failed[-1]["t"] >= self.started:
+        failed = [e for e in events if e["event"] == ev.RUN_FAILED]
+        if failed:
             raise RunFailed(f"{failed[-1]['reason']} (see {self.run_dir}/events.jsonl)")
+        done = {e.get("final_hash") for e in events if e["event"] == ev.WORKER_DONE}
+        if len(done) > 1:
+            raise RunFailed(
+                "replicas ended with different final hashes (worker_done events in "
+                f"{self.run_dir}/events.jsonl): their state is not a function of the steps"
+            )
         return summary
 
     def _on_signal(self, signum: int, frame: Any = None) -> None:
@@ -261,7 +273,13 @@ class LocalLauncher:
         within ``ZYGOTE_READY_S`` (its log says why)."""
         if not hasattr(os, "fork"):
             return
-        self.zygote = Zygote(child_env(self.token), self.run_dir / "logs" / "zygote.log")
+        task_module = self.config.task.entry.partition(":")[0]
+        self.zygote = Zygote(
+            child_env(self.token),
+            self.run_dir / "logs" / "zygote.log",
+            run_dir=str(self.run_dir),
+            preload=[task_module] if self.config.cluster.preload_task else [],
+        )
         if not self.zygote.wait_ready(ZYGOTE_READY_S):
             self.events.write({"event": ev.ZYGOTE_UNAVAILABLE, "log": "logs/zygote.log"})
 

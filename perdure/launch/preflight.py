@@ -16,7 +16,9 @@ weights for a moment (a model too large for the launcher's memory needs the work
 machine); a task that declares neither ``Task.vocab_size`` nor ``Task.max_len`` gets
 neither check; the batch is never run, so an error inside the model's forward is still
 the workers' to report (the launcher stops a run whose workers fail the same way twice
-at start-up, see ``launch/local.py``).
+at start-up, see ``launch/local.py``). Fields are checked only as far as the task
+declares them (``Task.fields``): a ``loss_fn`` that reads an undeclared field the dataset
+lacks fails in the workers (a ``KeyError`` naming it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from perdure.config.errors import ConfigError, Problem
 from perdure.data.config import DataConfig
-from perdure.run_config import RunConfig, canonical, config_hash
+from perdure.metrics.config import missing_libraries
+from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 
 if TYPE_CHECKING:
     from perdure.checkpoint import LoadedCheckpoint
@@ -79,6 +82,8 @@ class Report:
     override: dict[str, Any] | None = None
     """The decision-log entry of a config change allowed at resume (the workers record the
     same entry; the launcher logs it as the run's ``decision`` event)."""
+    identity: dict[str, Any] | None = None
+    """The run's identity (dataset version, recipe): with the config, the run's hash."""
 
 
 def preflight(
@@ -96,13 +101,16 @@ def preflight(
     ``perdure run`` does); ``say`` hears about it before the build starts."""
     t0 = time.perf_counter()
     report = Report()
+    report.notes += missing_libraries(config.metrics)
     problems = _bounds(config)
     task = _task(config, problems) if config.train.seed < MAX_SEED else None
     dataset = _dataset(config, problems, report, build_default, say)
     if dataset is not None:
         problems += _fit(config, task, dataset)
+    identity = report.identity = _recipe(config, task, dataset, problems, report)
     if resume is not None:
-        problems += _resume(config, resume, task, dataset, allow_config_change, report)
+        args = (task, dataset, allow_config_change, report, identity)
+        problems += _resume(config, resume, *args)
     if dataset is not None:
         dataset.close()
     report.seconds = round(time.perf_counter() - t0, 3)
@@ -140,7 +148,7 @@ def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
 
     entry = config.task.entry
     try:
-        return build_task(config.task, config.train.seed)
+        return build_task(config.task, config.train.seed, config.run.base_dir)
     except ValueError as e:
         text = str(e)
         if text.startswith("task.entry: "):  # resolve()'s and build_task()'s own errors
@@ -157,6 +165,61 @@ def _factory_problem(config: RunConfig, e: Exception) -> Problem:
     return Problem("task.options", rule, config.task.options)
 
 
+def _recipe(
+    config: RunConfig,
+    task: Task | None,
+    ds: Dataset | None,
+    problems: list[Problem],
+    report: Report,
+) -> dict[str, Any] | None:
+    """The task's recipe as a worker builds it, its loss contract checked on the first
+    slot's samples; returns the run's identity (None when the task or dataset failed)."""
+    from perdure.runtime.replica.identity import check_loss_reduction, run_identity
+    from perdure.runtime.replica.recipe import Recipe, RecipeError
+
+    if task is None or ds is None:
+        return None
+    try:
+        recipe = Recipe(task, config.optim, config.train.steps)
+    except RecipeError as e:
+        problems.append(Problem(e.field, e.rule, e.value))
+        return None
+    except Exception as e:  # the user's optimizer or scheduler factory
+        problems.append(_factory_problem(config, e))
+        return None
+    if problems:  # the data does not fit the task or the batch: no slot to measure on
+        return run_identity(task, recipe.initial, ds.version_id)
+    try:
+        note = check_loss_reduction(task, _first_slot(config, ds))
+    except ValueError as e:
+        problems.append(
+            Problem("task.loss_reduction", str(e).partition(": ")[2], task.loss_reduction)
+        )
+        note = None
+    except Exception as e:  # the user's loss_fn on real samples
+        problems.append(
+            Problem("task.entry", f"loss_fn raised {type(e).__name__}: {e}", config.task.entry)
+        )
+        note = None
+    if note:
+        report.notes.append(note)
+    return run_identity(task, recipe.initial, ds.version_id)
+
+
+def _first_slot(config: RunConfig, ds: Dataset) -> dict[str, Any]:
+    from perdure.data import SlotLoader
+    from perdure.runtime.replica.slots import to_tensors
+
+    train = config.train
+    loader = SlotLoader(
+        ds, seed=train.seed, global_batch=train.global_batch, slots=train.slots, prefetch_steps=0
+    )
+    try:
+        return to_tensors(loader.batch(0, 0))
+    finally:
+        loader.close()
+
+
 # -- the dataset ---------------------------------------------------------------------------
 
 
@@ -169,9 +232,9 @@ def _dataset(
 ) -> Dataset | None:
     from perdure.data import DataError, Dataset
 
-    url = config.data.dataset
+    url = dataset_path(config)
     if _missing(url):
-        if url != DEFAULT_DATASET:
+        if config.data.dataset != DEFAULT_DATASET:
             problems.append(Problem("data.dataset", _how_to_build(url), url))
             return None
         if not build_default:
@@ -248,6 +311,30 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
             f"{ds.seq_len} (the model reads seq_len tokens a sample)"
         )
         out.append(Problem("task.options", rule, config.task.options))
+    return out + _fields_fit(config, task, ds)
+
+
+def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
+    """The fields the task declares (``Task.fields``) against the manifest's."""
+    from perdure.data.fields import FieldSpec
+
+    if task.fields is None:
+        return []
+    have = {f.name: f for f in ds.manifest.fields}
+    where = f"{ds.url}/manifest.json"
+    out = []
+    for name, spec in task.fields.items():
+        if not isinstance(spec, FieldSpec):
+            rule = f"Task.fields[{name!r}] must be a FieldSpec (got {type(spec).__name__})"
+            out.append(Problem("task.entry", rule, config.task.entry))
+        elif name not in have:
+            rule = (
+                f"the task needs field {name!r} (Task.fields); the dataset has "
+                f"{sorted(have)} ({where})"
+            )
+            out.append(Problem("data.dataset", rule, ds.url))
+        elif (why := spec.mismatch(have[name])) is not None:
+            out.append(Problem("data.dataset", f"field {name!r} {why} ({where})", ds.url))
     return out
 
 
@@ -275,6 +362,7 @@ def _resume(
     ds: Dataset | None,
     allow: bool,
     report: Report,
+    identity: dict[str, Any] | None,
 ) -> list[Problem]:
     from perdure.checkpoint import CheckpointError, load_checkpoint
 
@@ -282,7 +370,7 @@ def _resume(
         ckpt = load_checkpoint(path, verify=False)
     except (CheckpointError, OSError) as e:
         return [Problem("--resume", f"cannot be read: {e}", path)]
-    out = _compatible(config, ckpt, allow, report)
+    out = _compatible(config, ckpt, allow, report, identity)
     version = ckpt.data.get("version_id") if isinstance(ckpt.data, dict) else None
     if ds is not None and version != ds.version_id:
         rule = f"made for dataset version {version}; data.dataset {ds.url} is {ds.version_id}"
@@ -293,7 +381,11 @@ def _resume(
 
 
 def _compatible(
-    config: RunConfig, ckpt: LoadedCheckpoint, allow: bool, report: Report
+    config: RunConfig,
+    ckpt: LoadedCheckpoint,
+    allow: bool,
+    report: Report,
+    identity: dict[str, Any] | None,
 ) -> list[Problem]:
     from perdure.checkpoint import (
         IncompatibleCheckpointError,
@@ -302,7 +394,7 @@ def _compatible(
     )
     from perdure.config.diff import diff_canonical
 
-    digest, canon = config_hash(config), canonical(config)
+    digest, canon = config_hash(config, identity), canonical(config, identity)
     try:
         keys = check_compatible(ckpt, digest, canon, allow_config_change=allow)
     except IncompatibleCheckpointError:
@@ -325,7 +417,9 @@ def _compatible(
 
 def _shapes(ckpt: LoadedCheckpoint, task: Task, path: str) -> list[Problem]:
     """The checkpoint's model tensors against the task's (names and shapes)."""
-    want = {k: tuple(v.shape) for k, v in task.model.state_dict().items()}
+    from perdure.runtime.replica.task import plain_module
+
+    want = {k: tuple(v.shape) for k, v in plain_module(task.model).state_dict().items()}
     got = {k: tuple(v.shape) for k, v in ckpt.model.items()}
     diffs = [
         f"{k} is {list(got[k])} in the checkpoint, {list(want[k])} in the model"

@@ -44,7 +44,10 @@ def start_coordinator(
     expected: int,
     log: Path,
     allow_config_change: bool = False,
+    writes_summary: bool = False,
 ) -> subprocess.Popen[bytes]:
+    """``writes_summary``: the caller writes summary.json itself once every process has
+    stopped (the local launcher), so the coordinator does not (``--no-summary``)."""
     args = coordinator_args(
         config_json,
         run_dir,
@@ -52,6 +55,7 @@ def start_coordinator(
         name=name,
         expected=expected,
         allow_config_change=allow_config_change,
+        writes_summary=writes_summary,
     )
     return spawn(python_cmd(*args), token, log)
 
@@ -64,6 +68,7 @@ def coordinator_args(
     name: str,
     expected: int,
     allow_config_change: bool = False,
+    writes_summary: bool = False,
 ) -> list[str]:
     """The ``perdure coordinator`` arguments of coordinator ``name`` (or ``standby``)."""
     args = [
@@ -82,7 +87,10 @@ def coordinator_args(
     if allow_config_change:
         args.append("--allow-config-change")
     if name == "standby":
-        args.append("--standby")
+        # One host here: the primary's fixed ports (if the config fixes them) are taken.
+        args += ["--standby", "--channel-port", "0", "--store-port", "0"]
+    if writes_summary:
+        args.append("--no-summary")
     return args
 
 

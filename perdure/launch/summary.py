@@ -26,9 +26,22 @@ from perdure.run_config import RunConfig
 log = logging.getLogger("perdure.launch")
 
 
-def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[str, Any]:
+def write_summary(
+    run_dir: Path, config: RunConfig, *, started: float, generation: int | None = None
+) -> dict[str, Any]:
+    """Summarise this launch's logs into ``summary.json``. ``generation``: the coordinator
+    generation the summary speaks for (default: the one whose ``run_end`` ended the run);
+    a summary for a generation the run directory's fence has left behind is refused
+    (:class:`~perdure.runtime.control.fence.Fenced`): an old primary cannot rewrite it."""
+    from perdure.runtime.control.fence import Fence
+
     # this launch only: a run resumed in its own directory appends to the previous logs
     events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("t", started) >= started]
+    if generation is None:
+        ends = [e for e in events if e.get("event") == ev.RUN_END and "generation" in e]
+        generation = int(ends[-1]["generation"]) if ends else None
+    if generation is not None:
+        Fence(run_dir).check(generation, "summary")
     metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("t", started) >= started]
     done = [e for e in events if e.get("event") == ev.WORKER_DONE]
     hashes = sorted({e["final_hash"] for e in done if "final_hash" in e})
@@ -49,6 +62,7 @@ def write_summary(run_dir: Path, config: RunConfig, *, started: float) -> dict[s
         "failures": failures,
         **failure_totals(failures),
         "goodput": goodput(metrics),
+        "generation": generation,
     }
     _write(run_dir / "summary.json", json.dumps(summary, indent=2))
     return summary

@@ -6,21 +6,29 @@ whose cores the survivors are using, a replacement's start-up either slows them 
 takes seconds of wall time during which the run is a member short. The zygote is a process
 started first that imports torch and perdure's worker, then waits; a worker is a ``fork``
 of it (copy-on-write, no imports) that becomes ``perdure worker`` in a new session with its
-own log. The same idea as ``multiprocessing``'s forkserver and
-PyTorch's fork-started DataLoader workers: the zygote never runs a torch op, so no thread
-pool or device state is forked.
+own log. It also imports the task's module (``task.entry``'s, given as ``--preload``) so
+that a replacement does not pay for it either: a model written with ``transformers``
+costs seconds more of imports than torch alone. The task is still *built* in each worker,
+seeded, after the fork: only module code runs in the zygote, no model is made.
+The same idea as ``multiprocessing``'s forkserver and PyTorch's fork-started DataLoader
+workers: the zygote never runs a torch op, so no thread pool or device state is forked.
 
 Protocol: JSON lines. The launcher writes ``{"id", "spec", "env", "log", "cwd"}`` on the
 zygote's stdin; the zygote answers ``{"id", "pid"}`` and, when a child exits, ``{"exit":
 pid, "code": code}`` (negative: killed by that signal, as ``subprocess`` reports it).
 
 Limits: the zygote must outlive its children to report their exit codes; if it dies, a
-child that ends afterwards reports code -1. Linux and macOS only (``fork``).
+child that ends afterwards reports code -1. Linux and macOS only (``fork``). A task module
+that starts threads or opens a device when imported would be forked in that state: such
+a task sets ``cluster.preload_task = false``. A module that fails to import is reported in
+the zygote's log and left to the workers, which fail on it with their own traceback.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import importlib
 import json
 import os
 import select
@@ -30,6 +38,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -38,23 +47,34 @@ if TYPE_CHECKING:
 
 UNKNOWN_EXIT = -1
 
+_protocol_fd = 1
+"""Where the zygote writes its replies: its original stdout, moved aside by ``serve`` so
+that whatever an imported module prints goes to the log instead of into the protocol."""
+
 
 # -- the server (``python -m perdure.launch.zygote``) --------------------------------------
 
 
-def serve() -> None:
+def serve(argv: Sequence[str] | None = None) -> None:
     """Import, then fork on request. The launcher starts it before any worker and waits
     for it, so the imports run once, at normal priority, on an otherwise idle machine."""
+    global _protocol_fd
+    args = _parser().parse_args(argv)
+    _protocol_fd = os.dup(1)
+    os.dup2(2, 1)  # prints (from torch, perdure or the task's module) go to the log
     from perdure.lifecycle import die_with_parent
+    from perdure.proctitle import set_title
 
     die_with_parent()  # the launcher's pid is in the environment
+    set_title("zygote", run_dir=args.run_dir)
     # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
     import torch._inductor.config  # noqa: F401
 
     import perdure.runtime.entry
     import perdure.runtime.worker  # noqa: F401
 
-    _reply({"ready": True, "pid": os.getpid()})
+    preloaded = [m for m in args.preload if preload(m)]
+    _reply({"ready": True, "pid": os.getpid(), "preloaded": preloaded})
     pending = b""
     while True:
         readable, _, _ = select.select([0], [], [], 0.05)
@@ -70,8 +90,34 @@ def serve() -> None:
         _reap()
 
 
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m perdure.launch.zygote")
+    ap.add_argument("--run-dir", default=None, help="The run directory (names the process).")
+    ap.add_argument(
+        "--preload", action="append", default=[], help="A module to import before forking."
+    )
+    return ap
+
+
+def preload(module: str) -> bool:
+    """Import ``module`` as the task's factory would be imported (the working directory on
+    ``sys.path``, as ``runtime/replica/task.resolve`` puts it); False, with the traceback
+    on stderr (the zygote's log), if it fails."""
+    t0 = time.monotonic()
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        importlib.import_module(module)
+    except Exception:
+        print(f"zygote: could not preload {module!r}; the workers import it:", file=sys.stderr)
+        traceback.print_exc()
+        return False
+    print(f"zygote: preloaded {module!r} in {time.monotonic() - t0:.2f} s", file=sys.stderr)
+    return True
+
+
 def _reply(msg: dict[str, Any]) -> None:
-    os.write(1, (json.dumps(msg) + "\n").encode())
+    os.write(_protocol_fd, (json.dumps(msg) + "\n").encode())
 
 
 def _reap() -> None:
@@ -100,6 +146,8 @@ def _child(req: dict[str, Any], zygote: int) -> NoReturn:
 
         die_with_parent(zygote)  # a worker ends with its zygote, which ends with the launcher
         os.setsid()
+        if _protocol_fd != 1:
+            os.close(_protocol_fd)  # the zygote's replies are not the worker's to write
         out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(out, 1)
@@ -132,11 +180,23 @@ def _child(req: dict[str, Any], zygote: int) -> NoReturn:
 class Zygote:
     """The launcher's handle on a fork server; ``spawn`` returns a Popen-like process."""
 
-    def __init__(self, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        *,
+        run_dir: str | None = None,
+        preload: Sequence[str] = (),
+    ) -> None:
         log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "perdure.launch.zygote"]
+        if run_dir:
+            cmd += ["--run-dir", run_dir]
+        for module in preload:
+            cmd += ["--preload", module]
         with open(log, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "perdure.launch.zygote"],
+                cmd,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
@@ -145,6 +205,8 @@ class Zygote:
             )
         self._cond = threading.Condition()
         self._ready = False
+        self.preloaded: list[str] = []
+        """The modules the zygote imported for the task (``--preload`` that succeeded)."""
         self._pids: dict[int, int] = {}
         self.exits: dict[int, int] = {}
         self._next_id = 0
@@ -207,10 +269,14 @@ class Zygote:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            msg = json.loads(line)
+            try:
+                msg = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # not a reply (serve keeps stdout for replies; a bug if seen)
             with self._cond:
                 if msg.get("ready"):
                     self._ready = True
+                    self.preloaded = list(msg.get("preloaded", []))
                 elif "exit" in msg:
                     self.exits[int(msg["exit"])] = int(msg["code"])
                 else:

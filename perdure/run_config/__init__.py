@@ -8,11 +8,14 @@ building, diffs) imports no component and no component imports this package's pa
 from perdure.run_config.compose import (
     RunConfig,
     RunOptions,
+    anchored,
     canonical,
     canonical_json,
     config_from_dict,
     config_hash,
+    dataset_path,
     load_config,
+    resolve_path,
     to_dict,
     with_overrides,
 )
@@ -20,11 +23,14 @@ from perdure.run_config.compose import (
 __all__ = [
     "RunConfig",
     "RunOptions",
+    "anchored",
     "canonical",
     "canonical_json",
     "config_from_dict",
     "config_hash",
+    "dataset_path",
     "load_config",
+    "resolve_path",
     "to_dict",
     "with_overrides",
 ]

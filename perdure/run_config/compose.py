@@ -4,13 +4,17 @@ The math-affecting fields (marked with ``metadata=MATH``) form the *canonical co
 whose SHA-256 is the config hash written into every checkpoint. Worker counts, regions,
 ports, paths, checkpoint and logging settings are not part of it: they decide who computes
 what, which by the design invariant cannot change a bit.
+
+What the config file does not say but the math depends on is the run's *identity*
+(``runtime.replica.identity``): the dataset's version id and the task's actual recipe (its
+optimizer's hyperparameters, its scheduler, its loss reduction). The trainer and the
+launcher's preflight add it under the canonical key ``identity``; ``config_hash(config)``
+without it is the hash of the file alone (``perdure config``'s first line).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +23,10 @@ from typing import Any, Literal
 from perdure.chaos.config import ChaosConfig, check_targets
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.config.build import build
+from perdure.config.digest import canonical_text, hash_canonical
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
+from perdure.metrics.config import MetricsConfig
 from perdure.run_config.launch import RayConfig
 from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
 
@@ -33,6 +39,13 @@ class RunOptions:
     """Run directory (events, metrics, checkpoints, summary); default ``runs/<run-id>``."""
     live_view: bool = True
     """Show the live terminal view when standard output is a terminal."""
+    base_dir: str | None = None
+    """Directory the config's relative paths (``data.dataset``) and the task's module
+    (``task.entry``, when it is not an installed package) are found from, itself relative
+    to the config file's directory; default: the config file's directory (for a config
+    built in Python, the working directory of ``perdure.run``). Set by ``load_config`` to
+    an absolute path, so that every process of the run, started from any directory on any
+    host, finds the same files."""
     launcher: Literal["local", "ray"] = "local"
     """What starts the run's processes: ``local`` (processes on this machine) or ``ray``
     (Ray actors on a cluster, see ``[ray]``); ``perdure run --launcher`` overrides it."""
@@ -49,6 +62,7 @@ class RunConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunOptions = field(default_factory=RunOptions)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -69,7 +83,37 @@ def load_config(path: str | Path) -> RunConfig:
         raise ConfigError([], source=f"{path} (no such file)") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError([], source=f"{path} (not valid TOML: {e})") from None
+    run = data.get("run")
+    if isinstance(run, dict) and isinstance(run.get("base_dir", "."), str):
+        base = (path.parent / run.get("base_dir", ".")).resolve()
+        data = {**data, "run": {**run, "base_dir": str(base)}}
+    elif run is None:
+        data = {**data, "run": {"base_dir": str(path.parent.resolve())}}
     return config_from_dict(data, source=str(path))
+
+
+def anchored(config: RunConfig) -> RunConfig:
+    """``config`` with ``run.base_dir`` absolute (the working directory when unset), as
+    the processes of a run must receive it: they may start anywhere."""
+    base = config.run.base_dir
+    if base is not None and Path(base).is_absolute():
+        return config
+    root = Path.cwd() / (base or ".")
+    return with_overrides(config, run={"base_dir": str(root.resolve())})
+
+
+def resolve_path(config: RunConfig, value: str) -> str:
+    """A path of the config as the processes of the run open it: a URL (``s3://...``) or
+    an absolute path as given, a relative one under ``run.base_dir`` (or the working
+    directory, for a config that has none)."""
+    if "://" in value or Path(value).is_absolute():
+        return value
+    return str(Path(config.run.base_dir or Path.cwd()) / value)
+
+
+def dataset_path(config: RunConfig) -> str:
+    """Where ``data.dataset`` is, for every process of the run."""
+    return resolve_path(config, config.data.dataset)
 
 
 def config_from_dict(data: dict[str, Any], source: str | None = None) -> RunConfig:
@@ -84,8 +128,9 @@ def to_dict(config: Any) -> dict[str, Any]:
     return dataclasses.asdict(config)
 
 
-def canonical(config: RunConfig) -> dict[str, Any]:
-    """The math-affecting part of the config, as plain data with sorted keys."""
+def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The math-affecting part of the config, as plain data with sorted keys, with the
+    run's identity (dataset version, recipe) under ``identity`` when given."""
     out: dict[str, Any] = {}
     for section in dataclasses.fields(config):
         value = getattr(config, section.name)
@@ -96,6 +141,8 @@ def canonical(config: RunConfig) -> dict[str, Any]:
         }
         if math:
             out[section.name] = math
+    if identity is not None:
+        out["identity"] = identity
     return out
 
 
@@ -105,13 +152,14 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def canonical_json(config: RunConfig) -> str:
-    return json.dumps(canonical(config), sort_keys=True, separators=(",", ":"))
+def canonical_json(config: RunConfig, identity: dict[str, Any] | None = None) -> str:
+    return canonical_text(canonical(config, identity))
 
 
-def config_hash(config: RunConfig) -> str:
-    """SHA-256 of the canonical config, as ``sha256:<hex>``."""
-    return "sha256:" + hashlib.sha256(canonical_json(config).encode()).hexdigest()
+def config_hash(config: RunConfig, identity: dict[str, Any] | None = None) -> str:
+    """SHA-256 of the canonical config (with the run's identity when given), as
+    ``sha256:<hex>``."""
+    return hash_canonical(canonical(config, identity))
 
 
 def with_overrides(config: RunConfig, **sections: dict[str, Any]) -> RunConfig:

@@ -92,6 +92,12 @@ class TrainConfig:
     below its block's maximum; 32 halves the bytes on the wire and keeps ~26 bits."""
     reduction_block: int = field(default=256, metadata=MATH)
     """Values sharing one exponent in the ``exact`` reduction."""
+    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
+    """Arithmetic of the forward pass. ``bf16``: the forward and the loss run under
+    ``torch.autocast`` in bfloat16 (matmuls, convolutions; reductions and norms stay fp32
+    as autocast decides), the backward follows its casts; parameters, their gradients,
+    the optimizer state and the reduction stay fp32. The bits still depend only on the
+    slots, never on who computed them."""
     device: Literal["cpu"] = field(default="cpu", metadata=MATH)
     """Where the model, its slot gradients and the reduction live (``cpu``: gloo is the
     data plane). Kernels differ in their bits between devices, so it is part of the
@@ -157,9 +163,20 @@ class ClusterConfig:
     """Region of the standby coordinator that takes over when the primary is lost; unset
     means no standby."""
     host: str = "127.0.0.1"
-    """Address the coordinator's store listens on."""
+    """Address every listener of the coordinator (control channel, store, metrics) binds,
+    and nothing else; ``perdure coordinator --host`` overrides it (one config serves the
+    primary and the standby, each on its own host). On a cluster, this machine's own
+    address; a wildcard (``0.0.0.0``) needs ``advertise``."""
+    advertise: str | None = None
+    """Address workers and the standby dial to reach the coordinator (``--advertise``);
+    default: ``host``. Set it when peers reach the coordinator through another address
+    than the one it binds (a NAT, a Kubernetes Service)."""
     port: int = 0
-    """Port of the coordinator's store; 0 picks a free one."""
+    """Port of the coordinator's store (``--store-port``); 0 picks a free one."""
+    channel_port: int = 0
+    """Port of the coordinator's control channel (``--channel-port``), what workers'
+    ``--coordinator HOST:PORT`` names; 0 picks a free one, which workers can then only
+    learn from the ports file: fix it on a cluster."""
     heartbeat_ms: int = 100
     """Interval of worker heartbeats."""
     phi_threshold: float = 10.0
@@ -172,6 +189,33 @@ class ClusterConfig:
     """Floor of the adaptive collective timeout. The failure detector, not this timeout,
     decides that a peer is dead; the timeout is a backstop for a stuck collective, so it
     stays above the detection horizon (acceptable pause plus a few heartbeats)."""
+    reform_backoff_ms: int = 50
+    """After a collective fails with no member lost (a dropped link, a peer that cannot
+    be reached), wait this long before re-forming the same members; the wait doubles with
+    each further failure before a step commits (exponential backoff)."""
+    reform_backoff_max_ms: int = 5000
+    """Longest wait between two re-formations of the same members."""
+    max_reform_failures: int = 10
+    """Consecutive collective failures with no member lost and no step committed after
+    which the run stops (``run_failed``, with the last error as the cause) instead of
+    re-forming for ever: a data plane that never forms is a configuration problem (an
+    unroutable address, a closed port), not a fault to absorb."""
+    ha_backend: Literal["embedded", "etcd"] = "embedded"
+    """Where the coordinators' lease lives, which decides who may coordinate and raises the
+    generation that fences out an old primary. ``embedded``: a file in the run directory
+    (one host, or hosts whose shared run directory has working ``flock`` and atomic
+    rename). ``etcd``: a key under an etcd lease (``etcd_endpoints``), for a coordinator
+    that must survive the loss of the host or region holding the run directory's server."""
+    lease_ttl_ms: int = 2000
+    """The coordinator lease's time to live. A standby takes over no sooner than this after
+    the primary's last renewal (and only if it cannot reach a serving primary); a primary
+    renews every quarter of it and stops coordinating before it runs out. etcd rounds it up
+    to whole seconds (and to its own minimum, 2 s by default)."""
+    etcd_endpoints: list[str] = field(default_factory=list)
+    """``http(s)://HOST:PORT`` of the etcd servers (client URLs), tried in order; required
+    with ``ha_backend = "etcd"``."""
+    etcd_prefix: str = "/perdure"
+    """Key prefix of the run's lease in etcd (a hash of the run token follows it)."""
     takeover_settle_ms: int = 500
     """A standby coordinator that takes over waits this long after the last worker
     reconnects before it forms the next membership epoch."""
@@ -180,6 +224,12 @@ class ClusterConfig:
     replace_after_ms: int = 500
     """Delay before the local launcher starts a replacement for a dead worker; negative
     disables replacement."""
+    preload_task: bool = True
+    """The local launcher's fork server (the zygote every worker is forked from) imports
+    the module of ``task.entry`` before it forks, so that a replacement does not pay for
+    the task's imports (``transformers``: seconds). The task is still built in each
+    worker. Turn it off for a module that starts threads or opens a device at import
+    time, which a fork would copy in that state."""
     spares: int = 0
     """Warm standby workers started by the local launcher (imported, registered, holding
     no slots) that take over a dead worker's place at once."""
@@ -193,6 +243,11 @@ class ClusterConfig:
     evict_after_suspect: int = 2
     """Evict a worker after this many non-finite slots that did not reproduce on another
     worker (a hardware suspect rather than bad data)."""
+    hierarchical_reduce: bool = True
+    """With ``train.reduction = "exact"`` and several regions: all-reduce inside each
+    region, then among one leader per region, then broadcast inside the region, so the
+    slow links carry one exchange per region whatever the worker count
+    (runtime/comm/tiers.py). The sum is exact either way: not a math setting."""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
 
@@ -207,10 +262,50 @@ class ClusterConfig:
             if v is not None:
                 c.check(v in names, key, f"must name a region of {names}", v)
         c.check(0 <= self.port < 65536, "port", "must be in [0, 65535]", self.port)
+        c.check(
+            0 <= self.channel_port < 65536,
+            "channel_port",
+            "must be in [0, 65535]",
+            self.channel_port,
+        )
+        c.check(
+            self.port == 0 or self.port != self.channel_port,
+            "channel_port",
+            f"must differ from cluster.port ({self.port})",
+            self.channel_port,
+        )
+        c.check(bool(self.host.strip()), "host", "must be an address or host name", self.host)
+        if self.advertise is not None:
+            ok = bool(self.advertise.strip()) and not _wildcard(self.advertise)
+            c.check(ok, "advertise", "must be an address peers can dial", self.advertise)
         c.positive("heartbeat_ms", self.heartbeat_ms)
         c.positive("phi_threshold", self.phi_threshold)
         c.non_negative("acceptable_pause_ms", self.acceptable_pause_ms)
         c.positive("min_collective_timeout_ms", self.min_collective_timeout_ms)
+        c.positive("reform_backoff_ms", self.reform_backoff_ms)
+        c.check(
+            self.reform_backoff_max_ms >= self.reform_backoff_ms,
+            "reform_backoff_max_ms",
+            f"must be >= cluster.reform_backoff_ms ({self.reform_backoff_ms})",
+            self.reform_backoff_max_ms,
+        )
+        c.positive("max_reform_failures", self.max_reform_failures)
+        c.check(self.lease_ttl_ms >= 500, "lease_ttl_ms", "must be >= 500", self.lease_ttl_ms)
+        if self.ha_backend == "etcd":
+            c.check(
+                bool(self.etcd_endpoints),
+                "etcd_endpoints",
+                'must name at least one endpoint with ha_backend = "etcd"',
+                self.etcd_endpoints,
+            )
+        for url in self.etcd_endpoints:
+            c.check(_http_url(url), "etcd_endpoints", "must be http(s)://HOST:PORT", url)
+        c.check(
+            self.etcd_prefix.startswith("/") and " " not in self.etcd_prefix,
+            "etcd_prefix",
+            "must start with '/' and hold no spaces",
+            self.etcd_prefix,
+        )
         c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.positive("join_timeout_ms", self.join_timeout_ms)
         c.non_negative("spares", self.spares)
@@ -224,3 +319,17 @@ class ClusterConfig:
     @property
     def workers(self) -> int:
         return sum(r.workers for r in self.regions)
+
+
+def _wildcard(host: str) -> bool:
+    return host.strip() in ("0.0.0.0", "::", "[::]", "*")
+
+
+def _http_url(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        u = urlsplit(url)
+        return u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None
+    except ValueError:
+        return False

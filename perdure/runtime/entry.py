@@ -31,10 +31,16 @@ class WorkerSpec:
     host: str | None = None
     """The address this worker's data plane listens on (where its peers reach it);
     unset: its own address on the path to the coordinator."""
+    interface: str | None = None
+    """The network interface its data plane uses, by name (instead of ``host``)."""
 
     def __post_init__(self) -> None:
         if not self.coordinators:
             raise ValueError("a worker needs at least one --coordinator HOST:PORT")
+        if self.host and self.interface:
+            raise ValueError(
+                f"give --host ({self.host}) or --interface ({self.interface}), not both"
+            )
         for c in self.coordinators:
             parse_address(c)
 
@@ -46,6 +52,8 @@ class WorkerSpec:
         args += ["--join-timeout-s", str(self.join_timeout_s)]
         if self.host:
             args += ["--host", self.host]
+        if self.interface:
+            args += ["--interface", self.interface]
         for c in self.coordinators:
             args += ["--coordinator", c]
         return args
@@ -69,8 +77,10 @@ def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
     """Run one worker until the run ends; returns its exit code. SIGTERM asks it to
     leave at the next step boundary."""
     from perdure.lifecycle import die_with_parent
+    from perdure.proctitle import set_title
 
     die_with_parent()  # started by a launcher (not forked by its zygote): end with it
+    set_title("spare" if spec.role == "spare" else "worker", spec.name)
     token = token or os.environ.get(TOKEN_ENV)
     if not token:
         raise ValueError(f"set the run token in the environment variable {TOKEN_ENV}")
@@ -89,6 +99,7 @@ def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
         timeout_s=spec.join_timeout_s,
         restore_priority=spec.yield_cpu,
         host=spec.host,
+        interface=spec.interface,
     )
     signal.signal(signal.SIGTERM, lambda *_: w.leave())
     return w.run()

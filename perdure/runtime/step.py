@@ -24,6 +24,7 @@ from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import Reducer
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.trainer import MathError, Trainer
+from perdure.runtime.salvage import SlotSalvage
 
 
 class SlotTimer:
@@ -54,6 +55,8 @@ class Seams:
     evict_after: int = 2
     suspects: dict[str, int] = field(default_factory=dict)
     """Non-reproduced non-finite slots per worker, kept across epochs."""
+    salvage: SlotSalvage = field(default_factory=SlotSalvage)
+    """Finished slots of the step in flight, kept across epochs (``runtime/salvage.py``)."""
 
 
 class StepRunner:
@@ -91,6 +94,7 @@ class StepRunner:
             bad = self.tr.layout.bad_slots(total)
             if not bad:
                 return total
+            self.seams.salvage.clear()  # every slot of the step is computed again
             self._on_nonfinite(t, bad)
 
     def _attempt(self, t: int, t0: float) -> torch.Tensor:
@@ -98,15 +102,48 @@ class StepRunner:
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         if len(self.bufs) != len(slots):
             self.bufs = [tr.layout.new_buffer() for _ in slots]
-        if not tr.compute_slots(t, slots[:-1], self.bufs[:-1], abort):
-            raise Abandoned("membership epoch changed during compute")
+        key = (t, tr.state_version)
+        computed = self._fill(t, key, range(len(slots) - 1), abort, None)
         delay = self.seams.delay_s()
-        ready = Readiness()
+        last = len(slots) - 1
+        kept = self.seams.salvage.take(key, slots[last], self.bufs[last])
+        ready = None if kept else Readiness()
         fut = self._start_reduce(self.bufs, delay, ready, abort)
-        if not tr.compute_slots(t, slots[-1:], self.bufs[-1:], abort, ready=ready):
-            raise Abandoned("membership epoch changed during compute")
-        self.timer.record(time.monotonic() - t0 + delay, len(slots))
+        if not kept:
+            computed += self._fill(t, key, range(last, last + 1), abort, ready)
+        if computed:
+            self.timer.record(time.monotonic() - t0 + delay, computed)
+        self._log_salvage(t)
         return self.comm.result(fut)
+
+    def _log_salvage(self, t: int) -> None:
+        reused = self.seams.salvage.pop_reused()
+        if reused:
+            self.seams.events.write(
+                {"event": ev.SLOTS_SALVAGED, "worker": self.seams.name, "step": t, "slots": reused}
+            )
+
+    def _fill(
+        self,
+        t: int,
+        key: tuple[int, int],
+        indices: range,
+        abort: Callable[[], bool],
+        ready: Readiness | None,
+    ) -> int:
+        """Fill ``self.bufs[i]`` for ``i`` in ``indices``: a kept slot of this step is
+        copied, the others computed (and kept). Returns how many were computed."""
+        salvage, computed = self.seams.salvage, 0
+        for i in indices:
+            slot, buf = self.slots[i], self.bufs[i]
+            if salvage.take(key, slot, buf):
+                salvage.put(key, slot, buf)
+                continue
+            if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort, ready=ready):
+                raise Abandoned("membership epoch changed during compute")
+            salvage.put(key, slot, buf)
+            computed += 1
+        return computed
 
     def _start_reduce(
         self,
@@ -186,17 +223,42 @@ class StepRunner:
     # -- fingerprints ----------------------------------------------------------------------
 
     def compare_fingerprints(self) -> bool:
-        """Whether this replica agrees with the majority (a CRC of the parameters); the
-        odd ones out are logged. False: this replica must drop its state."""
-        mine = torch.tensor([self.tr.fingerprint()], dtype=torch.int64)
-        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        """Whether this replica agrees with the majority (a CRC per tensor of the model's
+        parameters and buffers); the odd ones out are logged with the tensors that differ.
+        False: this replica must drop its state and receive a peer's.
+
+        Without a strict majority (two replicas that differ, three that all differ) no
+        replica can be trusted over another: the model's state is not a function of the
+        slots (a buffer or parameter changed outside the step's math), and the run stops
+        with a :class:`MathError` naming the tensors."""
+        crcs = self.tr.fingerprint()
+        mine = torch.tensor(crcs, dtype=torch.int64)
+        outs = [torch.zeros(len(crcs), dtype=torch.int64) for _ in range(self.size)]
         timeout = self.seams.timeout()
         self.comm.call(lambda: self.comm.pg.allgather([outs], [mine]).wait(timeout))
-        values = [int(o) for o in outs]
+        values = [tuple(int(x) for x in o) for o in outs]
         if len(set(values)) == 1:
             return True
         majority = max(set(values), key=values.count)
         odd = [m for m, v in zip(self.plan.members, values, strict=True) if v != majority]
+        names = self.tr.fingerprint_names()
+        differ = sorted(
+            {
+                names[i]
+                for v in values
+                for i, (a, b) in enumerate(zip(v, majority, strict=True))
+                if a != b
+            }
+        )
         step = self.tr.next_step
-        self.seams.events.write({"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd})
+        self.seams.events.write(
+            {"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd, "tensors": differ}
+        )
+        if 2 * values.count(majority) <= len(values):
+            raise MathError(
+                f"step {step}: replicas {list(self.plan.members)} hold different model state "
+                f"and no majority agrees; tensors that differ: {', '.join(differ[:8])}"
+                f"{' ...' if len(differ) > 8 else ''} (the model changes state outside the "
+                "step's math: see docs/architecture.md, 'Buffers')"
+            )
         return self.seams.name not in odd

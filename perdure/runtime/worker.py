@@ -7,6 +7,12 @@ the reduction, non-finite flags, fingerprints) over a process group built under 
 store prefix. It leaves an epoch when the coordinator announces a new one (at once when a
 member failed, at a step boundary for joins and re-plans), when a collective fails, or
 when the run is complete. It never restarts: a fault is a new epoch.
+
+It works for one coordinator generation at a time (its epoch's ``start`` says which) and
+checks the run directory's fence (``control/fence.py``) before every step, on every
+heartbeat, and before a checkpoint commit: once a newer coordinator took over, it begins
+no step, commits no checkpoint, and leaves for the newer coordinator, keeping its state
+(every step it completed was begun under a generation the fence still allowed).
 """
 
 from __future__ import annotations
@@ -28,19 +34,25 @@ from perdure.checkpoint import (
     config_override_entry,
     load_checkpoint,
 )
-from perdure.events import JsonLines
+from perdure.events import Tail
+from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict
+from perdure.runlog import part, writer_id
 from perdure.runtime.comm.exchange import StoreExchange
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer
 from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.client import Identity, MembershipClient
+from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
+from perdure.runtime.replica.task import lr_at
 from perdure.runtime.replica.trainer import MathError, Trainer
+from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
 from perdure.runtime.wchaos import ChaosState
 
@@ -58,6 +70,10 @@ class Epoch:
     comm: Comm
     runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
+
+    @property
+    def generation(self) -> int:
+        return self.start.generation
 
     @property
     def size(self) -> int:
@@ -78,9 +94,13 @@ class Worker:
         timeout_s: float = 60.0,
         restore_priority: bool = False,
         host: str | None = None,
+        interface: str | None = None,
     ) -> None:
         self.name, self.region, self.role = name, region, role
-        self.host = host
+        self.interface = interface
+        self.host = interface_address(interface) if interface else host
+        """The data plane's address, when given (else: the address on the path to the
+        coordinator, found once connected)."""
         self.restore_priority = restore_priority
         self.timeout_s = timeout_s
         self.client = MembershipClient(
@@ -89,6 +109,7 @@ class Worker:
             token,
             timeout_s=timeout_s,
             progress=self._progress,
+            address=self.host,
         )
         self.inflight = -1
         self.has_state = False
@@ -98,6 +119,7 @@ class Worker:
         self.final_saved = -1
         self.leaving = False
         self.suspects: dict[str, int] = {}
+        self.salvage = SlotSalvage()
 
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
@@ -117,9 +139,13 @@ class Worker:
         welcome = self.client.connect()
         config = config_from_dict(welcome.config)
         self.run_dir = Path(welcome.run_dir)
+        set_title("spare" if self.role == "spare" else "worker", self.name, welcome.run_dir)
         self.store_port = welcome.store_port
-        self.events = JsonLines(self.run_dir / "events.jsonl")
-        self.metrics = JsonLines(self.run_dir / "metrics.jsonl")
+        writer = writer_id(self.name)  # a part file each: safe on a network file system
+        self.events = part(self.run_dir, "events", writer)
+        self.metrics = part(self.run_dir, "metrics", writer)
+        self.client.run_over = RunEndWatch(self.run_dir / "events.jsonl")
+        self.fence = Fence(self.run_dir)
         self.config: RunConfig = config
         self.placement = Placement.of(config.train)
         self.chaos.arm(config.chaos)
@@ -195,8 +221,9 @@ class Worker:
         self.inflight = self.trainer.next_step
         abort = lambda: self._should_stop(self.inflight)  # noqa: E731
         try:
+            store = self._store()
             comm = Comm(
-                self._store(),
+                store,
                 start.prefix,
                 rank,
                 len(plan.members),
@@ -204,7 +231,10 @@ class Worker:
                 abort,
                 backend=self.placement.backend,
                 bind=self.host or self.client.local_address(),
+                interface=self.interface,
             )
+            if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
+                comm.add_tiers(store, self.region)
         except (Abandoned, CommFailed) as e:
             self._failed(e)
             return
@@ -225,11 +255,22 @@ class Worker:
             )
         except CommFailed as e:
             self._failed(e)
+        except Fenced as e:
+            self._fenced(e.newer, str(e))
         except MathError as e:
             log.error("%s: %s", self.name, e)
             self.client.send(p.Abort(reason=str(e)[: p.MAX_STR]))
         finally:
             self._close_epoch(ep)
+
+    def _fenced(self, newer: int, why: str) -> None:
+        """A newer coordinator took over: leave this one (once per generation)."""
+        old = self.client.generation
+        if self.client.fenced_by(newer):
+            log.warning("%s: %s", self.name, why)
+            self.events.write(
+                {"event": ev.WORKER_FENCED, "worker": self.name, "generation": old, "newer": newer}
+            )
 
     def _runner(self, plan: Plan, rank: int, comm: Comm) -> StepRunner:
         assert self.trainer is not None
@@ -243,6 +284,7 @@ class Worker:
             take_comm_error=self.chaos.take_comm_error,
             evict_after=self.config.cluster.evict_after_suspect,
             suspects=self.suspects,
+            salvage=self.salvage,
         )
         reducer = make_reducer(self.config.train, rank, len(plan.members))
         return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer)
@@ -322,6 +364,7 @@ class Worker:
             world=ep.size,
             exchange=ex,
             log=self._ckpt_log if ep.rank == 0 else None,
+            before_commit=lambda: self.fence.check(ep.generation, "checkpoint commit"),
         )
 
     def _ckpt_log(self, record: dict[str, Any]) -> None:
@@ -346,6 +389,9 @@ class Worker:
             self.inflight = t
             if self._should_stop(t):
                 return
+            # The step's admission: its metrics line and its update belong to this
+            # generation only if the fence still allows it when the step begins.
+            self.fence.check(ep.generation, f"step {t}")
             self._step(ep, t)
         self._finish(ep)
 
@@ -371,7 +417,10 @@ class Worker:
             and tr.next_step % ck == 0
             and tr.next_step < self.client.last_step(self.config.train.steps)
         ):
-            ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            try:
+                ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            except CheckpointSaveError as e:  # the previous save failed while we waited
+                log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
 
     def _check_saves(self, ckpt: AsyncCheckpointer) -> None:
         """A failed background save (disk full, storage gone) costs that checkpoint, not
@@ -389,9 +438,11 @@ class Worker:
             {
                 "step": t,
                 "loss": loss,
+                "lr": lr_at(t, self.config.optim, self.config.train.steps),
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
                 "membership_epoch": ep.number,
+                "generation": ep.generation,
                 "slots": ep.plan.counts(),
                 "members": list(ep.plan.members),
             }
@@ -402,6 +453,7 @@ class Worker:
             "regions": [r.name for r in self.config.cluster.regions],
             "workers": list(ep.plan.members),
             "membership_epoch": ep.number,
+            "generation": ep.generation,
             "plan": ep.plan.to_dict(),
         }
 
@@ -409,6 +461,10 @@ class Worker:
         """The final checkpoint (all members write it in parallel), then report done."""
         tr = self.trainer
         assert tr is not None and ep.ckpt is not None
+        every = self.config.cluster.fingerprint_every
+        if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
+            self.has_state = False  # no run ends with replicas that disagree
+            raise CommFailed(f"replica diverged at step {tr.next_step}")
         if self.final_saved != tr.next_step:
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
@@ -432,6 +488,7 @@ class Worker:
                     self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None
+            self._poll_fence()
             delay = self.chaos.delay_s()
             if delay:
                 time.sleep(delay)
@@ -443,6 +500,32 @@ class Worker:
                     prepared=t is not None,
                 )
             )
+
+    def _poll_fence(self) -> None:
+        """A worker waiting on a coordinator that stopped (hung, cut off without its
+        connection closing) learns of the takeover here, not only at its next step."""
+        try:
+            newer = self.fence.current()
+        except (OSError, ValueError) as e:
+            log.warning("%s: cannot read the fence: %s", self.name, e)
+            return
+        if newer > self.client.generation:
+            self._fenced(newer, f"the run directory's fence is at generation {newer}")
+
+
+class RunEndWatch:
+    """Whether the run's merged event log shows its end (or failure) since this was
+    made; once true, true for good. Read only while the worker has no coordinator."""
+
+    def __init__(self, path: Path) -> None:
+        self.tail = Tail(path, from_end=True)
+        self.over = False
+
+    def __call__(self) -> bool:
+        if not self.over:
+            ends = (ev.RUN_END, ev.RUN_FAILED)
+            self.over = any(e.get("event") in ends for e in self.tail.read())
+        return self.over
 
 
 def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:

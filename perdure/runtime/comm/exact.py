@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 from perdure.runtime.replica.slots import all_finite
 
 CHUNK = 1 << 20
@@ -68,10 +69,13 @@ class ExactReducer:
         n = bufs[0].numel()
         t = timeout.total_seconds()
 
+        tiers = getattr(comm, "tiers", None)
+
         def run() -> torch.Tensor:
             if ready is not None:
                 ready.wait(n, abort, t)
-            return self.reduce(comm.pg if self.size > 1 else None, bufs, timeout, send_delay_s)
+            pg = comm.pg if self.size > 1 else None
+            return self.reduce(pg, bufs, timeout, send_delay_s, tiers=tiers)
 
         return comm.submit(run)
 
@@ -81,16 +85,23 @@ class ExactReducer:
         bufs: Sequence[torch.Tensor],
         timeout: timedelta,
         send_delay_s: float = 0.0,
+        *,
+        tiers: Tiers | None = None,
     ) -> torch.Tensor:
-        """The exact sum of every member's ``bufs`` (all final); ``pg`` None: one member."""
+        """The exact sum of every member's ``bufs`` (all final); ``pg`` None: one member.
+        With ``tiers``, every all-reduce goes inside regions first, then across."""
         for b in bufs:
             if not all_finite(b):
                 torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
         exps = self._exponents(bufs)
         if pg is not None:
+            _delay(send_delay_s)
+        if pg is not None and tiers is not None:
+            tiered_allreduce(tiers, exps, dist.ReduceOp.MAX, timeout)
+        elif pg is not None:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-            _wait(pg.allreduce([exps], opts), timeout, send_delay_s)
+            pg.allreduce([exps], opts).wait(timeout)
         k = self._shift(exps)
         acc, out = self._buffers(bufs[0])
         scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
@@ -98,7 +109,10 @@ class ExactReducer:
         pending: list[tuple[Any, int]] = []
         for i in range(len(self._ranges(acc.numel()))):
             self._accumulate(acc, bufs, scale, i)
-            if pg is not None:  # gloo's threads reduce this bucket while we convert the next
+            if pg is not None and tiers is not None:
+                tiered_allreduce(tiers, self._flat(acc, i), dist.ReduceOp.SUM, timeout)
+                self._convert_back(acc, inv, out, i)
+            elif pg is not None:  # gloo's threads reduce this bucket while we convert the next
                 pending.append((pg.allreduce([self._flat(acc, i)]), i))
             else:
                 self._convert_back(acc, inv, out, i)
@@ -182,7 +196,6 @@ def _bucket_ranges(n: int, block: int) -> tuple[tuple[int, int], ...]:
     return tuple(out + ([(full, full + 1)] if n % block else []))
 
 
-def _wait(work: Any, timeout: timedelta, delay_s: float) -> None:
+def _delay(delay_s: float) -> None:
     if delay_s > 0:
         time.sleep(delay_s)  # injected link latency (the delay fault), before the exchange
-    work.wait(timeout)

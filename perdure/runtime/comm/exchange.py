@@ -14,6 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+CALL_TIMEOUT_S = 5.0
+"""Most one store call of an exchange may wait (the exchange itself waits ``timeout_s``)."""
+
 
 class StoreExchange:
     """``exchange(payload) -> [payload of rank 0, ..., payload of rank W-1]``."""
@@ -35,7 +38,9 @@ class StoreExchange:
     def _store(self) -> dist.Store:
         store = getattr(self._local, "store", None)
         if store is None:
-            store = self.connect(self.timeout_s)
+            # Each call is bounded on its own: a store whose host hangs (a stopped
+            # coordinator) must fail this save in seconds, not hold the epoch's close.
+            store = self.connect(min(self.timeout_s, CALL_TIMEOUT_S))
             self._local.store = store
         return store
 

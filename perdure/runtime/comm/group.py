@@ -10,12 +10,15 @@ ends by itself when its own timeout expires, holding only the old group.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+
+from perdure.runtime.comm.tiers import Tiers, build_tiers
 
 T = TypeVar("T")
 _SLICE_S = 0.01
@@ -69,15 +72,30 @@ class Comm:
         should_abort: Callable[[], bool],
         backend: str = "gloo",
         bind: str | None = None,
+        interface: str | None = None,
     ) -> None:
         """``bind``: the address this member's gloo listeners use (its own address as the
         coordinator sees it); unset, gloo resolves the host name, which may be any
-        interface, or loopback on another host's behalf."""
+        interface, or loopback on another host's behalf. ``interface``: the network
+        interface by name instead (gloo's device, and ``NCCL_SOCKET_IFNAME``)."""
         self.rank, self.size, self.timeout = rank, size, timeout
         self.should_abort = should_abort
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{prefix}")
-        group = _Group(prefix, rank, size, timeout, backend, bind)
+        group = _Group(prefix, rank, size, timeout, backend, bind, interface)
+        self._group = group
         self.pg: Any = self.call(lambda: group.make(store))
+        self.tiers: Tiers | None = None
+        """The region and leader groups of a two-tier reduction (``add_tiers``)."""
+
+    def add_tiers(self, store: dist.Store, region: str) -> None:
+        """Build this epoch's two-tier groups (``comm/tiers.py``); every member calls it."""
+        g = self._group
+
+        def make(prefix: str, rank: int, size: int) -> Any:
+            return dataclasses.replace(g, prefix=prefix, rank=rank, size=size).make(store)
+
+        args = (store, g.prefix, self.rank, self.size, region, make, self.timeout)
+        self.tiers = self.call(lambda: build_tiers(*args))
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
@@ -120,20 +138,36 @@ class _Group:
     timeout: timedelta
     backend: str
     bind: str | None
+    interface: str | None = None
 
     def make(self, store: dist.Store) -> Any:
         sub = dist.PrefixStore(self.prefix, store)
         if self.backend == "nccl":  # pragma: no cover - needs a GPU
+            _nccl_interface(self.interface, self.bind)
             nccl = dist.ProcessGroupNCCL.Options()
             nccl._timeout = self.timeout
             return dist.ProcessGroupNCCL(sub, self.rank, self.size, nccl)
         opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         opts._timeout = self.timeout
-        if self.bind:
+        if self.interface:
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=self.interface)]
+        elif self.bind:
             opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.bind)]
         else:
             opts._devices = [dist.ProcessGroupGloo.create_default_device()]
         return dist.ProcessGroupGloo(sub, self.rank, self.size, opts)
+
+
+def _nccl_interface(interface: str | None, bind: str | None) -> None:
+    """NCCL picks its socket interface from ``NCCL_SOCKET_IFNAME`` only: name the one
+    given, or the one that holds the bind address (an operator's own setting wins)."""
+    import os
+
+    from perdure.runtime.control.address import interface_of
+
+    name = interface or (interface_of(bind) if bind else None)
+    if name and "NCCL_SOCKET_IFNAME" not in os.environ:
+        os.environ["NCCL_SOCKET_IFNAME"] = f"={name}"  # '=': exactly this interface
 
 
 def _one_line(e: BaseException) -> str:

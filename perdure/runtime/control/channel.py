@@ -69,7 +69,13 @@ def _eof() -> bytes:
 
 
 class AdmissionRefused(RuntimeError):
-    """The coordinator refused this worker (wrong token, duplicate name, run over)."""
+    """The coordinator refused this worker (wrong token, duplicate name, run over), or
+    asked it to come back later (``retry``: a standby without the lease, a coordinator
+    renewing its own or fenced out)."""
+
+    def __init__(self, message: str, *, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
 
 
 def connect(
@@ -93,8 +99,10 @@ def connect(
         raise
     if not isinstance(reply, p.Welcome):
         line.close()
-        reason = reply.reason if isinstance(reply, p.Refused) else f"sent {reply.type}"
-        raise AdmissionRefused(f"coordinator {host}:{port} refused: {reason}")
+        refused = reply if isinstance(reply, p.Refused) else None
+        reason = refused.reason if refused else f"sent {reply.type}"
+        retry = refused is not None and refused.retry
+        raise AdmissionRefused(f"coordinator {host}:{port} refused: {reason}", retry=retry)
     return line, reply
 
 

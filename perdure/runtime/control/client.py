@@ -4,23 +4,53 @@ A :class:`MembershipClient` holds the channel to the coordinator (or, once that 
 to the first standby that answers), records what the coordinator announced (the newest
 epoch notice, the start of each epoch, the end of the run) and answers the step loop's
 one question: must step ``t`` stop in this epoch? It knows nothing of training.
+
+Workers prefer the primary: coordinators are tried in the order given, the primary first,
+on every reconnection. A coordinator that cannot admit now (a standby that does not hold
+the run's lease, a coordinator renewing its own) answers "retry", and the worker goes on
+to the next one and round again, with a growing pause, until its join timeout: reaching a
+standby is not a reason to follow it. The client remembers the newest coordinator
+generation it followed: it announces it in every hello (an older coordinator that reads
+it fences itself out), refuses a welcome from an older one, and leaves its coordinator
+when the run directory's fence shows a newer one (:meth:`fenced_by`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.channel import LineSocket, Listener, connect
+from perdure.runtime.control.channel import AdmissionRefused, LineSocket, Listener, connect
 
 log = logging.getLogger("perdure.worker")
 
 CONNECT_TIMEOUT_S = 5.0
+RETRY_PAUSE_S = (0.1, 0.5)
+"""Pause between rounds over the coordinators: first, and most (it grows by half)."""
+
+
+class RunEnded(ConnectionError):
+    """The run ended while this worker had no coordinator: nothing to reconnect to."""
+
+
+def route_source(host: str) -> str:
+    """The address this machine sends from to reach ``host`` (the kernel's route; no
+    packet is sent), or "" when there is no route."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return ""
 
 
 @dataclass(frozen=True)
@@ -43,11 +73,19 @@ class MembershipClient:
         *,
         timeout_s: float,
         progress: Callable[[], tuple[int, bool]],
+        address: str | None = None,
     ) -> None:
         self.me, self.coordinators, self.token = me, coordinators, token
         self.timeout_s = timeout_s
         self.progress = progress
         """``() -> (next_step, has_state)`` for the hello."""
+        self.address = address
+        """The data plane's address (``--host`` / ``--interface``); unset: this worker's
+        own address on the path to the coordinator it reaches."""
+        self.run_over: Callable[[], bool] = lambda: False
+        """Whether the run ended meanwhile (set once the run directory is known): a
+        worker that lost its coordinator stops trying to reconnect then."""
+        self._trying = ""
         self.cond = threading.Condition()
         self.announce: p.Announce | None = None
         self.starts: dict[int, p.Start] = {}
@@ -58,6 +96,8 @@ class MembershipClient:
         self.epoch_no = -1
         self.line: LineSocket | None = None
         self.host = ""
+        self.generation = 0
+        """The newest coordinator generation this worker followed."""
 
     # -- connection ------------------------------------------------------------------------
 
@@ -72,6 +112,8 @@ class MembershipClient:
             has_state=has_state,
             epoch=self.epoch_no,
             mac=mac,
+            address=self.address or route_source(self._trying),
+            generation=self.generation,
         )
 
     def connect(self) -> p.Welcome:
@@ -79,25 +121,57 @@ class MembershipClient:
         ``timeout_s`` passes."""
         end = time.monotonic() + self.timeout_s
         last: Exception | None = None
+        pause = RETRY_PAUSE_S[0]
         while time.monotonic() < end:
+            if self.run_over():
+                raise RunEnded(f"{self.me.name}: the run ended while it was reconnecting")
             for host, port in self.coordinators:
+                self._trying = host
                 try:
                     line, welcome = connect(host, port, self.token, self._hello, CONNECT_TIMEOUT_S)
+                except AdmissionRefused as e:
+                    if p.RUN_OVER in str(e):  # reconnected after the end: nothing to rejoin
+                        raise RunEnded(f"{self.me.name}: {e}") from None
+                    if not e.retry:
+                        raise
+                    last = e
+                    continue
                 except (OSError, ConnectionError, p.ProtocolError) as e:
                     last = e
+                    continue
+                if welcome.generation < self.generation:
+                    line.close()  # a superseded coordinator (it fences itself on our hello)
+                    last = ConnectionError(f"{host}:{port} is at old generation")
                     continue
                 self.line, self.host = line, host
                 with self.cond:
                     self.lost, self.announce = False, None
-                Listener(line, self._on_message, self._on_lost).start()
+                    self.generation = welcome.generation
+                # Bound to this line: a listener of a line we left must not touch the next.
+                on_message = partial(self._on_message, line=line)
+                Listener(line, on_message, partial(self._on_lost, line)).start()
                 return welcome
-            time.sleep(0.1)
+            time.sleep(pause)
+            pause = min(RETRY_PAUSE_S[1], pause * 1.5)
         raise ConnectionError(
             f"{self.me.name}: no coordinator reachable at {self.coordinators}: {last}"
         )
 
-    def _on_message(self, msg: p.Message) -> None:
+    def _on_message(self, msg: p.Message, line: LineSocket) -> None:
         with self.cond:
+            if line is not self.line:
+                return  # a late message on a channel this worker already left
+            if isinstance(msg, p.Announce | p.Start) and msg.generation != self.generation:
+                # Not the generation this connection was admitted under: a broken peer.
+                log.warning(
+                    "%s: %s of generation %d on a channel of generation %d",
+                    self.me.name,
+                    msg.type,
+                    msg.generation,
+                    self.generation,
+                )
+                self._drop()
+                return
             if isinstance(msg, p.Announce):
                 self.announce = msg
             elif isinstance(msg, p.Start):
@@ -108,10 +182,32 @@ class MembershipClient:
                 self.stopped, self.stop_reason = True, msg.reason
             self.cond.notify_all()
 
-    def _on_lost(self) -> None:
+    def _on_lost(self, line: LineSocket | None = None) -> None:
         with self.cond:
+            if line is not None and line is not self.line:
+                return  # the end of a channel this worker already left
             self.lost = True
             self.cond.notify_all()
+
+    def _drop(self) -> None:
+        """Leave the coordinator (caller holds ``cond``): the step loop stops at once and
+        the next announcement wait reconnects."""
+        self.lost = True
+        if self.line is not None:
+            with contextlib.suppress(OSError):  # wakes the listener's blocked recv
+                self.line.sock.shutdown(socket.SHUT_RDWR)
+            self.line.close()
+        self.cond.notify_all()
+
+    def fenced_by(self, generation: int) -> bool:
+        """The run directory's fence is at ``generation``: if that is newer than the
+        coordinator we follow, leave it (True) and find the newer one."""
+        with self.cond:
+            if generation <= self.generation or self.lost:
+                return False
+            self.generation = generation  # from now on, no older coordinator is followed
+            self._drop()
+            return True
 
     def local_address(self) -> str | None:
         """This worker's address on the path to its coordinator: where its peers reach it
@@ -141,6 +237,8 @@ class MembershipClient:
                     self.cond.release()
                     try:
                         on_reconnect(self.connect())
+                    except RunEnded as e:
+                        self.stopped, self.stop_reason = True, str(e)
                     finally:
                         self.cond.acquire()
                     continue

@@ -10,25 +10,36 @@ Nothing a peer sends can stop it: a line that is not a valid message disconnects
 peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), a
 connection that has not answered its challenge within ``ADMISSION_S`` is dropped, and at
 most ``MAX_UNADMITTED`` connections may wait for admission at once.
+
+The run's lease (``control/lease.py``) is set up here: a primary acquires it before it
+serves (a new generation, installed in the run directory's fence), a standby starts
+watching it; from then on its I/O runs on the lease agent's thread
+(``control/lease_agent.py``), whose answers join the queue as events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 import selectors
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perdure import events as ev
-from perdure.events import JsonLines
+from perdure.events import Tail
+from perdure.metrics.service import MetricsService
 from perdure.run_config import RunConfig
+from perdure.runlog import Mergers, part, writer_id
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.address import Endpoints, coordinator_endpoints
 from perdure.runtime.control.channel import LineSocket, verify
+from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
+from perdure.runtime.control.lease_agent import LeaseAgent
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
@@ -38,6 +49,8 @@ ADMISSION_S = 10.0
 """Seconds a new connection has to answer its challenge."""
 MAX_UNADMITTED = 256
 SEND_TIMEOUT_S = 5.0
+RUN_END_POLL_S = 0.5
+"""How often an idle standby looks for the run's end in the merged event log."""
 """A send to a worker that does not read (its buffers full) fails after this long."""
 
 
@@ -61,17 +74,31 @@ class Coordinator:
         run_dir: str,
         token: str,
         resume: str | None = None,
-        host: str = "127.0.0.1",
-        store_port: int = 0,
-        channel_port: int = 0,
+        endpoints: Endpoints | None = None,
         expected_workers: int | None = None,
         standby: bool = False,
         allow_config_change: bool = False,
+        primary: str | None = None,
     ) -> None:
-        self.config, self.run_dir, self.token, self.host = config, run_dir, token, host
-        self.events = JsonLines(f"{run_dir}/events.jsonl")
-        self.store = StoreServer(host, store_port, token)
-        self.server = socket.create_server((host, channel_port))
+        """``endpoints``: where to listen (``address.coordinator_endpoints``; default:
+        the cluster config's). Every listener binds ``endpoints.bind`` only. ``primary`` (a
+        standby's): the ``HOST:PORT`` it probes the primary at before taking over; default:
+        the channel the primary recorded with its lease."""
+        self.config, self.run_dir, self.token = config, run_dir, token
+        self.endpoints = endpoints or coordinator_endpoints(config.cluster)
+        self.host = self.endpoints.advertise
+        """What peers dial (published in the ports file and the events)."""
+        bind = self.endpoints.bind
+        self.events = part(run_dir, "events", writer_id("standby" if standby else "coordinator"))
+        self.logs = Mergers(run_dir)
+        """Merges every process's part files into events.jsonl and metrics.jsonl while
+        this coordinator is the active one (``runlog.py``)."""
+        self.run_over = False
+        """A standby saw the run end under the primary (it then exits too)."""
+        self._ended = Tail(f"{run_dir}/events.jsonl", from_end=True)
+        self._ended_check = 0.0
+        self.store = StoreServer(bind, self.endpoints.store_port, token)
+        self.server = _listen(bind, self.endpoints.channel_port, "--channel-port")
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ, None)
@@ -86,12 +113,40 @@ class Coordinator:
             standby=standby,
             allow_config_change=allow_config_change,
         )
-        self.policy = pol.Policy(settings, time.monotonic())
         self.lines: dict[str, LineSocket] = {}
         self.unadmitted: dict[int, _Conn] = {}
         self.queue: deque[pol.Event] = deque()
+        self.policy = self._lease(settings, primary)
+        self.metrics = MetricsService(
+            config.metrics, run_dir=run_dir, host=bind, steps=config.train.steps,
+            standby=standby, active=lambda: not standby or self.policy.took_over,
+        )  # fmt: skip
         self.finished = False
         self._next_conn = 0
+
+    def _lease(self, settings: pol.Settings, primary: str | None) -> pol.Policy:
+        """Acquire (a primary) or watch (a standby) the run's lease; the policy over it."""
+        c = self.config.cluster
+        store = open_lease_store(
+            c.ha_backend,
+            run_dir=self.run_dir,
+            ttl_s=c.lease_ttl_ms / 1000,
+            token=self.token,
+            etcd_endpoints=list(c.etcd_endpoints),
+            etcd_prefix=c.etcd_prefix,
+        )
+        role = "standby" if settings.standby else "primary"
+        # Limit: a wildcard bind address is recorded as is; a standby then needs --primary.
+        holder = holder_record(settings.instance, f"{self.host}:{self.channel_port}", role)
+        generation, until = 0, -math.inf
+        if not settings.standby:
+            grant = acquire_for_primary(store, self.run_dir, holder)
+            generation, until = grant.generation, grant.until
+        self.agent = LeaseAgent(
+            store, self.run_dir, holder, self.queue.append, generation=generation, primary=primary
+        )
+        settings = replace(settings, generation=max(1, generation))
+        return pol.Policy(settings, time.monotonic(), lease_until=until)
 
     @property
     def store_port(self) -> int:
@@ -109,7 +164,17 @@ class Coordinator:
 
     def serve(self, deadline_s: float | None = None) -> None:
         """Run until the run finishes (or ``deadline_s`` passes, or :meth:`stop`)."""
-        self.events.write({"event": ev.COORDINATOR_UP, "channel_port": self.channel_port})
+        self.events.write(
+            {
+                "event": ev.COORDINATOR_UP,
+                "host": self.host,
+                "bind": self.endpoints.bind,
+                "channel_port": self.channel_port,
+                "store_port": self.store_port,
+                "standby": self.policy.s.standby,
+                "generation": self.policy.generation,
+            }
+        )
         end = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             while not self.finished and (end is None or time.monotonic() < end):
@@ -119,8 +184,28 @@ class Coordinator:
                 self._expire_admissions(now)
                 self.queue.append(pol.Tick(now))
                 self._drain()
+                if self.active:
+                    self.logs.tick(now)
+                else:
+                    self._watch_run_end(now)
         finally:
             self._shutdown()
+
+    @property
+    def active(self) -> bool:
+        """Whether this coordinator runs the run now: the primary, or a standby that took
+        over (only the active one merges the logs)."""
+        return not self.policy.s.standby or self.policy.took_over
+
+    def _watch_run_end(self, now: float) -> None:
+        """An idle standby ends with the run: once the primary logs its end (or failure),
+        there is nothing left to take over."""
+        if now - self._ended_check < RUN_END_POLL_S:
+            return
+        self._ended_check = now
+        if any(e.get("event") in (ev.RUN_END, ev.RUN_FAILED) for e in self._ended.read()):
+            self.run_over = True
+            self.finished = True
 
     def stop(self) -> None:
         self.finished = True
@@ -151,8 +236,10 @@ class Coordinator:
             self._disconnect(effect.worker)
         elif isinstance(effect, pol.FindCheckpoint):
             self.queue.append(self._find_checkpoint(effect.epoch))
-        else:
+        elif isinstance(effect, pol.Finish):
             self.finished = True
+        else:
+            self.agent.submit(effect)
 
     def _send(self, worker: str, msg: p.FromCoordinator) -> None:
         line = self.lines.get(worker)
@@ -175,7 +262,7 @@ class Coordinator:
         conn = self.unadmitted.pop(effect.conn, None)
         if conn is not None:
             with contextlib.suppress(OSError):
-                conn.line.send(p.Refused(reason=effect.reason))
+                conn.line.send(p.Refused(reason=effect.reason, retry=effect.retry))
             self._close(conn.line)
 
     def _disconnect(self, worker: str) -> None:
@@ -245,7 +332,13 @@ class Coordinator:
         conn = _Conn(self._next_conn, line, secrets.token_hex(16), time.monotonic())
         self._next_conn += 1
         try:
-            line.send(p.Challenge(nonce=conn.nonce))
+            line.send(
+                p.Challenge(
+                    nonce=conn.nonce,
+                    generation=self.policy.generation,
+                    serving=self.policy.serving,
+                )
+            )
         except OSError:
             sock.close()
             return
@@ -294,6 +387,7 @@ class Coordinator:
         line.close()
 
     def _shutdown(self) -> None:
+        self.agent.close()  # lands a queued EndLease before the process goes
         for line in list(self.lines.values()):
             line.close()
         for conn in list(self.unadmitted.values()):
@@ -301,6 +395,20 @@ class Coordinator:
         self.server.close()
         self.sel.close()
         self.store.close()
+        if self.active:
+            self.logs.tick(time.monotonic(), final=True)
+        self.metrics.close()  # a last pass: the final steps reach TensorBoard
+
+
+def _listen(host: str, port: int, flag: str) -> socket.socket:
+    """A listening socket on ``host:port`` only; an address this machine does not hold,
+    or a port in use, is an error naming the flag (not a traceback)."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        raise OSError(
+            e.errno, f"cannot listen on {host}:{port} ({flag} / --host): {e.strerror}"
+        ) from None
 
 
 __all__ = ["Coordinator"]

@@ -24,10 +24,32 @@ An epoch change goes through three phases:
 Soft state only: everything here (who is alive, each worker's next step, whether it holds
 state) comes from the workers' hellos, heartbeats and ready reports, so a fresh policy (a
 standby's) rebuilds its view from them.
+
+One control plane, never two: the policy coordinates only while it holds the run's lease
+(``control/lease.py``), under its *generation*, carried by every welcome, announcement and
+start. The lease's I/O happens outside (the server's lease agent); its answers arrive as
+events, and the policy decides:
+
+- A primary renews (:class:`HoldLease`) while it coordinates: before its first epoch, and
+  while at least one worker is connected. One that reaches no worker stops renewing
+  (:class:`WatchLease`), so a standby that does reach them can take over; a worker that
+  knocks before then makes it renew again. When its own view of the lease runs out, it
+  stops coordinating at once: it drops every worker (they stop stepping and look for a
+  coordinator) and refuses hellos with "retry" until it renews.
+- A standby takes over only when the primary is known dead: the store shows the lease
+  expired, *and* its own probe of the primary's channel gets no answer from a serving
+  coordinator (dead, hung, cut off, or unable to reach the store itself). A worker that
+  reaches the standby is no such proof: it is told to retry, and goes back to the primary.
+  Then it acquires the lease (:class:`AcquireLease`, a compare-and-swap that fails if the
+  primary renewed meanwhile) and rebuilds its view from the workers' hellos.
+- A coordinator that sees a newer generation (in the store, or in a worker's hello) is
+  fenced out: it logs ``coordinator_fenced``, drops its workers and stops, writing nothing
+  else.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 import statistics
@@ -37,6 +59,7 @@ from perdure import events as ev
 from perdure.run_config import RunConfig, to_dict
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.detector import PhiAccrual
+from perdure.runtime.control.lease import LeaseView
 from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -44,7 +67,8 @@ NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 FAIL_SETTLE_S = 0.05
 """After a collective failure, how long to wait for a death that explains it before
-re-forming the same members (a dropped link)."""
+re-forming the same members (a dropped link): ``cluster.reform_backoff_ms``'s default,
+doubled per failure in a row (see ``Policy._reform_wait_s``)."""
 
 # -- events in -------------------------------------------------------------------------------
 
@@ -103,7 +127,62 @@ class DrainRequested:
     now: float
 
 
-Event = Joined | Received | Closed | Tick | CheckpointFound | DrainRequested
+@dataclass(frozen=True)
+class LeaseGranted:
+    """The lease is ours as ``generation`` (acquired or renewed) until ``until``."""
+
+    generation: int
+    until: float
+    now: float
+
+
+@dataclass(frozen=True)
+class LeaseObserved:
+    """A read of the lease store."""
+
+    view: LeaseView
+    now: float
+
+
+@dataclass(frozen=True)
+class LeaseLost:
+    """A renewal or an acquisition was refused: the store shows ``view``."""
+
+    view: LeaseView
+    now: float
+
+
+@dataclass(frozen=True)
+class LeaseUnavailable:
+    """The lease store did not answer (or answered with an error)."""
+
+    error: str
+    now: float
+
+
+@dataclass(frozen=True)
+class PrimaryProbed:
+    """The standby's probe of the primary's channel: ``serving`` when a coordinator
+    answered its challenge as serving; ``detail`` says what happened."""
+
+    serving: bool
+    detail: str
+    now: float
+
+
+Event = (
+    Joined
+    | Received
+    | Closed
+    | Tick
+    | CheckpointFound
+    | DrainRequested
+    | LeaseGranted
+    | LeaseObserved
+    | LeaseLost
+    | LeaseUnavailable
+    | PrimaryProbed
+)
 
 # -- effects out -----------------------------------------------------------------------------
 
@@ -132,6 +211,8 @@ class Accept:
 class Reject:
     conn: int
     reason: str
+    retry: bool = False
+    """Not now rather than never: the worker tries elsewhere and comes back."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +232,43 @@ class Finish:
     """The run is complete: the server may stop."""
 
 
-Effect = Send | Log | Accept | Reject | Disconnect | FindCheckpoint | Finish
+@dataclass(frozen=True)
+class HoldLease:
+    """Renew the lease of ``generation`` now and every quarter TTL."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class WatchLease:
+    """Stop renewing; read the store now and every quarter TTL."""
+
+
+@dataclass(frozen=True)
+class AcquireLease:
+    """Take the lease if the store still shows ``expect``; then hold it."""
+
+    expect: LeaseView
+
+
+@dataclass(frozen=True)
+class ProbePrimary:
+    """Try the primary's channel (``channel``, from its lease record, unless the server
+    was told another address) and report whether a serving coordinator answers."""
+
+    channel: str
+
+
+@dataclass(frozen=True)
+class EndLease:
+    """The run is over under ``generation``: mark it ended in the store."""
+
+    generation: int
+
+
+LeaseEffect = HoldLease | WatchLease | AcquireLease | ProbePrimary | EndLease
+
+Effect = Send | Log | Accept | Reject | Disconnect | FindCheckpoint | Finish | LeaseEffect
 
 # -- state -----------------------------------------------------------------------------------
 
@@ -172,6 +289,8 @@ class Member:
     done: bool = False
     prepared: bool = False
     """Its trainer is built: it can enter an epoch without making the members wait."""
+    address: str = ""
+    """Where its data plane listens (its hello's address)."""
 
 
 @dataclass
@@ -204,12 +323,17 @@ class Settings:
     standby: bool = False
     allow_config_change: bool = False
     """Workers may resume from a checkpoint of another config hash (they record it)."""
+    generation: int = 1
+    """The generation a primary's lease was granted under before it started serving; a
+    standby starts with none (0) and gets one only by taking over."""
 
 
 class Policy:
     """Membership, failure detection, plans and the log's order, for one run."""
 
-    def __init__(self, settings: Settings, now: float) -> None:
+    def __init__(self, settings: Settings, now: float, lease_until: float = math.inf) -> None:
+        """``lease_until``: when the primary's initial grant runs out (local clock; the
+        default, never, is for tests of everything but the lease)."""
         self.s = settings
         self.cluster = settings.config.cluster
         self.workers: dict[str, Member] = {}
@@ -222,14 +346,43 @@ class Policy:
         self.finished = False
         self.took_over = False
         self.fail_at: float | None = None
+        self.reform_failures = 0
+        """Collective failures in a row with no member lost and no step committed."""
+        self.last_fail = ""
+        self.start_step = 0
         self.drain: p.Drain | None = None
         self.out: list[Effect] = []
         self.now = now
+        # -- the lease (see the module doc) --
+        self.ttl_s = self.cluster.lease_ttl_ms / 1000
+        self.generation = 0 if settings.standby else settings.generation
+        self.lease_until = -math.inf if settings.standby else lease_until
+        self.holding = self.generation > 0
+        """The lease agent renews (else it only reads the store)."""
+        self.fenced = False
+        self.served = False
+        """An epoch started under this generation (before that, the lease is kept even
+        with no worker connected)."""
+        self.rebuild = False
+        """The lease lapsed and came back: rebuild the view from hellos, as a standby."""
+        self.store_ok = True
+        self.view: LeaseView | None = None
+        self.seen_live = False
+        self.probing = False
+        self.last_probe = -math.inf
+        self.probe_detail = ""
+        self.acquiring = False
+        self.primary_channel = ""
+        """Where the last holder's channel was (a lease record may vanish with its lease)."""
+        self.waiting: set[str] = set()
+        self.was_leading = self.leading
 
     def handle(self, event: Event) -> list[Effect]:
         """Apply one event; return what the server must do, in order."""
         self.out = []
         self.now = event.now
+        if self.was_leading and not self.leading and not self.fenced:
+            self._lapse()  # before anything else: a lapsed coordinator decides nothing
         if isinstance(event, Joined):
             self._on_joined(event)
         elif isinstance(event, Received):
@@ -240,10 +393,23 @@ class Policy:
             self._tick(event.now)
         elif isinstance(event, DrainRequested):
             self._on_drain(event)
-        else:
+        elif isinstance(event, CheckpointFound):
             self._on_checkpoint(event)
+        else:
+            self._on_lease(event)
+        self.was_leading = self.leading
         out, self.out = self.out, []
         return out
+
+    @property
+    def leading(self) -> bool:
+        """This coordinator holds a lease it may act on, now."""
+        return not self.fenced and self.generation > 0 and self.now < self.lease_until
+
+    @property
+    def serving(self) -> bool:
+        """What its challenge tells a prober: it leads, or could renew (its store answers)."""
+        return not self.fenced and self.generation > 0 and (self.leading or self.store_ok)
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -266,15 +432,24 @@ class Policy:
     # -- admission -------------------------------------------------------------------------
 
     def _on_joined(self, e: Joined) -> None:
-        reason = self._refusal(e)
+        h = e.hello
+        reason = self._malformed(e)
+        if reason is None and self.generation > 0 and h.generation > self.generation:
+            # Only an authentic hello may fence: a stranger's number must not stop us.
+            self._fence(h.generation, f"worker {h.name} follows generation {h.generation}")
+        if reason is None and not self.leading:
+            self._tell_to_wait(e)
+            return
+        reason = reason or self._refusal(e)
         if reason:
             # Logged before the answer: whoever is refused can read why at once.
-            self._log(ev.REFUSED, worker=e.hello.name[:64], reason=reason)
+            self._log(ev.REFUSED, worker=h.name[:64], reason=reason)
             self.out.append(Reject(e.conn, reason))
             return
+        self.waiting.discard(h.name)
         self._admit(e)
 
-    def _refusal(self, e: Joined) -> str | None:
+    def _malformed(self, e: Joined) -> str | None:
         h = e.hello
         if not e.authentic:
             return "bad run token"
@@ -284,11 +459,49 @@ class Policy:
             return f"worker name {h.name[:64]!r} must match {NAME.pattern}"
         if h.role not in ("worker", "spare"):
             return f"role {h.role[:32]!r} must be worker or spare"
+        return None
+
+    def _tell_to_wait(self, e: Joined) -> None:
+        """Not the coordinator now: the worker retries (another coordinator, or here)."""
+        if self.fenced:
+            reason = f"fenced out: generation {self.generation} was superseded"
+        elif self.generation == 0:
+            g = self.view.generation if self.view else 0
+            reason = f"standby: the primary holds the run's lease (generation {g})"
+        else:
+            reason = f"the lease of generation {self.generation} lapsed; renewing it"
+            if not self.holding:
+                self._hold()  # a worker knocks: worth coordinating again
+        if e.hello.name not in self.waiting:  # once per worker, not on every retry
+            self.waiting.add(e.hello.name)
+            self._log(ev.REFUSED, worker=e.hello.name[:64], reason=reason, retry=True)
+        self.out.append(Reject(e.conn, reason, retry=True))
+
+    def _refusal(self, e: Joined) -> str | None:
+        h = e.hello
         old = self.workers.get(h.name)
         if old is not None and old.alive:
             return f"worker name {h.name!r} is already in use"
         if self.finished:
-            return "the run is over"
+            return p.RUN_OVER
+        return self._unroutable(h)
+
+    def _unroutable(self, h: p.Hello) -> str | None:
+        """A data plane on a loopback address is reachable from its own host only: mixed
+        with members elsewhere, every group formation would fail (and be retried) for
+        ever. The worker that would mix them is refused, naming the other."""
+        if not h.address:
+            return None
+        for w in self._alive():
+            if w.address and _loopback(w.address) != _loopback(h.address):
+                lo, other = (h, w) if _loopback(h.address) else (w, h)
+                return (
+                    f"worker {lo.name} listens for its peers on the loopback address "
+                    f"{lo.address}, which {other.name} at {other.address} cannot reach: "
+                    f"start {lo.name} with --host or --interface of its own network address "
+                    "(and give every worker the coordinator's network address, not "
+                    "127.0.0.1)"
+                )
         return None
 
     def _admit(self, e: Joined) -> None:
@@ -299,11 +512,9 @@ class Policy:
         )
         detector.heartbeat(e.now)
         info = Member(h.name, h.region, h.role, detector, h.pid, h.next_step, h.has_state)
+        info.address = h.address
         self.workers[h.name] = info
         self.last_admission = e.now
-        if self.s.standby and self.epoch < 0 and not self.took_over:
-            self.took_over = True
-            self._log(ev.COORDINATOR_TAKEOVER, by="standby")
         # Epoch numbers only grow, across coordinators too: a worker ignores older ones.
         self.epoch = max(self.epoch, h.epoch)
         welcome = p.Welcome(
@@ -312,6 +523,7 @@ class Policy:
             resume=self.s.resume,
             store_port=self.s.store_port,
             epoch=self.epoch,
+            generation=self.generation,
             allow_config_change=self.s.allow_config_change,
         )
         self.out.append(Accept(e.conn, h.name, welcome))
@@ -327,6 +539,7 @@ class Policy:
         msg = e.msg
         if isinstance(msg, p.Heartbeat):
             info.next_step = msg.next_step
+            self._note_progress(info)
             info.prepared = info.prepared or msg.prepared
             if msg.slot_s is not None:
                 info.slot_s = msg.slot_s
@@ -351,13 +564,16 @@ class Policy:
 
     def _abort(self, info: Member, reason: str) -> None:
         """Stop the run: an error every replica reproduces cannot be absorbed."""
+        self._give_up(reason, worker=info.name)
+
+    def _give_up(self, reason: str, worker: str | None = None) -> None:
         if self.finished:
             return
-        self._log(ev.RUN_FAILED, worker=info.name, reason=reason)
+        self._log(ev.RUN_FAILED, worker=worker, reason=reason)
         for w in self._alive():
             self._send(w.name, p.Stop(reason=f"run failed: {reason}"))
         self.finished = True
-        self.out.append(Finish())
+        self.out += [EndLease(self.generation), Finish()]
 
     def _on_ready(self, info: Member, msg: p.Ready) -> None:
         info.next_step, info.has_state = msg.next_step, msg.has_state
@@ -367,8 +583,27 @@ class Policy:
 
     def _on_fail(self, info: Member, msg: p.Fail, now: float) -> None:
         self._log(ev.COLLECTIVE_FAILED, worker=info.name, epoch=msg.epoch, error=msg.error)
-        if msg.epoch == self.epoch and self.pending is None:
+        if msg.epoch == self.epoch and self.pending is None and self.fail_at is None:
             self.fail_at = now
+            self.reform_failures += 1
+            self.last_fail = f"{info.name}: {msg.error}"
+
+    def _reform_wait_s(self) -> float:
+        """How long to wait for a death that explains a collective failure before
+        re-forming the same members: ``reform_backoff_ms``, doubled per failure in a row."""
+        c = self.cluster
+        wait_ms = c.reform_backoff_ms * 2 ** max(0, self.reform_failures - 1)
+        return min(wait_ms, c.reform_backoff_max_ms) / 1000
+
+    def _note_progress(self, info: Member) -> None:
+        """A member of the running epoch committed a step: failures are no longer in a row."""
+        if (
+            self.reform_failures
+            and self.current is not None
+            and info.name in self.current.members
+            and info.next_step > self.start_step
+        ):
+            self.reform_failures = 0
 
     def _on_leave(self, info: Member) -> None:
         """A graceful stop: finish the step in flight, then go on without the worker."""
@@ -421,15 +656,26 @@ class Policy:
     # -- the timer -------------------------------------------------------------------------
 
     def _tick(self, now: float) -> None:
-        self._detect(now)
-        if self.finished:
+        if self.fenced:
             return
+        if self.leading:
+            self._keep_lease()
+        self._detect(now)
+        if self.finished or not self.leading:
+            return  # no epochs without the lease
         if self.pending is not None:
             self._progress_pending(now)
             return
-        if self.fail_at is not None and now - self.fail_at > FAIL_SETTLE_S:
-            # A collective failed but nobody died: a link dropped. Re-form the same members.
+        if self.fail_at is not None and now - self.fail_at > self._reform_wait_s():
+            # A collective failed but nobody died: a link dropped. Re-form the same members,
+            # unless they failed too often in a row to be a fault rather than a setting.
             self.fail_at = None
+            if self.reform_failures >= self.cluster.max_reform_failures:
+                self._give_up(
+                    f"the data plane failed {self.reform_failures} times in a row with no "
+                    f"member lost and no step committed; last error: {self.last_fail}"
+                )
+                return
             self._announce(self._members_now(), after=-1, reason="collective failed")
             return
         if self.current is None:
@@ -442,10 +688,11 @@ class Policy:
 
     def _maybe_first_epoch(self, now: float) -> None:
         workers = self._alive("worker")
-        if self.s.standby:
+        if self.took_over or self.rebuild:
             settled = now - self.last_admission > self.cluster.takeover_settle_ms / 1000
             if workers and settled:
-                self._announce([w.name for w in workers], after=-1, reason="takeover")
+                reason = "takeover" if self.took_over else "lease regained"
+                self._announce([w.name for w in workers], after=-1, reason=reason)
             return
         waited = now - self.started > self.cluster.join_timeout_ms / 1000
         if len(workers) >= self.s.expected or (workers and waited):
@@ -526,12 +773,12 @@ class Policy:
             self._end_run(next_step=members[0].next_step)
 
     def _end_run(self, next_step: int | None) -> None:
-        self._log(ev.RUN_END, next_step=next_step)
+        self._log(ev.RUN_END, next_step=next_step, generation=self.generation)
         reason = "run complete" if self.drain is None else f"run stopped: {self.drain.reason}"
         for w in self._alive():
             self._send(w.name, p.Stop(reason=reason))
         self.finished = True
-        self.out.append(Finish())
+        self.out += [EndLease(self.generation), Finish()]
 
     # -- an early, clean stop --------------------------------------------------------------
 
@@ -561,8 +808,17 @@ class Policy:
         members = members[: self.s.config.train.slots]
         self.epoch += 1
         self.pending = Pending(self.epoch, members, after, reason, counts, self.now)
-        self._log(ev.EPOCH_ANNOUNCED, epoch=self.epoch, members=members, after=after, reason=reason)
-        notice = p.Announce(epoch=self.epoch, members=members, after=after)
+        self._log(
+            ev.EPOCH_ANNOUNCED,
+            epoch=self.epoch,
+            members=members,
+            after=after,
+            reason=reason,
+            generation=self.generation,
+        )
+        notice = p.Announce(
+            epoch=self.epoch, members=members, after=after, generation=self.generation
+        )
         for w in self._alive():
             self._send(w.name, notice)
 
@@ -629,6 +885,7 @@ class Policy:
             recover=recover,
             reload=reload,
             prefix=f"pg/{pend.epoch}/{self.s.instance}/",
+            generation=self.generation,
         )
         for m in pend.members:
             self._send(m, msg)
@@ -638,6 +895,8 @@ class Policy:
         self.current, self.pending = plan, None
         self.last_replan = self.now
         self.fail_at = None
+        self.start_step = start
+        self.served = True
         self._log(
             ev.EPOCH_STARTED,
             epoch=pend.epoch,
@@ -646,7 +905,115 @@ class Policy:
             receivers=receivers,
             plan=plan.to_dict(),
             reason=pend.reason,
+            generation=self.generation,
         )
+
+    # -- the lease -------------------------------------------------------------------------
+
+    def _hold(self) -> None:
+        self.holding = True
+        self.out.append(HoldLease(self.generation))
+
+    def _keep_lease(self) -> None:
+        """Renew while coordinating: before the first epoch of this generation, or with a
+        worker connected. A coordinator that reaches nobody lets its lease run out."""
+        wants = not self.served or bool(self._alive())
+        if wants and not self.holding:
+            self._hold()
+        elif not wants and self.holding:
+            self.holding = False
+            self.out.append(WatchLease())
+
+    def _lapse(self) -> None:
+        """The lease ran out (local view): stop coordinating before anyone can take over.
+        Every worker is dropped, so it stops stepping and looks for a coordinator."""
+        dropped = [w.name for w in self._alive()]
+        self._log(ev.LEASE_LAPSED, generation=self.generation, workers=dropped)
+        for name in dropped:
+            self.workers[name].alive = False
+            self.out.append(Disconnect(name))
+        self.current, self.pending, self.fail_at = None, None, None
+        self.rebuild, self.served = True, False
+
+    def _fence(self, newer: int, why: str) -> None:
+        """A newer generation exists: drop every worker (they find its holder) and stop.
+        The fencing record is the last thing this coordinator writes."""
+        if self.fenced:
+            return
+        self.fenced, self.finished = True, True
+        self._log(ev.COORDINATOR_FENCED, generation=self.generation, newer=newer, reason=why)
+        for w in self._alive():
+            w.alive = False
+            self.out.append(Disconnect(w.name))
+        self.current, self.pending = None, None
+        self.out.append(Finish())
+
+    def _on_lease(
+        self, e: LeaseGranted | LeaseObserved | LeaseLost | LeaseUnavailable | PrimaryProbed
+    ) -> None:
+        if self.fenced:
+            return
+        if isinstance(e, LeaseUnavailable):
+            if self.store_ok:
+                self._log(ev.LEASE_UNAVAILABLE, generation=self.generation, error=e.error)
+            self.store_ok, self.acquiring = False, False
+            return
+        if isinstance(e, PrimaryProbed):
+            self._on_probe(e)
+            return
+        self.store_ok = True
+        if isinstance(e, LeaseGranted):
+            self._on_granted(e)
+            return
+        self.view = e.view
+        self.seen_live = self.seen_live or e.view.live
+        self.primary_channel = str(e.view.holder.get("channel") or self.primary_channel)
+        if isinstance(e, LeaseLost):
+            self.acquiring = False
+        if self.generation > 0 and e.view.generation > self.generation:
+            self._fence(e.view.generation, "the lease store holds a newer generation")
+        elif self.generation == 0 and isinstance(e, LeaseObserved):
+            self._watch_primary(e.view)
+
+    def _watch_primary(self, view: LeaseView) -> None:
+        """A standby's turn: the run ended (stop too), or the lease expired (probe)."""
+        if view.state == "ended" and self.seen_live:
+            self.finished = True  # the run ended under the primary: nothing to stand by for
+            self.out.append(Finish())
+        elif (
+            view.state == "held"
+            and not view.live
+            and not (self.probing or self.acquiring)
+            and self.now - self.last_probe >= self.ttl_s / 2
+        ):
+            self.probing = True
+            self.out.append(ProbePrimary(self.primary_channel))
+
+    def _on_probe(self, e: PrimaryProbed) -> None:
+        self.probing, self.last_probe = False, e.now
+        view = self.view
+        if e.serving or view is None or view.live or self.generation > 0 or self.acquiring:
+            return
+        self.acquiring, self.probe_detail = True, e.detail
+        self.out.append(AcquireLease(view))
+
+    def _on_granted(self, e: LeaseGranted) -> None:
+        if e.generation < self.generation:
+            return  # an answer to an older request
+        if e.generation > self.generation:
+            previous = self.view.generation if self.view else self.generation
+            self.generation, self.acquiring, self.holding = e.generation, False, True
+            self.served, self.took_over = False, True
+            self._log(
+                ev.COORDINATOR_TAKEOVER,
+                by="standby",
+                generation=e.generation,
+                previous=previous,
+                probe=self.probe_detail,
+            )
+        elif not self.was_leading:
+            self._log(ev.LEASE_REGAINED, generation=self.generation)
+        self.lease_until = e.until
 
     def _on_checkpoint(self, e: CheckpointFound) -> None:
         pend = self.pending
@@ -660,6 +1027,16 @@ class Policy:
         if self.current is not None and list(self.current.members) == pend.members:
             return Plan(tuple(pend.members), self.current.ranges)
         return make_plan(pend.members, S)
+
+
+def _loopback(address: str) -> bool:
+    """Whether ``address`` (as a worker reports it) is a loopback address; no lookups."""
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def boundary_margin(step_s: float | None, heartbeat_s: float, cap: int = 20) -> int:

@@ -9,7 +9,12 @@ coordinator turns into a log line and a disconnect, never a crash: a peer's byte
 authenticated or not, cannot take the control plane down.
 
 The version travels in the hello; a coordinator refuses a worker that speaks another one
-(``PROTOCOL_VERSION`` changes whenever a message or field changes).
+(``PROTOCOL_VERSION`` changes whenever a message or field changes). Version 2 added the
+coordinator *generation* (the fencing token of ``control/lease.py``): every welcome,
+announcement and start carries the generation of the coordinator that sent it, a hello
+carries the newest one the worker followed, the challenge says whether its sender is
+serving, and a refusal may say "retry" (a standby that does not hold the lease, or a
+coordinator renewing its own).
 
 Limits: a line is at most ``MAX_LINE`` bytes (the welcome, which carries the run config,
 is the largest message); strings, lists and nesting are bounded so that decoding is cheap
@@ -25,13 +30,15 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Union
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
 MAX_STR = 4096
 MAX_LIST = 4096
 MAX_DEPTH = 12
 MAX_INT = 1 << 53
+RUN_OVER = "the run is over"
+"""The refusal's reason for a worker that comes back after the run ended."""
 
 
 class ProtocolError(ValueError):
@@ -54,7 +61,12 @@ class Hello:
     has_state: bool
     epoch: int
     mac: str
+    generation: int = 0
+    """The newest coordinator generation this worker followed (0: none yet). A coordinator
+    of an older generation that reads it knows it was superseded and fences itself out."""
     version: int = PROTOCOL_VERSION
+    address: str = ""
+    """The address its data plane (gloo, NCCL) listens on, where its peers reach it."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,11 @@ class Challenge:
 
     type: ClassVar[str] = "challenge"
     nonce: str
+    generation: int = 0
+    """The sender's coordinator generation (0: a standby that never held the lease)."""
+    serving: bool = False
+    """The sender holds the run's lease, or could renew it (its lease store answers): a
+    standby's probe of the primary reads this, not just that the port answers."""
     version: int = PROTOCOL_VERSION
 
 
@@ -142,6 +159,8 @@ class Welcome:
     resume: str | None
     store_port: int
     epoch: int
+    generation: int
+    """The admitting coordinator's generation: the worker follows no older one after this."""
     allow_config_change: bool = False
     """Load ``resume`` even if written under another config hash (recorded as a decision)."""
 
@@ -152,6 +171,10 @@ class Refused:
 
     type: ClassVar[str] = "refused"
     reason: str
+    retry: bool = False
+    """Not now, rather than not ever: a standby without the lease, or a coordinator renewing
+    or fenced out. The worker tries the next coordinator and comes back, within its join
+    timeout."""
 
 
 @dataclass(frozen=True)
@@ -163,6 +186,7 @@ class Announce:
     epoch: int
     members: list[str]
     after: int
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -178,6 +202,10 @@ class Start:
     recover: bool
     reload: str | None
     prefix: str
+    generation: int
+    """Of the coordinator that started the epoch; every write of the epoch's members (a
+    step's metrics line, a checkpoint commit) is checked against the run directory's
+    fence with it."""
 
 
 @dataclass(frozen=True)

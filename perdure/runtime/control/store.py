@@ -107,7 +107,12 @@ class StoreServer:
     def __init__(self, host: str, port: int, token: str) -> None:
         self.token = token
         self.backend = dist.HashStore()
-        self.listener = socket.create_server((host, port))
+        try:
+            self.listener = socket.create_server((host, port))
+        except OSError as e:
+            raise OSError(
+                e.errno, f"cannot listen on {host}:{port} (--store-port / --host): {e.strerror}"
+            ) from None
         self.listener.settimeout(0.2)
         self._clients: set[socket.socket] = set()
         self._lock = threading.Lock()

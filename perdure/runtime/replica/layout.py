@@ -1,6 +1,9 @@
-"""The flat slot buffer's layout: ``[P gradient values | S non-finite flags | S losses]``.
+"""The flat slot buffer's layout:
+``[P gradient values | Q buffer moves | S non-finite flags | S losses]``.
 
-One slot's gradient fills the first part; it sets only its own flag and loss. Summed over
+One slot's gradient fills the first part, and the change its forward made to the model's
+buffers (BatchNorm's running statistics, a user's counters: see ``buffers.BufferRule``) the
+second; it sets only its own flag and loss. Summed over
 slots by the reduction, the tail tells every replica which slots were non-finite and what
 each slot's loss was, with no extra message. Everything that reads or writes a slot
 buffer (the slot engine, the step runner, the reducer, the trainer's update) goes through
@@ -22,11 +25,13 @@ class GradLayout:
     """P: gradient values (every trainable parameter, in reverse layer order)."""
     slots: int
     """S: slots per step."""
+    moves: int = 0
+    """Q: buffer values a slot's forward may change (0 for a model without such buffers)."""
     device: str = "cpu"
 
     @property
     def size(self) -> int:
-        return self.numel + 2 * self.slots
+        return self.numel + self.moves + 2 * self.slots
 
     def new_buffer(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float32, device=self.device)
@@ -34,15 +39,23 @@ class GradLayout:
     def grads(self, flat: torch.Tensor) -> torch.Tensor:
         return flat[: self.numel]
 
+    def buffer_moves(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.numel : self.numel + self.moves]
+
+    def values(self, flat: torch.Tensor) -> torch.Tensor:
+        """Gradients and buffer moves: what must be finite for a slot to count."""
+        return flat[: self.numel + self.moves]
+
     def flags(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.numel : self.numel + self.slots]
+        start = self.numel + self.moves
+        return flat[start : start + self.slots]
 
     def losses(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.numel + self.slots :]
+        return flat[self.numel + self.moves + self.slots :]
 
     def tail(self, flat: torch.Tensor) -> torch.Tensor:
         """Flags and losses together (cleared before a slot sets its own)."""
-        return flat[self.numel :]
+        return flat[self.numel + self.moves :]
 
     def bad_slots(self, flat: torch.Tensor) -> list[int]:
         """The slots whose flag is set in a reduced buffer."""

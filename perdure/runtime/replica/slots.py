@@ -1,12 +1,13 @@
 """One slot's forward and backward, with randomness derived only from (seed, step, slot).
 
 The slot's gradient is flattened into a buffer laid out by ``layout.GradLayout``: ``P``
-gradient values, then S non-finite flags and S loss values, of which only this slot's
-entries are set.
+gradient values, the moves of the model's buffers (``buffers.BufferRule``), then S
+non-finite flags and S loss values, of which only this slot's entries are set.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from collections.abc import Callable
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from perdure.runtime.replica.buffers import BufferRule
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.task import LossFn
 
@@ -27,27 +29,44 @@ def slot_seed(seed: int, step: int, slot: int) -> int:
 
 
 def to_tensors(batch: object) -> dict[str, torch.Tensor]:
-    """A loader batch (``tokens``, ``weight`` arrays) as torch tensors, zero-copy."""
+    """A loader batch (``tokens``, ``weight`` and the dataset's other ``fields``) as torch
+    tensors by name, zero-copy: what the task's ``loss_fn`` receives."""
     tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)  # type: ignore[attr-defined]
     weight = np.ascontiguousarray(batch.weight, dtype=np.float32)  # type: ignore[attr-defined]
-    return {"tokens": torch.from_numpy(tokens), "weight": torch.from_numpy(weight)}
+    out = {"tokens": torch.from_numpy(tokens), "weight": torch.from_numpy(weight)}
+    for name, value in getattr(batch, "fields", {}).items():
+        out[name] = torch.from_numpy(np.ascontiguousarray(value))
+    return out
 
 
 class SlotEngine:
     """Computes slot gradients of one model into flat buffers."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, seed: int, slots: int) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        seed: int,
+        slots: int,
+        *,
+        mean_loss: bool = False,
+        precision: str = "fp32",
+    ) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.seed = seed
         self.slots = slots
+        self.mean_loss = mean_loss
+        """The task's loss is a mean over the slot's samples: scaled to a sum here."""
+        self.buffers = BufferRule(model)
+        self.autocast = _autocast(model, precision)
         # Reversed: backward produces the last layers' gradients first, so the reduction can
         # stream the front of the buffer while the rest of the backward runs.
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.layout = GradLayout(self.offsets[-1], slots)
+        self.layout = GradLayout(self.offsets[-1], slots, moves=self.buffers.numel)
         self.numel = self.layout.numel
         self.size = self.layout.size
 
@@ -75,24 +94,40 @@ class SlotEngine:
             p.grad = None
         done = [False] * len(self.params)
         hooks = [] if ready is None else self._hooks(out, done, ready)
+        lay = self.layout
+        saved = self.buffers.snapshot()
+        moves = None
         try:
-            loss = self.loss_fn(self.model, batch)
+            loss = self._loss(batch)
             loss.backward()
+            moves = lay.buffer_moves(out)
         finally:
             for h in hooks:
                 h.remove()
+            self.buffers.record(saved, moves)
         for i, p in enumerate(self.params):
             if not done[i]:
                 self._copy(i, p, out)
-        lay = self.layout
         lay.tail(out).zero_()
         value = float(loss.detach())
-        finite = all_finite(lay.grads(out)) and np.isfinite(value)
+        finite = all_finite(lay.values(out)) and np.isfinite(value)
         lay.flags(out)[slot] = 0.0 if finite else 1.0
         lay.losses(out)[slot] = value if np.isfinite(value) else 0.0
         if ready is not None:
             ready.advance(self.size)
         return value
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The slot's loss as a sum over its samples (a mean is scaled by their count)."""
+        with self.autocast():
+            loss = self.loss_fn(self.model, batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            kind = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(f"task.loss_fn: must return a scalar tensor (got {kind})")
+        loss = loss.float()
+        if self.mean_loss:
+            loss = loss * batch["weight"].shape[0]
+        return loss
 
     def _copy(self, i: int, p: torch.Tensor, out: torch.Tensor) -> None:
         dst = out[self.offsets[i] : self.offsets[i + 1]]
@@ -133,6 +168,10 @@ class SlotEngine:
             p.grad = grads[offset : offset + n].view_as(p)
             offset += n
 
+    def apply_buffers(self, flat: torch.Tensor) -> None:
+        """Move the model's buffers by the step's reduced buffer moves (``BufferRule``)."""
+        self.buffers.apply(self.layout.buffer_moves(flat), self.slots)
+
     def bad_slots(self, flat: torch.Tensor) -> list[int]:
         return self.layout.bad_slots(flat)
 
@@ -156,6 +195,18 @@ def all_finite(x: torch.Tensor) -> bool:
     overflow, pays for the exact elementwise test.
     """
     return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
+
+
+def _autocast(model: nn.Module, precision: str) -> Callable[[], Any]:
+    """A context factory for the forward: autocast to bfloat16 on the model's device type
+    for ``bf16``, nothing for ``fp32``."""
+    if precision == "fp32":
+        return contextlib.nullcontext
+    if precision != "bf16":
+        raise ValueError(f"train.precision: must be 'fp32' or 'bf16' (got {precision!r})")
+    first = next(model.parameters(), None)
+    kind = first.device.type if first is not None else "cpu"
+    return lambda: torch.autocast(device_type=kind, dtype=torch.bfloat16)
 
 
 def _seed_all(seed: int) -> None:

@@ -13,24 +13,36 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
+from perdure.data.fields import FieldSpec
 from perdure.runtime.config import OptimConfig, TaskConfig
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter], OptimConfig], torch.optim.Optimizer]
+SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
+LOSS_REDUCTIONS = ("sum", "mean")
 
 
 @dataclass
 class Task:
-    """A model, its loss over a batch, and optionally its own optimizer factory.
+    """A model, its loss over a batch, and optionally its own optimizer and scheduler.
 
-    ``loss_fn(model, batch)`` must return the *sum* over the batch's samples of each
-    sample's loss times ``batch["weight"]`` (1.0, or NaN for samples of a poisoned shard):
-    perdure divides the slot-ordered gradient sum by the global batch once.
+    ``loss_fn(model, batch)`` returns, over the batch's samples, the sum (``loss_reduction =
+    "sum"``, the default) or the mean (``"mean"``) of each sample's loss times
+    ``batch["weight"]`` (1.0, or NaN for samples of a poisoned shard). perdure scales a mean
+    to a sum itself, adds the slot sums in slot order and divides by the global batch once,
+    so the result does not depend on how samples are grouped into slots. The launcher's
+    preflight checks the declaration on real samples (``recipe.check_loss_reduction``).
+
+    The learning rate: with ``make_scheduler``, the task's scheduler owns it (perdure calls
+    ``scheduler.step()`` after every optimizer step and checkpoints its ``state_dict``; the
+    config's ``optim.schedule`` must stay ``"constant"`` with no warm-up). Without one, the
+    config's schedule scales each param group's *own* initial learning rate, so a custom
+    optimizer's per-group rates keep their ratios.
 
     ``vocab_size`` and ``max_len``, when given, let the launcher's preflight refuse a
     dataset the model cannot read before any worker starts: token ids at or above
@@ -42,10 +54,19 @@ class Task:
     model: nn.Module
     loss_fn: LossFn
     make_optimizer: OptimizerFactory | None = None
+    make_scheduler: SchedulerFactory | None = None
+    """``make_scheduler(optimizer)``: a ``torch.optim.lr_scheduler`` (anything with
+    ``step()``, ``state_dict()`` and ``load_state_dict()``), stepped once per step."""
+    loss_reduction: Literal["sum", "mean"] = "sum"
+    """What ``loss_fn`` returns over a slot's samples: their sum, or their mean."""
     vocab_size: int | None = None
     """Token ids the model accepts: ``[0, vocab_size)`` (e.g. its embedding's rows)."""
     max_len: int | None = None
     """Longest token sequence the model reads (e.g. its position embedding's rows)."""
+    fields: dict[str, FieldSpec] | None = None
+    """The dataset fields ``loss_fn`` reads besides ``weight`` (e.g. ``{"labels":
+    FieldSpec("integer", (None,)), "loss_mask": FieldSpec(shape=(None,))}``): preflight
+    refuses a dataset that lacks one or holds it with another dtype or shape."""
 
 
 def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -58,11 +79,14 @@ def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch
     )
 
 
-def resolve(entry: str) -> Callable[..., Any]:
-    """Import ``module:function``; errors name the entry and what went wrong."""
+def resolve(entry: str, base_dir: str | None = None) -> Callable[..., Any]:
+    """Import ``module:function``, from an installed package or else from ``base_dir``
+    (the config's ``run.base_dir``; the working directory when None); errors name the
+    entry and what went wrong."""
     module, _, name = entry.partition(":")
-    if os.getcwd() not in sys.path:  # as `python -m` does: tasks live beside the config
-        sys.path.append(os.getcwd())
+    root = base_dir or os.getcwd()
+    if root not in sys.path:  # appended: an installed package of that name wins
+        sys.path.append(root)
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -73,12 +97,17 @@ def resolve(entry: str) -> Callable[..., Any]:
     return fn
 
 
-def build_task(cfg: TaskConfig, seed: int) -> Task:
+def build_task(cfg: TaskConfig, seed: int, base_dir: str | None = None) -> Task:
     """Build the task with the generator seeded by ``seed`` (identical on every replica)."""
     torch.manual_seed(seed)
-    task = resolve(cfg.entry)(**cfg.options)
+    task = resolve(cfg.entry, base_dir)(**cfg.options)
     if not isinstance(task, Task):
         raise ValueError(f"task.entry: {cfg.entry!r} returned {type(task).__name__}, not a Task")
+    if task.loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"task.entry: {cfg.entry!r} returned a Task whose loss_reduction must be one of "
+            f"{list(LOSS_REDUCTIONS)} (got {task.loss_reduction!r})"
+        )
     return task
 
 
@@ -87,13 +116,23 @@ def build_optimizer(task: Task, cfg: OptimConfig) -> torch.optim.Optimizer:
     return factory(task.model.parameters(), cfg)
 
 
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """The learning rate of ``step``: a pure function of the step and the config."""
+def plain_module(model: nn.Module) -> nn.Module:
+    """The module under ``torch.compile``'s wrapper (whose state-dict keys gain an
+    ``_orig_mod.`` prefix): checkpoints and state copies use the plain module's keys, so a
+    compiled run and an eager one read each other's checkpoints."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int, base: float | None = None) -> float:
+    """The learning rate of ``step`` for a param group whose initial rate is ``base``
+    (``optim.lr`` when None): a pure function of the step, the config and ``base``."""
+    lr = cfg.lr if base is None else base
     if cfg.warmup_steps and step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+        return lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
-        return cfg.lr
+        return lr
     span = max(1, total_steps - cfg.warmup_steps)
     progress = min(1.0, (step - cfg.warmup_steps) / span)
-    floor = cfg.min_lr_ratio * cfg.lr
-    return floor + (cfg.lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    floor = cfg.min_lr_ratio * lr
+    return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))

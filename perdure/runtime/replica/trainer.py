@@ -23,10 +23,12 @@ from perdure.checkpoint import (
 )
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
-from perdure.run_config import RunConfig, canonical, config_hash
+from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
+from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
-from perdure.runtime.replica.task import build_optimizer, build_task, lr_at
+from perdure.runtime.replica.task import build_task, plain_module
 
 
 class MathError(RuntimeError):
@@ -54,12 +56,23 @@ class Trainer:
         self.config = config
         train = config.train
         configure_torch(train.threads_per_worker)
-        task = build_task(config.task, train.seed)
+        task = build_task(config.task, train.seed, config.run.base_dir)
         self.model = task.model
-        self.optimizer = build_optimizer(task, config.optim)
-        self.engine = SlotEngine(self.model, task.loss_fn, train.seed, train.slots)
+        self.module = plain_module(task.model)
+        """What checkpoints, state copies and fingerprints read: the plain module's keys."""
+        self.recipe = Recipe(task, config.optim, train.steps)
+        self.optimizer = self.recipe.optimizer
+        mean = task.loss_reduction == "mean"
+        self.engine = SlotEngine(
+            self.model,
+            task.loss_fn,
+            train.seed,
+            train.slots,
+            mean_loss=mean,
+            precision=train.precision,
+        )
         self.dataset = Dataset.open(
-            config.data.dataset,
+            dataset_path(config),
             cache_dir=config.data.cache_dir or cache_dir,
             cache_mb=config.data.cache_mb,
         )
@@ -79,8 +92,12 @@ class Trainer:
                 )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
-        self.config_hash = config_hash(config)
-        self.canonical = canonical(config)
+        self.state_version = 0
+        """Changes with every change of the state a slot's gradient depends on (an update,
+        received or restored state, a quarantine): the key of salvaged slot buffers."""
+        identity = run_identity(task, self.recipe.initial, self.dataset.version_id)
+        self.config_hash = config_hash(config, identity)
+        self.canonical = canonical(config, identity)
         self.provenance = provenance(config.task.entry)
 
     # -- the math of a step ----------------------------------------------------------------
@@ -140,14 +157,13 @@ class Trainer:
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
         self.engine.assign_grads(total, B)
+        self.engine.apply_buffers(total)
         if self.config.optim.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(
                 self.model.parameters(), self.config.optim.grad_clip, foreach=False
             )
-        lr = lr_at(step, self.config.optim, self.config.train.steps)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        lr = self.recipe.set_lr(step)
+        self.recipe.step()
         if not self._params_finite():
             raise MathError(
                 f"step {step}: the optimizer made parameters non-finite from a finite gradient "
@@ -155,6 +171,7 @@ class Trainer:
                 "the model's own arithmetic)"
             )
         self.next_step = step + 1
+        self.state_version += 1
         return loss
 
     def _params_finite(self) -> bool:
@@ -190,6 +207,7 @@ class Trainer:
         slots = sorted(found)
         reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
         self.loader.quarantine(sorted(shards), step, reason)
+        self.state_version += 1
         entry = {
             "step": step,
             "kind": "quarantine",
@@ -203,21 +221,25 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------------
 
-    def fingerprint(self) -> int:
-        """A cheap CRC of the parameters, compared across replicas every K steps."""
-        crc = 0
-        for p in self.model.parameters():
-            crc = zlib.crc32(p.detach().contiguous().view(-1).view(torch.uint8).numpy().data, crc)
-        return crc
+    def fingerprint(self) -> list[int]:
+        """A CRC per tensor of the model's state (parameters and buffers, in state-dict
+        order: see ``fingerprint_names``), compared across replicas every K steps."""
+        return [
+            zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+            for t in self.module.state_dict().values()
+        ]
+
+    def fingerprint_names(self) -> list[str]:
+        return list(self.module.state_dict().keys())
 
     def digest(self) -> str:
-        return state_digest(self.model.state_dict(), self.optimizer.state_dict())
+        return state_digest(self.module.state_dict(), self.recipe.state_dict())
 
     def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
         return CheckpointState(
             step=self.next_step,
-            model=self.model.state_dict(),
-            optimizer=self.optimizer.state_dict(),
+            model=self.module.state_dict(),
+            optimizer=self.recipe.state_dict(),
             rng=capture_rng(self.config.train.seed),
             data=self.loader.state(self.next_step).to_dict(),
             config_hash=self.config_hash,
@@ -237,11 +259,12 @@ class Trainer:
             allow_config_change=allow_config_change,
             provenance=self.provenance,
         )
-        self.model.load_state_dict(ckpt.model)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.module.load_state_dict(ckpt.model)
+        self.recipe.load_state_dict(ckpt.optimizer, source=str(path))
         restore_rng(ckpt.rng)
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
+        self.state_version += 1
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
         return notes
 
@@ -252,16 +275,17 @@ class Trainer:
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
         }
-        return self.model.state_dict(), self.optimizer.state_dict(), extra
+        return self.module.state_dict(), self.recipe.state_dict(), extra
 
     def adopt(
         self, model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
     ) -> None:
-        self.model.load_state_dict(model)
-        self.optimizer.load_state_dict(optim)
+        self.module.load_state_dict(model)
+        self.recipe.load_state_dict(optim, source="the received state")
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
+        self.state_version += 1
 
     def close(self) -> None:
         self.loader.close()
@@ -271,5 +295,6 @@ def _row(batch: Any, i: int) -> Any:
     class _One:
         tokens = batch.tokens[i : i + 1]
         weight = batch.weight[i : i + 1]
+        fields = {k: v[i : i + 1] for k, v in getattr(batch, "fields", {}).items()}  # noqa: RUF012
 
     return _One()

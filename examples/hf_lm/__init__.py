@@ -1,0 +1,1 @@
+"""A ``transformers`` causal LM (GPT-2 architecture, random init) as a perdure task."""

@@ -1,0 +1,197 @@
+"""A run's logs on shared storage: one part file per process, merged by the coordinator.
+
+``events.jsonl`` and ``metrics.jsonl`` used to be appended to by every process of a run
+with ``O_APPEND``, which interleaves whole lines on one machine's file system but not on
+a network file system: NFS emulates ``O_APPEND`` on the client (it writes at the size it
+last saw), so two hosts appending at once overwrite each other's lines. Here no file has
+two writers:
+
+- every process writes its own part file, ``RUN_DIR/<log>.d/<writer>.jsonl`` (the writer
+  id holds the process name, host and pid, so a replacement never shares its
+  predecessor's file);
+- the active coordinator (the primary, or the standby once it took over) merges the
+  parts' complete lines into ``RUN_DIR/<log>.jsonl`` every ``MERGE_S``, in the order of
+  their ``t``, and once more when it stops; the local launcher merges a last time after
+  every process has stopped. Every reader (summary, report, live view, tests) keeps
+  reading the merged file, up to ``MERGE_S`` behind the writers.
+
+A merge is crash-safe: ``<log>.d/merged.json`` records, after each append, the merged
+file's size and how far into each part it has read; a new merger (a standby taking
+over) first cuts the merged file back to the recorded size (an append the old merger
+did not finish recording), then goes on from the recorded offsets, so no line is lost or
+written twice. Limits: lines are ordered by their writers' clocks within a merge (as good
+as the hosts' time sync), and a line stamped just before a merge but written just after
+it (its writer preempted in between) lands in the next one, slightly out of order, as it
+would have landed late in one shared file; each writer's own lines keep their order. A
+record written after the final merge (a worker's last line after the
+coordinator exited, on a deployment without the local launcher) stays in its part file
+only; two coordinators merging at once (a split brain) would interleave appends, which
+the control plane's fencing must prevent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from perdure.events import JsonLines
+
+LOGS = ("events", "metrics")
+MERGE_S = 0.05
+"""How often the active coordinator merges the part files."""
+STATE = "merged.json"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def writer_id(name: str) -> str:
+    """A part file name no other process of the run uses: name, host, pid, a nonce."""
+    host = _UNSAFE.sub("_", socket.gethostname())[:32]
+    return f"{_UNSAFE.sub('_', name)[:64]}.{host}.{os.getpid()}.{secrets.token_hex(2)}"
+
+
+def part(run_dir: str | Path, log: str, writer: str) -> JsonLines:
+    """The part file that process ``writer`` writes its records of ``log`` to."""
+    assert log in LOGS, log
+    return JsonLines(Path(run_dir) / f"{log}.d" / f"{writer}.jsonl")
+
+
+class Merger:
+    """Merges the part files of one log into the merged file; one merger at a time."""
+
+    def __init__(self, run_dir: str | Path, log: str) -> None:
+        assert log in LOGS, log
+        self.merged = Path(run_dir) / f"{log}.jsonl"
+        self.parts = Path(run_dir) / f"{log}.d"
+        self.state_path = self.parts / STATE
+        self.offsets: dict[str, int] = {}
+        self.size = 0
+        self._recover()
+
+    def _recover(self) -> None:
+        """Pick up where the last merger's record says it stopped."""
+        try:
+            state = json.loads(self.state_path.read_text())
+            self.size = int(state["size"])
+            self.offsets = {str(k): int(v) for k, v in state["offsets"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            self.size = self.merged.stat().st_size if self.merged.exists() else 0
+            self.offsets = {}
+            return
+        if self.merged.exists() and self.merged.stat().st_size > self.size:
+            with open(self.merged, "r+b") as f:  # an append its merger did not record
+                f.truncate(self.size)
+
+    def merge(self, final: bool = False) -> int:
+        """Append the parts' new complete lines (those stamped before now, or all of
+        them when ``final``) in ``t`` order; returns how many were appended."""
+        cutoff = float("inf") if final else time.time()
+        batch: list[tuple[float, str, bytes]] = []
+        reached: dict[str, int] = {}
+        for path in sorted(self.parts.glob("*.jsonl")) if self.parts.is_dir() else []:
+            lines, end = _new_lines(path, self.offsets.get(path.name, 0), cutoff)
+            if end != self.offsets.get(path.name, 0):
+                reached[path.name] = end
+            batch += [(t, path.name, line) for t, line in lines]
+        if not reached:
+            return 0
+        batch.sort(key=lambda x: (x[0], x[1]))
+        data = b"".join(line + b"\n" for _, _, line in batch)
+        try:
+            self._append(data)
+        except OSError:
+            return 0  # a full disk or a lost mount: the parts keep the records; retried
+        self.offsets.update(reached)
+        self.size += len(data)
+        self._save()
+        return len(batch)
+
+    def _append(self, data: bytes) -> None:
+        if not data:
+            return
+        fd = os.open(self.merged, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.lseek(fd, self.size, os.SEEK_SET)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self.size)
+            raise
+        finally:
+            os.close(fd)
+
+    def _save(self) -> None:
+        tmp = self.state_path.with_name(STATE + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps({"size": self.size, "offsets": self.offsets}))
+            os.replace(tmp, self.state_path)
+
+
+def _new_lines(path: Path, offset: int, cutoff: float) -> tuple[list[tuple[float, bytes]], int]:
+    """The complete lines of ``path`` after ``offset`` stamped before ``cutoff`` (with
+    their ``t``), and the offset after the last of them. Torn or foreign lines are
+    skipped (and passed)."""
+    try:
+        with open(path, "rb") as f:  # opened afresh: NFS revalidates on open
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return [], offset
+    out: list[tuple[float, bytes]] = []
+    at = offset
+    for raw in data.splitlines(keepends=True):
+        if not raw.endswith(b"\n"):
+            break  # a line still being written
+        line = raw.rstrip(b"\n")
+        t = _stamp(line)
+        if t is not None and t >= cutoff:
+            break  # later lines of this writer are later still: next merge
+        if t is not None:
+            out.append((t, line))
+        at += len(raw)
+    return out, at
+
+
+def _stamp(line: bytes) -> float | None:
+    try:
+        record: Any = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    t = record.get("t") if isinstance(record, dict) else None
+    return float(t) if isinstance(t, int | float) else None
+
+
+def merge_all(run_dir: str | Path, final: bool = False) -> None:
+    """Merge every log of the run once (the launcher's last merge, a tool's)."""
+    for log in LOGS:
+        Merger(run_dir, log).merge(final=final)
+
+
+class Mergers:
+    """The coordinator's mergers of every log, at most one merge per ``MERGE_S``."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = run_dir
+        self._mergers: list[Merger] | None = None
+        self._last = 0.0
+
+    def tick(self, now: float, final: bool = False) -> None:
+        if not final and now - self._last < MERGE_S:
+            return
+        self._last = now
+        if self._mergers is None:  # created on first use: a standby merges once active
+            self._mergers = [Merger(self.run_dir, log) for log in LOGS]
+        for m in self._mergers:
+            m.merge(final=final)
+
+
+__all__ = ["LOGS", "MERGE_S", "Merger", "Mergers", "merge_all", "part", "writer_id"]

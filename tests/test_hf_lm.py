@@ -1,0 +1,56 @@
+"""A ``transformers`` model (examples/hf_lm: a random-init GPT-2 with dropout) keeps the
+invariant like perdure's own: the same bits with 1 and 3 workers, and with a worker
+killed mid-run (kill -9, a replacement forked from the zygote that preloaded
+``transformers``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.runtime_support import events, run_to_end, small_config
+
+pytest.importorskip("transformers")
+
+STEPS = 24
+HF = {
+    "entry": "examples.hf_lm.task:make_task",
+    "options": {"d_model": 32, "n_layers": 2, "n_heads": 2, "dropout": 0.1, "max_len": 128},
+}
+
+
+def _config(dataset: Path, workers: int, faults: list[dict[str, Any]] | None = None) -> Any:
+    return small_config(
+        dataset,
+        workers=workers,
+        regions=min(workers, 2),
+        steps=STEPS,
+        task=HF,
+        chaos={"faults": faults or []},
+    )
+
+
+@pytest.fixture(scope="module")
+def one_worker(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return run_to_end(_config(small_dataset, 1), tmp_path_factory.mktemp("hf1"))
+
+
+def test_a_transformers_model_with_three_workers_ends_bitwise_equal_to_one(
+    one_worker: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    s = run_to_end(_config(small_dataset, 3), tmp_path)
+    assert s["steps"] == STEPS and s["replica_hashes_agree"]
+    assert s["final_hash"] == one_worker["final_hash"] is not None
+
+
+def test_a_killed_worker_does_not_change_a_transformers_models_final_weights(
+    one_worker: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    kill = {"kind": "kill", "target": "r1-0", "at_step": STEPS // 2}
+    s = run_to_end(_config(small_dataset, 3, [kill]), tmp_path)
+    assert s["final_hash"] == one_worker["final_hash"]
+    assert s["survivor_restarts"] == 0 and s["steps_lost"] == 0
+    assert [f["kind"] for f in s["faults"]] == ["kill"] and s["faults"][0]["absorbed"]
+    assert [e["worker"] for e in events(tmp_path, "replacement_started")] == ["r1-0"]

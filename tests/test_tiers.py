@@ -1,0 +1,74 @@
+"""The two-tier exact reduction: inside regions, then across; the same bits as flat."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from perdure.runtime.comm.exact import ExactReducer
+from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.tiers import plan_tiers
+from tests.runtime_support import events, run_to_end, small_config
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def test_tiers_are_each_regions_ranks_and_one_leader_per_region() -> None:
+    regions = ["eu", "eu", "us", "us", "us", "ap"]
+    assert plan_tiers(regions, 3) == ([2, 3, 4], [0, 2, 5])
+    assert plan_tiers(regions, 5) == ([5], [0, 2, 5])
+
+
+def _reduce_all(regions: list[str], slots: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+    """Each rank in a thread: flat and tiered exact sums of its slots."""
+    store = dist.HashStore()
+    out: list[list[torch.Tensor]] = [[] for _ in regions]
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            comm = Comm(store, "t", r, len(regions), TIMEOUT, lambda: False)
+            comm.add_tiers(store, regions[r])
+            assert comm.tiers is not None and comm.tiers.regions == tuple(regions)
+            red = ExactReducer(r, len(regions), slots=8, bits=64, block=16)
+            flat = red.reduce(comm.pg, slots[r], TIMEOUT).clone()
+            tiered = red.reduce(comm.pg, slots[r], TIMEOUT, tiers=comm.tiers).clone()
+            out[r] = [flat, tiered]
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(regions))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return out
+
+
+def test_a_tiered_sum_is_bitwise_the_flat_sum_and_the_single_process_sum() -> None:
+    g = torch.Generator().manual_seed(0)
+    regions = ["a", "a", "b", "b", "b"]
+    counts = [2, 1, 2, 2, 1]
+    slots = [[torch.randn(1000, generator=g) * 10 ** (i % 5) for i in range(c)] for c in counts]
+    alone = ExactReducer(0, 1, slots=8, bits=64, block=16)
+    reference = alone.reduce(None, [b.clone() for rank in slots for b in rank], TIMEOUT)
+    results = _reduce_all(regions, [[b.clone() for b in rank] for rank in slots])
+    for flat, tiered in results:
+        assert torch.equal(flat, reference) and torch.equal(tiered, reference)
+
+
+def test_a_run_over_two_regions_with_tiers_equals_one_worker(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    exact = {"reduction": "exact"}
+    one = run_to_end(small_config(small_dataset, workers=1, steps=16, train=exact), tmp_path / "a")
+    four = small_config(small_dataset, workers=4, regions=2, steps=16, train=exact)
+    assert four.cluster.hierarchical_reduce
+    s = run_to_end(four, tmp_path / "b")
+    assert s["replica_hashes_agree"] and s["final_hash"] == one["final_hash"]
+    assert not events(tmp_path / "b", "collective_failed")
