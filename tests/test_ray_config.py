@@ -11,7 +11,7 @@ import pytest
 
 from perdure.config.errors import ConfigError
 from perdure.launch.api import run
-from perdure.launch.ray import needed_regions, placement, region_problems
+from perdure.launch.ray import coordinator_command, needed_regions, placement, region_problems
 from perdure.run_config import config_from_dict, to_dict
 from tests.runtime_support import small_config
 
@@ -67,6 +67,28 @@ def test_a_region_short_of_cpus_or_a_cluster_short_of_gpus_is_a_problem(tmp_path
     nodes = [_node({"CPU": 4, "GPU": 1, "region:r0": 1}), _node({"CPU": 4, "region:r1": 1})]
     [p] = region_problems(_cfg(tmp_path, worker_gpus=1.0), nodes)
     assert p.key == "ray.worker_gpus" and "reserve 3 GPUs; the cluster has 1" in p.rule
+
+
+def _flag(args: list[str], flag: str) -> str | None:
+    return args[args.index(flag) + 1] if flag in args else None
+
+
+def test_a_coordinator_on_ray_binds_and_advertises_its_nodes_address_and_writes_no_summary(
+    tmp_path: Path,
+) -> None:
+    """Through ``perdure coordinator --host/--advertise`` (the config's ``cluster.host`` is
+    for the local launcher); summary.json is the driver's, once every process stopped."""
+    cfg, rd = tmp_path / "config.json", tmp_path / "run"
+    primary = coordinator_command(cfg, rd, "coordinator", "10.0.0.7", expected=3)
+    assert _flag(primary, "--host") == _flag(primary, "--advertise") == "10.0.0.7"
+    assert _flag(primary, "--config-json") == str(cfg) and "--no-summary" in primary
+    assert "--standby" not in primary and "--channel-port" not in primary
+    standby = coordinator_command(cfg, rd, "standby", "fd00::2", expected=3, resume="ck")
+    assert _flag(standby, "--host") == _flag(standby, "--advertise") == "fd00::2"
+    assert "--standby" in standby and "--no-summary" in standby
+    assert _flag(standby, "--channel-port") == _flag(standby, "--store-port") == "0"
+    assert _flag(standby, "--resume") == "ck"
+    assert _flag(standby, "--ports-file") == str(rd / "standby.json")
 
 
 @pytest.mark.parametrize(

@@ -273,15 +273,20 @@ class LocalLauncher:
         within ``ZYGOTE_READY_S`` (its log says why)."""
         if not hasattr(os, "fork"):
             return
-        task_module = self.config.task.entry.partition(":")[0]
         self.zygote = Zygote(
             child_env(self.token),
             self.run_dir / "logs" / "zygote.log",
             run_dir=str(self.run_dir),
-            preload=[task_module] if self.config.cluster.preload_task else [],
+            preload=self._preload(),
         )
         if not self.zygote.wait_ready(ZYGOTE_READY_S):
             self.events.write({"event": ev.ZYGOTE_UNAVAILABLE, "log": "logs/zygote.log"})
+
+    def _preload(self) -> list[str]:
+        """The modules a fork server imports before forking: the task's, unless
+        ``cluster.preload_task`` is off."""
+        task_module = self.config.task.entry.partition(":")[0]
+        return [task_module] if self.config.cluster.preload_task else []
 
     def _monitor(self) -> None:
         end = time.monotonic() + self.timeout_s

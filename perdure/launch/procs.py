@@ -69,8 +69,11 @@ def coordinator_args(
     expected: int,
     allow_config_change: bool = False,
     writes_summary: bool = False,
+    host: str | None = None,
+    advertise: str | None = None,
 ) -> list[str]:
-    """The ``perdure coordinator`` arguments of coordinator ``name`` (or ``standby``)."""
+    """The ``perdure coordinator`` arguments of coordinator ``name`` (or ``standby``);
+    ``host`` and ``advertise``: its ``--host`` and ``--advertise`` (default: the config's)."""
     args = [
         "coordinator",
         "--config-json",
@@ -86,8 +89,14 @@ def coordinator_args(
         args += ["--resume", resume]
     if allow_config_change:
         args.append("--allow-config-change")
+    if host is not None:
+        args += ["--host", host]
+    if advertise is not None:
+        args += ["--advertise", advertise]
     if name == "standby":
-        # One host here: the primary's fixed ports (if the config fixes them) are taken.
+        # It may share the primary's host (always, for the local launcher), where the
+        # primary's fixed ports (if the config fixes them) are taken; the launcher reads
+        # the ports it got from its ports file.
         args += ["--standby", "--channel-port", "0", "--store-port", "0"]
     if writes_summary:
         args.append("--no-summary")

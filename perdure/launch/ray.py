@@ -30,8 +30,8 @@ exits, even by SIGKILL; the launcher also kills them at the end of the run.
 Limits: the run directory must be shared storage at the same path on the driver and every
 node (events, metrics, checkpoints and the ports files are read there), as must the code
 (perdure, the task, the dataset path; the launcher passes its ``PYTHONPATH`` and working
-directory); there is no fork server, so a replacement pays its imports (~2-3 s); a pid in
-the event log is the pid on its node.
+directory); each worker's actor has a fork server of its own (none is shared by the
+actors of a node); a pid in the event log is the pid on its node.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from perdure.config.errors import ConfigError, Problem
 from perdure.launch.local import LocalLauncher, Proc
 from perdure.launch.procs import coordinator_args, wait_ports
 from perdure.launch.ray_host import CALL_TIMEOUT_S, POLL_S, ProcessHost, bind_address
-from perdure.run_config import RunConfig, to_dict, with_overrides
+from perdure.run_config import RunConfig, to_dict
 from perdure.run_config.launch import RayConfig
 from perdure.runtime.entry import WorkerSpec
 
@@ -402,6 +402,35 @@ def connect(config: RunConfig) -> Iterator[RayCluster]:
 # -- the launcher ---------------------------------------------------------------------------
 
 
+def coordinator_command(
+    config_json: Path,
+    run_dir: Path,
+    name: str,
+    node_ip: str,
+    *,
+    expected: int,
+    resume: str | None = None,
+    allow_config_change: bool = False,
+) -> list[str]:
+    """The ``perdure coordinator`` arguments of coordinator ``name`` on the node at
+    ``node_ip``: it binds and advertises the node's address as Ray knows it (what the
+    other nodes reach it by), whatever ``cluster.host`` and ``cluster.advertise`` say, and
+    writes no summary (``--no-summary``): the driver writes ``summary.json`` once every
+    process has stopped and the logs are merged, as the local launcher does."""
+    address = bind_address(node_ip)
+    return coordinator_args(
+        config_json,
+        run_dir,
+        resume=resume,
+        name=name,
+        expected=expected,
+        allow_config_change=allow_config_change,
+        writes_summary=True,
+        host=address,
+        advertise=address,
+    )
+
+
 class RayLauncher(LocalLauncher):
     """Runs one training run on a Ray cluster; ``run()`` returns the summary.
 
@@ -446,7 +475,14 @@ class RayLauncher(LocalLauncher):
                 **placement(rc, region),
             )
             zygote = str(self.run_dir / "logs" / f"zygote-{name}.log") if worker else None
-            self.hosts[name] = cls.remote(self._cwd, code_paths(), self.token, zygote)
+            self.hosts[name] = cls.remote(
+                self._cwd,
+                code_paths(),
+                self.token,
+                zygote,
+                run_dir=str(self.run_dir),
+                preload=self._preload(),
+            )
         return self.hosts[name]
 
     def _process(
@@ -483,9 +519,10 @@ class RayLauncher(LocalLauncher):
         """No fork server on the driver: each worker's actor has its own."""
 
     def _start_coordinators(self) -> None:
-        """Each coordinator listens on its node's address as Ray knows it (what the other
-        nodes reach it by), whatever ``cluster.host`` says (its default is loopback)."""
-        (self.run_dir / "config.json").write_text(json.dumps(to_dict(self.config), indent=2))
+        """The local launcher's, each coordinator started by its actor, listening on its
+        node's address (see :func:`coordinator_command`)."""
+        cfg_path = self.run_dir / "config.json"
+        cfg_path.write_text(json.dumps(to_dict(self.config), indent=2))
         self._place_workers()
         cl = self.config.cluster
         names = [("coordinator", cl.coordinator_region or cl.regions[0].name)]
@@ -493,15 +530,13 @@ class RayLauncher(LocalLauncher):
             names.append(("standby", cl.standby_region))
         for name, region in names:
             node = self._node_of(name, region)
-            own = with_overrides(self.config, cluster={"host": bind_address(node["node_ip"])})
-            cfg_path = self.run_dir / f"{name}.config.json"
-            cfg_path.write_text(json.dumps(to_dict(own), indent=2))
-            args = coordinator_args(
+            args = coordinator_command(
                 cfg_path,
                 self.run_dir,
-                resume=self.resume,
-                name=name,
+                name,
+                node["node_ip"],
                 expected=cl.workers,
+                resume=self.resume,
                 allow_config_change=self.allow_config_change,
             )
             popen = self._process(name, region, "coordinator", args=args)
@@ -606,6 +641,7 @@ __all__ = [
     "RayLauncher",
     "RayProcess",
     "connect",
+    "coordinator_command",
     "needed_regions",
     "region_problems",
 ]

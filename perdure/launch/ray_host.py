@@ -44,7 +44,14 @@ class ProcessHost:
     one process."""
 
     def __init__(
-        self, cwd: str | None, pythonpath: list[str], token: str, zygote_log: str | None
+        self,
+        cwd: str | None,
+        pythonpath: list[str],
+        token: str,
+        zygote_log: str | None,
+        *,
+        run_dir: str | None = None,
+        preload: list[str] | None = None,
     ) -> None:
         self.incarnation = secrets.token_hex(8)
         self.procs: dict[int, Process] = {}
@@ -58,7 +65,10 @@ class ProcessHost:
         os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p))
         self.zygote: Zygote | None = None
         if zygote_log is not None and hasattr(os, "fork"):
-            self.zygote = Zygote(child_env(token), Path(zygote_log))
+            # the task's module imported before forking, as the local launcher's zygote
+            self.zygote = Zygote(
+                child_env(token), Path(zygote_log), run_dir=run_dir, preload=preload or []
+            )
 
     async def start(
         self,
