@@ -24,6 +24,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.proc_support import descendants, ppid_of
+
 MARKER = "PERDURE_TEST_RAY_CLUSTER"
 READY_S = 90.0
 """How long a node may take to join (Ray's start-up on a loaded 2-core machine)."""
@@ -82,7 +84,7 @@ class Node:
                 cmd = (d / "cmdline").read_bytes().split(b"\0")[0]
             except OSError:
                 continue
-            if _ppid_of(stat) == self.proc.pid and cmd.endswith(b"raylet"):
+            if ppid_of(stat) == self.proc.pid and cmd.endswith(b"raylet"):
                 out.append(int(d.name))
         return out
 
@@ -229,28 +231,8 @@ class LocalRayCluster:
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _ppid_of(stat: str) -> int:
-    return int(stat.rsplit(")", 1)[1].split()[1])
-
-
 def _ppid(pid: int) -> int:
-    return _ppid_of(Path(f"/proc/{pid}/stat").read_text())
-
-
-def descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                children.setdefault(_ppid_of((d / "stat").read_text()), []).append(int(d.name))
-            except (OSError, IndexError, ValueError):
-                continue
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
+    return ppid_of(Path(f"/proc/{pid}/stat").read_text())
 
 
 def marked_processes(marker: str) -> list[int]:
