@@ -37,6 +37,7 @@ SUITE = [
     ("preload", "bench_preload.py", [], ["--quick"]),
     ("rtt", "bench_rtt.py", [], ["--quick"]),
     ("spike", "bench_spike.py", [], ["--quick"]),
+    ("launch", "bench_launch.py", [], ["--quick"]),
 ]
 
 
@@ -284,6 +285,25 @@ def md_store(d: dict) -> str:
     return table(head, [row])
 
 
+def md_launch(d: dict) -> str:
+    if "skipped" in d:
+        return f"(skipped: {d['skipped']})"
+    keys = ("coordinator_up_s", "all_joined_s", "first_step_s", "wall_s")
+    rows = [[side, *(fmt(d[side][k], 2) for k in keys)] for side in ("local", "ray")]
+    head = ["launcher", "coordinator up s", "all joined s", "first step s", "wall s"]
+    first = fmt(d["ratio_ray_over_local_first_step"], 2)
+    wall = fmt(d["ratio_ray_over_local_wall"], 2)
+    load = [round(x, 1) for x in d["machine"]["loadavg_at_start"]]
+    note = (
+        f"Ray / local, paired per repeat: first step {first}, wall {wall}. "
+        f"{d['workers']} workers over {d['regions']} regions, {d['steps']} steps, "
+        f"{d['repeats']} repeats; same final hash: {d['same_final_hash']}; load average at "
+        f"the start {load}. The cluster ({d['ray_cluster_nodes']} nodes on this machine) "
+        f"took {d['ray_cluster_start_s']} s to start, before any run."
+    )
+    return table(head, rows) + "\n\n" + note
+
+
 def md_preload(d: dict) -> str:
     def med(x: dict | None) -> str:
         return f"{x['median']:.3f}" if x else "-"
@@ -390,6 +410,7 @@ RENDER = {
     "preload": md_preload,
     "rtt": md_rtt,
     "spike": md_spike,
+    "launch": md_launch,
 }
 
 

@@ -107,6 +107,8 @@ PROCESS_EXIT: Final = "process_exit"
 """The launcher saw a worker process exit with a non-zero code."""
 REPLACEMENT_STARTED: Final = "replacement_started"
 """The launcher started a replacement for a lost worker."""
+PROCESS_PLACED: Final = "process_placed"
+"""A cluster launcher's process started on a node (Ray: the node, its address, the pid)."""
 
 # -- chaos -------------------------------------------------------------------------------
 FAULT_INJECTED: Final = "fault_injected"
@@ -168,6 +170,7 @@ NAMES: frozenset[str] = frozenset(
         DECISION,
         PROCESS_EXIT,
         REPLACEMENT_STARTED,
+        PROCESS_PLACED,
         FAULT_INJECTED,
         FAULT_HIT,
         FAULT_ENDED,

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.proc_support import descendants
+
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 
 _CHILD = """
@@ -65,23 +67,6 @@ def test_a_process_started_by_hand_is_left_alone() -> None:
     assert out.stdout.strip() == b"False"
 
 
-def _descendants(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = set(), [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.add(c)
-            todo.append(c)
-    return out
-
-
 _LAUNCHER = """
 import sys
 from pathlib import Path
@@ -106,7 +91,7 @@ def test_killing_the_launcher_leaves_no_process_of_the_run(
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert time.monotonic() < end and launcher.poll() is None, "the run never stepped"
             time.sleep(0.1)
-        procs = _descendants(launcher.pid)
+        procs = descendants(launcher.pid)
         assert len(procs) >= 4  # coordinator, zygote, two workers
     finally:
         launcher.kill()
@@ -137,7 +122,7 @@ def test_sigterm_to_the_launcher_drains_the_run_to_an_intact_final_checkpoint(
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 20):
             assert time.monotonic() < end and launcher.poll() is None, "the run never stepped"
             time.sleep(0.1)
-        procs = _descendants(launcher.pid)
+        procs = descendants(launcher.pid)
         t0 = time.monotonic()
         launcher.send_signal(signal.SIGTERM)
         assert launcher.wait(30) == 0

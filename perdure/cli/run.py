@@ -53,6 +53,18 @@ from perdure.config.errors import ConfigError
     help="With --resume: continue from a checkpoint written under another config hash "
     "(the override is recorded in the decision log).",
 )
+@click.option(
+    "--launcher",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="What starts the run's processes: 'local' (this machine) or 'ray' (Ray actors on "
+    "a cluster, placed by region); default: the config's run.launcher.",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="With --launcher ray: the cluster's HOST:PORT, 'auto' or 'local' (overrides ray.address).",
+)
 @click.option("--live/--no-live", default=None, help="Live terminal view (default: when a TTY).")
 def run(
     config_file: str,
@@ -63,9 +75,12 @@ def run(
     chaos_file: str | None,
     timeout_s: float,
     allow_config_change: bool,
+    launcher: str | None,
+    ray_address: str | None,
     live: bool | None,
 ) -> None:
-    """Train CONFIG: a coordinator and one process per worker on this machine."""
+    """Train CONFIG: a coordinator and one process per worker, on this machine or (with
+    --launcher ray) as Ray actors on a cluster."""
     from perdure.launch.api import run as run_api
     from perdure.launch.api import spread_workers
     from perdure.launch.local import RunFailed
@@ -81,6 +96,13 @@ def run(
         if chaos_file:
             with open(chaos_file, "rb") as f:
                 cfg = with_overrides(cfg, chaos=tomllib.load(f))
+        if launcher is not None:
+            cfg = with_overrides(cfg, run={"launcher": launcher})
+        if ray_address is not None:
+            if cfg.run.launcher != "ray":
+                click.echo("--ray-address: needs --launcher ray (or run.launcher 'ray')", err=True)
+                sys.exit(2)
+            cfg = with_overrides(cfg, ray={"address": ray_address})
     except ConfigError as e:
         click.echo(str(e), err=True)
         sys.exit(2)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure import events as ev
+from perdure.config.errors import ConfigError, Problem
 from perdure.launch.local import LocalLauncher
 from perdure.launch.lock import RunDirLock
 from perdure.run_config import RunConfig, config_hash, with_overrides
@@ -73,11 +74,45 @@ def local_launcher(
         timeout_s=timeout_s,
         allow_config_change=allow_config_change,
     )
+    return with_chaos(launcher, config)
+
+
+def with_chaos(launcher: LocalLauncher, config: RunConfig) -> LocalLauncher:
+    """``launcher`` with the fault schedule's driver attached when the schedule has faults."""
     if config.chaos.faults:
         from perdure.chaos.driver import ChaosDriver
 
         launcher.hooks.append(ChaosDriver(config.chaos, launcher))
     return launcher
+
+
+LAUNCHERS = ("local", "ray")
+"""The launchers ``perdure.run`` knows (``run.launcher``, ``perdure run --launcher``): the
+local one, and Ray's (``launch/ray.py``, imported only when chosen)."""
+
+
+@contextlib.contextmanager
+def prepared(config: RunConfig, name: str) -> Iterator[Any]:
+    """What launcher ``name`` needs before the run directory is made (for Ray: a
+    connection to a cluster checked to host the run), held until the run ends."""
+    if name == "ray":
+        from perdure.launch.ray import connect
+
+        with connect(config) as cluster:
+            yield cluster
+    else:
+        yield None
+
+
+def make_launcher(
+    name: str, config: RunConfig, run_dir: Path, held: Any, **options: Any
+) -> LocalLauncher:
+    """Launcher ``name`` for ``config`` (``held``: what :func:`prepared` yielded)."""
+    if name == "ray":
+        from perdure.launch.ray import RayLauncher
+
+        return with_chaos(RayLauncher(config, run_dir, cluster=held, **options), config)
+    return local_launcher(config, run_dir, **options)
 
 
 def run(
@@ -89,8 +124,12 @@ def run(
     timeout_s: float = 3600.0,
     allow_config_change: bool = False,
     source: str | None = None,
+    launcher: str | None = None,
+    ray_address: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``config`` on this machine with the local launcher; returns the summary.
+    """Train ``config``; returns the summary. ``launcher``: ``local`` (processes on this
+    machine) or ``ray`` (actors on a Ray cluster, ``launch/ray.py``); default
+    ``config.run.launcher``. ``ray_address`` overrides ``config.ray.address``.
 
     Before any process starts, preflight (``launch/preflight.py``) checks what every
     worker would otherwise fail on identically, raising :class:`PreflightError` (a
@@ -103,6 +142,11 @@ def run(
     and the data's provenance) and held by one launcher at a time (``launch/lock.py``)."""
     from perdure.launch.preflight import preflight
 
+    name = launcher or config.run.launcher
+    if name not in LAUNCHERS:
+        raise ConfigError([Problem("--launcher", f"must be one of {list(LAUNCHERS)}", name)])
+    if ray_address is not None:
+        config = with_overrides(config, ray={"address": ray_address})
     rd = Path(run_dir) if run_dir else default_run_dir(config)
     with contextlib.ExitStack() as held:
         if rd.exists():  # someone may be running there: refuse before anything else
@@ -117,16 +161,18 @@ def run(
             config, source=source, resume=ckpt, allow_config_change=allow_config_change,
             build_default=True, say=lambda line: print(line, file=sys.stderr),
         )  # fmt: skip
+        cluster = held.enter_context(prepared(config, name))
         if not rd.exists():  # created only once the run can start: a refusal leaves nothing
             rd.mkdir(mode=0o700, parents=True)
             held.enter_context(RunDirLock(rd))
         held.enter_context(private_files())
-        launcher = local_launcher(
-            config, rd, resume=ckpt, timeout_s=timeout_s, allow_config_change=allow_config_change
-        )
+        started = make_launcher(
+            name, config, rd, cluster,
+            resume=ckpt, timeout_s=timeout_s, allow_config_change=allow_config_change,
+        )  # fmt: skip
         if checked.override is not None:  # the operator's decision, logged once for the run
-            launcher.events.write({"event": ev.DECISION, "by": "launcher", **checked.override})
-        return run_with_view(launcher, config.train.steps) if live else launcher.run()
+            started.events.write({"event": ev.DECISION, "by": "launcher", **checked.override})
+        return run_with_view(started, config.train.steps) if live else started.run()
 
 
 @contextlib.contextmanager
@@ -150,4 +196,11 @@ def run_with_view(launcher: LocalLauncher, steps: int) -> dict[str, Any]:
         return launcher.run()
 
 
-__all__ = ["local_launcher", "resolve_resume", "run", "spread_workers"]
+__all__ = [
+    "LAUNCHERS",
+    "local_launcher",
+    "make_launcher",
+    "resolve_resume",
+    "run",
+    "spread_workers",
+]

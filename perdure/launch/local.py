@@ -273,15 +273,20 @@ class LocalLauncher:
         within ``ZYGOTE_READY_S`` (its log says why)."""
         if not hasattr(os, "fork"):
             return
-        task_module = self.config.task.entry.partition(":")[0]
         self.zygote = Zygote(
             child_env(self.token),
             self.run_dir / "logs" / "zygote.log",
             run_dir=str(self.run_dir),
-            preload=[task_module] if self.config.cluster.preload_task else [],
+            preload=self._preload(),
         )
         if not self.zygote.wait_ready(ZYGOTE_READY_S):
             self.events.write({"event": ev.ZYGOTE_UNAVAILABLE, "log": "logs/zygote.log"})
+
+    def _preload(self) -> list[str]:
+        """The modules a fork server imports before forking: the task's, unless
+        ``cluster.preload_task`` is off."""
+        task_module = self.config.task.entry.partition(":")[0]
+        return [task_module] if self.config.cluster.preload_task else []
 
     def _monitor(self) -> None:
         end = time.monotonic() + self.timeout_s
@@ -328,14 +333,7 @@ class LocalLauncher:
             p.reaped = True
             if p.popen.returncode == 0:
                 continue
-            self.events.write(
-                {
-                    "event": ev.PROCESS_EXIT,
-                    "worker": p.name,
-                    "code": p.popen.returncode,
-                    "injected": p.expected_exit,
-                }
-            )
+            self.events.write(self._exit_record(p))
             if not p.expected_exit:
                 self._crashed(p)
             if delay >= 0 and p.kind == "worker":
@@ -347,6 +345,15 @@ class LocalLauncher:
                 del self.replacements[name]
                 self._start_worker(name, old.region, gen=old.generation + 1)
                 self.events.write({"event": ev.REPLACEMENT_STARTED, "worker": name})
+
+    def _exit_record(self, p: Proc) -> dict[str, Any]:
+        """The ``process_exit`` event of a worker that died (a launcher may add to it)."""
+        return {
+            "event": ev.PROCESS_EXIT,
+            "worker": p.name,
+            "code": p.popen.returncode,
+            "injected": p.expected_exit,
+        }
 
     def _crashed(self, p: Proc) -> None:
         """A worker died with no fault injected into it. Two start-up crashes (before the
@@ -409,7 +416,7 @@ class LocalLauncher:
         if p is None:
             return []
         p.expected_exit = p.expected_exit or expected_exit
-        os.kill(p.popen.pid, sig)
+        p.popen.send_signal(sig)  # through the process's own handle: it may run elsewhere
         return [p.popen.pid]
 
     def processes(self, region: str) -> list[str]:

@@ -18,8 +18,10 @@ from perdure.runtime.entry import TOKEN_ENV, WorkerSpec
 class Process(Protocol):
     """What the launcher needs of a process: ``subprocess.Popen`` or a zygote's child."""
 
-    pid: int
     returncode: int | None
+
+    @property
+    def pid(self) -> int: ...
 
     def poll(self) -> int | None: ...
     def wait(self, timeout: float | None = None) -> int: ...
@@ -46,6 +48,32 @@ def start_coordinator(
 ) -> subprocess.Popen[bytes]:
     """``writes_summary``: the caller writes summary.json itself once every process has
     stopped (the local launcher), so the coordinator does not (``--no-summary``)."""
+    args = coordinator_args(
+        config_json,
+        run_dir,
+        resume=resume,
+        name=name,
+        expected=expected,
+        allow_config_change=allow_config_change,
+        writes_summary=writes_summary,
+    )
+    return spawn(python_cmd(*args), token, log)
+
+
+def coordinator_args(
+    config_json: Path,
+    run_dir: Path,
+    *,
+    resume: str | None,
+    name: str,
+    expected: int,
+    allow_config_change: bool = False,
+    writes_summary: bool = False,
+    host: str | None = None,
+    advertise: str | None = None,
+) -> list[str]:
+    """The ``perdure coordinator`` arguments of coordinator ``name`` (or ``standby``);
+    ``host`` and ``advertise``: its ``--host`` and ``--advertise`` (default: the config's)."""
     args = [
         "coordinator",
         "--config-json",
@@ -61,15 +89,21 @@ def start_coordinator(
         args += ["--resume", resume]
     if allow_config_change:
         args.append("--allow-config-change")
+    if host is not None:
+        args += ["--host", host]
+    if advertise is not None:
+        args += ["--advertise", advertise]
     if name == "standby":
-        # One host here: the primary's fixed ports (if the config fixes them) are taken.
+        # It may share the primary's host (always, for the local launcher), where the
+        # primary's fixed ports (if the config fixes them) are taken; the launcher reads
+        # the ports it got from its ports file.
         args += ["--standby", "--channel-port", "0", "--store-port", "0"]
     if writes_summary:
         args.append("--no-summary")
-    return _spawn(python_cmd(*args), token, log)
+    return args
 
 
-def wait_ports(path: Path, proc: subprocess.Popen[bytes], timeout_s: float = 60.0) -> dict:
+def wait_ports(path: Path, proc: Process, timeout_s: float = 60.0) -> dict:
     """The ports ``proc`` published in ``path`` (a file from another process is ignored)."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
@@ -118,7 +152,7 @@ def start_worker(
         forked = zygote.spawn(spec, child_env(token), log)
         if forked is not None:
             return forked
-    return _spawn(python_cmd(*spec.argv()), token, log)
+    return spawn(python_cmd(*spec.argv()), token, log)
 
 
 def child_env(token: str) -> dict[str, str]:
@@ -134,7 +168,9 @@ def child_env(token: str) -> dict[str, str]:
     }
 
 
-def _spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
+def spawn(cmd: list[str], token: str, log: Path) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session, its output appended to ``log``, the run token and
+    this process's pid (it dies with us) in its environment."""
     log.parent.mkdir(parents=True, exist_ok=True)
     env = child_env(token)
     with open(log, "ab") as out:

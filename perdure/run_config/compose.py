@@ -18,7 +18,7 @@ import dataclasses
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from perdure.chaos.config import ChaosConfig, check_targets
 from perdure.checkpoint.config import CheckpointConfig
@@ -27,6 +27,7 @@ from perdure.config.digest import canonical_text, hash_canonical
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
 from perdure.metrics.config import MetricsConfig
+from perdure.run_config.launch import RayConfig
 from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
 
 
@@ -45,6 +46,9 @@ class RunOptions:
     built in Python, the working directory of ``perdure.run``). Set by ``load_config`` to
     an absolute path, so that every process of the run, started from any directory on any
     host, finds the same files."""
+    launcher: Literal["local", "ray"] = "local"
+    """What starts the run's processes: ``local`` (processes on this machine) or ``ray``
+    (Ray actors on a cluster, see ``[ray]``); ``perdure run --launcher`` overrides it."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -60,6 +64,7 @@ class RunConfig:
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     run: RunOptions = field(default_factory=RunOptions)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def __post_init__(self) -> None:
         c = Checker()
