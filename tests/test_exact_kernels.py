@@ -6,14 +6,17 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 
+from perdure.launch.preflight import preflight
 from perdure.runtime.comm import exact, exact_kernels
 from perdure.runtime.comm.exact import ExactReducer, fused_kernels
+from tests.runtime_support import small_config
 
 BLOCK = 256
 T = timedelta(seconds=30)
@@ -150,3 +153,32 @@ def test_bad_arguments_are_refused() -> None:
     with pytest.raises(ValueError):
         acc = torch.zeros(BLOCK, dtype=torch.int32)
         kernels.accumulate(acc, [torch.zeros(BLOCK)], torch.ones(1), (1, BLOCK), BLOCK)
+
+
+@pytest.fixture
+def fresh_kernel_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A process whose kernels are not loaded yet, building into ``tmp_path``."""
+    monkeypatch.setenv("PERDURE_CACHE_DIR", str(tmp_path))
+    exact_kernels.load.cache_clear()
+    fused_kernels.cache_clear()
+    yield tmp_path / "kernels"
+    exact_kernels.load.cache_clear()
+    fused_kernels.cache_clear()
+
+
+@needs_cc
+def test_preflight_of_an_exact_run_builds_the_kernels_before_any_worker_starts(
+    small_dataset: Path, fresh_kernel_cache: Path
+) -> None:
+    report = preflight(small_config(small_dataset, train={"reduction": "exact"}))
+    assert [p.suffix for p in fresh_kernel_cache.glob("*.so")] == [".so"]
+    assert not any("fused kernels" in n for n in report.notes)
+
+
+def test_preflight_notes_when_the_workers_will_use_the_torch_ops(
+    small_dataset: Path, fresh_kernel_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(exact_kernels.ENV_SWITCH, "0")
+    report = preflight(small_config(small_dataset, train={"reduction": "exact"}))
+    assert any("fused kernels are off or cannot be built" in n for n in report.notes)
+    assert not fresh_kernel_cache.exists()
