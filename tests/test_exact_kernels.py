@@ -6,7 +6,10 @@ from __future__ import annotations
 import logging
 import math
 import shutil
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 
@@ -16,6 +19,7 @@ import torch
 from perdure.launch.preflight import preflight
 from perdure.runtime.comm import exact, exact_kernels
 from perdure.runtime.comm.exact import ExactReducer, fused_kernels
+from perdure.runtime.comm.readiness import Readiness
 from tests.runtime_support import small_config
 
 BLOCK = 256
@@ -116,6 +120,49 @@ def test_slots_the_kernels_cannot_take_go_through_the_torch_ops_with_the_same_bi
     assert torch.equal(got, _both(bufs, 64)[1])
 
 
+class _OneMember:
+    """A comm for a one-member epoch: ``submit`` runs the job on a thread of its own."""
+
+    pg = None
+
+    def submit(self, fn: Callable[[], torch.Tensor]) -> Future[torch.Tensor]:
+        fut: Future[torch.Tensor] = Future()
+        threading.Thread(target=lambda: fut.set_result(fn()), daemon=True).start()
+        return fut
+
+
+@needs_cc
+@pytest.mark.parametrize("bits", [32, 64])
+def test_the_other_slots_peaks_are_taken_while_the_last_slot_is_not_final(
+    bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bufs = _hard_slots(4, 9 * BLOCK + 7, 3, bits)
+    bufs[1][5] = float("nan")  # zeroed, as by the reference, after the early pass saw it
+    want = _both(bufs, bits)[1]
+    reducer = ExactReducer(0, 1, slots=4, bits=bits, block=BLOCK)
+    assert reducer.kernels is not None
+    seen: list[int] = []
+    peaks = reducer.kernels.peaks
+
+    def spy(slots: list[torch.Tensor], *a: object, **k: object) -> bool:
+        seen.append(len(slots))
+        return peaks(slots, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(reducer.kernels, "peaks", spy)  # the shared kernels: undone after
+    ready, mine = Readiness(), [b.clone() for b in bufs]
+    last = mine[-1].clone()
+    mine[-1].zero_()  # its backward has not run yet
+    fut = reducer.start(_OneMember(), mine, timeout=T, ready=ready)
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [3] and not fut.done()
+    mine[-1].copy_(last)
+    ready.advance(mine[-1].numel())
+    assert torch.equal(fut.result(timeout=30), want)
+    assert seen[:2] == [3, 1]
+
+
 def test_without_a_compiler_the_build_says_why_once_and_the_torch_path_remains(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -145,9 +192,11 @@ def test_bad_arguments_are_refused() -> None:
     kernels = fused_kernels()
     if kernels is None:
         pytest.skip("no kernels here")
-    exps = torch.empty(1, dtype=torch.int32)
+    peaks = torch.empty(1, dtype=torch.int32)
     with pytest.raises(ValueError):
-        kernels.exponents([torch.zeros(BLOCK, dtype=torch.float64)], BLOCK, exps)
+        kernels.peaks([torch.zeros(BLOCK, dtype=torch.float64)], BLOCK, peaks)
+    with pytest.raises(ValueError):
+        kernels.exponents(peaks, torch.empty(2, dtype=torch.int32))
     with pytest.raises(ValueError):
         kernels.accumulate(torch.zeros(BLOCK), [torch.zeros(BLOCK)], torch.ones(1), (0, 1), BLOCK)
     with pytest.raises(ValueError):

@@ -28,7 +28,8 @@ give the same bits.
 Limits of this first version: the step's exponents are known only once every slot of
 every rank is done, so a rank keeps its float slot buffers until then (slots x P, as the
 chain does) and the reduction starts after its last slot's backward instead of streaming
-behind it.
+behind it (with the kernels, the peaks of a rank's other slots are taken while that
+backward runs; the last slot's pass waits for it).
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ from perdure.runtime.replica.slots import all_finite
 
 CHUNK = 1 << 20
 """Values converted at a time (bounds the float64 temporaries)."""
+
+Peaks = tuple[torch.Tensor, bool]
+"""Block peaks of some slots (the bits of each block's largest ``|g|``, int32 storage) and
+whether one of them is not finite."""
 
 
 class ExactReducer:
@@ -83,10 +88,12 @@ class ExactReducer:
         tiers = getattr(comm, "tiers", None)
 
         def run() -> torch.Tensor:
-            if ready is not None:
+            early = None
+            if ready is not None:  # the other slots are final: their peaks, during its backward
+                early = self._early_peaks(bufs)
                 ready.wait(n, abort, t)
             pg = comm.pg if self.size > 1 else None
-            return self.reduce(pg, bufs, timeout, send_delay_s, tiers=tiers)
+            return self.reduce(pg, bufs, timeout, send_delay_s, tiers=tiers, early=early)
 
         return comm.submit(run)
 
@@ -98,11 +105,13 @@ class ExactReducer:
         send_delay_s: float = 0.0,
         *,
         tiers: Tiers | None = None,
+        early: Peaks | None = None,
     ) -> torch.Tensor:
         """The exact sum of every member's ``bufs`` (all final); ``pg`` None: one member.
-        With ``tiers``, every all-reduce goes inside regions first, then across."""
+        With ``tiers``, every all-reduce goes inside regions first, then across. ``early``:
+        :meth:`_early_peaks` of these ``bufs``, taken before the last one was final."""
         fused = self._fused(bufs)
-        exps = self._finite_exponents(bufs, fused)
+        exps = self._finite_exponents(bufs, fused, early)
         if pg is not None:
             _delay(send_delay_s)
         if pg is not None and tiers is not None:
@@ -143,19 +152,36 @@ class ExactReducer:
         )
         return self.kernels if plain and all(b.numel() == n for b in bufs) else None
 
+    def _early_peaks(self, bufs: Sequence[torch.Tensor]) -> Peaks | None:
+        """The block peaks of every slot but the last (the one whose backward may still be
+        running), so that only the last slot's pass waits for it; None where the kernels
+        are not used (the torch path takes every slot after the last is final)."""
+        if len(bufs) < 2 or self._fused(bufs) is None:
+            return None
+        assert self.kernels is not None
+        peaks = torch.empty(-(-bufs[0].numel() // self.block), dtype=torch.int32)
+        return peaks, self.kernels.peaks(bufs[:-1], self.block, peaks)
+
     def _finite_exponents(
-        self, bufs: Sequence[torch.Tensor], fused: Kernels | None
+        self, bufs: Sequence[torch.Tensor], fused: Kernels | None, early: Peaks | None = None
     ) -> torch.Tensor:
         """Zero the non-finite values of ``bufs`` (in place), then their exponents. The
-        kernel finds a non-finite value in the same pass as the exponents, so the common,
-        finite case reads the buffers once."""
+        kernel finds a non-finite value in the same pass as the peaks, so the common,
+        finite case reads the buffers once (``early``: the last one, the others before)."""
         if fused is None:
             _zero_non_finite(bufs)
             return self._exponents(bufs)
-        exps = torch.empty(-(-bufs[0].numel() // self.block), dtype=torch.int32)
-        if fused.exponents(bufs, self.block, exps):
+        if early is not None:
+            peaks, bad = early
+            bad = fused.peaks(bufs[-1:], self.block, peaks, merge=True) or bad
+        else:
+            peaks = torch.empty(-(-bufs[0].numel() // self.block), dtype=torch.int32)
+            bad = fused.peaks(bufs, self.block, peaks)
+        if bad:
             _zero_non_finite(bufs)
-            fused.exponents(bufs, self.block, exps)
+            fused.peaks(bufs, self.block, peaks)
+        exps = torch.empty_like(peaks)
+        fused.exponents(peaks, exps)
         return exps
 
     def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -5,9 +5,10 @@ buffer (abs, amax and maximum per slot for the exponents; multiply, round, cast 
 per slot for the integers; cast and multiply back). These three C functions do the same
 arithmetic, value by value, in one pass each:
 
-- ``perdure_exponents``: per block, the largest ``|g|`` over every slot, as the integer
-  bits of the float (for non-negative floats, the bit order is the numeric order), then
-  ``frexpf`` of it; it also says whether any value was non-finite (bits >= infinity's).
+- ``perdure_peaks``: per block, the largest ``|g|`` over some slots, as the integer bits
+  of the float (for non-negative floats, the bit order is the numeric order), merged into
+  what earlier slots gave; it also says whether any value was non-finite (bits >=
+  infinity's). ``perdure_frexp`` then turns the peaks into exponents.
 - ``perdure_accumulate_*``: ``acc = sum over slots of (T) nearbyintf(g * scale)``: the
   float32 product and the half-to-even rounding of ``round_()``, then the cast and the
   integer additions, with the block's accumulator in L1 while every slot is added.
@@ -74,12 +75,14 @@ static int64_t end_of(int64_t lo, int64_t block, int64_t end) {
     return lo + block < end ? lo + block : end;
 }
 
-CLONES int perdure_exponents(const float *const *slots, int64_t nslots, int64_t n,
-                             int64_t block, int32_t *exps) {
+/* Per block, the bits of the largest |g| over the slots (for non-negative floats the bit
+   order is the numeric order), set or merged into peaks; 1 when some peak is not finite. */
+CLONES int perdure_peaks(const float *const *slots, int64_t nslots, int64_t n,
+                         int64_t block, uint32_t *peaks, int merge) {
     uint32_t worst = 0;
     for (int64_t lo = 0, j = 0; lo < n; lo += block, j++) {
         int64_t hi = end_of(lo, block, n);
-        uint32_t m = 0;
+        uint32_t m = merge ? peaks[j] : 0;
         for (int64_t s = 0; s < nslots; s++) {
             const uint32_t *x = (const uint32_t *)slots[s];
             for (int64_t i = lo; i < hi; i++) {
@@ -87,14 +90,20 @@ CLONES int perdure_exponents(const float *const *slots, int64_t nslots, int64_t 
                 m = a > m ? a : m;
             }
         }
+        peaks[j] = m;
         worst = m > worst ? m : worst;
+    }
+    return worst >= 0x7f800000u;
+}
+
+void perdure_frexp(const uint32_t *peaks, int64_t nblocks, int32_t *exps) {
+    for (int64_t j = 0; j < nblocks; j++) {
         float peak;
         int e;
-        memcpy(&peak, &m, sizeof peak);
+        memcpy(&peak, peaks + j, sizeof peak);
         frexpf(peak, &e);
         exps[j] = e;
     }
-    return worst >= 0x7f800000u;
 }
 
 /* The plain loops: the definition of what every path computes. */
@@ -239,7 +248,8 @@ void perdure_back_i64(float *out, const int64_t *acc, int64_t start, int64_t m,
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
-    "perdure_exponents": ([_P, _I, _I, _I, _P], ctypes.c_int),
+    "perdure_peaks": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
+    "perdure_frexp": ([_P, _I, _P], None),
     **{f"perdure_accumulate_{t}": ([_P, _P, _I, _I, _I, _I, _P], None) for t in ("i32", "i64")},
     **{f"perdure_back_{t}": ([_P, _P, _I, _I, _I, _P], None) for t in ("i32", "i64")},
 }
@@ -256,13 +266,21 @@ class Kernels:
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = args, res
 
-    def exponents(self, bufs: Sequence[torch.Tensor], block: int, exps: torch.Tensor) -> bool:
-        """``exps[j]`` = the ``frexp`` exponent of block ``j``'s largest ``|g|`` over
-        ``bufs``; True when some value is non-finite (then ``exps`` means nothing)."""
+    def peaks(
+        self, bufs: Sequence[torch.Tensor], block: int, peaks: torch.Tensor, merge: bool = False
+    ) -> bool:
+        """``peaks[j]`` = the bits of block ``j``'s largest ``|g|`` over ``bufs`` (int32
+        storage; ``merge``: and over what ``peaks`` held); True when one is not finite."""
         n = _check_slots(bufs)
-        _check(exps, torch.int32, -(-n // block))
+        _check(peaks, torch.int32, -(-n // block))
         ptrs = _pointers(bufs)
-        return bool(self.lib.perdure_exponents(ptrs, len(bufs), n, block, exps.data_ptr()))
+        return bool(self.lib.perdure_peaks(ptrs, len(bufs), n, block, peaks.data_ptr(), merge))
+
+    def exponents(self, peaks: torch.Tensor, exps: torch.Tensor) -> None:
+        """``exps[j]`` = the ``frexp`` exponent of the float whose bits are ``peaks[j]``."""
+        _check(peaks, torch.int32, peaks.numel())
+        _check(exps, torch.int32, peaks.numel())
+        self.lib.perdure_frexp(peaks.data_ptr(), peaks.numel(), exps.data_ptr())
 
     def accumulate(
         self,
