@@ -2,8 +2,9 @@
 
 The torch path of :mod:`perdure.runtime.comm.exact` makes about eight passes over the
 buffer (abs, amax and maximum per slot for the exponents; multiply, round, cast and add
-per slot for the integers; cast and multiply back). These three C functions do the same
-arithmetic, value by value, in one pass each:
+per slot for the integers; cast and multiply back). These C functions do the same
+arithmetic, value by value, in one pass each (AVX2 where the CPU has it, chosen at load
+time; the plain loops elsewhere, and on other architectures):
 
 - ``perdure_peaks``: per block, the largest ``|g|`` over some slots, as the integer bits
   of the float (for non-negative floats, the bit order is the numeric order), merged into
@@ -11,7 +12,8 @@ arithmetic, value by value, in one pass each:
   infinity's). ``perdure_frexp`` then turns the peaks into exponents.
 - ``perdure_accumulate_*``: ``acc = sum over slots of (T) nearbyintf(g * scale)``: the
   float32 product and the half-to-even rounding of ``round_()``, then the cast and the
-  integer additions, with the block's accumulator in L1 while every slot is added.
+  integer additions, with the block's accumulator in L1 (int64: in registers) while
+  every slot is added.
 - ``perdure_back_*``: ``out = (float) acc * inv``: one rounding of the integer to float32
   (``static_cast``, as ``acc.to(torch.float32)`` does; never via double, which would round
   twice), then the power-of-two scaling.
@@ -24,8 +26,10 @@ Why C through ``ctypes`` and not a torch extension: a plain C file builds in und
 second with the system's ``cc`` (``load_inline`` compiles torch's headers: tens of seconds
 on a loaded 2-core machine, and it needs ``ninja``), and a ``ctypes`` call releases the GIL
 like a torch op does. The library is built at first use, under a lock (parallel workers
-wait for one build), into a per-user cache keyed by the source, the flags and the compiler,
-so a worker pays the build once per machine and version. Without a compiler, or if the
+wait for one build), into a per-user cache keyed by the source, the flags and the
+compiler's name, so a worker pays the build once per machine and version (a compiler
+upgraded under the same name keeps the old build: the same source, the same bits, which
+the probe checks anyway). Without a compiler, or if the
 build fails, :func:`load` logs one line and returns None: the caller keeps the torch path.
 ``PERDURE_EXACT_KERNELS=0`` forces that path (not a math setting: the bits are the same).
 """
