@@ -3,6 +3,7 @@ side in one process group, same payload; plus its accuracy against a float64 sum
 
     .venv/bin/python benchmarks/bench_exact.py            # 4..64 MB, W = 2, 3, 4
     .venv/bin/python benchmarks/bench_exact.py --quick    # 4..16 MB, W = 2, 3
+    .venv/bin/python benchmarks/bench_exact.py --floors   # also the floors (below)
 
 W spawned processes (one intra-op thread each) form one gloo group on loopback; each holds
 one slot buffer of the payload size (random heavy-tailed values). Each repeat times, in a
@@ -13,6 +14,11 @@ time is the slowest rank's, from a barrier to the end. Ratios are per repeat, ov
 all_reduce. Accuracy: the median and max relative error per element of each method
 against the float64 sum of the same slots (gathered on rank 0), next to the float32
 all_reduce's own.
+
+``--floors`` adds, in the same rotation: the integer all-reduce alone (int32 and int64
+buffers of the payload's count, in the reducer's buckets, no conversion: what the exact
+reduction cannot go below) and the exact reduction through the torch ops (the fallback,
+as it was before the fused kernels).
 
 Results: ``benchmarks/results/exact.json``.
 """
@@ -30,6 +36,7 @@ from _common import fmt, free_port, gloo_group, machine, ratios, stats, write_re
 
 MB = 1 << 20
 METHODS = ("all_reduce", "exact64", "exact32", "chain")
+FLOORS = ("int32_all_reduce", "int64_all_reduce", "exact32_torch", "exact64_torch")
 
 
 def _slot(n: int, rank: int):
@@ -39,14 +46,14 @@ def _slot(n: int, rank: int):
     return torch.randn(n, generator=g) * torch.exp(2 * torch.randn(n, generator=g))
 
 
-def _worker(rank, size, port, sizes_mb, repeats, q):  # pragma: no cover - subprocess
+def _worker(rank, size, port, sizes_mb, repeats, q, methods=METHODS):  # pragma: no cover
     import torch
 
     torch.set_num_threads(1)
     from datetime import timedelta
 
     from perdure.runtime.comm.chain import chain_reduce
-    from perdure.runtime.comm.exact import ExactReducer
+    from perdure.runtime.comm.exact import CHUNK, ExactReducer
 
     _store, pg = gloo_group(rank, size, port, prefix="exact")
     timeout = timedelta(seconds=600)
@@ -56,10 +63,24 @@ def _worker(rank, size, port, sizes_mb, repeats, q):  # pragma: no cover - subpr
         src = _slot(n, rank)
         buf, partial, out = src.clone(), torch.zeros(n), torch.zeros(n)
         reducers = {b: ExactReducer(rank, size, slots=size, bits=b, block=256) for b in (64, 32)}
+        torch_ops = {
+            b: ExactReducer(rank, size, slots=size, bits=b, block=256, fused=False)
+            for b in (64, 32)
+        }
+        ints = {b: torch.zeros(n, dtype=getattr(torch, f"int{b}")) for b in (64, 32)}
         outputs = {}
 
-        def run(
-            name, buf=buf, src=src, partial=partial, out=out, reducers=reducers, outputs=outputs
+        def run(  # the loop's values, bound as defaults (B023)
+            name,
+            buf=buf,
+            src=src,
+            partial=partial,
+            out=out,
+            reducers=reducers,
+            outputs=outputs,
+            torch_ops=torch_ops,
+            ints=ints,
+            n=n,
         ):
             buf.copy_(src)
             pg.barrier().wait()
@@ -70,25 +91,32 @@ def _worker(rank, size, port, sizes_mb, repeats, q):  # pragma: no cover - subpr
             elif name == "chain":
                 chain_reduce(pg, rank, size, [buf], partial, out, timeout=timeout)
                 res = out
+            elif name.endswith("_all_reduce"):  # a floor: no result to check
+                x = ints[int(name[3:5])]
+                for w in [pg.allreduce([x[lo : lo + CHUNK]]) for lo in range(0, n, CHUNK)]:
+                    w.wait()
+                return time.perf_counter() - t0
+            elif name.endswith("_torch"):
+                res = torch_ops[int(name[5:7])].reduce(pg, [buf], timeout)
             else:
                 res = reducers[int(name[-2:])].reduce(pg, [buf], timeout)
             dt = time.perf_counter() - t0
             outputs[name] = res.clone()
             return dt
 
-        for name in METHODS:
+        for name in methods:
             run(name)  # warm-up
-        times = {m: [] for m in METHODS}
+        times = {m: [] for m in methods}
         for r in range(repeats):
-            k = r % len(METHODS)
-            for name in METHODS[k:] + METHODS[:k]:
+            k = r % len(methods)
+            for name in methods[k:] + methods[:k]:
                 times[name].append(run(name))
-        t = torch.tensor([times[m] for m in METHODS], dtype=torch.float64)
+        t = torch.tensor([times[m] for m in methods], dtype=torch.float64)
         pg.allreduce([t], opts=_max_opts()).wait()
         err = _errors(pg, rank, size, src, outputs)
         if rank == 0:
             results.append(
-                {"mb": mb, "times": {m: t[i].tolist() for i, m in enumerate(METHODS)}, **err}
+                {"mb": mb, "times": {m: t[i].tolist() for i, m in enumerate(methods)}, **err}
             )
     pg.barrier().wait()
     if rank == 0:
@@ -116,13 +144,12 @@ def _max_opts():
     return o
 
 
-def run_world(size, sizes_mb, repeats):
+def run_world(size, sizes_mb, repeats, methods=METHODS):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, size, port, sizes_mb, repeats, q)) for r in range(size)
-    ]
+    args = (size, port, sizes_mb, repeats, q, methods)
+    procs = [ctx.Process(target=_worker, args=(r, *args)) for r in range(size)]
     for p in procs:
         p.start()
     try:
@@ -140,18 +167,20 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes-mb", type=float, nargs="*")
     ap.add_argument("--worlds", type=int, nargs="*")
     ap.add_argument("--repeats", type=int)
+    ap.add_argument("--floors", action="store_true", help="also the floors (module doc)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     sizes = a.sizes_mb or ([4, 16] if a.quick else [4, 16, 64])
     worlds = a.worlds or ([2, 3] if a.quick else [2, 3, 4])
     repeats = a.repeats or (3 if a.quick else 5)
+    methods = METHODS + (FLOORS if a.floors else ())
     rows = []
     t_start = time.perf_counter()
     for w in worlds:
-        for res in run_world(w, sizes, repeats):
+        for res in run_world(w, sizes, repeats, methods):
             base = res["times"]["all_reduce"]
             row = {"workers": w, "mb": res["mb"], "relative_error": res["relative_error"]}
-            for m in METHODS:
+            for m in methods:
                 row[f"{m}_s"] = stats(res["times"][m])
                 if m != "all_reduce":
                     row[f"ratio_{m}_over_all_reduce"] = ratios(res["times"][m], base)
@@ -160,7 +189,7 @@ def main(argv=None) -> int:
                 f"W={w} {res['mb']:>5g} MB"
                 f"  all_reduce {row['all_reduce_s']['median'] * 1e3:7.1f} ms"
                 + "".join(
-                    f"  {m} {fmt(row[f'ratio_{m}_over_all_reduce'], 2)}" for m in METHODS[1:]
+                    f"  {m} {fmt(row[f'ratio_{m}_over_all_reduce'], 2)}" for m in methods[1:]
                 ),
                 flush=True,
             )
@@ -168,6 +197,7 @@ def main(argv=None) -> int:
         "name": "exact",
         "machine": machine(),
         "quick": a.quick,
+        "floors": a.floors,
         "repeats": repeats,
         "threads_per_process": 1,
         "goal": "exact int32 <= 1.10x all_reduce at W = 2-4, >= 16 MB; int64 <= 2.1x",

@@ -102,6 +102,7 @@ def preflight(
     t0 = time.perf_counter()
     report = Report()
     report.notes += missing_libraries(config.metrics)
+    report.notes += _exact_kernels(config)
     problems = _bounds(config)
     task = _task(config, problems) if config.train.seed < MAX_SEED else None
     dataset = _dataset(config, problems, report, build_default, say)
@@ -117,6 +118,23 @@ def preflight(
     if problems:
         raise PreflightError(problems, source)
     return report
+
+
+def _exact_kernels(config: RunConfig) -> list[str]:
+    """Build the exact reduction's fused kernels here, once, so that no worker on this
+    machine pays the build (about a second) inside its timeouts: a worker loads the cached
+    library. A worker on another machine builds its own, under the same lock. A note when
+    they are off or cannot be built: the workers use the torch ops, same bits, slower."""
+    if config.train.reduction != "exact":
+        return []
+    from perdure.runtime.comm.exact import fused_kernels
+
+    if fused_kernels() is not None:
+        return []
+    return [
+        "train.reduction: the exact reduction's fused kernels are off or cannot be built "
+        "here (the log says why); the workers use the torch ops: the same bits, slower"
+    ]
 
 
 # -- numbers that pass their field's rule and still cannot run ----------------------------

@@ -20,10 +20,16 @@ and a finite 1.0) makes every replica redo the step, so they never reach an upda
 The integers travel in buckets of ``CHUNK`` values: gloo's own threads all-reduce bucket
 ``i`` while this thread converts bucket ``i + 1``, so conversion overlaps communication.
 
+The conversions run in fused C kernels (:mod:`perdure.runtime.comm.exact_kernels`: one
+pass each for the exponents, the integers and the way back) when they build and agree with
+the torch ops on a probe; the torch ops below stay as the fallback and the reference, and
+give the same bits.
+
 Limits of this first version: the step's exponents are known only once every slot of
 every rank is done, so a rank keeps its float slot buffers until then (slots x P, as the
 chain does) and the reduction starts after its last slot's backward instead of streaming
-behind it.
+behind it (with the kernels, the peaks of a rank's other slots are taken while that
+backward runs; the last slot's pass waits for it).
 """
 
 from __future__ import annotations
@@ -39,22 +45,32 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from perdure.runtime.comm import exact_kernels
+from perdure.runtime.comm.exact_kernels import Kernels
 from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 from perdure.runtime.replica.slots import all_finite
 
 CHUNK = 1 << 20
 """Values converted at a time (bounds the float64 temporaries)."""
 
+Peaks = tuple[torch.Tensor, bool]
+"""Block peaks of some slots (the bits of each block's largest ``|g|``, int32 storage) and
+whether one of them is not finite."""
+
 
 class ExactReducer:
-    """One member's side of the exact reduction (see the module doc)."""
+    """One member's side of the exact reduction (see the module doc). ``fused``: use the
+    fused kernels where they are available (False: the torch ops, the reference)."""
 
-    def __init__(self, rank: int, size: int, *, slots: int, bits: int, block: int) -> None:
+    def __init__(
+        self, rank: int, size: int, *, slots: int, bits: int, block: int, fused: bool = True
+    ) -> None:
         assert bits in (32, 64) and block > 0 and slots > 0
         self.rank, self.size, self.bits, self.block = rank, size, bits, block
         self.headroom = math.ceil(math.log2(slots)) if slots > 1 else 0
         self.dtype = torch.int64 if bits == 64 else torch.int32
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kernels = fused_kernels() if fused else None
 
     def start(
         self,
@@ -72,10 +88,12 @@ class ExactReducer:
         tiers = getattr(comm, "tiers", None)
 
         def run() -> torch.Tensor:
-            if ready is not None:
+            early = None
+            if ready is not None:  # the other slots are final: their peaks, during its backward
+                early = self._early_peaks(bufs)
                 ready.wait(n, abort, t)
             pg = comm.pg if self.size > 1 else None
-            return self.reduce(pg, bufs, timeout, send_delay_s, tiers=tiers)
+            return self.reduce(pg, bufs, timeout, send_delay_s, tiers=tiers, early=early)
 
         return comm.submit(run)
 
@@ -87,13 +105,13 @@ class ExactReducer:
         send_delay_s: float = 0.0,
         *,
         tiers: Tiers | None = None,
+        early: Peaks | None = None,
     ) -> torch.Tensor:
         """The exact sum of every member's ``bufs`` (all final); ``pg`` None: one member.
-        With ``tiers``, every all-reduce goes inside regions first, then across."""
-        for b in bufs:
-            if not all_finite(b):
-                torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
-        exps = self._exponents(bufs)
+        With ``tiers``, every all-reduce goes inside regions first, then across. ``early``:
+        :meth:`_early_peaks` of these ``bufs``, taken before the last one was final."""
+        fused = self._fused(bufs)
+        exps = self._finite_exponents(bufs, fused, early)
         if pg is not None:
             _delay(send_delay_s)
         if pg is not None and tiers is not None:
@@ -108,20 +126,63 @@ class ExactReducer:
         inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
         pending: list[tuple[Any, int]] = []
         for i in range(len(self._ranges(acc.numel()))):
-            self._accumulate(acc, bufs, scale, i)
+            self._accumulate(acc, bufs, scale, i, fused)
             if pg is not None and tiers is not None:
                 tiered_allreduce(tiers, self._flat(acc, i), dist.ReduceOp.SUM, timeout)
-                self._convert_back(acc, inv, out, i)
+                self._convert_back(acc, inv, out, i, fused)
             elif pg is not None:  # gloo's threads reduce this bucket while we convert the next
                 pending.append((pg.allreduce([self._flat(acc, i)]), i))
             else:
-                self._convert_back(acc, inv, out, i)
+                self._convert_back(acc, inv, out, i, fused)
         for work, i in pending:
             work.wait(timeout)
-            self._convert_back(acc, inv, out, i)
+            self._convert_back(acc, inv, out, i, fused)
         return out
 
     # -- the steps -------------------------------------------------------------------------
+
+    def _fused(self, bufs: Sequence[torch.Tensor]) -> Kernels | None:
+        """The kernels, if there are any and ``bufs`` are what they take (contiguous CPU
+        float32 of one length); else None: the torch ops."""
+        if self.kernels is None or not bufs:
+            return None
+        n = bufs[0].numel()
+        plain = all(
+            b.dtype == torch.float32 and b.device.type == "cpu" and b.is_contiguous() for b in bufs
+        )
+        return self.kernels if plain and all(b.numel() == n for b in bufs) else None
+
+    def _early_peaks(self, bufs: Sequence[torch.Tensor]) -> Peaks | None:
+        """The block peaks of every slot but the last (the one whose backward may still be
+        running), so that only the last slot's pass waits for it; None where the kernels
+        are not used (the torch path takes every slot after the last is final)."""
+        if len(bufs) < 2 or self._fused(bufs) is None:
+            return None
+        assert self.kernels is not None
+        peaks = torch.empty(-(-bufs[0].numel() // self.block), dtype=torch.int32)
+        return peaks, self.kernels.peaks(bufs[:-1], self.block, peaks)
+
+    def _finite_exponents(
+        self, bufs: Sequence[torch.Tensor], fused: Kernels | None, early: Peaks | None = None
+    ) -> torch.Tensor:
+        """Zero the non-finite values of ``bufs`` (in place), then their exponents. The
+        kernel finds a non-finite value in the same pass as the peaks, so the common,
+        finite case reads the buffers once (``early``: the last one, the others before)."""
+        if fused is None:
+            _zero_non_finite(bufs)
+            return self._exponents(bufs)
+        if early is not None:
+            peaks, bad = early
+            bad = fused.peaks(bufs[-1:], self.block, peaks, merge=True) or bad
+        else:
+            peaks = torch.empty(-(-bufs[0].numel() // self.block), dtype=torch.int32)
+            bad = fused.peaks(bufs, self.block, peaks)
+        if bad:
+            _zero_non_finite(bufs)
+            fused.peaks(bufs, self.block, peaks)
+        exps = torch.empty_like(peaks)
+        fused.exponents(peaks, exps)
+        return exps
 
     def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest ``e`` with ``|g| < 2**e`` over this rank's slots."""
@@ -140,12 +201,20 @@ class ExactReducer:
         return ((self.bits - 2 - self.headroom) - exps).clamp_(max=126)
 
     def _accumulate(
-        self, acc: torch.Tensor, bufs: Sequence[torch.Tensor], scale: torch.Tensor, i: int
+        self,
+        acc: torch.Tensor,
+        bufs: Sequence[torch.Tensor],
+        scale: torch.Tensor,
+        i: int,
+        fused: Kernels | None = None,
     ) -> None:
         """Bucket ``i`` of ``acc`` = the sum over this rank's slots of ``round(b * 2**k)``.
         In float32 the product is exact (a power-of-two scaling) and so is the rounding:
         below 2**23 a float32 holds every integer and half-integer step, and above it the
         value is an integer already."""
+        if fused is not None:
+            fused.accumulate(acc, bufs, scale, self._values(acc.numel(), i), self.block)
+            return
         acc_rows, (lo, hi) = self._span(acc, i)
         acc_rows.zero_()
         for b in bufs:
@@ -153,12 +222,20 @@ class ExactReducer:
             acc_rows += (rows * scale[lo:hi, None]).round_().to(self.dtype)
 
     def _convert_back(
-        self, acc: torch.Tensor, inv: torch.Tensor, out: torch.Tensor, i: int
+        self,
+        acc: torch.Tensor,
+        inv: torch.Tensor,
+        out: torch.Tensor,
+        i: int,
+        fused: Kernels | None = None,
     ) -> None:
         """Bucket ``i`` of ``out = float32(acc) * 2**-k``: one rounding of the integer sum to
         float32, then an exact power-of-two scaling (``k`` is capped at 126, so ``2**-k`` is
         a normal float32; a product in the subnormal range rounds once more, as a fixed
         function of the sum)."""
+        if fused is not None:
+            fused.back(out, acc, inv, self._values(acc.numel(), i), self.block)
+            return
         rows, (lo, hi) = self._span(acc, i)
         out_rows, _ = self._span(out, i)
         torch.mul(rows.to(torch.float32), inv[lo:hi, None], out=out_rows)
@@ -168,9 +245,14 @@ class ExactReducer:
     def _ranges(self, n: int) -> tuple[tuple[int, int], ...]:
         return _bucket_ranges(n, self.block)
 
+    def _values(self, n: int, i: int) -> tuple[int, int]:
+        """Bucket ``i`` as a range of values."""
+        lo, hi = self._ranges(n)[i]
+        return lo * self.block, min(n, hi * self.block)
+
     def _flat(self, x: torch.Tensor, i: int) -> torch.Tensor:
-        lo, hi = self._ranges(x.numel())[i]
-        return x[lo * self.block : min(x.numel(), hi * self.block)]
+        lo, hi = self._values(x.numel(), i)
+        return x[lo:hi]
 
     def _span(self, x: torch.Tensor, i: int) -> tuple[torch.Tensor, tuple[int, int]]:
         """Bucket ``i`` of ``x`` as a ``[blocks, block]`` view (the partial block: one row
@@ -194,6 +276,41 @@ def _bucket_ranges(n: int, block: int) -> tuple[tuple[int, int], ...]:
     full, per = n // block, max(1, CHUNK // block)
     out = [(lo, min(full, lo + per)) for lo in range(0, full, per)]
     return tuple(out + ([(full, full + 1)] if n % block else []))
+
+
+def _zero_non_finite(bufs: Sequence[torch.Tensor]) -> None:
+    for b in bufs:
+        if not all_finite(b):
+            torch.nan_to_num_(b, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+@functools.cache
+def fused_kernels() -> Kernels | None:
+    """The fused kernels if they load and give the torch ops' bits on a probe (heavy tails,
+    subnormals, zeros, huge values, a partial block, both widths); else None, with one log
+    line. Once per process: the probe costs a few milliseconds."""
+    kernels = exact_kernels.load()
+    if kernels is None:
+        return None
+    if not all(_agrees(kernels, bits) for bits in (32, 64)):
+        exact_kernels.log.warning(
+            "exact reduction: the fused kernels in %s disagree with the torch ops on a "
+            "probe; using the torch path",
+            kernels.path,
+        )
+        return None
+    return kernels
+
+
+def _agrees(kernels: Kernels, bits: int) -> bool:
+    g = torch.Generator().manual_seed(bits)
+    n = 3 * 64 + 17  # three blocks and a partial one
+    bufs = [torch.randn(n, generator=g) * torch.exp(8 * torch.randn(n, generator=g)) for _ in "abc"]
+    bufs[0][:40] = torch.tensor([0.0, -0.0, 1e-45, -3e-42, 1e-38, 3e38, -3e38, 0.5, 1.5, -2.5] * 4)
+    reducer = ExactReducer(0, 1, slots=len(bufs), bits=bits, block=64, fused=False)
+    want = reducer.reduce(None, [b.clone() for b in bufs], timedelta(seconds=5)).clone()
+    reducer.kernels = kernels
+    return torch.equal(reducer.reduce(None, bufs, timedelta(seconds=5)), want)
 
 
 def _delay(delay_s: float) -> None:
