@@ -2,11 +2,13 @@
 
 Real ``perdure run``s, 3 workers of a small tiny_lm (the goodput model of
 bench_recovery.py), a ``delay`` fault on ``local-1`` (``--delay-ms`` on its heartbeats and
-data-plane sends for ``--spike-s``). Two modes, taking turns per repeat:
+data-plane sends for ``--spike-s``). Three modes, taking turns per repeat:
 
 - ``bench``: the default (``cluster.bench_lag_ms`` = 500): the lagging member leaves the
   collective and is planned back in once its link is back to speed;
-- ``wait``: ``bench_lag_ms = 0``: it keeps its share and every step waits for its sends.
+- ``wait``: ``bench_lag_ms = 0``: it keeps its share and every step waits for its sends;
+- ``bench, 1 warm spare``: as ``bench``, with a warm spare that takes the benched
+  member's place (it receives the state).
 
 Step time during the spike = the spike's wall time over the steps committed in it (so
 detection, the re-plan and the redone step count), against the same measure over an
@@ -15,9 +17,9 @@ equal window before the spike; the *settled* ratio leaves out the spike's first
 the median ``step_s`` in both windows, and whether every run ends with one final hash.
 
 Limits: on this 2-core machine 2 workers are not slower than 3 (the cores are shared),
-so the bench row pays nothing for the member it lost; on hardware with a device per
-worker, benching one of 3 costs 3/2 of the compute per step unless a warm spare takes its
-place (``--spares 1``).
+and whatever else runs takes its share of them, so the bench row pays up to 3/2 of the
+compute per step for the member it lost, as a device per worker would (W / (W - 1) in
+general); the spare row keeps three members.
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ def window_step_s(metrics: list[dict], t0: float, t1: float) -> float | None:
     return (t1 - t0) / n if n else None
 
 
+MODES = {"bench": (True, 0), "wait": (False, 0), "bench, 1 warm spare": (True, 1)}
+"""Mode: (bench-out on, warm spares)."""
+
+
 def one_run(dataset: str, mode: str, args: argparse.Namespace, run_dir: Path) -> dict:
+    bench, spares = MODES[mode]
     cfg = perdure_cfg(GP_MODEL, 12, dataset)
-    cfg["cluster"]["spares"] = args.spares
-    if mode == "wait":
+    cfg["cluster"]["spares"] = spares
+    if not bench:
         cfg["cluster"]["bench_lag_ms"] = 0
     chaos = spike_schedule(args.at_step, args.delay_ms, args.spike_s)
     r = perdure_run(cfg, args.steps, run_dir, chaos=chaos, timeout_s=900)
@@ -93,7 +100,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at-step", type=int, default=100)
     ap.add_argument("--delay-ms", type=int, default=1000, help="the spike's added latency")
     ap.add_argument("--spike-s", type=float, default=6.0, help="how long the spike lasts")
-    ap.add_argument("--spares", type=int, default=0, help="warm spares in both modes")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="1 repeat of 250 steps")
     ap.add_argument("--out", type=Path, default=RESULTS / "spike.json")
@@ -104,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="perdure-bench-spike-") as d:
         for rep in range(args.repeats):
-            modes = ["bench", "wait"] if rep % 2 == 0 else ["wait", "bench"]
-            for mode in modes:
-                run = one_run(dataset, mode, args, Path(d) / f"{mode}{rep}")
+            modes = list(MODES) if rep % 2 == 0 else list(reversed(MODES))
+            for k, mode in enumerate(modes):
+                run = one_run(dataset, mode, args, Path(d) / f"m{k}r{rep}")
                 print(json.dumps(run), flush=True)
                 runs.append(run)
     out = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 def summarize(runs: list[dict]) -> dict:
     """Per mode: min / median / max of the ratio, and whether every run kept the bits."""
     out = {}
-    for mode in ("bench", "wait"):
+    for mode in MODES:
         ratios = sorted(r["ratio"] for r in runs if r["mode"] == mode and r.get("ratio"))
         settled = sorted(
             r["settled_ratio"] for r in runs if r["mode"] == mode and r.get("settled_ratio")

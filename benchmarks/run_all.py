@@ -387,16 +387,17 @@ def md_spike(d: dict) -> str:
     def span(xs: list[float] | None) -> str:
         return " / ".join(f"{x:.2f}" for x in xs or []) or "-"
 
-    ratios = {m: span(sm[m]["ratio"]) for m in sm}
-    settled = {m: span(sm[m].get("settled_ratio")) for m in sm}
+    ratios = "; ".join(
+        f"{m}: {span(sm[m]['ratio'])} (after the first 1.5 s: {span(sm[m].get('settled_ratio'))})"
+        for m in sm
+    )
+    one_hash = all(sm[m]["one_final_hash"] for m in sm)
     return (
         table(head, rows)
         + f"\n\nSpike: {a['delay_ms']} ms on local-1 for {a['spike_s']} s at step "
-        + f"{a['at_step']}, {a['spares']} spare(s). Ratio (min / median / max): bench "
-        + f"{ratios['bench']}, wait {ratios['wait']}; after the first 1.5 s: bench "
-        + f"{settled['bench']}, wait {settled['wait']}; goal <= {d['goal']}x. One final hash "
-        + f"for every run: {sm['bench']['one_final_hash'] and sm['wait']['one_final_hash']}; "
-        + f"load average at start {d['machine']['loadavg_at_start']}."
+        + f"{a['at_step']}. Ratios (min / median / max): {ratios}; goal <= {d['goal']}x. "
+        + f"One final hash for every run: {one_hash}; load average at start "
+        + f"{d['machine']['loadavg_at_start']}."
     )
 
 

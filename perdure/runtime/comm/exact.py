@@ -124,13 +124,20 @@ class ExactReducer:
         acc, out = self._buffers(bufs[0])
         scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
         inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
-        pending: list[tuple[Any, int]] = []
-        for i in range(len(self._ranges(acc.numel()))):
-            self._accumulate(acc, bufs, scale, i, fused)
-            if pg is not None and tiers is not None:
-                tiered_allreduce(tiers, self._flat(acc, i), dist.ReduceOp.SUM, timeout)
+        buckets = range(len(self._ranges(acc.numel())))
+        if pg is not None and tiers is not None:
+            # One exchange for the whole buffer: across regions each exchange costs round
+            # trips, and buckets would pay them one after another.
+            for i in buckets:
+                self._accumulate(acc, bufs, scale, i, fused)
+            tiered_allreduce(tiers, acc, dist.ReduceOp.SUM, timeout)
+            for i in buckets:
                 self._convert_back(acc, inv, out, i, fused)
-            elif pg is not None:  # gloo's threads reduce this bucket while we convert the next
+            return out
+        pending: list[tuple[Any, int]] = []
+        for i in buckets:
+            self._accumulate(acc, bufs, scale, i, fused)
+            if pg is not None:  # gloo's threads reduce this bucket while we convert the next
                 pending.append((pg.allreduce([self._flat(acc, i)]), i))
             else:
                 self._convert_back(acc, inv, out, i, fused)

@@ -20,9 +20,10 @@ through the epoch's store prefix), and they die with the epoch. Whether they are
 ``cluster.hierarchical_reduce``: not a math setting, since the sum is exact either way.
 
 The direct exchange folds in rank order; for integers and MAX any order gives the same
-bits, which is why it is only used here. Limit: the three phases of a bucket run one after
-another on the comm thread (the flat path overlaps one bucket's conversion with another's
-exchange).
+bits, which is why it is only used here. The exact reduction sends its whole integer
+buffer through the tiers in one exchange (each exchange over the slow links costs round
+trips); limit: so nothing overlaps it there (the flat path overlaps one bucket's
+conversion with another's exchange).
 """
 
 from __future__ import annotations
