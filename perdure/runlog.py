@@ -197,22 +197,23 @@ def _new_lines(path: Path, offset: int, cutoff: float) -> tuple[list[tuple[float
     return out, at
 
 
-def _stamp(line: bytes) -> float | None:
+def _field(line: bytes, name: str) -> Any:
+    """Field ``name`` of a JSON-object line (None: no such field, or not such a line)."""
     try:
         record: Any = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
-    t = record.get("t") if isinstance(record, dict) else None
-    return float(t) if isinstance(t, int | float) else None
+    return record.get(name) if isinstance(record, dict) else None
+
+
+def _stamp(line: bytes) -> float | None:
+    t = _field(line, "t")
+    return float(t) if isinstance(t, int | float) and not isinstance(t, bool) else None
 
 
 def _step(line: bytes) -> int | None:
     """A metrics line's ``step`` (None: not a step's line)."""
-    try:
-        record: Any = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
-    step = record.get("step") if isinstance(record, dict) else None
+    step = _field(line, "step")
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
