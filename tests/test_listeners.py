@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_lifecycle import _LAUNCHER, _descendants
+from tests.proc_support import descendants
+from tests.test_lifecycle import _LAUNCHER
 
 pytestmark = pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
 
@@ -40,7 +41,7 @@ def test_every_listener_of_a_run_is_on_the_configured_host(
         while not (metrics.exists() and metrics.stat().st_size > 0):
             assert time.monotonic() < end and launcher.poll() is None, "the run never stepped"
             time.sleep(0.1)
-        addrs = _listeners(_descendants(launcher.pid))
+        addrs = _listeners(descendants(launcher.pid))
     finally:
         launcher.kill()
         launcher.wait(10)
