@@ -72,6 +72,21 @@ def test_a_stopped_worker_is_a_heartbeat_loss_and_its_return_no_failure() -> Non
     assert f["absorbed"] and not f["scheduled"]
 
 
+def test_a_stopped_member_benched_before_phi_fails_as_a_member_when_it_was_benched() -> None:
+    log = [
+        *BASE,
+        _e(2.5, ev.MEMBER_BENCHED, worker="b-0", lag_s=0.51),
+        _start(2.51, 1, ["a-0", "a-1"], 26),
+        _e(3.0, ev.LEAVE, worker="b-0", reason="phi > 10.0 (no heartbeat)"),
+        _e(6.1, ev.JOIN, worker="b-0", region="b", pid=12),
+        _start(6.3, 2, ["a-0", "a-1", "b-0"], 64),
+        _e(9.0, ev.RUN_END),
+    ]
+    [f] = observed_failures(log, _metrics(9))
+    assert (f["kind"], f["worker"], f["t"], f["member"]) == ("heartbeat_loss", "b-0", 2.5, True)
+    assert f["detected_by"] == ev.MEMBER_BENCHED and f["absorbed"]
+
+
 def test_a_collective_failure_nobody_died_in_is_a_failure_of_its_own() -> None:
     fault = _e(1.0, ev.FAULT_INJECTED, fault=0, kind="comm_error", target="b-0", pids=[])
     log = [

@@ -150,8 +150,17 @@ def _leaves(events: list[Record], claimed: set[int]) -> list[Record]:
         kind = next((k for word, k in _LEAVE_KINDS if reason.startswith(word)), "disconnect")
         join = _last(events, e["t"], lambda j, w=e["worker"]: _is(j, ev.JOIN, w))
         pid = join.get("pid") if join else None
-        out.append(_failure(kind, e, pid=pid, detail=reason, detect=e))
+        first = _benched_before(events, e, join) or e
+        out.append(_failure(kind, first, pid=pid, detail=reason, detect=first))
     return out
+
+
+def _benched_before(events: list[Record], leave: Record, join: Record | None) -> Record | None:
+    """The bench-out that took ``leave``'s worker out of the collective since it joined:
+    where its failure was first seen (a hung or cut-off member is benched on its
+    heartbeats' silence before phi declares it dead)."""
+    bench = _last(events, leave["t"], lambda b, w=leave["worker"]: _is(b, ev.MEMBER_BENCHED, w))
+    return bench if bench is not None and (join is None or bench["t"] >= join["t"]) else None
 
 
 def _graceful(events: list[Record], leave: Record) -> bool:
