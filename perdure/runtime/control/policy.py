@@ -766,12 +766,13 @@ class Policy:
         limit = self.cluster.bench_lag_ms / 1000
         if limit <= 0 or self.current is None:
             return False
-        if self._maybe_unbench(now, limit):
+        lags = self._lags(now)  # once a tick, for both directions
+        if self._maybe_unbench(now, limit, lags):
             return True
         step_s = self._step_s()
         if len(self.current.members) < 2 or step_s is None:
             return False
-        benched = self._to_bench(now, limit, step_s)
+        benched = self._to_bench(lags, limit, step_s)
         if not benched:
             return False
         rest = [m for m in self.current.members if m not in benched]
@@ -784,12 +785,11 @@ class Policy:
         self._announce(rest, after=-1, reason="bench")
         return True
 
-    def _to_bench(self, now: float, limit: float, step_s: float) -> dict[str, float]:
+    def _to_bench(self, lags: list[float], limit: float, step_s: float) -> dict[str, float]:
         """Members (worst first) whose lag over the others' median exceeds ``limit`` and
         costs more than the remaining members (or a warm spare) carrying their slots."""
         assert self.current is not None
         members = list(self.current.members)
-        lags = self._lags(now)
         excess = {m: excess_over_peers(lags, i) for i, m in enumerate(members)}
         spares = sum(1 for w in self._alive("spare") if w.prepared)
         out: dict[str, float] = {}
@@ -801,12 +801,10 @@ class Policy:
             spares -= 1
         return out
 
-    def _maybe_unbench(self, now: float, limit: float) -> bool:
+    def _maybe_unbench(self, now: float, limit: float, lags: list[float]) -> bool:
         """A benched member whose lag (over the members' median) stayed under half the
         bench limit for ``replan_interval_ms`` is planned back in at a boundary, or
         becomes a warm spare if a spare took its place."""
-        assert self.current is not None
-        lags = self._lags(now)
         base = statistics.median(lags) if lags else 0.0
         interval = self.cluster.heartbeat_ms / 1000
         for w in self._alive("benched"):
