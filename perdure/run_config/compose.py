@@ -71,6 +71,14 @@ class RunConfig:
         names = {f"{r.name}-{i}" for r in self.cluster.regions for i in range(64)}
         regions = {r.name for r in self.cluster.regions}
         check_targets(self.chaos, names, regions, c)
+        workers = sum(r.workers for r in self.cluster.regions)
+        c.check(
+            workers >= self.train.shard_degree,
+            "train.shard_degree",
+            f"must be at most the cluster's worker count ({workers}): a replica group is "
+            "that many workers",
+            self.train.shard_degree,
+        )
         c.done()
 
 

@@ -66,7 +66,8 @@ class OptimConfig:
 
 @dataclass(kw_only=True, frozen=True)
 class TrainConfig:
-    """The step schedule and the slot layout; every field changes the math."""
+    """The step schedule and the slot layout; every field but ``shard_degree`` changes the
+    math."""
 
     steps: int = field(default=300, metadata=MATH)
     """Optimizer steps of the run (the LR schedule is laid over them)."""
@@ -98,6 +99,14 @@ class TrainConfig:
     as autocast decides), the backward follows its casts; parameters, their gradients,
     the optimizer state and the reduction stay fp32. The bits still depend only on the
     slots, never on who computed them."""
+    shard_degree: int = 1
+    """Ranks per replica group (HSDP-style sharding, ``runtime/shard/``): the optimizer
+    state is split over the k ranks of each group, each rank keeping and updating the whole
+    parameters it owns and broadcasting them to its group after the step; a membership
+    epoch then has a multiple of k members (the rest wait as spares). Not part of the
+    math: every parameter is updated whole, by the same kernels, from the same exact sum,
+    so the bits are the same for every k. Limit: parameters stay whole on every rank
+    (the optimizer state, two thirds of an Adam replica's bytes, is what shrinks)."""
     device: Literal["cpu"] = field(default="cpu", metadata=MATH)
     """Where the model, its slot gradients and the reduction live (``cpu``: gloo is the
     data plane). Kernels differ in their bits between devices, so it is part of the
@@ -117,6 +126,14 @@ class TrainConfig:
             )
         c.non_negative("seed", self.seed)
         c.positive("threads_per_worker", self.threads_per_worker)
+        c.positive("shard_degree", self.shard_degree)
+        if self.slots > 0:
+            c.check(
+                self.shard_degree <= self.slots,
+                "shard_degree",
+                f"must be at most train.slots ({self.slots}): every rank computes a slot",
+                self.shard_degree,
+            )
         c.check(
             1 <= self.reduction_block <= 1 << 20,
             "reduction_block",

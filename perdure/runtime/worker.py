@@ -54,6 +54,8 @@ from perdure.runtime.priority import normal_priority
 from perdure.runtime.replica.task import lr_at
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
+from perdure.runtime.shard.group import Shards, optimizer_params
+from perdure.runtime.shard.owners import NONE, group_of, shard_of
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
 from perdure.runtime.wchaos import ChaosState, DelayedLink
 
@@ -203,7 +205,12 @@ class Worker:
     def _ready(self, msg: p.Announce) -> p.Start | None:
         """Report ready for the announced epoch and wait for its start (None: superseded)."""
         assert self.trainer is not None
-        ready = p.Ready(epoch=msg.epoch, next_step=self.trainer.next_step, has_state=self.has_state)
+        if self.trainer.torn:
+            self.has_state = False  # half of an update: receive a whole replica's state
+        held = self.trainer.held if self.has_state else NONE
+        ready = p.Ready(
+            epoch=msg.epoch, next_step=self.trainer.next_step, has_state=self.has_state, shard=held
+        )
         self.client.send(ready)
         return self.client.wait_start(msg.epoch)
 
@@ -238,6 +245,7 @@ class Worker:
             )
             if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
                 comm.add_tiers(store, self.region)
+            self._shard_group(store, comm, rank)
         except (Abandoned, CommFailed) as e:
             self._failed(e)
             return
@@ -245,6 +253,7 @@ class Worker:
         ep = Epoch(start.epoch, plan, rank, start, comm, runner)
         try:
             self._transfer(ep)
+            self._exchange_shards(ep)
             ep.ckpt = self._checkpointer(ep)
             self._steps(ep)
         except Abandoned:
@@ -331,6 +340,26 @@ class Worker:
                 }
             )
 
+    def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
+        """This epoch's replica group (``train.shard_degree`` > 1): its process group and
+        the trainer's side of it."""
+        assert self.trainer is not None
+        k = self.config.train.shard_degree
+        if k == 1:
+            return
+        group = comm.subgroup(store, f"shard{group_of(rank, k)}", shard_of(rank, k), k)
+        params = optimizer_params(self.trainer.optimizer)
+        self.trainer.shards = Shards(params, k=k, rank=rank, group=group, timeout=self._timeout())
+
+    def _exchange_shards(self, ep: Epoch) -> None:
+        """Every member holds its own shard's optimizer state before the first step."""
+        tr = self.trainer
+        assert tr is not None
+        if tr.shards is None:
+            return
+        state = tr.recipe.state_dict()
+        tr.keep_shard(tr.shards.exchange(ep.comm, tr.held, state))
+
     def _reload(self, path: str | None) -> None:
         """Every replica was lost: start again from a checkpoint (or from the seed)."""
         assert self.trainer is not None
@@ -375,6 +404,9 @@ class Worker:
 
     def _close_epoch(self, ep: Epoch) -> None:
         ep.comm.close()
+        if self.trainer is not None and self.trainer.shards is not None:
+            self.trainer.shards.group.close()
+            self.trainer.shards = None
         if ep.ckpt is not None:
             try:
                 ep.ckpt.wait()
@@ -470,6 +502,9 @@ class Worker:
         if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
             self.has_state = False  # no run ends with replicas that disagree
             raise CommFailed(f"replica diverged at step {tr.next_step}")
+        # Sharded: the whole optimizer state, gathered once by every member of each group
+        # (the final checkpoint and the hash read it; whether a member saves may differ).
+        tr.optimizer_state()
         if self.final_saved != tr.next_step:
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)

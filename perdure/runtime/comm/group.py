@@ -97,6 +97,24 @@ class Comm:
         args = (store, g.prefix, self.rank, self.size, region, make, self.timeout)
         self.tiers = self.call(lambda: build_tiers(*args))
 
+    def subgroup(self, store: dist.Store, name: str, rank: int, size: int) -> Comm:
+        """A process group of some members of this epoch under ``<prefix><name>/`` (a
+        replica group of ``runtime/shard``), with its own comm thread, the same backend,
+        address and timeout; only the ``size`` members that call it with the same
+        ``name`` meet."""
+        g = self._group
+        return Comm(
+            store,
+            f"{g.prefix}{name}/",
+            rank,
+            size,
+            self.timeout,
+            self.should_abort,
+            backend=g.backend,
+            bind=g.bind,
+            interface=g.interface,
+        )
+
     def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
         return self.result(self.submit(fn))

@@ -62,6 +62,8 @@ from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
 from perdure.runtime.control.lease import LeaseView
 from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance
+from perdure.runtime.shard.owners import ALL, NONE
+from perdure.runtime.shard.owners import complete as shards_complete
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A worker name: it becomes a log file name and a store key, so plain characters only."""
@@ -298,6 +300,9 @@ class Member:
     """Its link's latency over its floor, from its heartbeats' stamps."""
     calm_since: float | None = None
     """Benched: since when its link has been back to speed."""
+    shard: int = ALL
+    """The optimizer shard it holds (``train.shard_degree`` > 1): its rank's in the last
+    epoch it started, or what its last ready report said."""
 
 
 @dataclass
@@ -586,6 +591,7 @@ class Policy:
 
     def _on_ready(self, info: Member, msg: p.Ready) -> None:
         info.next_step, info.has_state = msg.next_step, msg.has_state
+        info.shard = msg.shard if msg.has_state else NONE
         pend = self.pending
         if pend is not None and msg.epoch == pend.epoch and info.name in pend.members:
             pend.ready[info.name] = msg
@@ -715,15 +721,17 @@ class Policy:
         idle = [
             w for w in self._alive("worker") if w.name not in members and not w.done and w.prepared
         ]
-        room = min(self.s.config.train.slots, self.s.expected) - len(members)
+        room = self._usable(self.s.expected) - len(members)
         for w in idle[max(0, room) :]:
             w.role = "spare"
             self._log(ev.BECAME_SPARE, worker=w.name)
-        if not idle or room <= 0:
+        # Whole replica groups only: an idle worker waits for its group's other ranks.
+        take = self._usable(len(members) + min(len(idle), max(0, room))) - len(members)
+        if not idle or take <= 0:
             return
         after = self._boundary()
         if after < self.s.config.train.steps:
-            names = sorted(members | {w.name for w in idle[:room]})
+            names = sorted(members | {w.name for w in idle[:take]})
             self._announce(names, after=after, reason="join")
 
     def _maybe_replan(self, now: float) -> None:
@@ -891,7 +899,7 @@ class Policy:
     ) -> None:
         regions = [r.name for r in self.cluster.regions]
         members = chain_order([(n, self.workers[n].region) for n in names], regions)
-        members = members[: self.s.config.train.slots]
+        members = self._pick(members, self._usable(len(members)))
         self.epoch += 1
         self.pending = Pending(self.epoch, members, after, reason, counts, self.now)
         self._log(
@@ -914,6 +922,8 @@ class Policy:
         if not pend.members:
             # Every member is gone: start over with whoever is (or comes back) alive.
             idle = [w.name for w in self._alive() if w.role in ("worker", "benched") and not w.done]
+            if len(idle) < self.s.config.train.shard_degree:
+                return  # too few for one replica group: wait for replacements
             for name in idle:
                 self.workers[name].role = "worker"  # a benched member rather than nobody
             if idle:
@@ -933,6 +943,10 @@ class Policy:
         ready = pend.ready
         with_state = [m for m in pend.members if ready[m].has_state]
         reload: str | None = None
+        if with_state and not self._shards_complete(pend, with_state):
+            if self._regroup(pend):
+                return
+            with_state = []  # a shard of the optimizer state died with its holders
         if with_state:
             start = max(ready[m].next_step for m in with_state)
             source = next(m for m in with_state if ready[m].next_step == start)
@@ -952,6 +966,63 @@ class Policy:
                 ev.RECOVERED_FROM_CHECKPOINT, epoch=pend.epoch, checkpoint=reload, start_step=start
             )
         self._publish(pend, start, source, receivers, reload, recover=not with_state)
+
+    def _usable(self, n: int) -> int:
+        """How many of ``n`` candidates an epoch takes: at most S (every member computes a
+        slot), and a multiple of ``train.shard_degree`` (whole replica groups)."""
+        k = self.s.config.train.shard_degree
+        return min(n, self.s.config.train.slots) // k * k
+
+    def _pick(self, names: list[str], n: int) -> list[str]:
+        """``n`` of ``names`` (in chain order) for an epoch: the first ``n``, except that
+        with replica groups a worker holding a shard none of them holds takes the place of
+        one whose shard another also holds (or that holds none), as far as that goes."""
+        k = self.s.config.train.shard_degree
+        chosen, rest = list(names[:n]), list(names[n:])
+        if k == 1 or not rest:
+            return chosen
+        held = lambda m: self.workers[m].shard  # noqa: E731
+        for j in range(min(k, n)):
+            have = [held(m) for m in chosen]
+            if ALL in have or j in have:
+                continue
+            donor = next((m for m in rest if held(m) in (j, ALL)), None)
+            spare = [m for m in chosen if have.count(held(m)) > 1 or held(m) == NONE]
+            if donor is None or not spare:
+                continue
+            chosen.remove(spare[-1])
+            rest.remove(donor)
+            chosen.append(donor)
+        return [m for m in names if m in chosen]
+
+    def _regroup(self, pend: Pending) -> bool:
+        """An epoch whose members lack a shard (a member's update was torn by a death in
+        its group): announce another set of the live workers if one holds every shard.
+        False: no better set, the caller recovers from a checkpoint."""
+        names = [w.name for w in self._alive() if w.role in ("worker", "benched") and not w.done]
+        for m, r in pend.ready.items():
+            self.workers[m].shard = r.shard if r.has_state else NONE
+        pick = self._pick(
+            chain_order([(n, self.workers[n].region) for n in names], self._regions()),
+            self._usable(len(names)),
+        )
+        if sorted(pick) == sorted(pend.members) or not pick:
+            return False
+        self._announce(pick, after=-1, reason="optimizer shard regrouped")
+        return True
+
+    def _regions(self) -> list[str]:
+        return [r.name for r in self.cluster.regions]
+
+    def _shards_complete(self, pend: Pending, with_state: list[str]) -> bool:
+        """Whether the members with live state at the start step hold, between them, every
+        shard of the optimizer state that the new plan's ranks need."""
+        k = self.s.config.train.shard_degree
+        if k == 1:
+            return True
+        start = max(pend.ready[m].next_step for m in with_state)
+        held = [pend.ready[m].shard for m in with_state if pend.ready[m].next_step == start]
+        return shards_complete(held, k, len(pend.members))
 
     def _publish(
         self,
@@ -980,6 +1051,9 @@ class Policy:
             if self.drain is not None:
                 self._send(m, self.drain)  # a joiner or promoted spare must stop there too
             self.workers[m].next_step = start
+        k = self.s.config.train.shard_degree
+        for i, m in enumerate(plan.members):
+            self.workers[m].shard = i % k if k > 1 else ALL
         self.current, self.pending = plan, None
         self.last_replan = self.now
         self.fail_at = None

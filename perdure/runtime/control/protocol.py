@@ -15,7 +15,8 @@ announcement and start carries the generation of the coordinator that sent it, a
 carries the newest one the worker followed, the challenge says whether its sender is
 serving, and a refusal may say "retry" (a standby that does not hold the lease, or a
 coordinator renewing its own). Version 3 added the heartbeat's ``sent`` stamp, from which
-the coordinator measures each member's link latency (``control/lag.py``).
+the coordinator measures each member's link latency (``control/lag.py``). Version 4 added
+the ready's ``shard``: which shard of a replica group's optimizer state the member holds.
 
 Limits: a line is at most ``MAX_LINE`` bytes (the welcome, which carries the run config,
 is the largest message); strings, lists and nesting are bounded so that decoding is cheap
@@ -31,7 +32,7 @@ import typing
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Union
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
 MAX_STR = 4096
@@ -90,6 +91,9 @@ class Ready:
     epoch: int
     next_step: int
     has_state: bool
+    shard: int = -1
+    """The shard of the optimizer state it holds (``train.shard_degree`` > 1); -1: all of
+    it, -2: none (``runtime/shard/owners.py``)."""
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import build_task, plain_module
+from perdure.runtime.shard.group import Shards
+from perdure.runtime.shard.owners import ALL
 
 
 class MathError(RuntimeError):
@@ -92,6 +94,15 @@ class Trainer:
                 )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
+        self.shards: Shards | None = None
+        """This member's replica group in the current epoch (``train.shard_degree`` > 1)."""
+        self.torn = False
+        """A sharded update that did not complete (a group member died during the
+        parameters' exchange): this replica's own shard moved on, the others did not, so
+        it must receive a peer's state before it trains again."""
+        self._gathered: tuple[tuple[int, int], dict[str, Any]] | None = None
+        self.held = ALL
+        """Which shard's optimizer state this replica holds (``shard.owners.ALL``: all)."""
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
@@ -163,7 +174,14 @@ class Trainer:
                 self.model.parameters(), self.config.optim.grad_clip, foreach=False
             )
         lr = self.recipe.set_lr(step)
+        self._gathered = None
+        if self.shards is not None:
+            self.shards.drop_foreign_grads()
+            self.torn = True  # until every owner's update is in: see ``torn``
         self.recipe.step()
+        if self.shards is not None:
+            self.shards.sync_params()
+            self.torn = False
         if not self._params_finite():
             raise MathError(
                 f"step {step}: the optimizer made parameters non-finite from a finite gradient "
@@ -233,13 +251,31 @@ class Trainer:
         return list(self.module.state_dict().keys())
 
     def digest(self) -> str:
-        return state_digest(self.module.state_dict(), self.recipe.state_dict())
+        return state_digest(self.module.state_dict(), self.optimizer_state())
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The whole optimizer state (gathered from the replica group when sharded: every
+        member of the group must call it at the same point)."""
+        state = self.recipe.state_dict()
+        if self.shards is None:
+            return state
+        key = (self.next_step, self.state_version)
+        if self._gathered is None or self._gathered[0] != key:
+            self._gathered = (key, self.shards.gather(state))
+        return self._gathered[1]
+
+    def keep_shard(self, state: dict[str, Any] | None) -> None:
+        """Hold exactly this shard's optimizer state from now on (``Shards.exchange``)."""
+        assert self.shards is not None
+        if state is not None:
+            self.recipe.load_state_dict(state, source="the replica group's shard")
+        self.held = self.shards.mine
 
     def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
         return CheckpointState(
             step=self.next_step,
             model=self.module.state_dict(),
-            optimizer=self.recipe.state_dict(),
+            optimizer=self.optimizer_state(),
             rng=capture_rng(self.config.train.seed),
             data=self.loader.state(self.next_step).to_dict(),
             config_hash=self.config_hash,
@@ -264,6 +300,8 @@ class Trainer:
         restore_rng(ckpt.rng)
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
+        self.held = ALL
+        self.torn = False
         self.state_version += 1
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
         return notes
@@ -274,6 +312,7 @@ class Trainer:
             "next_step": self.next_step,
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
+            "held": self.held,
         }
         return self.module.state_dict(), self.recipe.state_dict(), extra
 
@@ -285,6 +324,8 @@ class Trainer:
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
+        self.held = int(extra.get("held", ALL))
+        self.torn = False
         self.state_version += 1
 
     def close(self) -> None:

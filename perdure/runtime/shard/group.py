@@ -1,0 +1,114 @@
+"""One member's side of its replica group for one membership epoch.
+
+The group is ``k`` consecutive ranks of the plan (``owners.group_of``), with a process
+group of its own. Every rank computes whole slots with the whole parameters and takes part
+in the exact (or chain) reduction over every member, so every rank holds the step's
+gradient sum. It then updates only the parameters its shard owns (the optimizer skips a
+parameter whose ``.grad`` is None, so it keeps no state for the others) and the owners
+broadcast the updated parameters to their group: the same bits on every rank, for any k.
+
+Limits of this step: parameters and the gradient sum stay whole on every rank (what
+shrinks by k is the optimizer state); a checkpoint and the final hash gather the whole
+optimizer state on every rank of each group for the time of the save.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
+from perdure.runtime.shard.owners import ALL, owners, shard_of, sources
+from perdure.runtime.shard.state import merge, part
+
+
+def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters in the order of the optimizer state's indices."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+class Shards:
+    """Ownership, the update's exchange and the optimizer state's moves of one member."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        *,
+        k: int,
+        rank: int,
+        group: Comm,
+        timeout: timedelta,
+    ) -> None:
+        self.params = list(params)
+        self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
+        self.owner = owners([p.numel() for p in self.params], k)
+        self.mine = shard_of(rank, k)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def drop_foreign_grads(self) -> None:
+        """Before the optimizer's step: only this shard's parameters are updated here."""
+        for p, j in zip(self.params, self.owner, strict=True):
+            if j != self.mine:
+                p.grad = None
+
+    def sync_params(self) -> None:
+        """After it: each shard's owner broadcasts its updated parameters to the group (as
+        bytes, so any dtype travels), and the others copy them in."""
+        for j in range(self.k):
+            owned = [p for p, o in zip(self.params, self.owner, strict=True) if o == j]
+            if owned:
+                self._broadcast_params(j, owned)
+
+    def _broadcast_params(self, j: int, owned: list[torch.Tensor]) -> None:
+        sizes = [p.numel() * p.element_size() for p in owned]
+        if j == self.mine:
+            flat = torch.cat([p.detach().contiguous().reshape(-1).view(torch.uint8) for p in owned])
+        else:
+            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        pg, t = self.group.pg, self.timeout
+        self.group.call(lambda: pg.broadcast(flat, j).wait(t))
+        if j == self.mine:
+            return
+        offset = 0
+        with torch.no_grad():
+            for p, n in zip(owned, sizes, strict=True):
+                p.copy_(flat[offset : offset + n].view(p.dtype).view(p.shape))
+                offset += n
+
+    # -- the optimizer state ---------------------------------------------------------------
+
+    def gather(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The whole optimizer state, from every shard's owner in this group (for a
+        checkpoint or the final hash); ``state``: this rank's (its shard's) state."""
+        parts = []
+        for j in range(self.k):
+            mine = pack({}, part(state, self.owner, j), {}) if j == self.mine else None
+            head, blob = broadcast_state(self.group, j, mine, self.timeout)
+            parts.append(unpack(head, blob)[1] if j != self.mine else part(state, self.owner, j))
+        return merge(parts)
+
+    def exchange(self, epoch: Comm, held: int, state: dict[str, Any]) -> dict[str, Any] | None:
+        """At an epoch's start, over the whole epoch: every member that lacks its shard's
+        state receives it from the lowest rank that has it. ``held``: what this rank holds
+        (a shard, ``ALL``, or ``NONE``); returns the state this rank must load (its shard
+        only), or None when it holds exactly that already."""
+        mine = torch.tensor([held], dtype=torch.int64)
+        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(epoch.size)]
+        epoch.call(lambda: epoch.pg.allgather([outs], [mine]).wait(self.timeout))
+        holdings = [int(o[0]) for o in outs]
+        got: dict[str, Any] | None = None
+        for j, src in sorted(sources(holdings, self.k).items()):
+            payload = pack({}, part(state, self.owner, j), {}) if self.rank == src else None
+            head, blob = broadcast_state(epoch, src, payload, self.timeout)
+            if j == self.mine and held not in (j, ALL):
+                got = unpack(head, blob)[1]
+        if got is not None:
+            return part(got, self.owner, self.mine)
+        if held == ALL:
+            return part(state, self.owner, self.mine)
+        return None

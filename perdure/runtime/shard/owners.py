@@ -1,0 +1,67 @@
+"""Which rank of a replica group owns which parameter, and who sends which shard when an
+epoch begins. Pure functions of sizes, ranks and what each rank holds.
+
+A parameter is owned whole: its optimizer state lives on one rank of each group, which
+updates it with the optimizer's own kernels on the whole tensor, exactly as an unsharded
+replica would. Splitting tensors along a dimension (FSDP2's ``Shard(0)``) would save more
+memory, but it changes the bits of anything that is not elementwise: the norms of gradient
+clipping, and optimizers that look at a whole matrix (Shampoo, Muon, Adafactor's factored
+moments). Whole-parameter ownership keeps ``train.shard_degree`` out of the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+ALL = -1
+"""A rank's holding when it has every shard's state (k = 1, the seed's initial state, a
+checkpoint just loaded)."""
+NONE = -2
+"""A rank's holding when it has no current optimizer state."""
+
+
+def owners(sizes: Sequence[int], k: int) -> list[int]:
+    """The shard (0..k-1) that owns each parameter, balanced by size: largest first to the
+    lightest shard (ties: the lower shard; equal sizes: the lower index first)."""
+    if k < 1:
+        raise ValueError(f"shard degree must be >= 1 (got {k})")
+    load = [0] * k
+    out = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        j = min(range(k), key=lambda j: (load[j], j))
+        out[i] = j
+        load[j] += sizes[i]
+    return out
+
+
+def shard_of(rank: int, k: int) -> int:
+    """The shard a member owns: its position inside its group (groups are consecutive
+    ranks of the plan: ``rank // k``)."""
+    return rank % k
+
+
+def group_of(rank: int, k: int) -> int:
+    return rank // k
+
+
+def sources(held: Sequence[int], k: int) -> dict[int, int]:
+    """For each shard some member must receive, the rank that sends it: the lowest rank
+    that holds it (or holds everything). ``held[r]``: what rank r holds (a shard, ``ALL``
+    or ``NONE``). Raises ``LookupError`` naming a shard that nobody holds."""
+    out: dict[int, int] = {}
+    for j in range(k):
+        needers = [r for r in range(len(held)) if shard_of(r, k) == j and held[r] not in (j, ALL)]
+        if not needers:
+            continue
+        have = [r for r in range(len(held)) if held[r] in (j, ALL)]
+        if not have:
+            raise LookupError(f"optimizer shard {j} of {k} is held by no member")
+        out[j] = have[0]
+    return out
+
+
+def complete(held: Sequence[int], k: int, size: int) -> bool:
+    """Whether members holding ``held`` (any order) can give every rank of a ``size``-member
+    epoch its shard: the coordinator's check before it starts an epoch from live state."""
+    needed = {shard_of(r, k) for r in range(size)}
+    return ALL in held or needed <= set(held)

@@ -1,0 +1,55 @@
+"""The pure parts of replica-group sharding: who owns a parameter, who sends a shard, and
+optimizer state dicts cut and merged by shard."""
+
+from __future__ import annotations
+
+import pytest
+
+from perdure.runtime.shard.owners import ALL, NONE, complete, owners, shard_of, sources
+from perdure.runtime.shard.state import merge, part
+
+
+def test_owners_balance_bytes_largest_first_and_do_not_depend_on_anything_else() -> None:
+    sizes = [10, 400, 30, 400, 5, 200]
+    got = owners(sizes, 2)
+    assert got == owners(list(sizes), 2)  # a pure function
+    assert got == [1, 0, 1, 1, 1, 0]  # 400 -> 0, 400 -> 1, 200 -> 0, then 30, 10, 5 -> 1
+    load = [sum(s for s, o in zip(sizes, got, strict=True) if o == j) for j in range(2)]
+    assert load == [600, 445]
+    assert owners(sizes, 1) == [0] * len(sizes)
+
+
+def test_a_shard_degree_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="shard degree must be >= 1"):
+        owners([1, 2], 0)
+
+
+def test_each_member_that_lacks_its_shard_gets_it_from_the_lowest_holder() -> None:
+    # k = 2, four ranks: rank r owns shard r % 2. Ranks 0 and 1 swapped shards (a kill
+    # moved them), rank 2 is fresh, rank 3 holds shard 1 already.
+    assert sources([1, 0, NONE, 1], 2) == {0: 1, 1: 0}
+    assert sources([0, 1, 0, 1], 2) == {}  # everyone holds its own
+    assert sources([ALL, NONE], 2) == {1: 0}  # a checkpoint just loaded holds every shard
+    assert [shard_of(r, 3) for r in range(6)] == [0, 1, 2, 0, 1, 2]
+
+
+def test_a_shard_nobody_holds_is_named() -> None:
+    with pytest.raises(LookupError, match="optimizer shard 1 of 2 is held by no member"):
+        sources([0, NONE], 2)
+    assert not complete([0, 0], 2, 2)
+    assert complete([1, 0], 2, 4) and complete([ALL], 3, 6)
+    assert complete([0], 2, 1)  # one rank needs only shard 0
+
+
+def test_a_state_cut_by_shard_merges_back_to_the_same_dict() -> None:
+    state = {
+        "state": {0: {"step": 1}, 1: {"step": 2}, 2: {"step": 3}},
+        "param_groups": [{"lr": 0.1, "params": [0, 1, 2]}],
+        "scheduler": {"last_epoch": 4},
+    }
+    owner = [1, 0, 1]
+    parts = [part(state, owner, j) for j in range(2)]
+    assert parts[0]["state"] == {1: {"step": 2}}
+    assert parts[1]["param_groups"] == state["param_groups"]
+    assert parts[1]["scheduler"] == state["scheduler"]
+    assert merge(parts[::-1]) == state
