@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from perdure.runtime.shard.owners import ALL, NONE, complete, owners, shard_of, sources
-from perdure.runtime.shard.state import merge, part
+from perdure.runtime.shard_plan import ALL, NONE, complete, merge, owners, part, shard_of, sources
 
 
 def test_owners_balance_bytes_largest_first_and_do_not_depend_on_anything_else() -> None:

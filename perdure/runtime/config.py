@@ -100,9 +100,9 @@ class TrainConfig:
     the optimizer state and the reduction stay fp32. The bits still depend only on the
     slots, never on who computed them."""
     shard_degree: int = 1
-    """Ranks per replica group (HSDP-style sharding, ``runtime/shard/``): the optimizer
-    state is split over the k ranks of each group, each rank keeping and updating the whole
-    parameters it owns and broadcasting them to its group after the step; a membership
+    """Ranks per replica group (HSDP-style sharding, ``runtime/shard_group.py``): the
+    optimizer state is split over the k ranks of each group, each rank keeping and updating
+    the whole parameters it owns and broadcasting them to its group after the step; a membership
     epoch then has a multiple of k members (the rest wait as spares). Not part of the
     math: every parameter is updated whole, by the same kernels, from the same exact sum,
     so the bits are the same for every k. Limit: parameters stay whole on every rank

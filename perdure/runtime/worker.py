@@ -54,8 +54,8 @@ from perdure.runtime.priority import normal_priority
 from perdure.runtime.replica.task import lr_at
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
-from perdure.runtime.shard.group import Shards, optimizer_params
-from perdure.runtime.shard.owners import NONE, group_of, shard_of
+from perdure.runtime.shard_group import Shards, optimizer_params
+from perdure.runtime.shard_plan import NONE, group_of, shard_of
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
 from perdure.runtime.wchaos import ChaosState, DelayedLink
 
@@ -119,6 +119,8 @@ class Worker:
         self.timer = SlotTimer()
         self.chaos = ChaosState()
         self.trainer: Trainer | None = None
+        self.shards: Shards | None = None
+        """This epoch's replica group (``train.shard_degree`` > 1)."""
         self.final_saved = -1
         self.leaving = False
         self.suspects: dict[str, int] = {}
@@ -349,16 +351,16 @@ class Worker:
             return
         group = comm.subgroup(store, f"shard{group_of(rank, k)}", shard_of(rank, k), k)
         params = optimizer_params(self.trainer.optimizer)
-        self.trainer.shards = Shards(params, k=k, rank=rank, group=group, timeout=self._timeout())
+        self.shards = Shards(params, k=k, rank=rank, group=group, timeout=self._timeout())
+        self.trainer.shards = self.shards
 
     def _exchange_shards(self, ep: Epoch) -> None:
         """Every member holds its own shard's optimizer state before the first step."""
-        tr = self.trainer
+        tr, shards = self.trainer, self.shards
         assert tr is not None
-        if tr.shards is None:
+        if shards is None:
             return
-        state = tr.recipe.state_dict()
-        tr.keep_shard(tr.shards.exchange(ep.comm, tr.held, state))
+        tr.keep_shard(shards.exchange(ep.comm, tr.held, tr.recipe.state_dict()))
 
     def _reload(self, path: str | None) -> None:
         """Every replica was lost: start again from a checkpoint (or from the seed)."""
@@ -404,8 +406,10 @@ class Worker:
 
     def _close_epoch(self, ep: Epoch) -> None:
         ep.comm.close()
-        if self.trainer is not None and self.trainer.shards is not None:
-            self.trainer.shards.group.close()
+        if self.shards is not None:
+            self.shards.group.close()
+            self.shards = None
+        if self.trainer is not None:
             self.trainer.shards = None
         if ep.ckpt is not None:
             try:

@@ -62,8 +62,8 @@ from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
 from perdure.runtime.control.lease import LeaseView
 from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance
-from perdure.runtime.shard.owners import ALL, NONE
-from perdure.runtime.shard.owners import complete as shards_complete
+from perdure.runtime.shard_plan import ALL, NONE
+from perdure.runtime.shard_plan import complete as shards_complete
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A worker name: it becomes a log file name and a store key, so plain characters only."""

@@ -93,7 +93,7 @@ class Ready:
     has_state: bool
     shard: int = -1
     """The shard of the optimizer state it holds (``train.shard_degree`` > 1); -1: all of
-    it, -2: none (``runtime/shard/owners.py``)."""
+    it, -2: none (``runtime/shard_plan.py``)."""
 
 
 @dataclass(frozen=True)

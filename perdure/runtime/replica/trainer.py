@@ -9,7 +9,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -29,8 +29,7 @@ from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import build_task, plain_module
-from perdure.runtime.shard.group import Shards
-from perdure.runtime.shard.owners import ALL
+from perdure.runtime.shard_plan import ALL
 
 
 class MathError(RuntimeError):
@@ -43,6 +42,18 @@ def configure_torch(threads: int) -> None:
     """Fix what changes bits: intra-op threads and deterministic algorithms."""
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
+
+
+class ShardSeam(Protocol):
+    """What the trainer needs of its replica group (``runtime/shard_group.py``)."""
+
+    mine: int
+
+    def drop_foreign_grads(self) -> None: ...
+
+    def sync_params(self) -> None: ...
+
+    def gather(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
 
 class Trainer:
@@ -94,7 +105,7 @@ class Trainer:
                 )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
-        self.shards: Shards | None = None
+        self.shards: ShardSeam | None = None
         """This member's replica group in the current epoch (``train.shard_degree`` > 1)."""
         self.torn = False
         """A sharded update that did not complete (a group member died during the
@@ -102,7 +113,7 @@ class Trainer:
         it must receive a peer's state before it trains again."""
         self._gathered: tuple[tuple[int, int], dict[str, Any]] | None = None
         self.held = ALL
-        """Which shard's optimizer state this replica holds (``shard.owners.ALL``: all)."""
+        """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all)."""
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""

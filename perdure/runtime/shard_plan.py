@@ -1,5 +1,7 @@
-"""Which rank of a replica group owns which parameter, and who sends which shard when an
-epoch begins. Pure functions of sizes, ranks and what each rank holds.
+"""Replica groups (``train.shard_degree``), the pure part: which rank of a group owns which
+parameter, who sends which shard when an epoch begins, and optimizer state dicts cut and
+merged by shard. Pure functions of sizes, ranks and what each rank holds (the coordinator's
+policy and the trainer use them; ``shard_group.py`` runs them on process groups).
 
 A parameter is owned whole: its optimizer state lives on one rank of each group, which
 updates it with the optimizer's own kernels on the whole tensor, exactly as an unsharded
@@ -12,6 +14,7 @@ moments). Whole-parameter ownership keeps ``train.shard_degree`` out of the math
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 ALL = -1
 """A rank's holding when it has every shard's state (k = 1, the seed's initial state, a
@@ -65,3 +68,27 @@ def complete(held: Sequence[int], k: int, size: int) -> bool:
     epoch its shard: the coordinator's check before it starts an epoch from live state."""
     needed = {shard_of(r, k) for r in range(size)}
     return ALL in held or needed <= set(held)
+
+
+# -- optimizer state dicts cut and merged by shard (plain dicts: no torch calls) ---------
+#
+# A torch optimizer's ``state_dict()`` holds ``"state"`` (per parameter index, in
+# param-group order) and ``"param_groups"`` (hyperparameters, identical on every rank). A
+# shard's part keeps the param groups and the states of the parameters it owns; a recipe's
+# scheduler state (under ``"scheduler"``) is identical on every rank and travels with
+# every part.
+
+
+def part(state: dict[str, Any], owner: Sequence[int], shard: int) -> dict[str, Any]:
+    """The part of ``state`` that shard ``shard`` owns."""
+    kept = {i: s for i, s in state["state"].items() if owner[int(i)] == shard}
+    return {**state, "state": kept}
+
+
+def merge(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One state from the parts of every shard (their param groups are equal)."""
+    assert parts, "merge of no parts"
+    states: dict[Any, Any] = {}
+    for p in parts:
+        states.update(p["state"])
+    return {**parts[0], "state": dict(sorted(states.items(), key=lambda kv: int(kv[0])))}

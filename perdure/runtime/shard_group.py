@@ -22,8 +22,7 @@ import torch
 
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
-from perdure.runtime.shard.owners import ALL, owners, shard_of, sources
-from perdure.runtime.shard.state import merge, part
+from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
