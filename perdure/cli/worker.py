@@ -68,6 +68,13 @@ def _token() -> str:
     "(gloo's device; NCCL_SOCKET_IFNAME for NCCL).",
 )
 @click.option(
+    "--device-index",
+    type=click.IntRange(min=0),
+    default=None,
+    help="The GPU of this host it takes with train.device = 'cuda' (modulo the host's "
+    "GPU count; default: $LOCAL_RANK, else 0). Ignored on the CPU.",
+)
+@click.option(
     "--join-timeout-s",
     default=60.0,
     show_default=True,
@@ -81,6 +88,7 @@ def worker(
     yield_cpu_until_ready: bool,
     host: str | None,
     interface: str | None,
+    device_index: int | None,
     join_timeout_s: float,
 ) -> None:
     """Join a run as a worker. The run token comes from $PERDURE_RUN_TOKEN.
@@ -101,6 +109,7 @@ def worker(
             join_timeout_s=join_timeout_s,
             host=host,
             interface=interface,
+            device_index=device_index,
         )
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--coordinator") from None

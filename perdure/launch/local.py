@@ -156,6 +156,8 @@ class LocalLauncher:
         """Last error line -> the workers whose start-up ended with it, in order."""
         self._log_start: dict[str, int] = {}
         """Each worker's log size when its current process started (logs are appended)."""
+        self._device_index: dict[str, int] = {}
+        """Each worker name's GPU index on this host (for train.device = 'cuda')."""
         self._events_tail = Tail(self.run_dir / "events.jsonl", from_end=True)
         self._ended = False
         self.zygote: Zygote | None = None
@@ -193,6 +195,8 @@ class LocalLauncher:
     def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
         log = self.run_dir / "logs" / f"{name}.log"
         self._log_start[name] = log.stat().st_size if log.exists() else 0
+        # One GPU per worker name, kept by its replacements (train.device = 'cuda').
+        index = self._device_index.setdefault(name, len(self._device_index))
         popen = start_worker(
             name,
             region,
@@ -203,6 +207,7 @@ class LocalLauncher:
             yield_cpu=gen > 0,
             zygote=self.zygote,
             host=self.config.cluster.host,
+            device_index=index,
         )
         self.procs[name] = Proc(name, region, role, popen, generation=gen)
 

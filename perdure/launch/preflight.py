@@ -149,6 +149,12 @@ def _bounds(config: RunConfig) -> list[Problem]:
             if f.name.endswith("_ms") and isinstance(v, int | float) and abs(v) > MAX_MS:
                 out.append(Problem(f"{section}.{f.name}", f"must be at most {MAX_MS} ms", v))
     t = config.train
+    if t.device == "cuda":
+        from perdure.runtime.placement import cuda_problem
+
+        problem = cuda_problem()
+        if problem is not None:
+            out.append(Problem("train.device", problem, t.device))
     if t.seed >= MAX_SEED:
         out.append(Problem("train.seed", f"must be < 2**64 ({MAX_SEED})", t.seed))
     if t.steps * t.global_batch >= MAX_POSITION:

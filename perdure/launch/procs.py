@@ -133,6 +133,7 @@ def start_worker(
     yield_cpu: bool = False,
     zygote: Zygote | None = None,
     host: str | None = None,
+    device_index: int | None = None,
 ) -> Process:
     """Start a worker process. ``yield_cpu`` (for replacements on a shared machine): it
     starts at a low CPU priority so that its start-up (Python, torch, the model) does not
@@ -146,6 +147,7 @@ def start_worker(
         role=role,
         yield_cpu=yield_cpu,
         host=host,
+        device_index=device_index,
     )
     if zygote is not None:
         log.parent.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,12 @@ class RunConfig:
         names = {f"{r.name}-{i}" for r in self.cluster.regions for i in range(64)}
         regions = {r.name for r in self.cluster.regions}
         check_targets(self.chaos, names, regions, c)
+        c.check(
+            not (self.cluster.data_plane == "nccl" and self.train.device == "cpu"),
+            "cluster.data_plane",
+            "'nccl' carries CUDA tensors: it needs train.device = 'cuda'",
+            self.cluster.data_plane,
+        )
         workers = sum(r.workers for r in self.cluster.regions)
         c.check(
             workers >= self.train.shard_degree,

@@ -107,10 +107,13 @@ class TrainConfig:
     math: every parameter is updated whole, by the same kernels, from the same exact sum,
     so the bits are the same for every k. Limit: parameters stay whole on every rank
     (the optimizer state, two thirds of an Adam replica's bytes, is what shrinks)."""
-    device: Literal["cpu"] = field(default="cpu", metadata=MATH)
-    """Where the model, its slot gradients and the reduction live (``cpu``: gloo is the
-    data plane). Kernels differ in their bits between devices, so it is part of the
-    math."""
+    device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
+    """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
+    in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
+    ``runtime/placement.py``, and ``cluster.data_plane`` for where the slot buffers and
+    the collectives live). Kernels differ in their bits between devices, so it is part of
+    the math. Checked before any worker starts: ``cuda`` on a host without CUDA is
+    refused. Limit: the CUDA paths have not run on a GPU yet."""
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -266,6 +269,11 @@ class ClusterConfig:
     evict_after_suspect: int = 2
     """Evict a worker after this many non-finite slots that did not reproduce on another
     worker (a hardware suspect rather than bad data)."""
+    data_plane: Literal["auto", "gloo", "nccl"] = "auto"
+    """The collectives' backend: ``auto`` is NCCL for ``train.device = 'cuda'`` (slot
+    buffers on the GPU, one GPU per worker) and gloo for ``cpu``; ``gloo`` with ``cuda``
+    keeps the slot buffers and collectives in host memory, for workers that share a GPU.
+    Not part of the math: the reductions are perdure's own arithmetic."""
     hierarchical_reduce: bool = True
     """With ``train.reduction = "exact"`` and several regions: all-reduce inside each
     region, then among one leader per region, then broadcast inside the region, so the

@@ -33,6 +33,9 @@ class WorkerSpec:
     unset: its own address on the path to the coordinator."""
     interface: str | None = None
     """The network interface its data plane uses, by name (instead of ``host``)."""
+    device_index: int | None = None
+    """The GPU of its host it takes with ``train.device = 'cuda'`` (modulo the host's
+    count); unset: ``$LOCAL_RANK``, else 0."""
 
     def __post_init__(self) -> None:
         if not self.coordinators:
@@ -54,6 +57,8 @@ class WorkerSpec:
             args += ["--host", self.host]
         if self.interface:
             args += ["--interface", self.interface]
+        if self.device_index is not None:
+            args += ["--device-index", str(self.device_index)]
         for c in self.coordinators:
             args += ["--coordinator", c]
         return args
@@ -100,6 +105,7 @@ def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
         restore_priority=spec.yield_cpu,
         host=spec.host,
         interface=spec.interface,
+        device_index=spec.device_index,
     )
     signal.signal(signal.SIGTERM, lambda *_: w.leave())
     return w.run()

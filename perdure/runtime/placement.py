@@ -1,30 +1,86 @@
 """Where a replica's tensors live and which backend carries its collectives.
 
 Read in one place from ``train.device`` (a math setting: kernels differ in their bits
-between devices). Today only ``cpu`` with gloo exists; CUDA with NCCL plugs in here
-(the device of the model, the slot buffers and the reduction's scratch, and the
-backend of each epoch's process group).
+between devices) and ``cluster.data_plane`` (not one: the reductions are perdure's own
+arithmetic, exact integers or float adds in slot order, and give the same bits on either
+side). Three placements:
+
+- ``cpu``: model, slot buffers and collectives on the CPU, gloo;
+- ``cuda`` with NCCL: model, slot buffers and collectives on this worker's GPU (one GPU
+  per worker: NCCL refuses two ranks on one device);
+- ``cuda`` with gloo: the model on the GPU, each slot's gradient copied into a slot buffer
+  in host memory, collectives on the CPU: for workers that share a GPU.
+
+Limit, stated: the CUDA placements have not run on a GPU yet (no device was lent to the
+sessions that built them); ``benchmarks/gpu_check.sh`` is the check to run on the first
+one. On CPU, the tests cover everything around them and the refusal below.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from perdure.runtime.config import TrainConfig
+from perdure.runtime.config import ClusterConfig, TrainConfig
+
+CUBLAS_WORKSPACE = ":4096:8"
+"""cuBLAS's deterministic workspace setting (``CUBLAS_WORKSPACE_CONFIG``)."""
 
 
 @dataclass(frozen=True)
 class Placement:
-    """The device of a replica's tensors and the data plane's backend."""
+    """The device of the model, the device of the slot buffers and collectives, and the
+    data plane's backend."""
 
     device: torch.device
+    buffers: torch.device
     backend: str
 
     @staticmethod
-    def of(train: TrainConfig) -> Placement:
-        backends = {"cpu": "gloo"}
-        if train.device not in backends:
-            raise ValueError(f"train.device: unsupported device {train.device!r}")
-        return Placement(torch.device(train.device), backends[train.device])
+    def of(train: TrainConfig, cluster: ClusterConfig, local_index: int = 0) -> Placement:
+        """``local_index``: this worker's index among the workers of its host (the GPU it
+        takes, modulo the host's count)."""
+        plane = cluster.data_plane
+        if train.device == "cpu":
+            if plane == "nccl":
+                raise ValueError("cluster.data_plane: 'nccl' needs train.device = 'cuda'")
+            cpu = torch.device("cpu")
+            return Placement(cpu, cpu, "gloo")
+        problem = cuda_problem()
+        if problem is not None:
+            raise ValueError(f"train.device: {problem}")
+        gpu = torch.device("cuda", local_index % torch.cuda.device_count())
+        if plane == "gloo":
+            return Placement(gpu, torch.device("cpu"), "gloo")
+        return Placement(gpu, gpu, "nccl")
+
+
+def cuda_problem() -> str | None:
+    """Why ``train.device = 'cuda'`` cannot run here, or None."""
+    if torch.cuda.is_available():
+        return None
+    built = torch.version.cuda or "none (a CPU build)"
+    return (
+        "'cuda' needs a CUDA device, and torch.cuda.is_available() is False on this host "
+        f"(torch {torch.__version__}, CUDA build: {built})"
+    )
+
+
+def deterministic_cuda() -> dict[str, Any]:
+    """Set what changes a CUDA run's bits from one run to the next, before the first CUDA
+    call (cuBLAS reads its workspace setting once), and return it for the record: TF32
+    off (a math choice, not an accident of the card), deterministic cuDNN, no autotuning."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    return {
+        "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
+        "allow_tf32": False,
+        "cudnn_deterministic": True,
+        "cudnn_benchmark": False,
+    }

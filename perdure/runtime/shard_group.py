@@ -65,10 +65,12 @@ class Shards:
 
     def _broadcast_params(self, j: int, owned: list[torch.Tensor]) -> None:
         sizes = [p.numel() * p.element_size() for p in owned]
+        dev = self.group.device
         if j == self.mine:
-            flat = torch.cat([p.detach().contiguous().reshape(-1).view(torch.uint8) for p in owned])
+            views = [p.detach().contiguous().reshape(-1).view(torch.uint8) for p in owned]
+            flat = torch.cat([v.to(dev) for v in views])
         else:
-            flat = torch.empty(sum(sizes), dtype=torch.uint8)
+            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
         pg, t = self.group.pg, self.timeout
         self.group.call(lambda: pg.broadcast(flat, j).wait(t))
         if j == self.mine:
@@ -76,7 +78,7 @@ class Shards:
         offset = 0
         with torch.no_grad():
             for p, n in zip(owned, sizes, strict=True):
-                p.copy_(flat[offset : offset + n].view(p.dtype).view(p.shape))
+                p.copy_(flat[offset : offset + n].view(p.dtype).view(p.shape))  # to p's device
                 offset += n
 
     # -- the optimizer state ---------------------------------------------------------------
@@ -86,7 +88,8 @@ class Shards:
         checkpoint or the final hash); ``state``: this rank's (its shard's) state."""
         parts = []
         for j in range(self.k):
-            mine = pack({}, part(state, self.owner, j), {}) if j == self.mine else None
+            own = part(state, self.owner, j)
+            mine = pack({}, own, {}, self.group.device) if j == self.mine else None
             head, blob = broadcast_state(self.group, j, mine, self.timeout)
             parts.append(unpack(head, blob)[1] if j != self.mine else part(state, self.owner, j))
         return merge(parts)
@@ -96,13 +99,15 @@ class Shards:
         state receives it from the lowest rank that has it. ``held``: what this rank holds
         (a shard, ``ALL``, or ``NONE``); returns the state this rank must load (its shard
         only), or None when it holds exactly that already."""
-        mine = torch.tensor([held], dtype=torch.int64)
-        outs = [torch.zeros(1, dtype=torch.int64) for _ in range(epoch.size)]
+        dev = epoch.device
+        mine = torch.tensor([held], dtype=torch.int64, device=dev)
+        outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(epoch.size)]
         epoch.call(lambda: epoch.pg.allgather([outs], [mine]).wait(self.timeout))
         holdings = [int(o[0]) for o in outs]
         got: dict[str, Any] | None = None
         for j, src in sorted(sources(holdings, self.k).items()):
-            payload = pack({}, part(state, self.owner, j), {}) if self.rank == src else None
+            own = part(state, self.owner, j)
+            payload = pack({}, own, {}, epoch.device) if self.rank == src else None
             head, blob = broadcast_state(epoch, src, payload, self.timeout)
             if j == self.mine and held not in (j, ALL):
                 got = unpack(head, blob)[1]

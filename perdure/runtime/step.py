@@ -175,13 +175,13 @@ class StepRunner:
     def _on_nonfinite(self, t: int, bad: list[int]) -> None:
         """Re-run each bad slot on another member to tell bad data from a bad worker."""
         per = self.tr.config.train.slot_size
-        vec = torch.zeros(self.tr.config.train.slots * per)
+        vec = torch.zeros(self.tr.config.train.slots * per, device=self.comm.device)
         owner = {s: r for r in range(self.size) for s in self.plan.slots_of(r)}
         for s in bad:
             if (owner[s] + 1) % self.size == self.rank:
                 flags = self.tr.rerun_flags(t, s)
                 vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
-        verdict = self._reduce([vec])
+        verdict = self._reduce([vec]).cpu()
         found: dict[int, list[bool]] = {}
         for s in bad:
             flags = [bool(x) for x in verdict[s * per : (s + 1) * per]]
@@ -232,11 +232,12 @@ class StepRunner:
         slots (a buffer or parameter changed outside the step's math), and the run stops
         with a :class:`MathError` naming the tensors."""
         crcs = self.tr.fingerprint()
-        mine = torch.tensor(crcs, dtype=torch.int64)
-        outs = [torch.zeros(len(crcs), dtype=torch.int64) for _ in range(self.size)]
+        dev = self.comm.device
+        mine = torch.tensor(crcs, dtype=torch.int64, device=dev)
+        outs = [torch.zeros(len(crcs), dtype=torch.int64, device=dev) for _ in range(self.size)]
         timeout = self.seams.timeout()
         self.comm.call(lambda: self.comm.pg.allgather([outs], [mine]).wait(timeout))
-        values = [tuple(int(x) for x in o) for o in outs]
+        values = [tuple(int(x) for x in o.cpu()) for o in outs]
         if len(set(values)) == 1:
             return True
         majority = max(set(values), key=values.count)

@@ -18,6 +18,7 @@ no step, commits no checkpoint, and leaves for the newer coordinator, keeping it
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -98,8 +99,10 @@ class Worker:
         restore_priority: bool = False,
         host: str | None = None,
         interface: str | None = None,
+        device_index: int | None = None,
     ) -> None:
         self.name, self.region, self.role = name, region, role
+        self.device_index = device_index
         self.interface = interface
         self.host = interface_address(interface) if interface else host
         """The data plane's address, when given (else: the address on the path to the
@@ -154,12 +157,18 @@ class Worker:
         self.config: RunConfig = config
         pause_s = config.cluster.acceptable_pause_ms / 1000
         self.client.set_unacked_limit(max(UNACKED_S, 2 * pause_s))
-        self.placement = Placement.of(config.train)
+        local = self.device_index
+        if local is None:
+            local = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        self.placement = Placement.of(config.train, config.cluster, local)
         self.chaos.arm(config.chaos)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.trainer = Trainer(
-            config, cache_dir=str(self.run_dir / "cache"), poison=_poison_schedule(config)
+            config,
+            cache_dir=str(self.run_dir / "cache"),
+            poison=_poison_schedule(config),
+            placement=self.placement,
         )
         self.allow_config_change = welcome.allow_config_change
         if welcome.resume:
@@ -244,6 +253,7 @@ class Worker:
                 backend=self.placement.backend,
                 bind=self.host or self.client.local_address(),
                 interface=self.interface,
+                device=self.placement.buffers,
             )
             if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
                 comm.add_tiers(store, self.region)
@@ -326,7 +336,7 @@ class Worker:
         assert self.trainer is not None
         src = ep.plan.members.index(ep.start.source)
         t0 = time.monotonic()
-        payload = pack(*self.trainer.export()) if ep.rank == src else None
+        payload = pack(*self.trainer.export(), ep.comm.device) if ep.rank == src else None
         head, blob = broadcast_state(ep.comm, src, payload, self._timeout())
         if self.name in receivers:
             self.trainer.adopt(*unpack(head, blob))

@@ -194,7 +194,7 @@ class ExactReducer:
     def _exponents(self, bufs: Sequence[torch.Tensor]) -> torch.Tensor:
         """Per block, the smallest ``e`` with ``|g| < 2**e`` over this rank's slots."""
         n = bufs[0].numel()
-        peak = torch.zeros(-(-n // self.block), dtype=bufs[0].dtype)
+        peak = torch.zeros(-(-n // self.block), dtype=bufs[0].dtype, device=bufs[0].device)
         for b in bufs:
             for i in range(len(self._ranges(n))):
                 rows, (lo, hi) = self._span(b, i)

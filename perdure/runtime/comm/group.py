@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from perdure.runtime.comm.tiers import Tiers, build_tiers
@@ -73,12 +74,15 @@ class Comm:
         backend: str = "gloo",
         bind: str | None = None,
         interface: str | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """``bind``: the address this member's gloo listeners use (its own address as the
         coordinator sees it); unset, gloo resolves the host name, which may be any
         interface, or loopback on another host's behalf. ``interface``: the network
         interface by name instead (gloo's device, and ``NCCL_SOCKET_IFNAME``)."""
         self.rank, self.size, self.timeout = rank, size, timeout
+        self.device = device or torch.device("cpu")
+        """Where this group's tensors must live (CUDA for NCCL, the CPU for gloo)."""
         self.should_abort = should_abort
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{prefix}")
         group = _Group(prefix, rank, size, timeout, backend, bind, interface)
@@ -113,6 +117,7 @@ class Comm:
             backend=g.backend,
             bind=g.bind,
             interface=g.interface,
+            device=self.device,
         )
 
     def call(self, fn: Callable[[], T]) -> T:

@@ -38,14 +38,21 @@ State = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
 
 
 def pack(
-    model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
+    model: dict[str, torch.Tensor],
+    optim: dict[str, Any],
+    extra: dict[str, Any],
+    device: torch.device | None = None,
 ) -> tuple[bytes, torch.Tensor]:
-    """(header JSON, one uint8 buffer holding every tensor's bytes in header order)."""
+    """(header JSON, one uint8 buffer holding every tensor's bytes in header order, on
+    ``device``: the data plane's, default the CPU)."""
+    device = device or torch.device("cpu")
     tensors, structure = flatten(model, optim)
     meta = [[k, list(t.shape), str(t.dtype)] for k, t in tensors.items()]
     header = {"tensors": meta, "optimizer": structure, "extra": extra}
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
-    blob = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    parts = [
+        t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors.values()
+    ]
+    blob = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
     return json.dumps(header).encode(), blob
 
 
@@ -67,17 +74,20 @@ def broadcast_state(
     comm: Comm, src: int, payload: tuple[bytes, torch.Tensor] | None, timeout: timedelta
 ) -> tuple[bytes, torch.Tensor]:
     """Broadcast (header, blob) from rank ``src``; every rank returns the source's copy."""
+    dev = comm.device
     sizes = torch.zeros(2, dtype=torch.int64)
     if payload is not None:
         sizes[0], sizes[1] = len(payload[0]), payload[1].numel()
+    sizes = sizes.to(dev)
     comm.call(lambda: comm.pg.broadcast(sizes, src).wait(timeout))
+    n_head, n_blob = (int(x) for x in sizes.cpu())
     if payload is None:
-        head = torch.zeros(int(sizes[0]), dtype=torch.uint8)
-        blob = torch.zeros(int(sizes[1]), dtype=torch.uint8)
+        head = torch.zeros(n_head, dtype=torch.uint8, device=dev)
+        blob = torch.zeros(n_blob, dtype=torch.uint8, device=dev)
     else:
-        head = torch.frombuffer(bytearray(payload[0]), dtype=torch.uint8)
+        head = torch.frombuffer(bytearray(payload[0]), dtype=torch.uint8).to(dev)
         blob = payload[1]
     comm.call(lambda: comm.pg.broadcast(head, src).wait(timeout))
     if blob.numel():
         comm.call(lambda: comm.pg.broadcast(blob, src).wait(timeout))
-    return bytes(head.numpy().tobytes()), blob
+    return bytes(head.cpu().numpy().tobytes()), blob

@@ -77,7 +77,7 @@ class BufferRule:
         offset = 0
         for _, b in self.buffers:
             n = b.numel()
-            total = moves[offset : offset + n].view_as(b)
+            total = moves[offset : offset + n].view_as(b).to(b.device)
             if b.is_floating_point():
                 b.data.add_((total / slots).to(b.dtype))
             else:

@@ -51,7 +51,9 @@ class SlotEngine:
         *,
         mean_loss: bool = False,
         precision: str = "fp32",
+        buffers: torch.device | None = None,
     ) -> None:
+        """``buffers``: the slot buffers' device (the data plane's; default the model's)."""
         self.model = model
         self.loss_fn = loss_fn
         self.seed = seed
@@ -66,7 +68,12 @@ class SlotEngine:
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.layout = GradLayout(self.offsets[-1], slots, moves=self.buffers.numel)
+        first = next(model.parameters(), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        where = buffers or self.device
+        self.layout = GradLayout(
+            self.offsets[-1], slots, moves=self.buffers.numel, device=str(where)
+        )
         self.numel = self.layout.numel
         self.size = self.layout.size
 
@@ -119,6 +126,8 @@ class SlotEngine:
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The slot's loss as a sum over its samples (a mean is scaled by their count)."""
+        if self.device.type != "cpu":
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with self.autocast():
             loss = self.loss_fn(self.model, batch)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -161,11 +170,11 @@ class SlotEngine:
         losses are sums over samples, so this is the gradient of the mean loss. A division,
         not a multiplication by ``1 / batch``, which is inexact for most batch sizes."""
         grads = self.layout.grads(flat)
-        grads.div_(batch)
+        grads.div_(batch)  # IEEE division: the same bits on either device
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = grads[offset : offset + n].view_as(p)
+            p.grad = grads[offset : offset + n].view_as(p).to(p.device)  # a view on one device
             offset += n
 
     def apply_buffers(self, flat: torch.Tensor) -> None:

@@ -24,6 +24,7 @@ from perdure.checkpoint import (
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
+from perdure.runtime.placement import Placement, deterministic_cuda
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.recipe import Recipe
@@ -38,10 +39,14 @@ class MathError(RuntimeError):
     it identically, so it stops the run instead of quarantining data."""
 
 
-def configure_torch(threads: int) -> None:
-    """Fix what changes bits: intra-op threads and deterministic algorithms."""
+def configure_torch(threads: int, device: str = "cpu") -> dict[str, Any]:
+    """Fix what changes bits: intra-op threads and deterministic algorithms (on CUDA also
+    cuBLAS's workspace, TF32 and cuDNN: ``placement.deterministic_cuda``, before the first
+    CUDA call); returns the CUDA settings for the record (empty on the CPU)."""
     torch.set_num_threads(threads)
+    settings = deterministic_cuda() if device == "cuda" else {}
     torch.use_deterministic_algorithms(True)
+    return settings
 
 
 class ShardSeam(Protocol):
@@ -65,11 +70,16 @@ class Trainer:
         *,
         cache_dir: str | None = None,
         poison: Sequence[tuple[int, int]] = (),
+        placement: Placement | None = None,
     ) -> None:
         self.config = config
         train = config.train
-        configure_torch(train.threads_per_worker)
+        self.placement = placement or Placement.of(train, config.cluster)
+        self.cuda_settings = configure_torch(train.threads_per_worker, train.device)
         task = build_task(config.task, train.seed, config.run.base_dir)
+        # Built on the CPU from the seed (the same initial bits wherever it runs), then moved:
+        # the optimizer, built next, holds the moved parameters.
+        task.model.to(self.placement.device)
         self.model = task.model
         self.module = plain_module(task.model)
         """What checkpoints, state copies and fingerprints read: the plain module's keys."""
@@ -83,6 +93,7 @@ class Trainer:
             train.slots,
             mean_loss=mean,
             precision=train.precision,
+            buffers=self.placement.buffers,
         )
         self.dataset = Dataset.open(
             dataset_path(config),

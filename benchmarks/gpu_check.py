@@ -1,0 +1,163 @@
+"""The GPU check (issue 17, item 5): what the CUDA paths must show on a GPU, in one short
+run (budget: 8 minutes on one H200). Writes ``results/gpu_check.json`` with the date.
+
+1. CUDA slot gradients bitwise equal across processes: two fresh processes compute the
+   same four slots of step 0 on the GPU; their CRCs must match.
+2. Final hashes of short ``perdure run``s on the GPU: W = 1 with NCCL; W = 1, 2, 3 sharing
+   the one GPU with ``cluster.data_plane = "gloo"`` (NCCL refuses two ranks on one
+   device); all must be equal. fp32 and bf16 (two hashes, each equal across W).
+3. Step time against a plain loop on the same GPU (same model, batch and optimizer, no
+   slots, no reduction), and the checkpoint snapshot's blocking time from the events.
+
+Usage (a CUDA build of torch, from the repository root): ``python benchmarks/gpu_check.py``.
+On a host without CUDA it says so and exits 2: nothing here ran on a GPU until then.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from perdure.events import read_jsonl  # noqa: E402
+from perdure.run_config import RunConfig, with_overrides  # noqa: E402
+
+STEPS = 30
+MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_len": 128}
+
+
+def config(dataset: str, workers: int, precision: str, plane: str) -> RunConfig:
+    return with_overrides(
+        RunConfig(),
+        task={"options": MODEL},
+        train={
+            "steps": STEPS,
+            "global_batch": 32,
+            "slots": 8,
+            "device": "cuda",
+            "precision": precision,
+            "reduction": "exact",
+        },
+        data={"dataset": dataset},
+        cluster={"regions": [{"name": "g", "workers": workers}], "data_plane": plane},
+        checkpoint={"every_steps": 10},
+        run={"base_dir": str(REPO)},
+    )
+
+
+def slot_crcs(dataset: str) -> list[int]:
+    """CRCs of four slot gradients of step 0, in this process."""
+    from perdure.runtime.replica.trainer import Trainer
+
+    tr = Trainer(config(dataset, 1, "fp32", "auto"))
+    bufs = [tr.engine.new_buffer() for _ in range(4)]
+    tr.compute_slots(0, range(4), bufs)
+    torch.cuda.synchronize()
+    return [zlib.crc32(b.cpu().numpy().tobytes()) for b in bufs]
+
+
+def run_hash(dataset: str, workers: int, precision: str, plane: str) -> dict[str, Any]:
+    from perdure.launch.api import run
+
+    with tempfile.TemporaryDirectory() as tmp:
+        rd = Path(tmp) / "run"
+        t0 = time.perf_counter()
+        s = run(config(dataset, workers, precision, plane), run_dir=rd, timeout_s=240)
+        wall = time.perf_counter() - t0
+        steps = [m["step_s"] for m in read_jsonl(rd / "metrics.jsonl")]
+        snaps = [
+            e["snapshot_seconds"]
+            for e in read_jsonl(rd / "events.jsonl")
+            if e["event"] == "checkpoint_saved"
+        ]
+    return {
+        "workers": workers,
+        "precision": precision,
+        "data_plane": plane,
+        "final_hash": s["final_hash"],
+        "wall_s": round(wall, 2),
+        "median_step_s": round(statistics.median(steps[5:]), 5),
+        "snapshot_s": snaps,
+    }
+
+
+def plain_step_s(dataset: str) -> float:
+    """Median step time of a plain loop on the GPU: the tiny_lm, AdamW, batch 32."""
+    from perdure.runtime.replica.task import build_task
+
+    cfg = config(dataset, 1, "fp32", "auto")
+    task = build_task(cfg.task, 0, str(REPO))
+    model = task.model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, 256, (32, 128), device="cuda")  # byte tokens, the stdlib's
+    batch = {"tokens": tokens, "weight": torch.ones(32, device="cuda")}
+    times = []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        task.loss_fn(model, batch).backward()
+        opt.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[5:])
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--slots":
+        print(json.dumps(slot_crcs(sys.argv[2])))
+        return 0
+    if not torch.cuda.is_available():
+        print(f"no CUDA here (torch {torch.__version__}, CUDA build {torch.version.cuda})")
+        return 2
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _common import ensure_dataset
+
+    dataset = ensure_dataset()
+    out: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+    crcs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--slots", dataset],
+                capture_output=True, text=True, check=True, timeout=180,
+            ).stdout.splitlines()[-1]
+        )
+        for _ in range(2)
+    ]  # fmt: skip
+    out["slot_crcs_equal_across_processes"] = crcs[0] == crcs[1]
+    runs = [run_hash(dataset, 1, "fp32", "nccl")]
+    runs += [run_hash(dataset, w, p, "gloo") for p in ("fp32", "bf16") for w in (1, 2, 3)]
+    out["runs"] = runs
+    for p in ("fp32", "bf16"):
+        hashes = {r["final_hash"] for r in runs if r["precision"] == p}
+        out[f"{p}_hashes_equal"] = len(hashes) == 1
+    plain = plain_step_s(dataset)
+    w1 = next(r for r in runs if r["workers"] == 1 and r["data_plane"] == "nccl")
+    out["plain_loop_step_s"] = round(plain, 5)
+    out["step_ratio_w1_vs_plain"] = round(w1["median_step_s"] / plain, 3)
+    path = REPO / "benchmarks" / "results" / "gpu_check.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(out, indent=2))
+    ok = out["slot_crcs_equal_across_processes"] and out["fp32_hashes_equal"]
+    return 0 if ok and out["bf16_hashes_equal"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
