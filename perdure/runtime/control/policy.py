@@ -525,6 +525,7 @@ class Policy:
         detector.heartbeat(e.now)
         info = Member(h.name, h.region, h.role, detector, h.pid, h.next_step, h.has_state)
         info.address = h.address
+        info.shard = ALL if h.has_state else NONE  # corrected by its first ready report
         self.workers[h.name] = info
         self.last_admission = e.now
         # Epoch numbers only grow, across coordinators too: a worker ignores older ones.
@@ -1000,8 +1001,10 @@ class Policy:
         its group): announce another set of the live workers if one holds every shard.
         False: no better set, the caller recovers from a checkpoint."""
         names = [w.name for w in self._alive() if w.role in ("worker", "benched") and not w.done]
-        for m, r in pend.ready.items():
-            self.workers[m].shard = r.shard if r.has_state else NONE
+        start = max((r.next_step for r in pend.ready.values() if r.has_state), default=0)
+        for m, r in pend.ready.items():  # a member behind holds a stale shard: none
+            live = r.has_state and r.next_step == start
+            self.workers[m].shard = r.shard if live else NONE
         pick = self._pick(
             chain_order([(n, self.workers[n].region) for n in names], self._regions()),
             self._usable(len(names)),
