@@ -89,6 +89,9 @@ RECOVERED_FROM_CHECKPOINT: Final = "recovered_from_checkpoint"
 # -- step --------------------------------------------------------------------------------
 STATE_RECEIVED: Final = "state_received"
 """A receiver adopted a live peer's state."""
+SHARD_RECEIVED: Final = "shard_received"
+"""A member of a replica group received its shard of the optimizer state from another
+member at an epoch's start (``train.shard_degree`` > 1)."""
 STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
 SLOTS_SALVAGED: Final = "slots_salvaged"
@@ -162,6 +165,7 @@ NAMES: frozenset[str] = frozenset(
         EPOCH_STARTED,
         RECOVERED_FROM_CHECKPOINT,
         STATE_RECEIVED,
+        SHARD_RECEIVED,
         STEP_ABANDONED,
         SLOTS_SALVAGED,
         COLLECTIVE_FAILED,

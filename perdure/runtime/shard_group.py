@@ -46,6 +46,8 @@ class Shards:
         self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
         self.owner = owners([p.numel() for p in self.params], k)
         self.mine = shard_of(rank, k)
+        self.received: tuple[int, int] | None = None
+        """After ``exchange``: (the rank it received its shard from, the bytes), if any."""
 
     # -- the step --------------------------------------------------------------------------
 
@@ -111,6 +113,7 @@ class Shards:
             head, blob = broadcast_state(epoch, src, payload, self.timeout)
             if j == self.mine and held not in (j, ALL):
                 got = unpack(head, blob)[1]
+                self.received = (src, int(blob.numel()) + len(head))
         if got is not None:
             return part(got, self.owner, self.mine)
         if held == ALL:

@@ -370,7 +370,21 @@ class Worker:
         assert tr is not None
         if shards is None:
             return
+        t0 = time.monotonic()
         tr.keep_shard(shards.exchange(ep.comm, tr.held, tr.recipe.state_dict()))
+        if shards.received is not None:
+            src, nbytes = shards.received
+            self.events.write(
+                {
+                    "event": ev.SHARD_RECEIVED,
+                    "worker": self.name,
+                    "epoch": ep.number,
+                    "shard": shards.mine,
+                    "from": ep.plan.members[src],
+                    "bytes": nbytes,
+                    "seconds": round(time.monotonic() - t0, 4),
+                }
+            )
 
     def _reload(self, path: str | None) -> None:
         """Every replica was lost: start again from a checkpoint (or from the seed)."""
