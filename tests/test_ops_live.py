@@ -8,6 +8,7 @@ then stopping it with SIGTERM and reading the event files back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -107,9 +108,12 @@ def live(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def _read_all(s: socket.socket) -> bytes:
+    """What the server sent until it closed (a reset after its answer ends it too: it
+    refused the rest of an over-long request)."""
     out = b""
-    while chunk := s.recv(65536):
-        out += chunk
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            out += chunk
     return out
 
 
@@ -170,7 +174,10 @@ def test_hostile_requests_do_not_stop_the_endpoint_or_the_coordinator(live: Live
     for data in payloads:
         with socket.create_connection((HOST, port), 5) as s:
             s.sendall(data)
-            s.shutdown(socket.SHUT_WR)
+            # The server may answer a refused request (an over-long line) and close before
+            # the client's half-close: that is the endpoint working, not failing.
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_WR)
             s.settimeout(10)
             answers.append(_read_all(s))
     idle.close()
