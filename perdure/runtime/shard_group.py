@@ -93,7 +93,7 @@ class Shards:
             own = part(state, self.owner, j)
             mine = pack({}, own, {}, self.group.device) if j == self.mine else None
             head, blob = broadcast_state(self.group, j, mine, self.timeout)
-            parts.append(unpack(head, blob)[1] if j != self.mine else part(state, self.owner, j))
+            parts.append(own if j == self.mine else unpack(head, blob)[1])
         return merge(parts)
 
     def exchange(self, epoch: Comm, held: int, state: dict[str, Any]) -> dict[str, Any] | None:

@@ -39,14 +39,14 @@ class MathError(RuntimeError):
     it identically, so it stops the run instead of quarantining data."""
 
 
-def configure_torch(threads: int, device: str = "cpu") -> dict[str, Any]:
+def configure_torch(threads: int, device: str = "cpu") -> None:
     """Fix what changes bits: intra-op threads and deterministic algorithms (on CUDA also
     cuBLAS's workspace, TF32 and cuDNN: ``placement.deterministic_cuda``, before the first
-    CUDA call); returns the CUDA settings for the record (empty on the CPU)."""
+    CUDA call)."""
     torch.set_num_threads(threads)
-    settings = deterministic_cuda() if device == "cuda" else {}
+    if device == "cuda":
+        deterministic_cuda()
     torch.use_deterministic_algorithms(True)
-    return settings
 
 
 class ShardSeam(Protocol):
@@ -75,7 +75,7 @@ class Trainer:
         self.config = config
         train = config.train
         self.placement = placement or Placement.of(train, config.cluster)
-        self.cuda_settings = configure_torch(train.threads_per_worker, train.device)
+        configure_torch(train.threads_per_worker, train.device)
         task = build_task(config.task, train.seed, config.run.base_dir)
         # Built on the CPU from the seed (the same initial bits wherever it runs), then moved:
         # the optimizer, built next, holds the moved parameters.
@@ -278,12 +278,11 @@ class Trainer:
     def optimizer_state(self) -> dict[str, Any]:
         """The whole optimizer state (gathered from the replica group when sharded: every
         member of the group must call it at the same point)."""
-        state = self.recipe.state_dict()
         if self.shards is None:
-            return state
+            return self.recipe.state_dict()
         key = (self.next_step, self.state_version)
         if self._gathered is None or self._gathered[0] != key:
-            self._gathered = (key, self.shards.gather(state))
+            self._gathered = (key, self.shards.gather(self.recipe.state_dict()))
         return self._gathered[1]
 
     def keep_shard(self, state: dict[str, Any] | None) -> None:
