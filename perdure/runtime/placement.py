@@ -71,7 +71,7 @@ def cuda_problem() -> str | None:
 
 def deterministic_cuda() -> dict[str, Any]:
     """Set what changes a CUDA run's bits from one run to the next, before the first CUDA
-    call (cuBLAS reads its workspace setting once), and return it for the record: TF32
+    call (cuBLAS reads its workspace setting once), and return what was set: TF32
     off (a math choice, not an accident of the card), deterministic cuDNN, no autotuning."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.backends.cuda.matmul.allow_tf32 = False
