@@ -11,6 +11,10 @@ In one process: the bytes a rank keeps do not depend on the collectives (the par
 exchange allocates one shard's bytes for the time of a broadcast). The issue's bar: about
 1/k of parameters + optimizer state. Whole-parameter ownership keeps the parameters whole
 on every rank, so the sum is (P + 2P/k) / 3P for Adam: the optimizer state is what meets 1/k.
+
+A periodic checkpoint: what a rank copies for it (what it holds: it gathers nothing), and
+the most bytes one rank writes in an epoch of two groups (``checkpoint.plan`` with the
+shards' holders), against an even split of the whole state over the writers.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS, machine
 
+from perdure.checkpoint.plan import plan_parts
+from perdure.checkpoint.tensors import flatten, meta_of
 from perdure.run_config import RunConfig, with_overrides
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.task import build_task
@@ -41,6 +47,20 @@ def _state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(
         _bytes([v for v in s.values() if isinstance(v, torch.Tensor)]) for s in opt.state.values()
     )
+
+
+def written_max(state: dict, model: dict, params: list[torch.Tensor], k: int, world: int) -> float:
+    """The most bytes one of ``world`` writers writes for a save of a k-sharded state,
+    as a ratio of an even split (1.0: perfectly balanced)."""
+    tensors, _ = flatten(model, state)
+    metas = [meta_of(key, t) for key, t in tensors.items()]
+    holders = {}
+    if k > 1:
+        shards = Shards(params, k=k, rank=0, group=None, timeout=timedelta(seconds=1))  # type: ignore[arg-type]
+        holders = shards.holders(state, world)
+    parts = plan_parts(metas, world, holders)
+    loads = [sum(c.byte_range[1] - c.byte_range[0] for c in part) for part in parts]
+    return max(loads) / (sum(loads) / world)
 
 
 def one_rank(config: RunConfig, k: int, rank: int) -> dict[str, int]:
@@ -58,6 +78,18 @@ def one_rank(config: RunConfig, k: int, rank: int) -> dict[str, int]:
     return {"params": _bytes(params), "optimizer": _state_bytes(recipe.optimizer)}
 
 
+def unsharded_state(config: RunConfig) -> tuple[dict, dict, list[torch.Tensor]]:
+    """(model state dict, optimizer state dict, parameters in the optimizer's order) after
+    one unsharded step."""
+    task = build_task(config.task, config.train.seed, str(Path(__file__).resolve().parent.parent))
+    recipe = Recipe(task, config.optim, config.train.steps)
+    params = optimizer_params(recipe.optimizer)
+    for p in params:
+        p.grad = torch.full_like(p, 1e-3)
+    recipe.step()
+    return dict(task.model.state_dict()), recipe.state_dict(), params
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--d-model", type=int, default=256)
@@ -69,6 +101,7 @@ def main() -> None:
     config = with_overrides(RunConfig(), task={"options": opts})
     base = one_rank(config, 1, 0)
     whole = base["params"] + base["optimizer"]
+    model, opt_state, params = unsharded_state(config)
     rows = []
     for k in args.degrees:
         ranks = [one_rank(config, k, j) for j in range(k)]
@@ -82,6 +115,10 @@ def main() -> None:
                 (worst["params"] + worst["optimizer"]) / whole, 4
             ),
             "per_rank_optimizer_mb": [round(r["optimizer"] / 2**20, 2) for r in ranks],
+            "save_copied_ratio_max": round((worst["params"] + worst["optimizer"]) / whole, 4),
+            "save_written_balance_2_groups": round(
+                written_max(opt_state, model, params, k, 2 * k), 4
+            ),
         }
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -96,3 +96,46 @@ def test_a_workers_gpu_index_travels_on_its_command_line() -> None:
     argv = spec.argv()
     assert argv[argv.index("--device-index") + 1] == "1"
     assert "--device-index" not in WorkerSpec(name="a", region="r", coordinators=["h:1"]).argv()
+
+
+def test_a_checkpoint_records_the_placement_and_settings_in_force(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    from perdure.checkpoint import load_checkpoint, save_checkpoint
+    from perdure.runtime.replica.trainer import Trainer
+
+    cfg = small_config(small_dataset, workers=1, steps=2)
+    trainer = Trainer(cfg, cache_dir=str(tmp_path / "cache"))
+    try:
+        path = save_checkpoint(tmp_path / "ck", trainer.checkpoint_state({}))
+    finally:
+        trainer.close()
+    got = load_checkpoint(path).provenance["determinism"]
+    assert got == {
+        "device": "cpu",
+        "buffers": "cpu",
+        "data_plane": "gloo",
+        "deterministic_algorithms": True,
+        "intra_op_threads": cfg.train.threads_per_worker,
+    }
+
+
+def test_the_cuda_record_reads_the_settings_back_from_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With CUDA's queries faked: what is recorded is what torch reports, TF32 included
+    (here left on, as a user's code might: the record must show it)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "Fake H200")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (9, 0))
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
+    place = Placement(torch.device("cuda", 0), torch.device("cpu"), "gloo")
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        got = pl.determinism(place)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert got["device"] == "cuda:0" and got["buffers"] == "cpu" and got["data_plane"] == "gloo"
+    assert got["device_name"] == "Fake H200" and got["capability"] == [9, 0]
+    assert got["matmul_allow_tf32"] is True and got["cublas_workspace_config"] == ":16:8"
+    assert got["cudnn_deterministic"] == torch.backends.cudnn.deterministic

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from perdure import events as ev
+from perdure.checkpoint.reference_reader import Checkpoint
 from perdure.events import read_jsonl
 from perdure.run_config import RunConfig
 from tests.runtime_support import events, run_to_end, small_config
@@ -65,10 +66,31 @@ def test_a_killed_rank_of_a_group_is_absorbed_and_changes_no_bit(
 
 @pytest.fixture(scope="module")
 def sharded_half(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The step-10 checkpoint of a k = 2 run (its whole optimizer state, gathered)."""
+    """The step-10 checkpoint of a k = 2 run in two groups: each rank wrote part of its
+    own shard's optimizer state, nothing gathered."""
     first = tmp_path_factory.mktemp("sharded") / "run"
-    run_to_end(_cfg(small_dataset, 2, 2), first)
+    run_to_end(_cfg(small_dataset, 4, 2), first)
+    assert not events(first, ev.CHECKPOINT_FAILED)
     return first / "checkpoints" / f"step-{STEPS // 2:09d}"
+
+
+def test_a_periodic_checkpoint_of_a_sharded_run_is_written_by_each_shards_owners(
+    sharded_half: Path,
+) -> None:
+    """Every optimizer-state tensor of a parameter is in the files of one shard's ranks
+    (rank % 2 equal), both shards occur, and every rank wrote a part."""
+    manifest = Checkpoint(sharded_half).manifest
+    writers = {name: int(name.split("-")[1]) for name in manifest["files"] if "tensors" in name}
+    assert sorted(writers.values()) == [0, 1, 2, 3]
+    shards = {}
+    for key, rec in manifest["tensors"].items():
+        if key.startswith("optimizer/state/"):
+            index = key.split("/")[2]
+            parity = {writers[c["file"]] % 2 for c in rec["chunks"]}
+            assert len(parity) == 1, (key, parity)
+            assert shards.setdefault(index, parity) == parity, key
+    assert {p for v in shards.values() for p in v} == {0, 1}
+    assert Checkpoint(sharded_half).context()["topology"]["shard_degree"] == 2
 
 
 @pytest.mark.parametrize("workers,k", [(2, 1), (4, 4)])

@@ -6,6 +6,10 @@ into reused buffers, then checksums, writes, fsyncs, commits and prunes. With
 ``snapshot_overlap`` ``save()`` returns before the copy ends and ``wait_snapshot()``
 blocks for the rest, so the copy overlaps the next forward and backward, which read the
 parameters but do not write them. At most one save is in flight.
+
+A sharded state passes the tensors this rank does not hold as ``meta`` tensors, with the
+ranks that hold them (``holders``): nothing is copied for them, and the writers split the
+work so that each writes only what it holds.
 """
 
 from __future__ import annotations
@@ -73,8 +77,11 @@ class AsyncCheckpointer:
         self._error_step = -1
         self._closed = False
 
-    def save(self, state: CheckpointState) -> bool:
-        """Start saving ``state``; False when skipped (a save in flight, ``on_busy=skip``)."""
+    def save(
+        self, state: CheckpointState, holders: dict[str, tuple[int, ...]] | None = None
+    ) -> bool:
+        """Start saving ``state``; False when skipped (a save in flight, ``on_busy=skip``).
+        ``holders``: see ``writer.save_checkpoint``."""
         if self._closed:
             raise RuntimeError("AsyncCheckpointer.save after close()")
         self.check()
@@ -95,11 +102,13 @@ class AsyncCheckpointer:
             )
         tensors, structure = flatten(state.model, state.optimizer)
         context = context_of(state, structure)
-        pairs = [(t, self._buffers.buffer_for(k, t)) for k, t in tensors.items()]
-        self._buffers.keep_only(set(tensors))
-        bufs = {k: dst for k, (_, dst) in zip(tensors, pairs, strict=True)}
+        held = {k: t for k, t in tensors.items() if not t.is_meta}
+        pairs = [(t, self._buffers.buffer_for(k, t)) for k, t in held.items()]
+        self._buffers.keep_only(set(held))
+        copies = {k: dst for k, (_, dst) in zip(held, pairs, strict=True)}
+        bufs = {k: copies.get(k, t) for k, t in tensors.items()}
         job = _Job(int(state.step))
-        prep = Prepared(job.step, bufs, context)
+        prep = Prepared(job.step, bufs, context, dict(holders or {}))
         self._job = job
         if not self.config.snapshot_overlap:
             # Copy on the caller's thread (its intra-op pool), then hand off the rest.

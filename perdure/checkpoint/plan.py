@@ -6,10 +6,18 @@ in their fixed order and the byte stream is cut near ``k * total / W``; a tensor
 straddles a cut is split along its first dimension at the nearest row boundary. A tensor
 with fewer than two rows (0-d, empty, one row) is never split, so parts are balanced only
 to within one row or one small tensor.
+
+A sharded state (``train.shard_degree``) is not identical on every writer: a tensor of one
+shard's optimizer state lives only on the ranks that own that shard. ``holders`` names
+those ranks per tensor; such a tensor is split by rows among its holders alone (a tensor
+that cannot be split goes whole to its least loaded holder), and the rest is cut as above
+among all writers. Every writer still computes the same plan: the holders are a pure
+function of the shard ownership, which every rank knows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from perdure.checkpoint.tensors import Meta
@@ -45,10 +53,53 @@ class Chunk:
         return self.start * rb, self.stop * rb
 
 
-def plan_parts(metas: list[Meta], world: int) -> list[list[Chunk]]:
-    """The chunks of each rank, in file order; their union covers every tensor exactly."""
+def plan_parts(
+    metas: list[Meta], world: int, holders: Mapping[str, Sequence[int]] | None = None
+) -> list[list[Chunk]]:
+    """The chunks of each rank, in file order; their union covers every tensor exactly.
+    ``holders``: for a tensor that not every rank holds, the ranks that do."""
     if world < 1:
         raise ValueError(f"world must be >= 1 (got {world})")
+    holders = holders or {}
+    _check_holders(holders, world)
+    free = [m for m in metas if m.key not in holders]
+    parts = _cut(free, world)
+    load = [sum(c.byte_range[1] - c.byte_range[0] for c in p) for p in parts]
+    for m in metas:
+        if m.key in holders:
+            for c in _split_among(m, sorted(set(holders[m.key])), load):
+                parts[c.rank].append(c)
+                load[c.rank] += c.byte_range[1] - c.byte_range[0]
+    return parts
+
+
+def _check_holders(holders: Mapping[str, Sequence[int]], world: int) -> None:
+    for key, ranks in holders.items():
+        if not ranks or any(not 0 <= r < world for r in ranks):
+            raise ValueError(
+                f"{key}: its holders must be a non-empty list of ranks in [0, {world}) "
+                f"(got {list(ranks)})"
+            )
+
+
+def _split_among(m: Meta, ranks: list[int], load: list[int]) -> list[Chunk]:
+    """Rows of ``m`` split evenly among ``ranks`` (lower ranks first); a tensor with fewer
+    rows than holders, or under two rows, goes whole to the least loaded holder."""
+    rows = m.shape[0] if m.shape else 0
+    if rows < max(2, len(ranks)) or m.row_bytes == 0:
+        r = min(ranks, key=lambda r: (load[r], r))
+        return [Chunk(m, r, 0, rows, whole=True)]
+    n = len(ranks)
+    cuts = [rows * i // n for i in range(n + 1)]
+    return [
+        Chunk(m, r, a, b, whole=n == 1)
+        for r, a, b in zip(ranks, cuts[:-1], cuts[1:], strict=True)
+        if b > a
+    ]
+
+
+def _cut(metas: list[Meta], world: int) -> list[list[Chunk]]:
+    """Every tensor of ``metas`` laid end to end and cut into ``world`` near-equal parts."""
     total = sum(m.nbytes for m in metas)
     bounds = [total * (k + 1) // world for k in range(world)]
     parts: list[list[Chunk]] = [[] for _ in range(world)]

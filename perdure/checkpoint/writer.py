@@ -1,6 +1,7 @@
 """The synchronous save: part files, context, manifest, commit.
 
-Commit protocol (local file system), for W writers holding identical replicas:
+Commit protocol (local file system), for W writers holding identical replicas (or one
+sharded state, each shard on some of them: ``plan``'s holders):
 
 1. The writers agree on a temporary directory ``step-N.tmp-<token>``: W = 1 draws the
    token; W > 1 all-gathers every rank's draw and takes rank 0's.
@@ -24,7 +25,7 @@ import time
 import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,11 @@ class Prepared:
 
     step: int
     tensors: dict[str, torch.Tensor]
+    """Every tensor of the state; one this writer does not hold is a ``meta`` tensor (its
+    dtype and shape only: a sharded state's other shards, see ``plan.plan_parts``)."""
     context: dict[str, Any]
+    holders: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """For a tensor that not every writer holds: the ranks that hold it."""
 
 
 def context_of(state: CheckpointState, optimizer_structure: Any) -> dict[str, Any]:
@@ -81,11 +86,12 @@ def context_of(state: CheckpointState, optimizer_structure: Any) -> dict[str, An
     }
 
 
-def prepare(state: CheckpointState) -> Prepared:
-    """Flatten a state for writing (copies only device or non-contiguous tensors)."""
+def prepare(state: CheckpointState, holders: dict[str, tuple[int, ...]] | None = None) -> Prepared:
+    """Flatten a state for writing (copies only device or non-contiguous tensors; a
+    ``meta`` tensor, one this writer does not hold, stays as it is)."""
     tensors, structure = flatten(state.model, state.optimizer)
-    cpu = {k: to_cpu_contiguous(t) for k, t in tensors.items()}
-    return Prepared(int(state.step), cpu, context_of(state, structure))
+    cpu = {k: t if t.is_meta else to_cpu_contiguous(t) for k, t in tensors.items()}
+    return Prepared(int(state.step), cpu, context_of(state, structure), dict(holders or {}))
 
 
 def save_checkpoint(
@@ -96,14 +102,18 @@ def save_checkpoint(
     world: int = 1,
     exchange: Exchange | None = None,
     retention: CheckpointConfig | None = None,
+    holders: dict[str, tuple[int, ...]] | None = None,
 ) -> Path:
     """Write ``ROOT/step-<step>/`` atomically and return its path (see module doc).
 
-    With ``world > 1`` every rank must call this with an identical state and an
-    ``exchange`` over the same W ranks; ``retention`` (rank 0 only) prunes old ones.
+    With ``world > 1`` every rank must call this with the same state and an ``exchange``
+    over the same W ranks; ``retention`` (rank 0 only) prunes old ones. The same state:
+    equal tensors, except those ``holders`` gives to some ranks only, which the others
+    pass as ``meta`` tensors of the same dtype and shape (a sharded optimizer state).
     """
+    prep = prepare(state, holders)
     return write_checkpoint(
-        Path(root), prepare(state), rank=rank, world=world, exchange=exchange, retention=retention
+        Path(root), prep, rank=rank, world=world, exchange=exchange, retention=retention
     )
 
 
@@ -135,9 +145,10 @@ def write_checkpoint(
     tmp.mkdir(exist_ok=True)
     crash_point("before_write")
     metas = [meta_of(k, t) for k, t in prep.tensors.items()]
-    parts = plan_parts(metas, world)
+    parts = plan_parts(metas, world, prep.holders)
     own_error: BaseException | None = None
     try:
+        _check_held(parts[rank], prep, rank)
         files = [write_part(tmp, layout.part_file_name(rank, world), parts[rank], prep.tensors)]
         if rank == 0:
             files.append(_write_json(tmp, layout.CONTEXT, prep.context))
@@ -162,6 +173,16 @@ def write_checkpoint(
 
         apply_retention(root, retention, newest_intact=final)
     return final
+
+
+def _check_held(chunks: list[Chunk], prep: Prepared, rank: int) -> None:
+    """Every chunk a rank must write is one it holds (the holders it was given are right)."""
+    missing = [c.meta.key for c in chunks if prep.tensors[c.meta.key].is_meta]
+    if missing:
+        raise ValueError(
+            f"rank {rank} must write {', '.join(missing[:4])} but does not hold "
+            f"{'them' if len(missing) > 1 else 'it'} (the holders passed to the save are wrong)"
+        )
 
 
 def _raise_errors(

@@ -154,6 +154,8 @@ def inspect(path: str) -> None:
     table.add_row(
         "commit sha", f"{prov.get('sha')}{dirty}; {_short(prov.get('versions', {}), 120)}"
     )
+    if prov.get("determinism"):
+        table.add_row("determinism", _short(prov["determinism"], 200))
     table.add_row("decision log", f"{len(ctx['decisions'])} entries")
     table.add_row("files", ", ".join(f"{n} ({_size(f['bytes'])})" for n, f in m["files"].items()))
     Console().print(table)

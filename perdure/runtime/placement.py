@@ -11,6 +11,9 @@ side). Three placements:
 - ``cuda`` with gloo: the model on the GPU, each slot's gradient copied into a slot buffer
   in host memory, collectives on the CPU: for workers that share a GPU.
 
+Every checkpoint records the placement and the settings in force (``determinism``, in
+its provenance field).
+
 Limit, stated: the CUDA placements have not run on a GPU yet (no device was lent to the
 sessions that built them); ``benchmarks/gpu_check.sh`` is the check to run on the first
 one. On CPU, the tests cover everything around them and the refusal below.
@@ -71,7 +74,8 @@ def cuda_problem() -> str | None:
 
 def deterministic_cuda() -> dict[str, Any]:
     """Set what changes a CUDA run's bits from one run to the next, before the first CUDA
-    call (cuBLAS reads its workspace setting once), and return what was set: TF32
+    call (cuBLAS reads its workspace setting once), and return what was set (a checkpoint
+    records what torch reports back: ``determinism``): TF32
     off (a math choice, not an accident of the card), deterministic cuDNN, no autotuning."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -84,3 +88,29 @@ def deterministic_cuda() -> dict[str, Any]:
         "cudnn_deterministic": True,
         "cudnn_benchmark": False,
     }
+
+
+def determinism(placement: Placement) -> dict[str, Any]:
+    """What this process runs with that can change the bits, read back from torch (not
+    what was asked for): recorded in every checkpoint's provenance, so a resumed run that
+    diverges can be told apart from one whose kernels or settings differ."""
+    out: dict[str, Any] = {
+        "device": str(placement.device),
+        "buffers": str(placement.buffers),
+        "data_plane": placement.backend,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "intra_op_threads": torch.get_num_threads(),
+    }
+    if placement.device.type == "cuda":
+        out.update(
+            device_name=torch.cuda.get_device_name(placement.device),
+            capability=list(torch.cuda.get_device_capability(placement.device)),
+            cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(),
+            cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+            cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
+            cudnn_deterministic=torch.backends.cudnn.deterministic,
+            cudnn_benchmark=torch.backends.cudnn.benchmark,
+        )
+    return out

@@ -7,9 +7,13 @@ gradient sum. It then updates only the parameters its shard owns (the optimizer 
 parameter whose ``.grad`` is None, so it keeps no state for the others) and the owners
 broadcast the updated parameters to their group: the same bits on every rank, for any k.
 
+A periodic checkpoint does not gather: each rank learns only the other shards' layout (a
+skeleton of ``meta`` tensors) and writes the part of its own shard's state that the plan
+gives it (``checkpoint.plan``'s holders: the ranks of every group that own the shard).
+
 Limits of this step: parameters and the gradient sum stay whole on every rank (what
-shrinks by k is the optimizer state); a checkpoint and the final hash gather the whole
-optimizer state on every rank of each group for the time of the save.
+shrinks by k is the optimizer state); the final checkpoint and hash gather the whole
+optimizer state on every rank of each group.
 """
 
 from __future__ import annotations
@@ -20,8 +24,15 @@ from typing import Any
 
 import torch
 
+from perdure.checkpoint.tensors import flatten
 from perdure.runtime.comm.group import Comm
-from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
+from perdure.runtime.comm.transfer import (
+    broadcast_state,
+    pack,
+    pack_skeleton,
+    unpack,
+    unpack_skeleton,
+)
 from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources
 
 
@@ -95,6 +106,29 @@ class Shards:
             head, blob = broadcast_state(self.group, j, mine, self.timeout)
             parts.append(own if j == self.mine else unpack(head, blob)[1])
         return merge(parts)
+
+    def skeleton(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The whole optimizer state's structure, with this rank's shard real and the
+        others as ``meta`` tensors (dtypes and shapes from their owners; no bytes move)."""
+        parts = []
+        for j in range(self.k):
+            own = part(state, self.owner, j)
+            mine = pack_skeleton(own) if j == self.mine else None
+            head, _ = broadcast_state(self.group, j, mine, self.timeout)
+            parts.append(own if j == self.mine else unpack_skeleton(head))
+        return merge(parts)
+
+    def holders(self, state: dict[str, Any], world: int) -> dict[str, tuple[int, ...]]:
+        """For each tensor of a shard's optimizer state (as a checkpoint names it), the
+        ranks of a ``world``-member epoch that hold it: that shard's rank in every group."""
+        common = set(flatten({}, part(state, self.owner, -1))[0])
+        out: dict[str, tuple[int, ...]] = {}
+        for j in range(self.k):
+            ranks = tuple(r for r in range(world) if shard_of(r, self.k) == j)
+            for key in flatten({}, part(state, self.owner, j))[0]:
+                if key not in common:
+                    out[key] = ranks
+        return out
 
     def exchange(self, epoch: Comm, held: int, state: dict[str, Any]) -> dict[str, Any] | None:
         """At an epoch's start, over the whole epoch: every member that lacks its shard's

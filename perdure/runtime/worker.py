@@ -482,7 +482,8 @@ class Worker:
             and tr.next_step < self.client.last_step(self.config.train.steps)
         ):
             try:
-                ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+                state = tr.checkpoint_state(self._topology(ep))
+                ep.ckpt.save(state, holders=tr.save_holders(state, ep.size))
             except CheckpointSaveError as e:  # the previous save failed while we waited
                 log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
 
@@ -520,6 +521,7 @@ class Worker:
             "membership_epoch": ep.number,
             "generation": ep.generation,
             "plan": ep.plan.to_dict(),
+            "shard_degree": self.config.train.shard_degree,
         }
 
     def _finish(self, ep: Epoch) -> None:

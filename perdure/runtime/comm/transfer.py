@@ -70,6 +70,25 @@ def unpack(header: bytes, blob: torch.Tensor) -> State:
     return model_of(tensors), unflatten_optimizer(h["optimizer"], tensors), h["extra"]
 
 
+def pack_skeleton(optim: dict[str, Any]) -> tuple[bytes, torch.Tensor]:
+    """An optimizer state's structure, dtypes and shapes, without its bytes: what a replica
+    group's other ranks need to name and lay out a shard they do not hold."""
+    tensors, structure = flatten({}, optim)
+    meta = [[k, list(t.shape), str(t.dtype)] for k, t in tensors.items()]
+    header = {"tensors": meta, "optimizer": structure, "extra": {}}
+    return json.dumps(header).encode(), torch.zeros(0, dtype=torch.uint8)
+
+
+def unpack_skeleton(header: bytes) -> dict[str, Any]:
+    """Inverse of :func:`pack_skeleton`: the optimizer state with ``meta`` tensors."""
+    h = json.loads(header)
+    tensors = {
+        key: torch.empty(shape, dtype=_DTYPES[dtype], device="meta")
+        for key, shape, dtype in h["tensors"]
+    }
+    return unflatten_optimizer(h["optimizer"], tensors)
+
+
 def broadcast_state(
     comm: Comm, src: int, payload: tuple[bytes, torch.Tensor] | None, timeout: timedelta
 ) -> tuple[bytes, torch.Tensor]:

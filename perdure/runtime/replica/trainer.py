@@ -24,7 +24,7 @@ from perdure.checkpoint import (
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
-from perdure.runtime.placement import Placement, deterministic_cuda
+from perdure.runtime.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.recipe import Recipe
@@ -59,6 +59,10 @@ class ShardSeam(Protocol):
     def sync_params(self) -> None: ...
 
     def gather(self, state: dict[str, Any]) -> dict[str, Any]: ...
+
+    def skeleton(self, state: dict[str, Any]) -> dict[str, Any]: ...
+
+    def holders(self, state: dict[str, Any], world: int) -> dict[str, tuple[int, ...]]: ...
 
 
 class Trainer:
@@ -131,7 +135,10 @@ class Trainer:
         identity = run_identity(task, self.recipe.initial, self.dataset.version_id)
         self.config_hash = config_hash(config, identity)
         self.canonical = canonical(config, identity)
-        self.provenance = provenance(config.task.entry)
+        self.provenance = {
+            **provenance(config.task.entry),
+            "determinism": determinism(self.placement),
+        }
 
     # -- the math of a step ----------------------------------------------------------------
 
@@ -293,10 +300,14 @@ class Trainer:
         self.held = self.shards.mine
 
     def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
+        """The seven fields. Sharded, the optimizer state is this rank's shard plus the
+        other shards as ``meta`` tensors (``save_holders`` says who writes them), unless the
+        whole state is gathered already (the final checkpoint): every member of the group
+        must call it at the same point."""
         return CheckpointState(
             step=self.next_step,
             model=self.module.state_dict(),
-            optimizer=self.optimizer_state(),
+            optimizer=self._optimizer_for_save(),
             rng=capture_rng(self.config.train.seed),
             data=self.loader.state(self.next_step).to_dict(),
             config_hash=self.config_hash,
@@ -305,6 +316,19 @@ class Trainer:
             provenance=self.provenance,
             decisions=list(self.decisions),
         )
+
+    def _optimizer_for_save(self) -> dict[str, Any]:
+        key = (self.next_step, self.state_version)
+        if self.shards is None or (self._gathered is not None and self._gathered[0] == key):
+            return self.optimizer_state()
+        return self.shards.skeleton(self.recipe.state_dict())
+
+    def save_holders(self, state: CheckpointState, world: int) -> dict[str, tuple[int, ...]]:
+        """Which ranks of a ``world``-member epoch hold each tensor of ``state`` that not
+        all of them hold (none when the state is whole on every rank)."""
+        if self.shards is None or not _has_meta(state.optimizer):
+            return {}
+        return self.shards.holders(state.optimizer, world)
 
     def load(self, path: str | Path, *, allow_config_change: bool = False) -> list[str]:
         """Restore all seven fields from a checkpoint; returns any override records."""
@@ -351,6 +375,15 @@ class Trainer:
 
     def close(self) -> None:
         self.loader.close()
+
+
+def _has_meta(state: dict[str, Any]) -> bool:
+    """Whether an optimizer state holds a ``meta`` tensor (a skeleton's other shards)."""
+    return any(
+        isinstance(t, torch.Tensor) and t.is_meta
+        for entry in state.get("state", {}).values()
+        for t in entry.values()
+    )
 
 
 def _row(batch: Any, i: int) -> Any:

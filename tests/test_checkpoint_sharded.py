@@ -1,0 +1,161 @@
+"""A sharded optimizer state written by the ranks that hold it: each writer writes only
+tensors it holds (the others reach it as ``meta`` tensors), and the checkpoint loads, and
+reads with the reference reader, exactly like one written whole."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from perdure.checkpoint import load_checkpoint, save_checkpoint, state_digest
+from perdure.checkpoint.errors import CheckpointSaveError
+from perdure.checkpoint.layout import step_of
+from perdure.checkpoint.plan import plan_parts
+from perdure.checkpoint.reference_reader import Checkpoint
+from perdure.checkpoint.state import CheckpointState
+from perdure.checkpoint.tensors import Meta, flatten
+from perdure.runtime.comm.transfer import pack_skeleton, unpack_skeleton
+from perdure.runtime.shard_plan import merge, owners, part
+from tests.checkpoint_support import make_state, same_tree
+
+K, WORLD = 2, 4
+
+
+class ThreadExchange:
+    """An in-process all-gather for writers running on threads, paired by ``round``."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+        self.rounds: dict[str, dict[int, dict[str, Any]]] = {}
+        self.cv = threading.Condition()
+
+    def __call__(self, payload: dict[str, Any]) -> list[dict[str, Any]]:
+        with self.cv:
+            got = self.rounds.setdefault(payload["round"], {})
+            got[payload["rank"]] = payload
+            self.cv.notify_all()
+            assert self.cv.wait_for(lambda: len(got) == self.world, timeout=30)
+            return [got[r] for r in range(self.world)]
+
+
+def _owner(state: CheckpointState) -> list[int]:
+    sizes = [t.numel() for t in state.model.values()]  # any sizes: a fixed ownership
+    n = len(state.optimizer["state"])
+    return owners((sizes * n)[:n], K)
+
+
+def _skeleton_state(whole: CheckpointState, rank: int) -> CheckpointState:
+    """What rank ``rank`` of a k = 2 group passes: its shard real, the other as meta."""
+    owner = _owner(whole)
+    mine = rank % K
+    parts = [
+        part(whole.optimizer, owner, j)
+        if j == mine
+        else unpack_skeleton(pack_skeleton(part(whole.optimizer, owner, j))[0])
+        for j in range(K)
+    ]
+    return CheckpointState(**{**whole.__dict__, "optimizer": merge(parts)})
+
+
+def _holders(whole: CheckpointState) -> dict[str, tuple[int, ...]]:
+    owner = _owner(whole)
+    out: dict[str, tuple[int, ...]] = {}
+    for j in range(K):
+        for key in flatten({}, part(whole.optimizer, owner, j))[0]:
+            if "/state/" in key:
+                out[key] = tuple(r for r in range(WORLD) if r % K == j)
+    return out
+
+
+def _save_sharded(root: Path, whole: CheckpointState, holders: Any = None) -> list[Any]:
+    ex = ThreadExchange(WORLD)
+    out: list[Any] = [None] * WORLD
+    holders = _holders(whole) if holders is None else holders
+
+    def write(rank: int) -> None:
+        try:
+            out[rank] = save_checkpoint(
+                root,
+                _skeleton_state(whole, rank),
+                rank=rank,
+                world=WORLD,
+                exchange=ex,
+                holders=holders,
+            )
+        except Exception as e:
+            out[rank] = e
+
+    threads = [threading.Thread(target=write, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return out
+
+
+def test_a_sharded_state_written_by_its_holders_loads_like_the_whole_state(
+    tmp_path: Path,
+) -> None:
+    whole = make_state(step=9)
+    paths = _save_sharded(tmp_path / "sharded", whole)
+    assert all(isinstance(p, Path) for p in paths) and len(set(paths)) == 1, paths
+    a = load_checkpoint(paths[0])
+    b = load_checkpoint(save_checkpoint(tmp_path / "whole", whole))
+    assert same_tree(a.optimizer, b.optimizer) and same_tree(a.model, b.model)
+    assert state_digest(a.model, a.optimizer) == state_digest(b.model, b.optimizer)
+    reader = Checkpoint(paths[0])
+    for key, t in flatten({}, whole.optimizer)[0].items():  # the sharded ones (fp32)
+        want = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert reader.tensor(key).tobytes() == want, key
+
+
+def test_each_shard_is_written_only_by_ranks_that_hold_it(tmp_path: Path) -> None:
+    whole = make_state(step=9)
+    path = _save_sharded(tmp_path, whole)[0]
+    manifest = Checkpoint(path).manifest
+    holders = _holders(whole)
+    for key, rec in manifest["tensors"].items():
+        ranks = {int(c["file"].split("-")[1]) for c in rec["chunks"]}
+        assert ranks <= set(holders.get(key, range(WORLD))), (key, ranks)
+    sizes = [(path / f).stat().st_size for f in manifest["files"] if f.endswith(".safetensors")]
+    assert len(sizes) == WORLD and max(sizes) < 2 * min(sizes), sizes
+
+
+def test_wrong_holders_fail_the_save_on_every_rank_and_commit_nothing(tmp_path: Path) -> None:
+    whole = make_state(step=9)
+    wrong = {k: tuple((r + 1) % WORLD for r in v) for k, v in _holders(whole).items()}
+    out = _save_sharded(tmp_path, whole, wrong)
+    assert all(isinstance(e, CheckpointSaveError) for e in out), out
+    assert "does not hold" in str(out[0])
+    assert [step_of(p) for p in tmp_path.iterdir()] == [None]  # the temporary directory only
+
+
+def test_plan_with_holders_covers_every_byte_once_on_holders_only() -> None:
+    metas = [Meta(f"m{i}", "F32", (n, 3)) for i, n in enumerate([1000, 7, 1, 500])]
+    metas += [Meta(f"s{i}", "F32", (n, 3)) for i, n in enumerate([800, 3, 0, 1])]
+    metas.append(Meta("scalar", "F32", ()))
+    for world in (2, 4, 6):
+        holders = {f"s{i}": [r for r in range(world) if r % 2 == i % 2] for i in range(4)}
+        holders["scalar"] = [world - 1]
+        parts = plan_parts(metas, world, holders)
+        for m in metas:
+            chunks = sorted(
+                (c for p in parts for c in p if c.meta.key == m.key), key=lambda c: c.start
+            )
+            rows = m.shape[0] if m.shape else 0
+            assert chunks[0].start == 0 and chunks[-1].stop == rows
+            assert all(x.stop == y.start for x, y in itertools.pairwise(chunks))
+            assert {c.rank for c in chunks} <= set(holders.get(m.key, range(world)))
+        loads = [sum(c.byte_range[1] - c.byte_range[0] for c in p) for p in parts]
+        assert sum(loads) == sum(m.nbytes for m in metas)
+
+
+@pytest.mark.parametrize("bad", [[], [4], [-1]])
+def test_holders_outside_the_writers_are_refused_naming_the_tensor(bad: list[int]) -> None:
+    with pytest.raises(ValueError, match=r"s0: its holders must be .* \[0, 4\)"):
+        plan_parts([Meta("s0", "F32", (4,))], 4, {"s0": bad})
