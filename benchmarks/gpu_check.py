@@ -8,6 +8,8 @@ run (budget: 8 minutes on one H200). Writes ``results/gpu_check.json`` with the 
    device); all must be equal. fp32 and bf16 (two hashes, each equal across W).
 3. Step time against a plain loop on the same GPU (same model, batch and optimizer, no
    slots, no reduction), and the checkpoint snapshot's blocking time from the events.
+4. The snapshot's side-stream device-to-host copy of 256 MB into a pinned buffer: equal
+   bytes, and its time.
 
 Usage (a CUDA build of torch, from the repository root): ``python benchmarks/gpu_check.py``.
 On a host without CUDA it says so and exits 2: nothing here ran on a GPU until then.
@@ -115,6 +117,28 @@ def plain_step_s(dataset: str) -> float:
     return statistics.median(times[5:])
 
 
+def snapshot_check(mb: int = 256) -> dict[str, Any]:
+    """The snapshot's side-stream copy of ``mb`` MB into a pinned buffer: the bytes, and
+    the time ``copy_into`` blocks (the second copy: the first allocates the stream)."""
+    from perdure.checkpoint.snapshot import SnapshotBuffers, copy_into
+
+    src = torch.randn(mb * 2**18, device="cuda")
+    dst = SnapshotBuffers().buffer_for("x", src)
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        copy_into([(src, dst)])
+        times.append(time.perf_counter() - t0)
+    return {
+        "mb": mb,
+        "pinned": dst.is_pinned(),
+        "bytes_equal": bool(torch.equal(dst, src.cpu())),
+        "copy_s": round(min(times[1:]), 5),
+        "gb_per_s": round(mb / 1024 / min(times[1:]), 2),
+    }
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--slots":
         print(json.dumps(slot_crcs(sys.argv[2])))
@@ -148,6 +172,7 @@ def main() -> int:
     for p in ("fp32", "bf16"):
         hashes = {r["final_hash"] for r in runs if r["precision"] == p}
         out[f"{p}_hashes_equal"] = len(hashes) == 1
+    out["snapshot"] = snapshot_check()
     plain = plain_step_s(dataset)
     w1 = next(r for r in runs if r["workers"] == 1 and r["data_plane"] == "nccl")
     out["plain_loop_step_s"] = round(plain, 5)
@@ -156,6 +181,7 @@ def main() -> int:
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
     ok = out["slot_crcs_equal_across_processes"] and out["fp32_hashes_equal"]
+    ok = ok and out["snapshot"]["bytes_equal"]
     return 0 if ok and out["bf16_hashes_equal"] else 1
 
 

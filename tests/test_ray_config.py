@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from perdure.config.errors import ConfigError
 from perdure.launch.api import run
@@ -133,3 +134,40 @@ def test_ray_address_without_the_ray_launcher_is_a_usage_error(tmp_path: Path) -
     )
     assert out.returncode == 2
     assert b"--ray-address: needs --launcher ray" in out.stderr
+
+
+def test_cuda_on_ray_needs_a_whole_gpu_per_worker_unless_the_data_plane_is_gloo(
+    tmp_path: Path,
+) -> None:
+    from perdure.launch.ray import device_problems
+    from perdure.run_config import with_overrides
+
+    def problems(gpus: float, plane: str = "auto", device: str = "cuda"):  # type: ignore[no-untyped-def]
+        cfg = with_overrides(
+            _cfg(tmp_path, worker_gpus=gpus),
+            train={"device": device},
+            cluster={"data_plane": plane},
+        )
+        return device_problems(cfg)
+
+    [p] = problems(0.0)
+    assert p.key == "ray.worker_gpus" and "hides the GPUs" in p.rule and p.value == 0.0
+    [p] = problems(0.5)
+    assert "NCCL refuses" in p.rule and "cluster.data_plane = 'gloo'" in p.rule
+    assert problems(0.5, "gloo") == [] and problems(1.0) == [] and problems(2.0, "nccl") == []
+    assert problems(0.0, device="cpu") == []
+
+
+def test_the_driver_of_a_ray_run_is_not_asked_for_cuda(tmp_path: Path) -> None:
+    """The workers run on the cluster's nodes: preflight on a driver without CUDA refuses
+    ``cuda`` for the local launcher only."""
+    from perdure.launch.preflight import PreflightError, preflight
+    from perdure.run_config import with_overrides
+
+    cfg = with_overrides(_cfg(tmp_path, worker_gpus=1.0), train={"device": "cuda"})
+    if not torch.cuda.is_available():
+        with pytest.raises(PreflightError, match=r"train\.device"):
+            preflight(cfg, launcher="local")
+    with pytest.raises(PreflightError) as got:  # the dataset is missing: nothing else
+        preflight(cfg, launcher="ray")
+    assert "train.device" not in str(got.value)

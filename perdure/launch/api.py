@@ -159,7 +159,7 @@ def run(
         ckpt = resolve_resume(resume, rd)
         checked = preflight(
             config, source=source, resume=ckpt, allow_config_change=allow_config_change,
-            build_default=True, say=lambda line: print(line, file=sys.stderr),
+            build_default=True, say=lambda line: print(line, file=sys.stderr), launcher=name,
         )  # fmt: skip
         cluster = held.enter_context(prepared(config, name))
         if not rd.exists():  # created only once the run can start: a refusal leaves nothing

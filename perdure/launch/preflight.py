@@ -94,16 +94,19 @@ def preflight(
     allow_config_change: bool = False,
     build_default: bool = False,
     say: Callable[[str], None] | None = None,
+    launcher: str = "local",
 ) -> Report:
     """Check ``config`` (and the resume checkpoint) as the workers would meet it; raise
     :class:`PreflightError` listing every problem. ``build_default``: build the stdlib
     dataset when ``data.dataset`` is the shipped default path and nothing is there (what
-    ``perdure run`` does); ``say`` hears about it before the build starts."""
+    ``perdure run`` does); ``say`` hears about it before the build starts. ``launcher``:
+    where the workers run; with ``ray`` they run on the cluster's nodes, so CUDA is not
+    asked of this host (the Ray launcher checks the GPUs its workers reserve)."""
     t0 = time.perf_counter()
     report = Report()
     report.notes += missing_libraries(config.metrics)
     report.notes += _exact_kernels(config)
-    problems = _bounds(config)
+    problems = _bounds(config, here=launcher == "local")
     task = _task(config, problems) if config.train.seed < MAX_SEED else None
     dataset = _dataset(config, problems, report, build_default, say)
     if dataset is not None:
@@ -140,7 +143,8 @@ def _exact_kernels(config: RunConfig) -> list[str]:
 # -- numbers that pass their field's rule and still cannot run ----------------------------
 
 
-def _bounds(config: RunConfig) -> list[Problem]:
+def _bounds(config: RunConfig, here: bool = True) -> list[Problem]:
+    """Values no worker could run with; ``here``: the workers run on this host."""
     out = []
     for section in ("cluster", "checkpoint", "chaos"):
         value = getattr(config, section)
@@ -149,7 +153,7 @@ def _bounds(config: RunConfig) -> list[Problem]:
             if f.name.endswith("_ms") and isinstance(v, int | float) and abs(v) > MAX_MS:
                 out.append(Problem(f"{section}.{f.name}", f"must be at most {MAX_MS} ms", v))
     t = config.train
-    if t.device == "cuda":
+    if t.device == "cuda" and here:
         from perdure.runtime.placement import cuda_problem
 
         problem = cuda_problem()

@@ -270,6 +270,29 @@ def in_region(rc: RayConfig, node: dict[str, Any], region: str) -> bool:
     return float((node.get("Resources") or {}).get(f"{rc.resource_prefix}{region}", 0)) > 0
 
 
+def device_problems(config: RunConfig) -> list[Problem]:
+    """GPU reservations that cannot work with ``train.device`` and the data plane: Ray
+    hides every GPU from an actor that reserves none (its ``CUDA_VISIBLE_DEVICES`` is
+    empty), and a fraction of a GPU puts two workers on one device, which NCCL refuses.
+    Pure, for tests."""
+    rc, train, plane = config.ray, config.train, config.cluster.data_plane
+    if train.device != "cuda":
+        return []
+    if rc.worker_gpus <= 0:
+        rule = (
+            "train.device = 'cuda' needs each worker to reserve a GPU (Ray hides the GPUs "
+            "from an actor that reserves none)"
+        )
+        return [Problem("ray.worker_gpus", rule, rc.worker_gpus)]
+    if rc.worker_gpus < 1 and plane in ("auto", "nccl"):
+        rule = (
+            f"a fraction of a GPU shares one device between workers, which NCCL refuses "
+            f"(cluster.data_plane = {plane!r}); set cluster.data_plane = 'gloo' or reserve 1"
+        )
+        return [Problem("ray.worker_gpus", rule, rc.worker_gpus)]
+    return []
+
+
 def region_problems(config: RunConfig, nodes: list[dict[str, Any]]) -> list[Problem]:
     """What keeps the cluster's alive ``nodes`` from hosting ``config``: a region with no
     node, or with fewer CPUs (or GPUs) than its workers reserve. Pure, for tests."""
@@ -390,7 +413,7 @@ def connect(config: RunConfig) -> Iterator[RayCluster]:
             owned=owned,
             runtime_env=env,
         )
-        problems = region_problems(config, cluster.nodes)
+        problems = device_problems(config) + region_problems(config, cluster.nodes)
         if problems:
             raise RayClusterError(problems, source=rc.address)
         yield cluster
@@ -642,6 +665,7 @@ __all__ = [
     "RayProcess",
     "connect",
     "coordinator_command",
+    "device_problems",
     "needed_regions",
     "region_problems",
 ]
