@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from perdure.runtime.plan import apportion, chain_order, make_plan, rebalance
+from perdure.runtime.plan import apportion, chain_order, group_order, make_plan, rebalance
 
 
 @given(st.integers(1, 64), st.lists(st.floats(0.01, 100), min_size=1, max_size=64))
@@ -54,3 +54,13 @@ def test_a_planned_epoch_change_leaves_room_for_stale_heartbeats() -> None:
     assert boundary_margin(2.0, 0.1) == 1  # long steps: a heartbeat is never a step late
     assert boundary_margin(0.06, 0.1) == 4  # 60 ms steps, 100 ms heartbeats
     assert boundary_margin(1e-4, 0.1) == 20  # capped
+
+
+def test_group_order_fills_groups_inside_regions_first_and_is_the_chain_for_k_1() -> None:
+    workers = [("e2", "eu"), ("u0", "us"), ("e0", "eu"), ("u1", "us"), ("e1", "eu"), ("a0", "ap")]
+    regions = ["us", "eu", "ap"]
+    assert group_order(workers, regions, 1) == chain_order(workers, regions)
+    assert group_order(workers, regions, 2) == ["u0", "u1", "e0", "e1", "e2", "a0"]
+    assert group_order(workers, regions, 3) == ["e0", "e1", "e2", "u0", "u1", "a0"]
+    one = [(f"w{i}", "us") for i in range(5)]
+    assert group_order(one, ["us"], 2) == chain_order(one, ["us"])  # one region: the chain

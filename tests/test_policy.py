@@ -31,10 +31,12 @@ def make_policy(workers: int = 3, slots: int = 6, **cluster: Any) -> pol.Policy:
     return pol.Policy(settings, now=0.0)
 
 
-def hello(name: str, *, version: int = p.PROTOCOL_VERSION, epoch: int = -1) -> p.Hello:
+def hello(
+    name: str, *, version: int = p.PROTOCOL_VERSION, epoch: int = -1, region: str = "r0"
+) -> p.Hello:
     return p.Hello(
         name=name,
-        region="r0",
+        region=region,
         role="worker",
         pid=1,
         next_step=0,
@@ -59,10 +61,10 @@ class Driver:
         self.out += out
         return out
 
-    def admit(self, *names: str, prepared: bool = True) -> None:
+    def admit(self, *names: str, prepared: bool = True, region: str = "r0") -> None:
         for name in names:
             self.conns += 1
-            out = self.feed(pol.Joined(self.conns, hello(name), True, self.now))
+            out = self.feed(pol.Joined(self.conns, hello(name, region=region), True, self.now))
             assert any(isinstance(e, pol.Accept) and e.worker == name for e in out), out
             if prepared:
                 self.recv(name, p.Heartbeat(next_step=0, prepared=True))

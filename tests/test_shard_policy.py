@@ -11,12 +11,15 @@ from perdure.runtime.control import protocol as p
 from tests.test_policy import Driver
 
 
-def _driver(workers: int) -> Driver:
+def _driver(workers: int, *more: int) -> Driver:
+    """A policy over region r0 with ``workers`` workers (and r1, r2, ... with ``more``)."""
+    regions = [{"name": f"r{i}", "workers": n} for i, n in enumerate((workers, *more))]
     config = with_overrides(
         RunConfig(),
         train={"slots": 8, "global_batch": 16, "steps": 100, "shard_degree": 2},
-        cluster={"regions": [{"name": "r0", "workers": workers}]},
+        cluster={"regions": regions},
     )
+    workers = sum((workers, *more))
     settings = pol.Settings(
         config=config, run_dir="/run", resume=None, store_port=1, instance="x", expected=workers
     )
@@ -81,3 +84,14 @@ def test_a_shard_nobody_alive_holds_sends_the_epoch_to_the_checkpoint() -> None:
     out = d.tick()
     assert any(isinstance(e, pol.FindCheckpoint) for e in out)  # shard 1 died with w1
     assert d.policy.current is not None and d.logged(ev.EPOCH_STARTED)[-1]["epoch"] == 0
+
+
+def test_replica_groups_stay_inside_a_region_and_only_the_leftovers_span_two() -> None:
+    """r0 and r1 with three workers each, k = 2: (a0, a1) and (b0, b1) inside their
+    regions, and the leftovers a2 and b2 form the one group that spans both."""
+    d = _driver(3, 3)
+    d.admit("b0", "b1", "b2", region="r1")
+    d.admit("a0", "a1", "a2", region="r0")
+    d.tick()
+    assert d.policy.pending is not None
+    assert d.policy.pending.members == ["a0", "a1", "b0", "b1", "a2", "b2"]

@@ -52,6 +52,27 @@ def chain_order(workers: Sequence[tuple[str, str]], regions: Sequence[str]) -> l
     return [n for n, _ in sorted(workers, key=lambda w: (rank.get(w[1], len(rank)), w[0]))]
 
 
+def group_order(workers: Sequence[tuple[str, str]], regions: Sequence[str], k: int) -> list[str]:
+    """Worker names for an epoch of replica groups of ``k`` consecutive ranks: every group
+    that fits inside one region first (regions in order, names in order), then the
+    workers left over in each region (as ``chain_order`` has them), which form the groups
+    that span regions. A group's members exchange parameters every step, so a group
+    inside one region keeps that exchange off the wide-area links; only the leftovers of
+    regions whose worker count is not a multiple of k pay it. ``k`` = 1: ``chain_order``."""
+    order = chain_order(workers, regions)
+    if k <= 1:
+        return order
+    home = dict(workers)
+    whole: list[str] = []
+    left: list[str] = []
+    for region in dict.fromkeys(home[n] for n in order):
+        mine = [n for n in order if home[n] == region]
+        cut = len(mine) // k * k
+        whole += mine[:cut]
+        left += mine[cut:]
+    return whole + left
+
+
 def apportion(slots: int, weights: Sequence[float]) -> list[int]:
     """Split ``slots`` into integer shares proportional to ``weights``, each at least 1.
 

@@ -61,7 +61,7 @@ from perdure.runtime.control import protocol as p
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
 from perdure.runtime.control.lease import LeaseView
-from perdure.runtime.plan import Plan, chain_order, from_counts, make_plan, rebalance
+from perdure.runtime.plan import Plan, from_counts, group_order, make_plan, rebalance
 from perdure.runtime.shard_plan import ALL, NONE
 from perdure.runtime.shard_plan import complete as shards_complete
 
@@ -898,9 +898,7 @@ class Policy:
     def _announce(
         self, names: list[str], *, after: int, reason: str, counts: list[int] | None = None
     ) -> None:
-        regions = [r.name for r in self.cluster.regions]
-        members = chain_order([(n, self.workers[n].region) for n in names], regions)
-        members = self._pick(members, self._usable(len(members)))
+        members = self._order(self._pick(self._order(names), self._usable(len(names))))
         self.epoch += 1
         self.pending = Pending(self.epoch, members, after, reason, counts, self.now)
         self._log(
@@ -1005,17 +1003,18 @@ class Policy:
         for m, r in pend.ready.items():  # a member behind holds a stale shard: none
             live = r.has_state and r.next_step == start
             self.workers[m].shard = r.shard if live else NONE
-        pick = self._pick(
-            chain_order([(n, self.workers[n].region) for n in names], self._regions()),
-            self._usable(len(names)),
-        )
+        pick = self._pick(self._order(names), self._usable(len(names)))
         if sorted(pick) == sorted(pend.members) or not pick:
             return False
         self._announce(pick, after=-1, reason="optimizer shard regrouped")
         return True
 
-    def _regions(self) -> list[str]:
-        return [r.name for r in self.cluster.regions]
+    def _order(self, names: list[str]) -> list[str]:
+        """The ranks' order: a region's workers adjacent (the chain's hops), and with
+        replica groups every group inside one region where the counts allow."""
+        regions = [r.name for r in self.cluster.regions]
+        k = self.s.config.train.shard_degree
+        return group_order([(n, self.workers[n].region) for n in names], regions, k)
 
     def _shards_complete(self, pend: Pending, with_state: list[str]) -> bool:
         """Whether the members with live state at the start step hold, between them, every
