@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,12 +50,19 @@ class LoadedCheckpoint(CheckpointState):
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
-def state_digest(model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> str:
+def state_digest(
+    model: dict[str, torch.Tensor],
+    optimizer: dict[str, Any],
+    fetch: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> str:
     """One SHA-256 over weights and optimizer state: names, dtypes, shapes, exact bytes,
     and the optimizer's non-tensor structure (scalars, param groups).
 
     Stream hashed (spec, "State digest"): a JSON line describing everything, then the
     bytes of each tensor in sorted-name order. Equal digests mean bitwise-equal state.
+    ``fetch(name, tensor)``, called for every tensor in that order, gives its bytes where
+    this process holds only its layout (a ``meta`` tensor: a replica group's other shards),
+    one tensor at a time, so the whole state is never held at once.
     """
     tensors, structure = flatten(model, optimizer)
     names = sorted(tensors)
@@ -66,7 +74,8 @@ def state_digest(model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> s
     }
     h = hashlib.sha256(json.dumps(head, sort_keys=True, separators=(",", ":")).encode() + b"\n")
     for k in names:
-        h.update(byte_view(to_cpu_contiguous(tensors[k])))
+        t = tensors[k] if fetch is None else fetch(k, tensors[k])
+        h.update(byte_view(to_cpu_contiguous(t)))
     return "sha256:" + h.hexdigest()
 
 

@@ -11,14 +11,16 @@ A periodic checkpoint does not gather: each rank learns only the other shards' l
 skeleton of ``meta`` tensors) and writes the part of its own shard's state that the plan
 gives it (``checkpoint.plan``'s holders: the ranks of every group that own the shard).
 
-Limits of this step: parameters and the gradient sum stay whole on every rank (what
-shrinks by k is the optimizer state); the final checkpoint and hash gather the whole
-optimizer state on every rank of each group.
+The final hash streams the other shards' tensors through the group one at a time
+(``fetcher``), so no rank ever holds the whole optimizer state.
+
+Limit of this step: parameters and the gradient sum stay whole on every rank (what
+shrinks by k is the optimizer state).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -96,16 +98,26 @@ class Shards:
 
     # -- the optimizer state ---------------------------------------------------------------
 
-    def gather(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The whole optimizer state, from every shard's owner in this group (for a
-        checkpoint or the final hash); ``state``: this rank's (its shard's) state."""
-        parts = []
-        for j in range(self.k):
-            own = part(state, self.owner, j)
-            mine = pack({}, own, {}, self.group.device) if j == self.mine else None
-            head, blob = broadcast_state(self.group, j, mine, self.timeout)
-            parts.append(own if j == self.mine else unpack(head, blob)[1])
-        return merge(parts)
+    def fetcher(self, whole: dict[str, Any]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+        """For ``state_digest`` over a ``skeleton``: each tensor of a shard, broadcast by
+        its owner to the group as it is hashed (every rank of the group calls it for every
+        tensor, in the same order), so no rank holds more than one foreign tensor at once."""
+        shard_of_key = self._key_shards(whole)
+        dev = self.group.device
+
+        def fetch(key: str, t: torch.Tensor) -> torch.Tensor:
+            j = shard_of_key.get(key)
+            if j is None:
+                return t  # held whole by every rank
+            if j == self.mine:
+                flat = t.detach().contiguous().reshape(-1).view(torch.uint8).to(dev)
+            else:
+                flat = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, device=dev)
+            pg, timeout = self.group.pg, self.timeout
+            self.group.call(lambda: pg.broadcast(flat, j).wait(timeout))
+            return t if j == self.mine else flat.view(t.dtype).view(t.shape)
+
+        return fetch
 
     def skeleton(self, state: dict[str, Any]) -> dict[str, Any]:
         """The whole optimizer state's structure, with this rank's shard real and the
@@ -121,13 +133,18 @@ class Shards:
     def holders(self, state: dict[str, Any], world: int) -> dict[str, tuple[int, ...]]:
         """For each tensor of a shard's optimizer state (as a checkpoint names it), the
         ranks of a ``world``-member epoch that hold it: that shard's rank in every group."""
+        ranks = [tuple(r for r in range(world) if shard_of(r, self.k) == j) for j in range(self.k)]
+        return {key: ranks[j] for key, j in self._key_shards(state).items()}
+
+    def _key_shards(self, state: dict[str, Any]) -> dict[str, int]:
+        """The shard of each tensor of ``state`` that one shard alone holds, by its name
+        (the tensors of every part, such as a tensor-valued param group, are not listed)."""
         common = set(flatten({}, part(state, self.owner, -1))[0])
-        out: dict[str, tuple[int, ...]] = {}
+        out: dict[str, int] = {}
         for j in range(self.k):
-            ranks = tuple(r for r in range(world) if shard_of(r, self.k) == j)
             for key in flatten({}, part(state, self.owner, j))[0]:
                 if key not in common:
-                    out[key] = ranks
+                    out[key] = j
         return out
 
     def exchange(self, epoch: Comm, held: int, state: dict[str, Any]) -> dict[str, Any] | None:

@@ -532,13 +532,13 @@ class Worker:
         if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
             self.has_state = False  # no run ends with replicas that disagree
             raise CommFailed(f"replica diverged at step {tr.next_step}")
-        # Sharded: the whole optimizer state, gathered once by every member of each group
-        # (the final checkpoint and the hash read it; whether a member saves may differ).
-        tr.optimizer_state()
+        # Sharded, the state to save is a collective of each group, on every member
+        # (whether a member saves may differ), as is the digest after it.
+        state = tr.checkpoint_state(self._topology(ep))
         if self.final_saved != tr.next_step:
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
-            ep.ckpt.save(tr.checkpoint_state(self._topology(ep)))
+            ep.ckpt.save(state, holders=tr.save_holders(state, ep.size))
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
             self.final_saved = tr.next_step

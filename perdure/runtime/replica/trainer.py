@@ -58,9 +58,9 @@ class ShardSeam(Protocol):
 
     def sync_params(self) -> None: ...
 
-    def gather(self, state: dict[str, Any]) -> dict[str, Any]: ...
-
     def skeleton(self, state: dict[str, Any]) -> dict[str, Any]: ...
+
+    def fetcher(self, whole: dict[str, Any]) -> Callable[[str, torch.Tensor], torch.Tensor]: ...
 
     def holders(self, state: dict[str, Any], world: int) -> dict[str, tuple[int, ...]]: ...
 
@@ -126,7 +126,6 @@ class Trainer:
         """A sharded update that did not complete (a group member died during the
         parameters' exchange): this replica's own shard moved on, the others did not, so
         it must receive a peer's state before it trains again."""
-        self._gathered: tuple[tuple[int, int], dict[str, Any]] | None = None
         self.held = ALL
         """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all)."""
         self.state_version = 0
@@ -203,7 +202,6 @@ class Trainer:
                 self.model.parameters(), self.config.optim.grad_clip, foreach=False
             )
         lr = self.recipe.set_lr(step)
-        self._gathered = None
         if self.shards is not None:
             self.shards.drop_foreign_grads()
             self.torn = True  # until every owner's update is in: see ``torn``
@@ -280,17 +278,14 @@ class Trainer:
         return list(self.module.state_dict().keys())
 
     def digest(self) -> str:
-        return state_digest(self.module.state_dict(), self.optimizer_state())
-
-    def optimizer_state(self) -> dict[str, Any]:
-        """The whole optimizer state (gathered from the replica group when sharded: every
-        member of the group must call it at the same point)."""
+        """The state digest of the whole replica. Sharded, the other shards' tensors stream
+        through the group one at a time (every member of the group must call it at the
+        same point): the same digest as the unsharded replica's, without its memory."""
+        model = self.module.state_dict()
         if self.shards is None:
-            return self.recipe.state_dict()
-        key = (self.next_step, self.state_version)
-        if self._gathered is None or self._gathered[0] != key:
-            self._gathered = (key, self.shards.gather(self.recipe.state_dict()))
-        return self._gathered[1]
+            return state_digest(model, self.recipe.state_dict())
+        whole = self.shards.skeleton(self.recipe.state_dict())
+        return state_digest(model, whole, fetch=self.shards.fetcher(whole))
 
     def keep_shard(self, state: dict[str, Any] | None) -> None:
         """Hold exactly this shard's optimizer state from now on (``Shards.exchange``)."""
@@ -301,9 +296,8 @@ class Trainer:
 
     def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
         """The seven fields. Sharded, the optimizer state is this rank's shard plus the
-        other shards as ``meta`` tensors (``save_holders`` says who writes them), unless the
-        whole state is gathered already (the final checkpoint): every member of the group
-        must call it at the same point."""
+        other shards as ``meta`` tensors (``save_holders`` says who writes them): every
+        member of the group must call it at the same point."""
         return CheckpointState(
             step=self.next_step,
             model=self.module.state_dict(),
@@ -318,10 +312,8 @@ class Trainer:
         )
 
     def _optimizer_for_save(self) -> dict[str, Any]:
-        key = (self.next_step, self.state_version)
-        if self.shards is None or (self._gathered is not None and self._gathered[0] == key):
-            return self.optimizer_state()
-        return self.shards.skeleton(self.recipe.state_dict())
+        state = self.recipe.state_dict()
+        return state if self.shards is None else self.shards.skeleton(state)
 
     def save_holders(self, state: CheckpointState, world: int) -> dict[str, tuple[int, ...]]:
         """Which ranks of a ``world``-member epoch hold each tensor of ``state`` that not
