@@ -132,3 +132,13 @@ def test_a_coordinator_that_cannot_bind_says_which_address_in_one_line(tmp_path:
     assert out.returncode == 2, out.stderr
     assert "cannot listen on 10.231.254.254:0" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("host", ["10.0.0.7", "fd00::2", "::1", "[fd00::3]", "node-a"])
+def test_a_coordinators_address_round_trips_through_the_workers_flag(host: str) -> None:
+    from perdure.runtime.control.address import host_port
+    from perdure.runtime.entry import parse_address
+
+    text = host_port(host, 29500)
+    assert text.count("[") == (1 if ":" in host else 0)
+    assert parse_address(text) == (host.strip("[]"), 29500)

@@ -30,6 +30,7 @@ from perdure.launch.procs import Process, child_env, start_coordinator, start_wo
 from perdure.launch.zygote import Zygote
 from perdure.run_config import RunConfig, anchored, to_dict
 from perdure.runlog import merge_all, part, writer_id
+from perdure.runtime.control.address import host_port
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -189,7 +190,7 @@ class LocalLauncher:
             ports = wait_ports(self.run_dir / f"{name}.json", popen)
             region = region or self.config.cluster.regions[0].name
             self.coordinators.append(Proc(name, region, "coordinator", popen))
-            self.addresses.append(f"{ports['host']}:{ports['channel_port']}")
+            self.addresses.append(host_port(ports["host"], ports["channel_port"]))
             self.store_addrs.append((ports["host"], int(ports["store_port"])))
 
     def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:

@@ -57,6 +57,7 @@ from perdure.launch.procs import coordinator_args, wait_ports
 from perdure.launch.ray_host import CALL_TIMEOUT_S, POLL_S, ProcessHost, bind_address
 from perdure.run_config import RunConfig, to_dict
 from perdure.run_config.launch import RayConfig
+from perdure.runtime.control.address import host_port
 from perdure.runtime.entry import WorkerSpec
 
 log = logging.getLogger("perdure.launch")
@@ -568,7 +569,7 @@ class RayLauncher(LocalLauncher):
             self._unlogged.append(proc)
             timeout = self.config.ray.start_timeout_s
             ports = wait_ports(self.run_dir / f"{name}.json", popen, timeout)
-            self.addresses.append(f"{ports['host']}:{ports['channel_port']}")
+            self.addresses.append(host_port(ports["host"], ports["channel_port"]))
             self.store_addrs.append((ports["host"], int(ports["store_port"])))
 
     def _node_of(self, name: str, region: str) -> dict[str, Any]:

@@ -39,6 +39,12 @@ class Endpoints:
     store_port: int
 
 
+def host_port(host: str, port: int | str) -> str:
+    """``HOST:PORT``, with an IPv6 host in brackets (``[::1]:29500``): the form every
+    ``--coordinator`` and ``--primary`` flag, and ``entry.parse_address``, read."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 def coordinator_endpoints(
     cluster: ClusterConfig,
     *,

@@ -36,7 +36,7 @@ from perdure.run_config import RunConfig
 from perdure.runlog import Mergers, part, writer_id
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
-from perdure.runtime.control.address import Endpoints, coordinator_endpoints
+from perdure.runtime.control.address import Endpoints, coordinator_endpoints, host_port
 from perdure.runtime.control.channel import LineSocket, verify
 from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
 from perdure.runtime.control.lease_agent import LeaseAgent
@@ -137,7 +137,7 @@ class Coordinator:
         )
         role = "standby" if settings.standby else "primary"
         # Limit: a wildcard bind address is recorded as is; a standby then needs --primary.
-        holder = holder_record(settings.instance, f"{self.host}:{self.channel_port}", role)
+        holder = holder_record(settings.instance, host_port(self.host, self.channel_port), role)
         generation, until = 0, -math.inf
         if not settings.standby:
             grant = acquire_for_primary(store, self.run_dir, holder)
