@@ -57,3 +57,4 @@ def test_a_run_whose_update_goes_non_finite_stops_with_the_reason_and_quarantine
     assert len(events(tmp_path, ev.RUN_FAILED)) == 1
     assert events(tmp_path, ev.DECISION) == []
     assert (tmp_path / "summary.json").exists()
+    assert "non-finite" in (tmp_path / "report.html").read_text()  # where it failed

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import secrets
 import signal
@@ -34,6 +35,8 @@ from perdure.runtime.control.address import host_port
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 ZYGOTE_READY_S = 60.0
 """How long the launcher waits for the fork server's imports before starting workers."""
@@ -245,6 +248,7 @@ class LocalLauncher:
             self._stop_all()
             merge_all(self.run_dir, final=True)  # every writer has stopped: the last lines
             summary = write_summary(self.run_dir, self.config, started=self.started)
+            _write_report(self.run_dir)
         if self.stop_signal:
             summary["stopped_by"] = self.stop_signal
         events = [
@@ -499,3 +503,14 @@ class _StoreClient:
             timeout = timedelta(seconds=STORE_TIMEOUT_S)
             self._store = AuthStore(host, port, self.token, timeout)
         return self._store
+
+
+def _write_report(run_dir: Path) -> None:
+    """RUN_DIR/report.html beside summary.json, on every ending (a failed run's report
+    shows where it failed); a report that cannot be written costs one log line."""
+    from perdure.report import write_report
+
+    try:
+        write_report(run_dir)
+    except Exception as e:
+        log.warning("report.html not written in %s: %s", run_dir, e)
