@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from perdure.checkpoint import load_checkpoint, save_checkpoint, state_digest
-from perdure.checkpoint.plan import plan_parts
+from perdure.checkpoint.plan import Chunk, plan_parts
 from perdure.checkpoint.reference_reader import Checkpoint
 from perdure.checkpoint.tensors import Meta
 from tests.checkpoint_support import StoreExchange, free_port, make_state, same_tree
@@ -90,15 +90,17 @@ def test_plan_covers_every_byte_once_and_balances() -> None:
     metas = [Meta(f"t{i}", "F32", (n, 3)) for i, n in enumerate([1000, 7, 0, 1, 500, 2000])]
     metas.append(Meta("scalar", "F32", ()))
     for world in (1, 2, 3, 5, 16):
-        parts = plan_parts(metas, world)
-        for m in metas:
-            chunks = sorted(
-                (c for p in parts for c in p if c.meta.key == m.key), key=lambda c: c.start
-            )
-            rows = m.shape[0] if m.shape else 0
-            assert chunks[0].start == 0 and chunks[-1].stop == rows
-            assert all(x.stop == y.start for x, y in itertools.pairwise(chunks))
-        loads = [sum(c.byte_range[1] - c.byte_range[0] for c in p) for p in parts]
-        total = sum(m.nbytes for m in metas)
-        assert sum(loads) == total
+        loads = assert_covers(plan_parts(metas, world), metas)
         assert max(loads) - min(loads) <= 12 + 4, (world, loads)
+
+
+def assert_covers(parts: list[list[Chunk]], metas: list[Meta]) -> list[int]:
+    """Every tensor's chunks tile its rows exactly once; returns each part's bytes."""
+    for m in metas:
+        chunks = sorted((c for p in parts for c in p if c.meta.key == m.key), key=lambda c: c.start)
+        rows = m.shape[0] if m.shape else 0
+        assert chunks[0].start == 0 and chunks[-1].stop == rows, m.key
+        assert all(x.stop == y.start for x, y in itertools.pairwise(chunks)), m.key
+    loads = [sum(c.byte_range[1] - c.byte_range[0] for c in p) for p in parts]
+    assert sum(loads) == sum(m.nbytes for m in metas)
+    return loads
