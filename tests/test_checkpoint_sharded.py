@@ -118,7 +118,7 @@ def test_wrong_holders_fail_the_save_on_every_rank_and_commit_nothing(tmp_path: 
     assert [step_of(p) for p in tmp_path.iterdir()] == [None]  # the temporary directory only
 
 
-def test_plan_with_holders_covers_every_byte_once_on_holders_only() -> None:
+def test_plan_with_holders_covers_every_byte_once_on_holders_and_splits_few() -> None:
     metas = [Meta(f"m{i}", "F32", (n, 3)) for i, n in enumerate([1000, 7, 1, 500])]
     metas += [Meta(f"s{i}", "F32", (n, 3)) for i, n in enumerate([800, 3, 0, 1])]
     metas.append(Meta("scalar", "F32", ()))
@@ -127,9 +127,13 @@ def test_plan_with_holders_covers_every_byte_once_on_holders_only() -> None:
         holders["scalar"] = [world - 1]
         parts = plan_parts(metas, world, holders)
         assert_covers(parts, metas)
+        split = 0
         for m in metas:
             ranks = {c.rank for p in parts for c in p if c.meta.key == m.key}
             assert ranks <= set(holders.get(m.key, range(world))), m.key
+            split += m.key in holders and len(ranks) > 1
+        # one cut between two holders of a set splits at most one tensor: the rest map whole
+        assert split <= sum(len(r) - 1 for r in {tuple(v) for v in holders.values()}), split
 
 
 @pytest.mark.parametrize("bad", [[], [4], [-1]])

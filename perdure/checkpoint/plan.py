@@ -9,16 +9,16 @@ to within one row or one small tensor.
 
 A sharded state (``train.shard_degree``) is not identical on every writer: a tensor of one
 shard's optimizer state lives only on the ranks that own that shard. ``holders`` names
-those ranks per tensor; such a tensor is split by rows among its holders alone (a tensor
-that cannot be split goes whole to its least loaded holder), and the rest is cut as above
-among all writers. Every writer still computes the same plan: the holders are a pure
-function of the shard ownership, which every rank knows.
+those ranks per tensor. The tensors of one set of holders are laid end to end and cut
+among those holders alone, as above (at most one tensor per cut is split, so a loader maps
+the others whole), and the rest is cut among all writers. Every writer still computes the
+same plan: the holders are a pure function of the shard ownership, which every rank knows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perdure.checkpoint.tensors import Meta
 
@@ -62,14 +62,14 @@ def plan_parts(
         raise ValueError(f"world must be >= 1 (got {world})")
     holders = holders or {}
     _check_holders(holders, world)
-    free = [m for m in metas if m.key not in holders]
-    parts = _cut(free, world)
-    load = [sum(c.byte_range[1] - c.byte_range[0] for c in p) for p in parts]
+    parts = _cut([m for m in metas if m.key not in holders], world)
+    by_holders: dict[tuple[int, ...], list[Meta]] = {}
     for m in metas:
         if m.key in holders:
-            for c in _split_among(m, sorted(set(holders[m.key])), load):
-                parts[c.rank].append(c)
-                load[c.rank] += c.byte_range[1] - c.byte_range[0]
+            by_holders.setdefault(tuple(sorted(set(holders[m.key]))), []).append(m)
+    for ranks, held in by_holders.items():
+        for i, chunks in enumerate(_cut(held, len(ranks))):
+            parts[ranks[i]] += [replace(c, rank=ranks[i]) for c in chunks]
     return parts
 
 
@@ -80,22 +80,6 @@ def _check_holders(holders: Mapping[str, Sequence[int]], world: int) -> None:
                 f"{key}: its holders must be a non-empty list of ranks in [0, {world}) "
                 f"(got {list(ranks)})"
             )
-
-
-def _split_among(m: Meta, ranks: list[int], load: list[int]) -> list[Chunk]:
-    """Rows of ``m`` split evenly among ``ranks`` (lower ranks first); a tensor with fewer
-    rows than holders, or under two rows, goes whole to the least loaded holder."""
-    rows = m.shape[0] if m.shape else 0
-    if rows < max(2, len(ranks)) or m.row_bytes == 0:
-        r = min(ranks, key=lambda r: (load[r], r))
-        return [Chunk(m, r, 0, rows, whole=True)]
-    n = len(ranks)
-    cuts = [rows * i // n for i in range(n + 1)]
-    return [
-        Chunk(m, r, a, b, whole=n == 1)
-        for r, a, b in zip(ranks, cuts[:-1], cuts[1:], strict=True)
-        if b > a
-    ]
 
 
 def _cut(metas: list[Meta], world: int) -> list[list[Chunk]]:
