@@ -77,11 +77,15 @@ def test_the_deterministic_cuda_settings_are_set_and_reported(
         torch.backends.cudnn.deterministic,
     )
     try:
-        got = pl.deterministic_cuda()
+        pl.deterministic_cuda()
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == pl.CUBLAS_WORKSPACE
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
-        assert got["cublas_workspace_config"] == ":4096:8" and got["allow_tf32"] is False
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda _d=None: "Fake")
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda _d=None: (9, 0))
+        place = Placement(torch.device("cuda", 0), torch.device("cuda", 0), "nccl")
+        got = pl.determinism(place)  # what a checkpoint records of them
+        assert got["cublas_workspace_config"] == ":4096:8" and got["matmul_allow_tf32"] is False
     finally:
         (
             torch.backends.cuda.matmul.allow_tf32,

@@ -102,11 +102,10 @@ class AsyncCheckpointer:
             )
         tensors, structure = flatten(state.model, state.optimizer)
         context = context_of(state, structure)
-        held = {k: t for k, t in tensors.items() if not t.is_meta}
-        pairs = [(t, self._buffers.buffer_for(k, t)) for k, t in held.items()]
-        self._buffers.keep_only(set(held))
-        copies = {k: dst for k, (_, dst) in zip(held, pairs, strict=True)}
-        bufs = {k: copies.get(k, t) for k, t in tensors.items()}
+        # A meta tensor (a shard this rank does not hold) is passed on as it is, not copied.
+        bufs = {k: t if t.is_meta else self._buffers.buffer_for(k, t) for k, t in tensors.items()}
+        pairs = [(t, bufs[k]) for k, t in tensors.items() if not t.is_meta]
+        self._buffers.keep_only({k for k, t in tensors.items() if not t.is_meta})
         job = _Job(int(state.step))
         prep = Prepared(job.step, bufs, context, dict(holders or {}))
         self._job = job

@@ -72,22 +72,16 @@ def cuda_problem() -> str | None:
     )
 
 
-def deterministic_cuda() -> dict[str, Any]:
+def deterministic_cuda() -> None:
     """Set what changes a CUDA run's bits from one run to the next, before the first CUDA
-    call (cuBLAS reads its workspace setting once), and return what was set (a checkpoint
-    records what torch reports back: ``determinism``): TF32
-    off (a math choice, not an accident of the card), deterministic cuDNN, no autotuning."""
+    call (cuBLAS reads its workspace setting once): TF32 off (a math choice, not an
+    accident of the card), deterministic cuDNN, no autotuning. What is in force is read
+    back by ``determinism``, which every checkpoint records."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
-    return {
-        "cublas_workspace_config": os.environ["CUBLAS_WORKSPACE_CONFIG"],
-        "allow_tf32": False,
-        "cudnn_deterministic": True,
-        "cudnn_benchmark": False,
-    }
 
 
 def determinism(placement: Placement) -> dict[str, Any]:

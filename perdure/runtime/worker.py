@@ -32,6 +32,7 @@ from perdure import events as ev
 from perdure.checkpoint import (
     AsyncCheckpointer,
     CheckpointSaveError,
+    CheckpointState,
     config_override_entry,
     load_checkpoint,
 )
@@ -482,8 +483,7 @@ class Worker:
             and tr.next_step < self.client.last_step(self.config.train.steps)
         ):
             try:
-                state = tr.checkpoint_state(self._topology(ep))
-                ep.ckpt.save(state, holders=tr.save_holders(state, ep.size))
+                self._save(ep, tr.checkpoint_state(self._topology(ep)))
             except CheckpointSaveError as e:  # the previous save failed while we waited
                 log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
 
@@ -538,11 +538,16 @@ class Worker:
         if self.final_saved != tr.next_step:
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
-            ep.ckpt.save(state, holders=tr.save_holders(state, ep.size))
+            self._save(ep, state)
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
             self.final_saved = tr.next_step
-        self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest()))
+        self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest(state.optimizer)))
+
+    def _save(self, ep: Epoch, state: CheckpointState) -> None:
+        """Start saving ``state``, each rank writing what it holds (``save_holders``)."""
+        assert self.trainer is not None and ep.ckpt is not None
+        ep.ckpt.save(state, holders=self.trainer.save_holders(state, ep.size))
 
     # -- heartbeats ------------------------------------------------------------------------
 

@@ -46,14 +46,21 @@ def pack(
     """(header JSON, one uint8 buffer holding every tensor's bytes in header order, on
     ``device``: the data plane's, default the CPU)."""
     device = device or torch.device("cpu")
-    tensors, structure = flatten(model, optim)
-    meta = [[k, list(t.shape), str(t.dtype)] for k, t in tensors.items()]
-    header = {"tensors": meta, "optimizer": structure, "extra": extra}
+    tensors, header = _header(model, optim, extra)
     parts = [
         t.detach().contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors.values()
     ]
     blob = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=device)
     return json.dumps(header).encode(), blob
+
+
+def _header(
+    model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The flattened tensors and the JSON header naming them (key, shape, dtype)."""
+    tensors, structure = flatten(model, optim)
+    meta = [[k, list(t.shape), str(t.dtype)] for k, t in tensors.items()]
+    return tensors, {"tensors": meta, "optimizer": structure, "extra": extra}
 
 
 def unpack(header: bytes, blob: torch.Tensor) -> State:
@@ -73,9 +80,7 @@ def unpack(header: bytes, blob: torch.Tensor) -> State:
 def pack_skeleton(optim: dict[str, Any]) -> tuple[bytes, torch.Tensor]:
     """An optimizer state's structure, dtypes and shapes, without its bytes: what a replica
     group's other ranks need to name and lay out a shard they do not hold."""
-    tensors, structure = flatten({}, optim)
-    meta = [[k, list(t.shape), str(t.dtype)] for k, t in tensors.items()]
-    header = {"tensors": meta, "optimizer": structure, "extra": {}}
+    _, header = _header({}, optim, {})
     return json.dumps(header).encode(), torch.zeros(0, dtype=torch.uint8)
 
 

@@ -277,14 +277,16 @@ class Trainer:
     def fingerprint_names(self) -> list[str]:
         return list(self.module.state_dict().keys())
 
-    def digest(self) -> str:
+    def digest(self, optimizer: dict[str, Any] | None = None) -> str:
         """The state digest of the whole replica. Sharded, the other shards' tensors stream
         through the group one at a time (every member of the group must call it at the
-        same point): the same digest as the unsharded replica's, without its memory."""
+        same point): the same digest as the unsharded replica's, without its memory.
+        ``optimizer``: the optimizer state of a ``checkpoint_state`` just taken (its
+        skeleton, when sharded), so that it is not asked of the group twice."""
         model = self.module.state_dict()
+        whole = self._optimizer_for_save() if optimizer is None else optimizer
         if self.shards is None:
-            return state_digest(model, self.recipe.state_dict())
-        whole = self.shards.skeleton(self.recipe.state_dict())
+            return state_digest(model, whole)
         return state_digest(model, whole, fetch=self.shards.fetcher(whole))
 
     def keep_shard(self, state: dict[str, Any] | None) -> None:
@@ -318,9 +320,7 @@ class Trainer:
     def save_holders(self, state: CheckpointState, world: int) -> dict[str, tuple[int, ...]]:
         """Which ranks of a ``world``-member epoch hold each tensor of ``state`` that not
         all of them hold (none when the state is whole on every rank)."""
-        if self.shards is None or not _has_meta(state.optimizer):
-            return {}
-        return self.shards.holders(state.optimizer, world)
+        return {} if self.shards is None else self.shards.holders(state.optimizer, world)
 
     def load(self, path: str | Path, *, allow_config_change: bool = False) -> list[str]:
         """Restore all seven fields from a checkpoint; returns any override records."""
@@ -367,15 +367,6 @@ class Trainer:
 
     def close(self) -> None:
         self.loader.close()
-
-
-def _has_meta(state: dict[str, Any]) -> bool:
-    """Whether an optimizer state holds a ``meta`` tensor (a skeleton's other shards)."""
-    return any(
-        isinstance(t, torch.Tensor) and t.is_meta
-        for entry in state.get("state", {}).values()
-        for t in entry.values()
-    )
 
 
 def _row(batch: Any, i: int) -> Any:
