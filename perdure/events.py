@@ -96,6 +96,9 @@ STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
 SLOTS_SALVAGED: Final = "slots_salvaged"
 """A member reused slots it finished in an abandoned attempt of the same step."""
+EXPONENTS_REFIT: Final = "exponents_refit"
+"""A step's carried exponents (``train.reduction_exponents = "carried"``) did not fit its
+gradients: every member computed the step again against the step's true exponents."""
 COLLECTIVE_FAILED: Final = "collective_failed"
 """A member's collective failed (peer closed, timeout, link drop)."""
 REPLICA_DIVERGED: Final = "replica_diverged"
@@ -168,6 +171,7 @@ NAMES: frozenset[str] = frozenset(
         SHARD_RECEIVED,
         STEP_ABANDONED,
         SLOTS_SALVAGED,
+        EXPONENTS_REFIT,
         COLLECTIVE_FAILED,
         REPLICA_DIVERGED,
         SUSPECT_WORKER,

@@ -93,6 +93,14 @@ class TrainConfig:
     below its block's maximum; 32 halves the bytes on the wire and keeps ~26 bits."""
     reduction_block: int = field(default=256, metadata=MATH)
     """Values sharing one exponent in the ``exact`` reduction."""
+    reduction_exponents: Literal["step", "carried"] = field(default="step", metadata=MATH)
+    """Where the ``exact`` reduction's exponents come from. ``step``: a MAX round over the
+    step's slots before any value is converted (a rank keeps every slot's buffer until
+    then: slots x P). ``carried``: predicted from the previous step's and verified with
+    the step's own (runtime/comm/carried.py): each slot is added to one accumulator as it
+    finishes (O(P) whatever the slot count) and no round precedes the sum; a step whose
+    prediction misses, and the first step, are computed twice. A different rounding (one
+    exponent per bucket of up to 1M values), so part of the math; 64-bit only."""
     precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
     """Arithmetic of the forward pass. ``bf16``: the forward and the loss run under
     ``torch.autocast`` in bfloat16 (matmuls, convolutions; reductions and norms stay fp32
@@ -137,6 +145,13 @@ class TrainConfig:
                 f"must be at most train.slots ({self.slots}): every rank computes a slot",
                 self.shard_degree,
             )
+        c.check(
+            self.reduction_exponents == "step"
+            or (self.reduction == "exact" and self.reduction_bits == 64),
+            "reduction_exponents",
+            "'carried' needs train.reduction = 'exact' and train.reduction_bits = 64",
+            self.reduction_exponents,
+        )
         c.check(
             1 <= self.reduction_block <= 1 << 20,
             "reduction_block",

@@ -19,6 +19,7 @@ import torch
 
 from perdure import events as ev
 from perdure.events import JsonLines
+from perdure.runtime.comm.carried import CarriedReducer, accepts, expand, predict
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import Reducer
@@ -98,6 +99,8 @@ class StepRunner:
             self._on_nonfinite(t, bad)
 
     def _attempt(self, t: int, t0: float) -> torch.Tensor:
+        if isinstance(self.reducer, CarriedReducer):
+            return self._carried(t, t0, self.reducer)
         tr, slots = self.tr, self.slots
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         if len(self.bufs) != len(slots):
@@ -114,6 +117,45 @@ class StepRunner:
         if computed:  # compute speed only: a slow link shows in the heartbeats' lag
             self.timer.record(time.monotonic() - t0, computed)
         self._log_salvage(t)
+        return self.comm.result(fut)
+
+    def _carried(self, t: int, t0: float, red: CarriedReducer) -> torch.Tensor:
+        """The carried-exponent form (``comm/carried.py``): one slot buffer, each slot
+        added to the reducer as it finishes. A prediction the step's true exponents do not
+        accept (and the first step's missing one) computes the step again against them."""
+        n, block = self.tr.layout.size, self.tr.config.train.reduction_block
+        carried = self.tr.exponents
+        used = None if carried is None else expand(carried, n, block)
+        total, true = self._stream(t, red, used, t0)
+        if total is None or used is None or not accepts(used, true, n, block):
+            if used is not None and self.rank == 0:
+                self.seams.events.write({"event": ev.EXPONENTS_REFIT, "step": t})
+            total, true = self._stream(t, red, true)
+        assert total is not None
+        self.tr.stage_exponents(predict(true, n, block))
+        return total
+
+    def _stream(
+        self, t: int, red: CarriedReducer, used: torch.Tensor | None, t0: float | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """One pass over this member's slots of step ``t``: the sum rounded against
+        ``used`` (None: no sum, only the true exponents) and the step's true exponents.
+        ``t0``: the step's start, to time the compute (the first pass only)."""
+        if len(self.bufs) != 1:
+            self.bufs = [self.tr.layout.new_buffer()]
+        buf = self.bufs[0]
+        abort = lambda: self.seams.should_stop(t)  # noqa: E731
+        red.open(buf, used)
+        for slot in self.slots:
+            if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort):
+                raise Abandoned("membership epoch changed during compute")
+            red.add(buf)
+        if t0 is not None and self.slots:
+            self.timer.record(time.monotonic() - t0, len(self.slots))
+        self._injected_drop()
+        fut = red.finish(
+            self.comm, buf, timeout=self.seams.timeout(), send_delay_s=self.seams.delay_s()
+        )
         return self.comm.result(fut)
 
     def _log_salvage(self, t: int) -> None:
@@ -152,11 +194,7 @@ class StepRunner:
         ready: Readiness | None,
         abort: Callable[[], bool],
     ) -> Any:
-        if self.seams.take_comm_error():
-            self.seams.events.write(
-                {"event": ev.FAULT_HIT, "kind": "comm_error", "worker": self.seams.name}
-            )
-            raise CommFailed("injected link drop (comm_error)")
+        self._injected_drop()
         return self.reducer.start(
             self.comm,
             bufs,
@@ -165,6 +203,13 @@ class StepRunner:
             abort=abort,
             send_delay_s=delay,
         )
+
+    def _injected_drop(self) -> None:
+        if self.seams.take_comm_error():
+            self.seams.events.write(
+                {"event": ev.FAULT_HIT, "kind": "comm_error", "worker": self.seams.name}
+            )
+            raise CommFailed("injected link drop (comm_error)")
 
     def _reduce(self, bufs: list[torch.Tensor]) -> torch.Tensor:
         """The slot-ordered sum of every member's ``bufs`` (all final already)."""

@@ -10,7 +10,7 @@ time; the plain loops elsewhere, and on other architectures):
   of the float (for non-negative floats, the bit order is the numeric order), merged into
   what earlier slots gave; it also says whether any value was non-finite (bits >=
   infinity's). ``perdure_frexp`` then turns the peaks into exponents.
-- ``perdure_accumulate_*``: ``acc = sum over slots of (T) nearbyintf(g * scale)``: the
+- ``perdure_accumulate_*``: ``acc (+)= sum over slots of (T) nearbyintf(g * scale)``: the
   float32 product and the half-to-even rounding of ``round_()``, then the cast and the
   integer additions, with the block's accumulator in L1 (int64: in registers) while
   every slot is added.
@@ -114,10 +114,10 @@ void perdure_frexp(const uint32_t *peaks, int64_t nblocks, int32_t *exps) {
 #define PLAIN(T, NAME)                                                                    \
     CLONES static void accumulate_##NAME(T *acc, const float *const *slots,              \
                                          int64_t nslots, int64_t lo, int64_t hi,          \
-                                         float s) {                                       \
+                                         float s, int add) {                              \
         for (int64_t k = 0; k < nslots; k++) {                                            \
             const float *x = slots[k];                                                    \
-            if (k == 0)                                                                   \
+            if (k == 0 && !add)                                                           \
                 for (int64_t i = lo; i < hi; i++) acc[i] = (T)nearbyintf(x[i] * s);       \
             else                                                                          \
                 for (int64_t i = lo; i < hi; i++) acc[i] += (T)nearbyintf(x[i] * s);      \
@@ -170,11 +170,16 @@ AVX2 static __m128 i64_to_float(__m256i x) {
 }
 
 AVX2 static int64_t accumulate_i64_avx2(int64_t *acc, const float *const *slots,
-                                        int64_t nslots, int64_t lo, int64_t hi, float s) {
+                                        int64_t nslots, int64_t lo, int64_t hi, float s,
+                                        int add) {
     const __m256 vs = _mm256_set1_ps(s);
     int64_t i = lo;
     for (; i + 8 <= hi; i += 8) {
         __m256i a = _mm256_setzero_si256(), b = a;
+        if (add) {
+            a = _mm256_loadu_si256((const __m256i *)(acc + i));
+            b = _mm256_loadu_si256((const __m256i *)(acc + i + 4));
+        }
         for (int64_t k = 0; k < nslots; k++) {
             __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(slots[k] + i), vs),
                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -210,22 +215,24 @@ static int has_avx2(void) {
 
 /* The exported entry points, bucket by bucket of whole blocks ([start, start + m)). */
 void perdure_accumulate_i32(int32_t *acc, const float *const *slots, int64_t nslots,
-                            int64_t start, int64_t m, int64_t block, const float *scale) {
+                            int64_t start, int64_t m, int64_t block, const float *scale,
+                            int add) {
     for (int64_t lo = start; lo < start + m; lo += block)
         accumulate_i32(acc, slots, nslots, lo, end_of(lo, block, start + m),
-                       scale[lo / block]);
+                       scale[lo / block], add);
 }
 
 void perdure_accumulate_i64(int64_t *acc, const float *const *slots, int64_t nslots,
-                            int64_t start, int64_t m, int64_t block, const float *scale) {
+                            int64_t start, int64_t m, int64_t block, const float *scale,
+                            int add) {
     int avx2 = has_avx2();
     for (int64_t lo = start; lo < start + m; lo += block) {
         int64_t hi = end_of(lo, block, start + m), done = lo;
         float s = scale[lo / block];
 #if X86
-        if (avx2) done = accumulate_i64_avx2(acc, slots, nslots, lo, hi, s);
+        if (avx2) done = accumulate_i64_avx2(acc, slots, nslots, lo, hi, s, add);
 #endif
-        accumulate_i64(acc, slots, nslots, done, hi, s);
+        accumulate_i64(acc, slots, nslots, done, hi, s, add);
     }
     (void)avx2;
 }
@@ -254,7 +261,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _SIGNATURES = {
     "perdure_peaks": ([_P, _I, _I, _I, _P, ctypes.c_int], ctypes.c_int),
     "perdure_frexp": ([_P, _I, _P], None),
-    **{f"perdure_accumulate_{t}": ([_P, _P, _I, _I, _I, _I, _P], None) for t in ("i32", "i64")},
+    **{
+        f"perdure_accumulate_{t}": ([_P, _P, _I, _I, _I, _I, _P, ctypes.c_int], None)
+        for t in ("i32", "i64")
+    },
     **{f"perdure_back_{t}": ([_P, _P, _I, _I, _I, _P], None) for t in ("i32", "i64")},
 }
 _NAMES = {torch.int32: "i32", torch.int64: "i64"}
@@ -293,15 +303,17 @@ class Kernels:
         scale: torch.Tensor,
         span: tuple[int, int],
         block: int,
+        add: bool = False,
     ) -> None:
         """``acc[a:b]`` = the sum over ``bufs`` of ``round(g * scale[block of g])`` for
-        ``span = (a, b)``, ``a`` a multiple of ``block``."""
+        ``span = (a, b)``, ``a`` a multiple of ``block`` (``add``: plus what ``acc[a:b]``
+        held, for a reduction that adds each slot as it is finished)."""
         n = _check_slots(bufs)
         start, m = _check_span(span, n, block)
         _check(acc, acc.dtype, n)
         _check(scale, torch.float32, -(-n // block))
         fn = getattr(self.lib, f"perdure_accumulate_{_dtype_name(acc)}")
-        fn(acc.data_ptr(), _pointers(bufs), len(bufs), start, m, block, scale.data_ptr())
+        fn(acc.data_ptr(), _pointers(bufs), len(bufs), start, m, block, scale.data_ptr(), add)
 
     def back(
         self,

@@ -49,6 +49,10 @@ def make_reducer(train: TrainConfig, rank: int, size: int) -> Reducer:
 
     if train.reduction == "chain":
         return ChainReducer(rank, size)
+    if train.reduction == "exact" and train.reduction_exponents == "carried":
+        from perdure.runtime.comm.carried import CarriedReducer
+
+        return CarriedReducer(rank, size, slots=train.slots, block=train.reduction_block)
     if train.reduction == "exact":
         bits, block = train.reduction_bits, train.reduction_block
         return ExactReducer(rank, size, slots=train.slots, bits=bits, block=block)

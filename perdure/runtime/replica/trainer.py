@@ -32,6 +32,11 @@ from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_t
 from perdure.runtime.replica.task import build_task, plain_module
 from perdure.runtime.shard_plan import ALL
 
+REDUCTION_KEY = "reduction"
+"""Beside the recipe's state in a checkpoint's optimizer field: the reduction's carried
+state (``{"exponents": [...]}``, one per bucket), with ``train.reduction_exponents =
+"carried"`` only."""
+
 
 class MathError(RuntimeError):
     """The math of the run went non-finite in a way no data can explain (a non-finite
@@ -128,6 +133,11 @@ class Trainer:
         it must receive a peer's state before it trains again."""
         self.held = ALL
         """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all)."""
+        self.exponents: list[int] | None = None
+        """The exact reduction's carried exponents for the next step, one per bucket
+        (``train.reduction_exponents = "carried"``; None until a step has measured them):
+        state of the run, in checkpoints and state copies."""
+        self._staged: list[int] | None = None
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
@@ -217,7 +227,14 @@ class Trainer:
             )
         self.next_step = step + 1
         self.state_version += 1
+        if self._staged is not None:  # the next step's exponents come with this update
+            self.exponents, self._staged = self._staged, None
         return loss
+
+    def stage_exponents(self, exponents: list[int]) -> None:
+        """The carried exponents this step's gradient gives the next one (``apply`` makes
+        them current with its update; an abandoned step leaves them unused)."""
+        self._staged = exponents
 
     def _params_finite(self) -> bool:
         """One sum per parameter and one read of the sums (see ``slots.all_finite``)."""
@@ -315,7 +332,27 @@ class Trainer:
 
     def _optimizer_for_save(self) -> dict[str, Any]:
         state = self.recipe.state_dict()
+        if self.exponents is not None:
+            state = {**state, REDUCTION_KEY: {"exponents": list(self.exponents)}}
         return state if self.shards is None else self.shards.skeleton(state)
+
+    def _load_optimizer(self, state: dict[str, Any], source: str) -> None:
+        """The recipe's state, and the carried exponents saved beside it (if any)."""
+        state = dict(state)
+        reduction = state.pop(REDUCTION_KEY, None)
+        exps = None if reduction is None else reduction.get("exponents")
+        self.exponents, self._staged = self._checked_exponents(exps, source), None
+        self.recipe.load_state_dict(state, source=source)
+
+    def _checked_exponents(self, exps: Any, source: str) -> list[int] | None:
+        if exps is None or self.config.train.reduction_exponents != "carried":
+            return None
+        if not (isinstance(exps, list) and exps and all(type(e) is int for e in exps)):
+            raise ValueError(
+                f"{source}: optimizer.{REDUCTION_KEY}.exponents must be a list of integers, "
+                f"one per bucket of the gradient buffer (got {exps!r:.80})"
+            )
+        return exps
 
     def save_holders(self, state: CheckpointState, world: int) -> dict[str, tuple[int, ...]]:
         """Which ranks of a ``world``-member epoch hold each tensor of ``state`` that not
@@ -333,7 +370,7 @@ class Trainer:
             provenance=self.provenance,
         )
         self.module.load_state_dict(ckpt.model)
-        self.recipe.load_state_dict(ckpt.optimizer, source=str(path))
+        self._load_optimizer(ckpt.optimizer, str(path))
         restore_rng(ckpt.rng)
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
@@ -350,6 +387,7 @@ class Trainer:
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
             "held": self.held,
+            "exponents": self.exponents,
         }
         return self.module.state_dict(), self.recipe.state_dict(), extra
 
@@ -358,6 +396,8 @@ class Trainer:
     ) -> None:
         self.module.load_state_dict(model)
         self.recipe.load_state_dict(optim, source="the received state")
+        exps = self._checked_exponents(extra.get("exponents"), "the received state")
+        self.exponents, self._staged = exps, None
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
