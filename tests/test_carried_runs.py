@@ -59,3 +59,11 @@ def test_a_kill_and_a_resume_do_not_change_the_carried_runs_weights(
     half = carried_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
     r = run_to_end(_cfg(small_dataset, workers=2), tmp_path / "resume", resume=str(half))
     assert r["final_hash"] == carried_ref["final_hash"]
+
+
+def test_a_sharded_carried_run_gives_the_unsharded_weights(
+    carried_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    sharded = {**CARRIED, "shard_degree": 2}
+    cfg = small_config(small_dataset, steps=STEPS, workers=4, train=sharded)
+    assert run_to_end(cfg, tmp_path)["final_hash"] == carried_ref["final_hash"]

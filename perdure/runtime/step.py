@@ -19,7 +19,7 @@ import torch
 
 from perdure import events as ev
 from perdure.events import JsonLines
-from perdure.runtime.comm.carried import CarriedReducer, accepts, expand, predict
+from perdure.runtime.comm.carried import CarriedReducer, accepts, fitted, predict
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import Reducer
@@ -121,40 +121,44 @@ class StepRunner:
 
     def _carried(self, t: int, t0: float, red: CarriedReducer) -> torch.Tensor:
         """The carried-exponent form (``comm/carried.py``): one slot buffer, each slot
-        added to the reducer as it finishes. A prediction the step's true exponents do not
-        accept (and the first step's missing one) computes the step again against them."""
-        n, block = self.tr.layout.size, self.tr.config.train.reduction_block
+        added to the reducer as it finishes. A prediction that the step's true maxima do
+        not accept (and the first step's missing one) computes the step again against
+        them."""
         carried = self.tr.exponents
-        used = None if carried is None else expand(carried, n, block)
-        total, true = self._stream(t, red, used, t0)
-        if total is None or used is None or not accepts(used, true, n, block):
-            if used is not None and self.rank == 0:
+        total, maxima = self._stream(t, red, carried, t0)
+        if total is None or carried is None or not accepts(carried, maxima):
+            if carried is not None and self.rank == 0:
                 self.seams.events.write({"event": ev.EXPONENTS_REFIT, "step": t})
-            total, true = self._stream(t, red, true)
+            total, maxima = self._stream(t, red, fitted(maxima))
         assert total is not None
-        self.tr.stage_exponents(predict(true, n, block))
+        self.tr.stage_exponents(predict(maxima))
         return total
 
     def _stream(
-        self, t: int, red: CarriedReducer, used: torch.Tensor | None, t0: float | None = None
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        self, t: int, red: CarriedReducer, used: list[int] | None, t0: float | None = None
+    ) -> tuple[torch.Tensor | None, list[int]]:
         """One pass over this member's slots of step ``t``: the sum rounded against
-        ``used`` (None: no sum, only the true exponents) and the step's true exponents.
+        ``used`` (None: no sum) and the step's true maximum of each bucket.
         ``t0``: the step's start, to time the compute (the first pass only)."""
         if len(self.bufs) != 1:
             self.bufs = [self.tr.layout.new_buffer()]
         buf = self.bufs[0]
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         red.open(buf, used)
-        for slot in self.slots:
+        for i, slot in enumerate(self.slots):
             if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort):
                 raise Abandoned("membership epoch changed during compute")
-            red.add(buf)
+            if i < len(self.slots) - 1:  # the last is added bucket by bucket as it is sent
+                red.add(buf)
         if t0 is not None and self.slots:
             self.timer.record(time.monotonic() - t0, len(self.slots))
         self._injected_drop()
         fut = red.finish(
-            self.comm, buf, timeout=self.seams.timeout(), send_delay_s=self.seams.delay_s()
+            self.comm,
+            buf,
+            last=buf if self.slots else None,
+            timeout=self.seams.timeout(),
+            send_delay_s=self.seams.delay_s(),
         )
         return self.comm.result(fut)
 

@@ -1,45 +1,49 @@
 """The exact reduction with carried exponents: one accumulator whatever the slot count, and
-no exponent round in front of the sum (``train.reduction_exponents = "carried"``).
+one exchange a step (``train.reduction_exponents = "carried"``).
 
 The ``step`` form (``exact.py``) must know every block's exponent before it converts a
 single value, so a rank keeps every slot's float buffer until the last slot of the step is
-done (slots x P) and pays a MAX round before the integer sum. Here the exponents are
+done (slots x P), and a MAX round precedes the integer sum. Here the exponents are
 *predicted*, *verified* and, when the prediction was wrong, the step is computed again, as
 dynamic loss scaling does for fp16:
 
 - **Predict.** Each bucket of the buffer (``exact._bucket_ranges``: up to ``CHUNK`` values
-  of whole blocks) gets one exponent, the previous step's largest true block exponent in
-  that bucket plus ``MARGIN`` bits (a bucket that was all zeros: the buffer's largest plus
-  the margin). The prediction is state of the run: it travels in checkpoints and state
-  copies (``Trainer.exponents``).
+  of whole blocks) gets one exponent: the previous step's true maximum in that bucket plus
+  ``MARGIN`` bits (a bucket that was all zeros: the buffer's maximum plus the margin). The
+  prediction is state of the run: it travels in checkpoints and state copies
+  (``Trainer.exponents``).
 - **Accumulate as slots finish.** Each slot is rounded against the prediction and added to
   one int64 accumulator the moment its backward is done; its float buffer then takes the
-  next slot, and at the end the sum converted back. Scratch: the accumulator (8 bytes a
-  value) and the block peaks, whatever the slot count.
-- **Verify.** The step's true block exponents (a MAX over every slot of every rank: exact in
-  any order) are all-reduced alongside the integer sum, not before it. The sum is accepted
-  when no value exceeded its bucket's prediction (no integer can then overflow, as in the
-  ``step`` form's headroom argument) and no bucket's prediction is more than ``SLACK``
-  bits above its true maximum (so every accepted value keeps at least
-  ``62 - headroom - SLACK`` bits below its bucket's maximum: 50 with 16 slots).
-- **Fall back.** Otherwise the slots are computed again and rounded against the true
-  per-block exponents, which cannot fail: the same sum the ``step`` form gives. A run's
-  first step (nothing carried yet) takes its exponents from a pass that only measures.
+  next slot (the last one is added bucket by bucket while the earlier buckets are on the
+  wire), and the sum is converted back into it. Scratch: the accumulator (8 bytes a value),
+  whatever the slot count.
+- **Verify, in the same exchange.** The step's true maximum of each bucket over every slot
+  of every rank is what the verdict and the next prediction need. A MAX is not a SUM, but
+  a one-hot histogram is: each rank adds a 1 at its own maximum's bin (``BINS``: every
+  float32 exponent and one for zero), the histograms travel summed at the end of the
+  integer buffer, and the highest bin with a count is the maximum over the ranks, exact
+  in any order. So a step costs one exchange (the tiers' included), where the ``step``
+  form pays two. The sum stands when no bucket's maximum exceeds its prediction (no
+  integer can then overflow: the ``step`` form's headroom argument) and no prediction is
+  more than ``SLACK`` bits above its bucket's maximum (every accepted value keeps at least
+  ``62 - headroom - SLACK`` bits below it: 50 with 16 slots).
+- **Fall back.** Otherwise every member computes the step's slots again, rounded against
+  the true bucket maxima, which cannot fail. A run's first step (nothing carried yet)
+  takes its maxima from a pass that only measures.
 
-Every decision is a function of the slot gradients and of the previous step's exponents,
-which are themselves a function of the trajectory: whoever computed which slot, every
-rank accepts or falls back identically and the result is the same bits. It is a different
-rounding from the ``step`` form's (per bucket, not per block), so it is a math setting.
+Every decision is a function of the slot gradients and of the previous step's maxima,
+themselves a function of the trajectory: whoever computed which slot, every rank accepts
+or falls back identically and the result is the same bits. It is a different rounding from
+the ``step`` form's (per bucket, not per block), so it is a math setting.
 
 Limits: 64-bit integers only (32 leave too few bits for a per-bucket exponent); a step
-whose prediction misses costs a second compute pass (the first step always does); the
-last slot is added after its backward, not streamed behind it; and a member's finished
-slots are not salvaged across a membership change (they are inside the accumulator).
+whose prediction misses costs a second compute pass (the first step always does); and a
+member's finished slots are not salvaged across a membership change (they are inside
+its accumulator).
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -64,24 +68,57 @@ ZERO = -(1 << 20)
 
 # -- the pure part: predictions and their verdict ------------------------------------------
 
-
-def true_exponents(peaks: torch.Tensor) -> torch.Tensor:
-    """Per block, the smallest ``e`` with ``|g| < 2**e`` from its peak (the bits of its
-    largest ``|g|``, int32 storage; finite), ``ZERO`` for an all-zero block."""
-    e = torch.frexp(peaks.view(torch.float32))[1].to(torch.int32)
-    return torch.where(peaks == 0, torch.tensor(ZERO, dtype=torch.int32), e)
+E_LO, E_HI = -148, 128
+"""The ``frexp`` exponents of finite nonzero float32 values (2**-149 has -148)."""
+BINS = E_HI - E_LO + 2
+"""Histogram bins per bucket: one for an all-zero bucket, then one per exponent."""
 
 
-def predict(true: torch.Tensor, n: int, block: int) -> list[int]:
-    """The next step's exponent of each bucket of an ``n``-value buffer, from this step's
-    true block exponents (see the module doc)."""
-    top = int(true.max()) if true.numel() else ZERO
-    fallback = (top if top != ZERO else 0) + MARGIN
+def bucket_maxima(peaks: torch.Tensor, n: int, block: int) -> list[int]:
+    """Each bucket's true exponent (the smallest ``e`` with ``|g| < 2**e`` for all its
+    values) from its blocks' peaks (the bits of each block's largest ``|g|``, int32
+    storage, finite), ``ZERO`` for a bucket whose values are all zero."""
     out = []
     for lo, hi in _bucket_ranges(n, block):
-        m = int(true[lo:hi].max())
-        out.append(fallback if m == ZERO else m + MARGIN)
+        top = int(peaks[lo:hi].max()) if hi > lo else 0
+        value = torch.tensor([top], dtype=torch.int32).view(torch.float32)
+        out.append(ZERO if top == 0 else int(torch.frexp(value)[1][0]))
     return out
+
+
+def histogram(maxima: Sequence[int], out: torch.Tensor) -> None:
+    """``out`` (``len(maxima) * BINS`` int64) = one 1 per bucket, at its maximum's bin."""
+    out.zero_()
+    for b, e in enumerate(maxima):
+        out[b * BINS + (0 if e == ZERO else e - E_LO + 1)] = 1
+
+
+def from_histogram(summed: torch.Tensor) -> list[int]:
+    """Each bucket's maximum over every rank: its highest bin with a count."""
+    out = []
+    for row in summed.view(-1, BINS):
+        hit = torch.nonzero(row[1:]).flatten()
+        out.append(ZERO if hit.numel() == 0 else int(hit[-1]) + E_LO)
+    return out
+
+
+def predict(maxima: Sequence[int]) -> list[int]:
+    """The next step's exponent of each bucket, from this step's maxima (the module
+    doc): ``MARGIN`` bits above; an all-zero bucket takes the buffer's maximum's."""
+    top = max((m for m in maxima if m != ZERO), default=0)
+    return [(top if m == ZERO else m) + MARGIN for m in maxima]
+
+
+def fitted(maxima: Sequence[int]) -> list[int]:
+    """The exponents a missed step is computed again with: the maxima themselves."""
+    top = max((m for m in maxima if m != ZERO), default=0)
+    return [top if m == ZERO else m for m in maxima]
+
+
+def accepts(used: Sequence[int], maxima: Sequence[int]) -> bool:
+    """Whether a sum rounded against ``used`` stands: no bucket above its exponent, none
+    more than ``SLACK`` bits below it (an all-zero bucket loses nothing)."""
+    return all(m == ZERO or m <= u <= m + SLACK for u, m in zip(used, maxima, strict=True))
 
 
 def expand(per_bucket: Sequence[int], n: int, block: int) -> torch.Tensor:
@@ -95,59 +132,48 @@ def expand(per_bucket: Sequence[int], n: int, block: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.tensor(list(per_bucket), dtype=torch.int32), counts)
 
 
-def accepts(used: torch.Tensor, true: torch.Tensor, n: int, block: int) -> bool:
-    """Whether a sum rounded against ``used`` (per block) stands: no block above it, and
-    no bucket with values more than ``SLACK`` bits below it."""
-    if bool((true > used).any()):
-        return False
-    for lo, hi in _bucket_ranges(n, block):
-        m = int(true[lo:hi].max())
-        if m != ZERO and int(used[lo:hi].max()) - m > SLACK:
-            return False
-    return True
-
-
 # -- one member's side ---------------------------------------------------------------------
 
 
 class CarriedReducer:
     """Adds a member's slots into one accumulator as they finish, then sums every member's
-    accumulator (the module doc). Reductions of whole buffers (the re-runs' flags) go
-    through the ``step`` form, ``start``."""
-
-    streaming = True
+    accumulator and bucket histogram in one exchange (the module doc). Reductions of whole
+    buffers (the re-runs' flags) go through the ``step`` form, ``start``."""
 
     def __init__(self, rank: int, size: int, *, slots: int, block: int, fused: bool = True):
         self.exact = ExactReducer(rank, size, slots=slots, bits=64, block=block, fused=fused)
         self.size, self.block = size, block
         self.start = self.exact.start
-        self.used: torch.Tensor | None = None
+        self.n, self.added, self.summing = 0, 0, False
         self.peaks = torch.zeros(0, dtype=torch.int32)
-        self.added = 0
         self.acc = torch.zeros(0, dtype=torch.int64)
+        """The epoch's scratch: ``n`` integers, then ``BINS`` histogram counts a bucket."""
 
-    def open(self, like: torch.Tensor, used: torch.Tensor | None) -> None:
-        """Begin a pass over one step's slots: ``used`` the per-block exponents to round
-        against, or None for a pass that only measures them."""
+    def open(self, like: torch.Tensor, used: Sequence[int] | torch.Tensor | None) -> None:
+        """Begin a pass over one step's slots, rounded against ``used`` (an exponent per
+        bucket, or per block), or None for a pass that only measures the maxima."""
         n = like.numel()
-        self.n, self.used, self.added = n, used, 0
+        buckets = len(_bucket_ranges(n, self.block))
+        self.n, self.added, self.summing = n, 0, used is not None
         self.peaks = torch.zeros(-(-n // self.block), dtype=torch.int32)
-        if used is not None:
-            k = self.exact._shift(used)
-            self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
-            self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
-            if self.acc.numel() != n:  # scratch for the epoch: a step's accumulator
-                self.acc = torch.empty(n, dtype=torch.int64, device=like.device)
+        if self.acc.numel() != n + buckets * BINS:
+            self.acc = torch.empty(n + buckets * BINS, dtype=torch.int64, device=like.device)
+        self.ints, self.hist = self.acc[:n], self.acc[n:]
+        if used is None:
+            return
+        blocks = used if isinstance(used, torch.Tensor) else expand(used, n, self.block)
+        k = self.exact._shift(blocks)
+        self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
+        self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
 
     def add(self, buf: torch.Tensor) -> None:
         """One finished slot: its non-finite values zeroed (its flag is set already), its
         block peaks merged, and its integers added to the accumulator."""
-        mine = self._peaks(buf)
-        torch.maximum(self.peaks, mine, out=self.peaks)
-        if self.used is None:
+        self._merge_peaks(buf)
+        if not self.summing:
             return
         fused = self.exact._fused([buf])
-        for i in range(len(_bucket_ranges(self.n, self.block))):
+        for i in self._buckets:
             self._accumulate(buf, i, fused)
         self.added += 1
 
@@ -157,37 +183,47 @@ class CarriedReducer:
         out: torch.Tensor,
         *,
         timeout: timedelta,
+        last: torch.Tensor | None = None,
         send_delay_s: float = 0.0,
-    ) -> Future[tuple[torch.Tensor | None, torch.Tensor]]:
+    ) -> Future[tuple[torch.Tensor | None, list[int]]]:
         """On the comm thread: every member's sum into ``out`` (None for a measuring pass)
-        and the step's true block exponents."""
+        and the step's true maximum of each bucket. ``last``: a slot not ``add``-ed yet,
+        added here bucket by bucket, each bucket's integers on the wire while the next is
+        converted (``out`` may be the same buffer: it is written once all are sent)."""
         tiers = getattr(comm, "tiers", None)
         pg = comm.pg if self.size > 1 else None
-        return comm.submit(lambda: self._finish(pg, tiers, out, timeout, send_delay_s))
+        return comm.submit(lambda: self._finish(pg, tiers, out, last, timeout, send_delay_s))
 
     # -- the passes ------------------------------------------------------------------------
 
-    def _peaks(self, buf: torch.Tensor) -> torch.Tensor:
-        peaks = torch.zeros_like(self.peaks)
+    @property
+    def _buckets(self) -> range:
+        return range(len(_bucket_ranges(self.n, self.block)))
+
+    def _merge_peaks(self, buf: torch.Tensor) -> None:
+        """The slot's block peaks into the step's (its non-finite values zeroed first)."""
         fused = self.exact._fused([buf])
-        if fused is not None and not fused.peaks([buf], self.block, peaks):
-            return peaks
-        _zero_non_finite([buf])
         if fused is not None:
-            fused.peaks([buf], self.block, peaks)
-            return peaks
-        for i in range(len(_bucket_ranges(self.n, self.block))):
+            mine = torch.empty_like(self.peaks)
+            if fused.peaks([buf], self.block, mine):
+                _zero_non_finite([buf])
+                fused.peaks([buf], self.block, mine)
+            torch.maximum(self.peaks, mine, out=self.peaks)
+            return
+        _zero_non_finite([buf])
+        for i in self._buckets:
             rows, (lo, hi) = self.exact._span(buf, i)
-            peaks[lo:hi] = rows.abs().amax(dim=1).view(torch.int32)
-        return peaks
+            mine = rows.abs().amax(dim=1).view(torch.int32)
+            torch.maximum(self.peaks[lo:hi], mine, out=self.peaks[lo:hi])
 
     def _accumulate(self, buf: torch.Tensor, i: int, fused: Any) -> None:
+        """Bucket ``i`` of the integers += ``buf``'s (= for the first slot)."""
         add = self.added > 0
         if fused is not None:
             span = self.exact._values(self.n, i)
-            fused.accumulate(self.acc, [buf], self.scale, span, self.block, add=add)
+            fused.accumulate(self.ints, [buf], self.scale, span, self.block, add=add)
             return
-        acc_rows, (lo, hi) = self.exact._span(self.acc, i)
+        acc_rows, (lo, hi) = self.exact._span(self.ints, i)
         rows, _ = self.exact._span(buf, i)
         ints = (rows * self.scale[lo:hi, None]).round_().to(torch.int64)
         if add:
@@ -200,43 +236,42 @@ class CarriedReducer:
         pg: Any,
         tiers: Tiers | None,
         out: torch.Tensor,
+        last: torch.Tensor | None,
         timeout: timedelta,
         send_delay_s: float,
-    ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        true = true_exponents(self.peaks)
-        if self.used is not None and self.added == 0:
-            self.acc.zero_()  # a member without slots adds nothing
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        if last is not None:
+            self._merge_peaks(last)
+        histogram(bucket_maxima(self.peaks, self.n, self.block), self.hist)
         if pg is not None and send_delay_s > 0:
             time.sleep(send_delay_s)  # injected link latency (the delay fault)
-        if pg is not None and tiers is not None:
-            tiered_allreduce(tiers, true, dist.ReduceOp.MAX, timeout)
-            if self.used is not None:
-                tiered_allreduce(tiers, self.acc, dist.ReduceOp.SUM, timeout)
-            return self._back(out), true
-        pending = []
-        if pg is not None:  # the exponents in flight with the sum, not in front of it
-            opts = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-            pending.append(pg.allreduce([true], opts))
-            if self.used is not None:
-                pending += [pg.allreduce([self.exact._flat(self.acc, i)]) for i in self._buckets]
+        if pg is not None and tiers is not None:  # one exchange for all of it
+            for i in self._buckets if self.summing else ():
+                self._add_bucket(last, i)
+            whole = self.acc if self.summing else self.hist
+            tiered_allreduce(tiers, whole, dist.ReduceOp.SUM, timeout)
+            return self._back(out), from_histogram(self.hist)
+        pending = [] if pg is None else [pg.allreduce([self.hist])]
+        for i in self._buckets if self.summing else ():
+            self._add_bucket(last, i)
+            if pg is not None:  # on the wire while the next bucket is converted
+                pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
         for work in pending:
             work.wait(timeout)
-        return self._back(out), true
+        return self._back(out), from_histogram(self.hist)
 
-    @property
-    def _buckets(self) -> range:
-        return range(len(_bucket_ranges(self.n, self.block)))
+    def _add_bucket(self, last: torch.Tensor | None, i: int) -> None:
+        """Bucket ``i`` of the integers made final: ``last``'s added (zeros for a member
+        that added no slot at all)."""
+        if last is not None:
+            self._accumulate(last, i, self.exact._fused([last]))
+        elif self.added == 0:
+            self.exact._flat(self.ints, i).zero_()
 
     def _back(self, out: torch.Tensor) -> torch.Tensor | None:
-        if self.used is None:
+        if not self.summing:
             return None
         fused = self.exact._fused([out])
         for i in self._buckets:
-            self.exact._convert_back(self.acc, self.inv, out, i, fused)
+            self.exact._convert_back(self.ints, self.inv, out, i, fused)
         return out
-
-
-def headroom_bits(slots: int) -> int:
-    """Bits every accepted value keeps below its bucket's maximum (the module doc)."""
-    return 62 - (math.ceil(math.log2(slots)) if slots > 1 else 0) - SLACK
