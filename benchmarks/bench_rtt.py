@@ -40,10 +40,11 @@ from _common import PY, REPO, machine, write_result
 
 REGIONS = 4
 TOKEN = "bench-rtt-token"
-MODES = {  # name: (train.reduction, cluster.hierarchical_reduce)
-    "exact_hierarchical": ("exact", True),
-    "exact_flat": ("exact", False),
-    "chain": ("chain", False),
+MODES = {  # name: (train.reduction, train.reduction_exponents, cluster.hierarchical_reduce)
+    "exact_hierarchical": ("exact", "step", True),
+    "exact_flat": ("exact", "step", False),
+    "carried_hierarchical": ("exact", "carried", True),
+    "chain": ("chain", "step", False),
 }
 GOAL_RTTS = 4.0
 GOAL = "exact step at 50 ms RTT, 4 regions: <= 4 RTT + the RTT-0 step, whatever W"
@@ -52,7 +53,7 @@ GOAL = "exact step at 50 ms RTT, 4 regions: <= 4 RTT + the RTT-0 step, whatever 
 def _config(dataset: Path, mode: str, workers: int, steps: int, coordinator: str, ports: int):
     from tests.runtime_support import small_config
 
-    reduction, hier = MODES[mode]
+    reduction, exponents, hier = MODES[mode]
     return small_config(
         dataset,
         workers=workers,
@@ -60,7 +61,7 @@ def _config(dataset: Path, mode: str, workers: int, steps: int, coordinator: str
         steps=steps,
         slots=8,
         batch=16,
-        train={"reduction": reduction},
+        train={"reduction": reduction, "reduction_exponents": exponents},
         cluster={
             "hierarchical_reduce": hier,
             "host": coordinator,
@@ -189,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(json.dumps(row), flush=True)
     derive(rows)
     hashes = {r["final_hash"] for r in rows if r["mode"].startswith("exact")}
+    carried = {r["final_hash"] for r in rows if r["mode"].startswith("carried")}
     out = {
         "machine": machine(),
         "regions": REGIONS,
@@ -197,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         "goal": GOAL,
         "echo": echo,
         "exact_hashes_agree": len(hashes) == 1,
+        "carried_hashes_agree": len(carried) <= 1,
         "rows": rows,
     }
     print(write_result("rtt", out, a.out))
