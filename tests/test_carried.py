@@ -5,7 +5,6 @@ count, and a missed prediction computed again in the step runner."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
@@ -34,6 +33,7 @@ from perdure.runtime.comm.carried import (
 from perdure.runtime.comm.exact import ExactReducer
 from perdure.runtime.comm.exact_kernels import load
 from perdure.runtime.config import TrainConfig
+from tests.gloo_support import run_ranks
 from tests.runtime_support import small_config
 
 S, BLOCK = 8, 256
@@ -234,17 +234,7 @@ def _rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
 
 
 def test_three_ranks_with_any_slot_assignment_give_the_one_rank_bits_and_verdicts() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 3, port, q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = {(i, r): rest for i, r, *rest in (q.get(timeout=60) for _ in range(9))}
-    for p in procs:
-        p.join(30)
+    got = {(i, r): rest for i, r, *rest in run_ranks(_rank, 3, 3 * len(ASSIGNMENTS))}
     bufs = _slots(3, SMALL)
     red = CarriedReducer(0, 1, slots=S, block=BLOCK)
     _, maxima = _pass(red, bufs, None)

@@ -4,7 +4,6 @@ them, with accuracy at least that of a float32 fold."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 from datetime import timedelta
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from perdure.runtime.comm.exact import ExactReducer
+from tests.gloo_support import run_ranks
 
 S, N = 8, 5000
 
@@ -87,17 +87,7 @@ def _rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
 
 
 def test_three_ranks_with_any_slot_assignment_give_the_one_rank_bits() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 3, port, q)) for r in range(3)]
-    for p in procs:
-        p.start()
-    got = {(i, r): out for i, r, out in (q.get(timeout=60) for _ in range(3 * len(CASES)))}
-    for p in procs:
-        p.join(30)
+    got = {(i, r): out for i, r, out in run_ranks(_rank, 3, 3 * len(CASES))}
     for i, (assignment, bits) in enumerate(CASES):
         want = _local(_slots(3), bits).numpy().tobytes()
         assert all(got[(i, r)] == want for r in range(3)), (assignment, bits)

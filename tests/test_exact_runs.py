@@ -1,5 +1,7 @@
-"""Runs with ``train.reduction = "exact"``: the final parameters do not depend on the worker
-count, the region layout, a kill or a resume."""
+"""Runs with ``train.reduction = "exact"``, in both forms of its exponents (``step``: a MAX
+round first; ``carried``: predicted from the previous step, ``runtime/comm/carried.py``):
+the final parameters do not depend on the worker count, the region layout, a kill or a
+resume, and a carried run's exponents travel in its checkpoints."""
 
 from __future__ import annotations
 
@@ -7,20 +9,32 @@ from pathlib import Path
 
 import pytest
 
-from tests.runtime_support import run_to_end, small_config
+from perdure.checkpoint import load_checkpoint
+from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 30
-EXACT = {"reduction": "exact"}
 
 
-def _cfg(dataset: Path, **kw: object) -> object:
-    return small_config(dataset, steps=STEPS, train=EXACT, **kw)  # type: ignore[arg-type]
+def _train(form: str) -> dict[str, str]:
+    return {"reduction": "exact", "reduction_exponents": form}
 
 
-@pytest.fixture(scope="module")
-def exact_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    run_dir = tmp_path_factory.mktemp("exact-ref")
-    return {**run_to_end(_cfg(small_dataset, workers=1), run_dir), "run_dir": run_dir}
+@pytest.fixture(scope="module", params=["step", "carried"])
+def exact_ref(
+    request: pytest.FixtureRequest, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict:
+    form = request.param
+    run_dir = tmp_path_factory.mktemp(f"exact-{form}-ref")
+    cfg = small_config(small_dataset, workers=1, steps=STEPS, train=_train(form))
+    return {**run_to_end(cfg, run_dir), "run_dir": run_dir, "form": form}
+
+
+def _cfg(ref: dict, dataset: Path, **kw: object) -> object:
+    return small_config(dataset, steps=STEPS, train=_train(ref["form"]), **kw)  # type: ignore[arg-type]
+
+
+def _half(ref: dict) -> Path:
+    return ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
 
 
 def test_the_exact_reduction_is_a_different_math_from_the_chain(
@@ -30,20 +44,53 @@ def test_the_exact_reduction_is_a_different_math_from_the_chain(
     assert chain["final_hash"] != exact_ref["final_hash"]
 
 
+@pytest.mark.parametrize("exact_ref", ["carried"], indirect=True)
+def test_carried_exponents_are_a_different_rounding_from_the_steps_own(
+    exact_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    step = small_config(small_dataset, workers=1, steps=STEPS, train=_train("step"))
+    assert run_to_end(step, tmp_path)["final_hash"] != exact_ref["final_hash"]
+
+
+def test_only_a_carried_runs_checkpoint_holds_the_exponents_of_its_next_step(
+    exact_ref: dict,
+) -> None:
+    reduction = load_checkpoint(_half(exact_ref)).optimizer.get("reduction")
+    if exact_ref["form"] == "step":
+        assert reduction is None
+        return
+    exps = reduction["exponents"]
+    assert exps and all(isinstance(e, int) and -150 < e < 130 for e in exps)
+
+
 @pytest.mark.parametrize("workers,regions", [(2, 1), (3, 2), (5, 2)])
 def test_worker_count_and_regions_do_not_change_the_exact_runs_weights(
     exact_ref: dict, small_dataset: Path, tmp_path: Path, workers: int, regions: int
 ) -> None:
-    s = run_to_end(_cfg(small_dataset, workers=workers, regions=regions), tmp_path)
+    s = run_to_end(_cfg(exact_ref, small_dataset, workers=workers, regions=regions), tmp_path)
     assert s["final_hash"] == exact_ref["final_hash"]
+    # The same steps miss their prediction whoever computes them (none, in these runs).
+    refits = [e["step"] for e in events(tmp_path, "exponents_refit")]
+    assert refits == [e["step"] for e in events(exact_ref["run_dir"], "exponents_refit")]
 
 
 def test_a_kill_and_a_resume_do_not_change_the_exact_runs_weights(
     exact_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     kill = [{"kind": "kill", "target": "r0-1", "at_step": STEPS // 3}]
-    s = run_to_end(_cfg(small_dataset, workers=3, chaos={"faults": kill}), tmp_path / "kill")
-    assert s["final_hash"] == exact_ref["final_hash"]
-    half = exact_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
-    r = run_to_end(_cfg(small_dataset, workers=2), tmp_path / "resume", resume=str(half))
+    cfg = _cfg(exact_ref, small_dataset, workers=3, chaos={"faults": kill})
+    assert run_to_end(cfg, tmp_path / "kill")["final_hash"] == exact_ref["final_hash"]
+    r = run_to_end(
+        _cfg(exact_ref, small_dataset, workers=2), tmp_path / "resume", resume=str(_half(exact_ref))
+    )
     assert r["final_hash"] == exact_ref["final_hash"]
+
+
+@pytest.mark.parametrize("exact_ref", ["carried"], indirect=True)
+def test_a_sharded_carried_run_gives_the_unsharded_weights(
+    exact_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """(The step form's sharded runs are ``tests/test_shard_runs.py``'s.)"""
+    train = {**_train("carried"), "shard_degree": 2}
+    cfg = small_config(small_dataset, steps=STEPS, workers=4, train=train)
+    assert run_to_end(cfg, tmp_path)["final_hash"] == exact_ref["final_hash"]
