@@ -295,3 +295,16 @@ def test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima(
     # Rounded MARGIN bits coarser than the refit: both keep ~50 bits, so the sums agree to
     # float32's last bit here (the run tests show that they do not everywhere).
     assert float((fitted - first).abs().max()) <= 1e-6 * float(first.abs().max())
+
+
+def test_received_exponents_that_are_not_small_integers_are_refused(small_dataset: Path) -> None:
+    from perdure.runtime.replica.trainer import Trainer
+
+    train = {"reduction": "exact", "reduction_exponents": "carried"}
+    tr = Trainer(small_config(small_dataset, workers=1, train=train))
+    model, optim, extra = tr.export()
+    for bad in (["x"], [1 << 40], [], 3, [True]):
+        with pytest.raises(ValueError, match=r"the received state: optimizer\.reduction\.exp"):
+            tr.adopt(model, optim, {**extra, "exponents": bad})
+    tr.adopt(model, optim, {**extra, "exponents": [-5, 3]})
+    assert tr.exponents == [-5, 3]

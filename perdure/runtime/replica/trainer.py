@@ -347,10 +347,11 @@ class Trainer:
     def _checked_exponents(self, exps: Any, source: str) -> list[int] | None:
         if exps is None or self.config.train.reduction_exponents != "carried":
             return None
-        if not (isinstance(exps, list) and exps and all(type(e) is int for e in exps)):
+        ok = isinstance(exps, list) and exps and all(type(e) is int for e in exps)
+        if not ok or not all(-(1 << 10) <= e <= 1 << 10 for e in exps):
             raise ValueError(
-                f"{source}: optimizer.{REDUCTION_KEY}.exponents must be a list of integers, "
-                f"one per bucket of the gradient buffer (got {exps!r:.80})"
+                f"{source}: optimizer.{REDUCTION_KEY}.exponents must be a list of integers "
+                f"in [-1024, 1024], one per bucket of the gradient buffer (got {exps!r:.80})"
             )
         return exps
 
