@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import fmt, free_port, gloo_group, machine, ratios, stats, write_result
+from _common import InlineComm, fmt, free_port, gloo_group, machine, ratios, stats, write_result
 
 MB = 1 << 20
 METHODS = ("all_reduce", "exact64", "exact32", "chain")
@@ -76,7 +76,7 @@ def _worker(rank, size, port, sizes_mb, repeats, q, methods=METHODS):  # pragma:
         ints = {b: torch.zeros(n, dtype=getattr(torch, f"int{b}")) for b in (64, 32)}
         outputs = {}
         carried = CarriedReducer(rank, size, slots=size, block=256)
-        now = _Now(pg)
+        now = InlineComm(pg)
         carried.open(buf, None)
         buf.copy_(src)
         carried.add(buf)
@@ -140,20 +140,6 @@ def _worker(rank, size, port, sizes_mb, repeats, q, methods=METHODS):  # pragma:
     pg.barrier().wait()
     if rank == 0:
         q.put(results)
-
-
-class _Now:
-    """A comm whose thread is the caller's (the reducer's ``finish`` submits to it)."""
-
-    def __init__(self, pg):
-        self.pg = pg
-
-    def submit(self, fn):
-        from concurrent.futures import Future
-
-        f = Future()
-        f.set_result(fn())
-        return f
 
 
 def _errors(pg, rank, size, src, outputs):

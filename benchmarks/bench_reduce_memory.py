@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine, write_result
+from _common import InlineComm, machine, write_result
 
 FORMS = ("plain", "step", "carried")
 
@@ -61,18 +61,7 @@ def _pass(form: str, n: int, slots: int) -> None:  # pragma: no cover - in a chi
         for _ in range(slots):
             buf.normal_()
             red.add(buf)
-        red.finish(_Now(), buf, timeout=timeout).result()
-
-
-class _Now:
-    pg = None
-
-    def submit(self, fn):
-        from concurrent.futures import Future
-
-        f = Future()
-        f.set_result(fn())
-        return f
+        red.finish(InlineComm(), buf, timeout=timeout).result()
 
 
 def _child(form: str, n: int, slots: int, q) -> None:  # pragma: no cover - in a child

@@ -305,6 +305,6 @@ def test_received_exponents_that_are_not_small_integers_are_refused(small_datase
     model, optim, extra = tr.export()
     for bad in (["x"], [1 << 40], [], 3, [True]):
         with pytest.raises(ValueError, match=r"the received state: optimizer\.reduction\.exp"):
-            tr.adopt(model, optim, {**extra, "exponents": bad})
-    tr.adopt(model, optim, {**extra, "exponents": [-5, 3]})
+            tr.adopt(model, {**optim, "reduction": {"exponents": bad}}, extra)
+    tr.adopt(model, {**optim, "reduction": {"exponents": [-5, 3]}}, extra)
     assert tr.exponents == [-5, 3]

@@ -102,17 +102,17 @@ def from_histogram(summed: torch.Tensor) -> list[int]:
     return out
 
 
-def predict(maxima: Sequence[int]) -> list[int]:
-    """The next step's exponent of each bucket, from this step's maxima (the module
-    doc): ``MARGIN`` bits above; an all-zero bucket takes the buffer's maximum's."""
-    top = max((m for m in maxima if m != ZERO), default=0)
-    return [(top if m == ZERO else m) + MARGIN for m in maxima]
-
-
 def fitted(maxima: Sequence[int]) -> list[int]:
-    """The exponents a missed step is computed again with: the maxima themselves."""
+    """The exponents a missed step is computed again with: the maxima themselves (an
+    all-zero bucket takes the buffer's maximum)."""
     top = max((m for m in maxima if m != ZERO), default=0)
     return [top if m == ZERO else m for m in maxima]
+
+
+def predict(maxima: Sequence[int]) -> list[int]:
+    """The next step's exponent of each bucket, from this step's maxima (the module
+    doc): ``MARGIN`` bits above the fitted ones."""
+    return [e + MARGIN for e in fitted(maxima)]
 
 
 def accepts(used: Sequence[int], maxima: Sequence[int]) -> bool:
@@ -245,26 +245,27 @@ class CarriedReducer:
         histogram(bucket_maxima(self.peaks, self.n, self.block), self.hist)
         if pg is not None and send_delay_s > 0:
             time.sleep(send_delay_s)  # injected link latency (the delay fault)
+        fused = None if last is None else self.exact._fused([last])
         if pg is not None and tiers is not None:  # one exchange for all of it
             for i in self._buckets if self.summing else ():
-                self._add_bucket(last, i)
+                self._add_bucket(last, i, fused)
             whole = self.acc if self.summing else self.hist
             tiered_allreduce(tiers, whole, dist.ReduceOp.SUM, timeout)
             return self._back(out), from_histogram(self.hist)
         pending = [] if pg is None else [pg.allreduce([self.hist])]
         for i in self._buckets if self.summing else ():
-            self._add_bucket(last, i)
+            self._add_bucket(last, i, fused)
             if pg is not None:  # on the wire while the next bucket is converted
                 pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
         for work in pending:
             work.wait(timeout)
         return self._back(out), from_histogram(self.hist)
 
-    def _add_bucket(self, last: torch.Tensor | None, i: int) -> None:
+    def _add_bucket(self, last: torch.Tensor | None, i: int, fused: Any) -> None:
         """Bucket ``i`` of the integers made final: ``last``'s added (zeros for a member
         that added no slot at all)."""
         if last is not None:
-            self._accumulate(last, i, self.exact._fused([last]))
+            self._accumulate(last, i, fused)
         elif self.added == 0:
             self.exact._flat(self.ints, i).zero_()
 

@@ -330,10 +330,16 @@ class Trainer:
             decisions=list(self.decisions),
         )
 
-    def _optimizer_for_save(self) -> dict[str, Any]:
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The recipe's state, with the carried exponents beside it (if any): what a
+        checkpoint and a state copy hold alike."""
         state = self.recipe.state_dict()
         if self.exponents is not None:
             state = {**state, REDUCTION_KEY: {"exponents": list(self.exponents)}}
+        return state
+
+    def _optimizer_for_save(self) -> dict[str, Any]:
+        state = self._optimizer_state()
         return state if self.shards is None else self.shards.skeleton(state)
 
     def _load_optimizer(self, state: dict[str, Any], source: str) -> None:
@@ -388,17 +394,14 @@ class Trainer:
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
             "held": self.held,
-            "exponents": self.exponents,
         }
-        return self.module.state_dict(), self.recipe.state_dict(), extra
+        return self.module.state_dict(), self._optimizer_state(), extra
 
     def adopt(
         self, model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
     ) -> None:
         self.module.load_state_dict(model)
-        self.recipe.load_state_dict(optim, source="the received state")
-        exps = self._checked_exponents(extra.get("exponents"), "the received state")
-        self.exponents, self._staged = exps, None
+        self._load_optimizer(optim, "the received state")
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
