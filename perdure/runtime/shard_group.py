@@ -15,7 +15,8 @@ The final hash streams the other shards' tensors through the group one at a time
 (``fetcher``), so no rank ever holds the whole optimizer state.
 
 Limit of this step: parameters and the gradient sum stay whole on every rank (what
-shrinks by k is the optimizer state).
+shrinks by k is the optimizer state). ``param_gather.py`` holds the mechanism that shards
+the parameters at rest; it is tested on its own and not used here yet.
 """
 
 from __future__ import annotations

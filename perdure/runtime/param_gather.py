@@ -1,0 +1,224 @@
+"""Parameters sharded at rest inside a replica group, gathered one at a time while a slot
+runs: the memory half of HSDP (``train.shard_degree`` > 1).
+
+At rest a rank holds only the parameters its shard owns (``shard_plan.owners``: whole
+parameters, so the optimizer's arithmetic is the unsharded one). Every other parameter
+keeps its ``nn.Parameter`` object, shape and dtype, but its storage is resized to zero
+bytes (what FSDP1 does with its flat parameters): the optimizer, the gradient hooks and
+the slot engine keep the same tensors, and no module is rewritten.
+
+While a slot runs (``active``):
+
+- **forward**: a ``TorchFunctionMode`` sees every torch function's arguments; the first
+  use of a parameter that is not resident gathers it (its owner broadcasts it to the
+  group), and each module's forward hook frees the parameters of its subtree once its
+  forward is done (a module whose parameters its parent passes to a functional call, as
+  ``MultiheadAttention`` does with ``out_proj``, is covered by the parent's hook; a tied
+  parameter used again elsewhere is simply gathered again);
+- **backward**: ``saved_tensors_hooks`` save a parameter (or a view of one) as a marker
+  instead of the tensor, so the freed storage is not kept alive by the graph; unpacking
+  the marker gathers it again, and the parameter's post-accumulate hook frees it once its
+  gradient is final (autograd sums every use of a leaf before that).
+
+Gathering is a collective of the group, so every rank of a group must make the same
+gathers in the same order. Every rank runs the same state machine for every parameter
+(resident or not), including those it owns, for which "gather" means "send" and "free"
+means nothing: the sequence is a pure function of the model's code and the batch shapes,
+the same on every rank that runs a slot of the same shapes.
+
+The bits are unchanged: a gathered parameter is the owner's bytes, and every op computes
+on them exactly as on a whole replica.
+
+Limits (this step): one gather per parameter (a collective each; grouping a module's
+parameters into one broadcast per owner would cut the count); a model whose set of used
+parameters depends on the data (a router that skips experts) breaks the lockstep; double
+backward (``create_graph``) is not supported, since unpacked parameters are detached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+Broadcast = Callable[[torch.Tensor, int], None]
+"""``broadcast(flat_uint8, src)``: the group's broadcast, in place, from rank ``src`` of
+the group (the owner's shard index: a group's rank ``j`` owns shard ``j``)."""
+
+
+class ParamGather:
+    """One rank's parameters of a replica group: which are resident, and the gathers."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        owner: Sequence[int],
+        mine: int,
+        broadcast: Broadcast,
+    ) -> None:
+        assert len(params) == len(owner), (len(params), len(owner))
+        self.params = list(params)
+        self.owner = list(owner)
+        self.mine = mine
+        self.broadcast = broadcast
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.nbytes = [p.numel() * p.element_size() for p in self.params]
+        for p in self.params:
+            if not p.is_contiguous():
+                raise ValueError("parameters sharded at rest must be contiguous")
+        self.live = [True] * len(self.params)
+        """The group-wide state machine: whether parameter i is resident on every rank
+        (the owner's own copy is always there; this says whether it was sent)."""
+        self.held = sum(self.nbytes)
+        self.busy = False
+        self.gathers = 0
+        self.release()
+        self.peak_bytes = self.held
+        """The most parameter bytes this rank held at once since ``reset_peak``."""
+
+    # -- what this rank holds --------------------------------------------------------------
+
+    def foreign(self, i: int) -> bool:
+        return self.owner[i] != self.mine
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.held
+
+    def release(self) -> None:
+        """Back to rest: every foreign parameter's storage freed."""
+        for i in range(len(self.params)):
+            self.free(i)
+
+    def owned(self) -> list[int]:
+        return [i for i in range(len(self.params)) if not self.foreign(i)]
+
+    # -- the two moves -----------------------------------------------------------------------
+
+    def gather(self, i: int) -> None:
+        """Make parameter i resident on every rank of the group (a collective)."""
+        if self.live[i]:
+            return
+        p = self.params[i]
+        self.busy = True
+        try:
+            if self.foreign(i):
+                p.untyped_storage().resize_(self.nbytes[i])
+                self.held += self.nbytes[i]
+            self.broadcast(_bytes(p), self.owner[i])
+        finally:
+            self.busy = False
+        self.live[i] = True
+        self.gathers += 1
+        self.peak_bytes = max(self.peak_bytes, self.held)
+
+    def free(self, i: int) -> None:
+        """Drop parameter i (its storage, where this rank does not own it)."""
+        if not self.live[i]:
+            return
+        self.live[i] = False
+        if self.foreign(i):
+            self.busy = True
+            try:
+                self.params[i].untyped_storage().resize_(0)
+            finally:
+                self.busy = False
+            self.held -= self.nbytes[i]
+
+    # -- a slot's forward and backward -------------------------------------------------------
+
+    @contextlib.contextmanager
+    def active(self, model: nn.Module) -> Iterator[None]:
+        """Run a slot's forward and backward inside: parameters are gathered when used and
+        freed after. On exit every foreign parameter is freed again."""
+        handles = self._module_hooks(model) + self._grad_hooks()
+        try:
+            with _Touch(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.release()
+
+    def _module_hooks(self, model: nn.Module) -> list[Any]:
+        handles = []
+        for m in model.modules():
+            mine = [self.index[id(p)] for p in m.parameters() if id(p) in self.index]
+            if mine:
+                handles.append(m.register_forward_hook(self._freer(mine)))
+        return handles
+
+    def _freer(self, indices: list[int]) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            for i in indices:
+                self.free(i)
+
+        return hook
+
+    def _grad_hooks(self) -> list[Any]:
+        def hook_for(i: int) -> Callable[[torch.Tensor], None]:
+            return lambda _p: self.free(i)
+
+        return [
+            p.register_post_accumulate_grad_hook(hook_for(i))
+            for i, p in enumerate(self.params)
+            if p.requires_grad
+        ]
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        i = self.index.get(id(base))
+        if i is None:
+            return t
+        return _Saved(i, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Saved):
+            return x
+        self.gather(x.index)
+        return self.params[x.index].detach().as_strided(x.shape, x.stride, x.offset)
+
+    def touch(self, args: Any, kwargs: Any) -> None:
+        if self.busy:  # a gather's or a free's own torch calls
+            return
+        for a in _tensors(args, kwargs):
+            i = self.index.get(id(a))
+            if i is not None:
+                self.gather(i)
+
+
+class _Saved:
+    """A saved parameter (or a view of one), as the graph keeps it: a marker."""
+
+    __slots__ = ("index", "offset", "shape", "stride")
+
+    def __init__(self, index: int, shape: tuple, stride: tuple, offset: int) -> None:
+        self.index, self.shape, self.stride, self.offset = index, shape, stride, offset
+
+
+class _Touch(TorchFunctionMode):
+    """Gathers a parameter the first time a torch function receives it."""
+
+    def __init__(self, owner: ParamGather) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        self.owner.touch(args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, list | tuple):
+            yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+def _bytes(p: torch.Tensor) -> torch.Tensor:
+    return p.detach().reshape(-1).view(torch.uint8)

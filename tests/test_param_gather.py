@@ -1,0 +1,102 @@
+"""Parameters sharded at rest and gathered while a slot runs (``runtime/param_gather.py``):
+the gradients are the whole replica's, bit for bit, and a rank holds about 1/k of them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from perdure.runtime.param_gather import ParamGather
+from perdure.runtime.shard_plan import owners
+from tests.gloo_support import run_ranks
+
+SLOTS = 3
+
+
+def _model() -> torch.nn.Module:
+    from examples.tiny_lm.task import TinyLM
+
+    torch.manual_seed(7)
+    return TinyLM(d_model=32, n_layers=2, n_heads=4, max_len=32, dropout=0.1)
+
+
+def _slot_grads(model: torch.nn.Module, slot: int, gather: ParamGather | None) -> list[bytes]:
+    from examples.tiny_lm.task import loss_fn
+
+    g = torch.Generator().manual_seed(100 + slot)
+    tokens = torch.randint(0, 256, (2, 17), generator=g)
+    batch = {"tokens": tokens, "weight": torch.ones(2)}
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1000 + slot)  # dropout's masks: the same on every rank
+    ctx = gather.active(model) if gather is not None else _null()
+    with ctx:
+        loss_fn(model, batch).backward()
+    return [p.grad.numpy().tobytes() for p in model.parameters()]
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *a: Any) -> None:
+        return None
+
+
+def _rank(rank: int, world: int, port: int, q: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    model = _model()
+    params = list(model.parameters())
+    owner = owners([p.numel() for p in params], world)
+    gather = ParamGather(params, owner, rank, lambda t, src: dist.broadcast(t, src))
+    at_rest = gather.held
+    grads = [_slot_grads(model, s, gather) for s in range(SLOTS)]
+    foreign_freed = all(
+        p.untyped_storage().nbytes() == 0 for i, p in enumerate(params) if owner[i] != rank
+    )
+    q.put((rank, grads, at_rest, gather.peak_bytes, gather.held, foreign_freed))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_gathered_gradients_equal_the_whole_replica_bit_for_bit(k: int) -> None:
+    torch.set_num_threads(1)
+    model = _model()
+    want = [_slot_grads(model, s, None) for s in range(SLOTS)]
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = sorted(run_ranks(_rank, k, k), key=lambda r: r[0])
+    for rank, grads, at_rest, peak, held, freed in out:
+        assert grads == want, f"rank {rank} of {k}"
+        assert at_rest == held < total / k * 1.6, (rank, at_rest, total)
+        assert peak < total, (rank, peak, total)
+        assert freed
+
+
+def test_a_parameter_at_rest_has_no_storage_and_keeps_its_shape() -> None:
+    model = torch.nn.Linear(4, 3)
+    sent: list[int] = []
+    gather = ParamGather(list(model.parameters()), [1, 0], 0, lambda t, src: sent.append(src))
+    assert model.weight.untyped_storage().nbytes() == 0
+    assert model.weight.shape == (3, 4)
+    assert model.bias.untyped_storage().nbytes() == 3 * 4
+    gather.gather(0)
+    assert model.weight.untyped_storage().nbytes() == 48 and sent == [1]
+    gather.gather(0)  # resident: no second collective
+    gather.gather(1)  # owned: sent to the group, no storage change
+    assert sent == [1, 0] and gather.held == 48 + 12 == gather.peak_bytes
+    gather.release()
+    assert gather.held == 12 and model.weight.untyped_storage().nbytes() == 0
+
+
+def test_non_contiguous_parameters_are_refused() -> None:
+    p = torch.nn.Parameter(torch.zeros(4, 3).t())
+    with pytest.raises(ValueError, match="contiguous"):
+        ParamGather([p], [0], 0, lambda t, src: None)
