@@ -3,6 +3,8 @@ the gradients are the whole replica's, bit for bit, and a rank holds about 1/k o
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 from typing import Any
 
@@ -16,16 +18,16 @@ from tests.gloo_support import run_ranks
 SLOTS = 3
 
 
-def _model() -> torch.nn.Module:
-    from examples.tiny_lm.task import TinyLM
-
+def _task(name: str) -> Any:
+    """tiny_lm (``nn.TransformerEncoderLayer``, a head tied through ``.T``) or hf_lm (a
+    ``transformers`` GPT-2: ``Conv1D``'s ``addmm``, a head tied by sharing the Parameter)."""
     torch.manual_seed(7)
-    return TinyLM(d_model=32, n_layers=2, n_heads=4, max_len=32, dropout=0.1)
+    mod = importlib.import_module(f"examples.{name}.task")
+    return mod.make_task(d_model=32, n_layers=2, n_heads=4, max_len=32, dropout=0.1)
 
 
-def _slot_grads(model: torch.nn.Module, slot: int, gather: ParamGather | None) -> list[bytes]:
-    from examples.tiny_lm.task import loss_fn
-
+def _slot_grads(task: Any, slot: int, gather: ParamGather | None) -> list[bytes]:
+    model, loss_fn = task.model, task.loss_fn
     g = torch.Generator().manual_seed(100 + slot)
     tokens = torch.randint(0, 256, (2, 17), generator=g)
     batch = {"tokens": tokens, "weight": torch.ones(2)}
@@ -46,19 +48,19 @@ class _null:
         return None
 
 
-def _rank(rank: int, world: int, port: int, q: Any) -> None:
+def _rank(name: str, rank: int, world: int, port: int, q: Any) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.set_num_threads(1)
-    model = _model()
-    params = list(model.parameters())
+    task = _task(name)
+    params = list(task.model.parameters())
     owner = owners([p.numel() for p in params], world)
     gather = ParamGather(params, owner, rank, lambda t, src: dist.broadcast(t, src))
     at_rest = gather.held
-    grads = [_slot_grads(model, s, gather) for s in range(SLOTS)]
+    grads = [_slot_grads(task, s, gather) for s in range(SLOTS)]
     foreign_freed = all(
         p.untyped_storage().nbytes() == 0 for i, p in enumerate(params) if owner[i] != rank
     )
@@ -66,13 +68,13 @@ def _rank(rank: int, world: int, port: int, q: Any) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("k", [2, 3])
-def test_gathered_gradients_equal_the_whole_replica_bit_for_bit(k: int) -> None:
+@pytest.mark.parametrize(("name", "k"), [("tiny_lm", 2), ("tiny_lm", 3), ("hf_lm", 2)])
+def test_gathered_gradients_equal_the_whole_replica_bit_for_bit(name: str, k: int) -> None:
     torch.set_num_threads(1)
-    model = _model()
-    want = [_slot_grads(model, s, None) for s in range(SLOTS)]
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    out = sorted(run_ranks(_rank, k, k), key=lambda r: r[0])
+    task = _task(name)
+    want = [_slot_grads(task, s, None) for s in range(SLOTS)]
+    total = sum(p.numel() * p.element_size() for p in task.model.parameters())
+    out = sorted(run_ranks(functools.partial(_rank, name), k, k), key=lambda r: r[0])
     for rank, grads, at_rest, peak, held, freed in out:
         assert grads == want, f"rank {rank} of {k}"
         assert at_rest == held < total / k * 1.6, (rank, at_rest, total)
