@@ -102,3 +102,16 @@ def test_non_contiguous_parameters_are_refused() -> None:
     p = torch.nn.Parameter(torch.zeros(4, 3).t())
     with pytest.raises(ValueError, match="contiguous"):
         ParamGather([p], [0], 0, lambda t, src: None)
+
+
+def test_a_failed_gather_leaves_the_parameter_at_rest() -> None:
+    model = torch.nn.Linear(4, 3)
+
+    def broken(t: torch.Tensor, src: int) -> None:
+        raise RuntimeError("peer gone")
+
+    gather = ParamGather(list(model.parameters()), [1, 1], 0, broken)
+    with pytest.raises(RuntimeError, match="peer gone"):
+        gather.gather(0)
+    assert model.weight.untyped_storage().nbytes() == 0 and gather.held == 0
+    assert not gather.live[0]

@@ -93,9 +93,6 @@ class ParamGather:
         for i in range(len(self.params)):
             self.free(i)
 
-    def owned(self) -> list[int]:
-        return [i for i in range(len(self.params)) if not self.foreign(i)]
-
     # -- the two moves -----------------------------------------------------------------------
 
     def gather(self, i: int) -> None:
@@ -107,10 +104,15 @@ class ParamGather:
         try:
             if self.foreign(i):
                 p.untyped_storage().resize_(self.nbytes[i])
-                self.held += self.nbytes[i]
             self.broadcast(_bytes(p), self.owner[i])
+        except BaseException:  # a failed collective: nothing half-received stays resident
+            if self.foreign(i):
+                p.untyped_storage().resize_(0)
+            raise
         finally:
             self.busy = False
+        if self.foreign(i):
+            self.held += self.nbytes[i]
         self.live[i] = True
         self.gathers += 1
         self.peak_bytes = max(self.peak_bytes, self.held)
