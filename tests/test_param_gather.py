@@ -3,6 +3,7 @@ the gradients are the whole replica's, bit for bit, and a rank holds about 1/k o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -34,18 +35,9 @@ def _slot_grads(task: Any, slot: int, gather: ParamGather | None) -> list[bytes]
     for p in model.parameters():
         p.grad = None
     torch.manual_seed(1000 + slot)  # dropout's masks: the same on every rank
-    ctx = gather.active(model) if gather is not None else _null()
-    with ctx:
+    with gather.active(model) if gather is not None else contextlib.nullcontext():
         loss_fn(model, batch).backward()
     return [p.grad.numpy().tobytes() for p in model.parameters()]
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *a: Any) -> None:
-        return None
 
 
 def _rank(name: str, rank: int, world: int, port: int, q: Any) -> None:

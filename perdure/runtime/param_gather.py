@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -78,15 +78,12 @@ class ParamGather:
         self.gathers = 0
         self.release()
         self.peak_bytes = self.held
-        """The most parameter bytes this rank held at once since ``reset_peak``."""
+        """The most parameter bytes this rank has held at once."""
 
     # -- what this rank holds --------------------------------------------------------------
 
     def foreign(self, i: int) -> bool:
         return self.owner[i] != self.mine
-
-    def reset_peak(self) -> None:
-        self.peak_bytes = self.held
 
     def release(self) -> None:
         """Back to rest: every foreign parameter's storage freed."""
@@ -100,17 +97,15 @@ class ParamGather:
         if self.live[i]:
             return
         p = self.params[i]
-        self.busy = True
-        try:
+        with self._own_calls():
             if self.foreign(i):
                 p.untyped_storage().resize_(self.nbytes[i])
-            self.broadcast(_bytes(p), self.owner[i])
-        except BaseException:  # a failed collective: nothing half-received stays resident
-            if self.foreign(i):
-                p.untyped_storage().resize_(0)
-            raise
-        finally:
-            self.busy = False
+            try:
+                self.broadcast(_bytes(p), self.owner[i])
+            except BaseException:  # a failed collective: nothing half-received stays
+                if self.foreign(i):
+                    p.untyped_storage().resize_(0)
+                raise
         if self.foreign(i):
             self.held += self.nbytes[i]
         self.live[i] = True
@@ -123,12 +118,21 @@ class ParamGather:
             return
         self.live[i] = False
         if self.foreign(i):
-            self.busy = True
-            try:
+            with self._own_calls():
                 self.params[i].untyped_storage().resize_(0)
-            finally:
-                self.busy = False
             self.held -= self.nbytes[i]
+
+    @contextlib.contextmanager
+    def _own_calls(self) -> Iterator[None]:
+        """The torch calls of a gather or a free pass through the mode too (hooks run
+        inside it): they must not gather. Without this, a free's ``untyped_storage()``
+        re-entered ``touch`` on the ranks that do not own the parameter only, and the
+        group's broadcasts no longer matched."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     # -- a slot's forward and backward -------------------------------------------------------
 
@@ -180,11 +184,11 @@ class ParamGather:
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Saved):
             return x
-        self.gather(x.index)
-        return self.params[x.index].detach().as_strided(x.shape, x.stride, x.offset)
+        self.gather(x.param)
+        return self.params[x.param].detach().as_strided(x.shape, x.stride, x.offset)
 
     def touch(self, args: Any, kwargs: Any) -> None:
-        if self.busy:  # a gather's or a free's own torch calls
+        if self.busy:  # see ``_own_calls``
             return
         for a in _tensors(args, kwargs):
             i = self.index.get(id(a))
@@ -192,13 +196,13 @@ class ParamGather:
                 self.gather(i)
 
 
-class _Saved:
+class _Saved(NamedTuple):
     """A saved parameter (or a view of one), as the graph keeps it: a marker."""
 
-    __slots__ = ("index", "offset", "shape", "stride")
-
-    def __init__(self, index: int, shape: tuple, stride: tuple, offset: int) -> None:
-        self.index, self.shape, self.stride, self.offset = index, shape, stride, offset
+    param: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
 
 
 class _Touch(TorchFunctionMode):
