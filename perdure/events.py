@@ -91,7 +91,11 @@ STATE_RECEIVED: Final = "state_received"
 """A receiver adopted a live peer's state."""
 SHARD_RECEIVED: Final = "shard_received"
 """A member of a replica group received its shard of the optimizer state from another
-member at an epoch's start (``train.shard_degree`` > 1)."""
+member at an epoch's start (``train.shard_degree`` > 1), with its parameters when they
+are sharded at rest (``train.shard_params``)."""
+PARAMS_AT_REST: Final = "params_at_rest"
+"""Parameters sharded at rest (``train.shard_params``): what a member keeps resident
+between slots in this epoch (``bytes``) and the whole replica's (``of``)."""
 STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
 SLOTS_SALVAGED: Final = "slots_salvaged"
@@ -169,6 +173,7 @@ NAMES: frozenset[str] = frozenset(
         RECOVERED_FROM_CHECKPOINT,
         STATE_RECEIVED,
         SHARD_RECEIVED,
+        PARAMS_AT_REST,
         STEP_ABANDONED,
         SLOTS_SALVAGED,
         EXPONENTS_REFIT,

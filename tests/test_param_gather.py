@@ -107,3 +107,17 @@ def test_a_failed_gather_leaves_the_parameter_at_rest() -> None:
         gather.gather(0)
     assert model.weight.untyped_storage().nbytes() == 0 and gather.held == 0
     assert not gather.live[0]
+
+
+def test_a_parameter_hashed_or_written_stays_resizable() -> None:
+    """The fingerprint and the checkpoint's byte views go through ctypes: a storage
+    exported to numpy can never be resized again, and freeing one at rest resizes it."""
+    from perdure.checkpoint.tensors import byte_view
+
+    p = torch.nn.Parameter(torch.arange(6.0))
+    view = byte_view(p.detach())
+    assert bytes(view) == p.detach().numpy().copy().tobytes()
+    q = torch.nn.Parameter(torch.arange(6.0))
+    byte_view(q.detach())
+    q.untyped_storage().resize_(0)
+    assert q.untyped_storage().nbytes() == 0 and q.shape == (6,)

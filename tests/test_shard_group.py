@@ -64,8 +64,8 @@ def _rank(proc: int, port: int, q: mp.Queue) -> None:
     store = dist.TCPStore("127.0.0.1", port, WORLD, proc == 0, T)
     model, opt = _model()
     shards = _epoch(store, "e1", proc, model, opt)  # rank = process
-    state = shards.exchange(shards.epoch, ALL, opt.state_dict())  # type: ignore[attr-defined]
-    assert state is not None
+    state, params = shards.exchange(shards.epoch, ALL, opt.state_dict())  # type: ignore[attr-defined]
+    assert state is not None and params == {}  # the parameters are whole: none travel
     opt.load_state_dict(state)
     _steps(shards, model, opt, range(FIRST))
     owned = sorted(opt.state_dict()["state"])
@@ -73,8 +73,8 @@ def _rank(proc: int, port: int, q: mp.Queue) -> None:
     rank = (proc + 1) % WORLD
     held = shards.mine
     shards = _epoch(store, "e2", rank, model, opt)
-    state = shards.exchange(shards.epoch, held, opt.state_dict())  # type: ignore[attr-defined]
-    assert state is not None
+    state, params = shards.exchange(shards.epoch, held, opt.state_dict())  # type: ignore[attr-defined]
+    assert state is not None and params == {}
     opt.load_state_dict(state)
     _steps(shards, model, opt, range(FIRST, FIRST + THEN))
     whole = shards.skeleton(opt.state_dict())

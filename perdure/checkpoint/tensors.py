@@ -7,6 +7,7 @@ becomes tagged JSON (see :mod:`perdure.checkpoint.codec`) that points at those n
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -52,12 +53,19 @@ def dtype_name(t: torch.Tensor, key: str) -> str:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy (0-d and empty included)."""
+    """The bytes of a contiguous CPU tensor, without a copy (0-d and empty included).
+
+    Through ctypes, not ``.numpy()``: a storage exported to numpy can never be resized
+    again, and a parameter sharded at rest (``runtime/param_gather.py``) is freed and
+    gathered by resizing its storage. The view keeps the tensor alive."""
     assert t.is_contiguous() and t.device.type == "cpu"
     flat = t.reshape(-1)
-    if flat.numel() == 0:
+    n = flat.numel() * flat.element_size()
+    if n == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
+    raw = (ctypes.c_ubyte * n).from_address(flat.data_ptr())
+    raw._tensor = flat  # type: ignore[attr-defined]
+    return memoryview(raw).cast("B")
 
 
 @dataclass(frozen=True)

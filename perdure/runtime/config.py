@@ -113,8 +113,20 @@ class TrainConfig:
     the whole parameters it owns and broadcasting them to its group after the step; a membership
     epoch then has a multiple of k members (the rest wait as spares). Not part of the
     math: every parameter is updated whole, by the same kernels, from the same exact sum,
-    so the bits are the same for every k. Limit: parameters stay whole on every rank
-    (the optimizer state, two thirds of an Adam replica's bytes, is what shrinks)."""
+    so the bits are the same for every k. The parameters stay whole on every rank unless
+    ``shard_params`` is set too (then a rank keeps about 1/k of both)."""
+    shard_params: bool = False
+    """With ``shard_degree`` > 1: the parameters are sharded at rest too, not only the
+    optimizer state (``runtime/param_gather.py``). A rank keeps the parameters its shard
+    owns; the others are gathered from their owners while a slot runs, one at a time, and
+    freed after use, so a rank holds about 1/k of the parameters and of the optimizer state
+    (plus the largest gathered ones in flight). Not part of the math: a gathered parameter
+    is its owner's bytes. Costs a broadcast per parameter use per slot (see
+    docs/performance.md), and every rank of a group computes as many slots as the busiest
+    one (a rank with fewer computes throwaway ones: the gathers are collectives of the
+    group). Limits: the whole gradient sum is still held by every rank; loading a
+    checkpoint or re-running a non-finite slot holds the whole parameters for a moment; a
+    model whose use of parameters depends on the data (an expert router) cannot run so."""
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
     """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
     in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
@@ -145,6 +157,12 @@ class TrainConfig:
                 f"must be at most train.slots ({self.slots}): every rank computes a slot",
                 self.shard_degree,
             )
+        c.check(
+            not self.shard_params or self.shard_degree > 1,
+            "shard_params",
+            "needs train.shard_degree > 1 (the parameters are sharded over a replica group)",
+            self.shard_params,
+        )
         c.check(
             self.reduction_exponents == "step"
             or (self.reduction == "exact" and self.reduction_bits == 64),

@@ -29,6 +29,11 @@ the same on every rank that runs a slot of the same shapes.
 The bits are unchanged: a gathered parameter is the owner's bytes, and every op computes
 on them exactly as on a whole replica.
 
+The runtime uses it with ``train.shard_params`` (``shard_group.Shards.gatherer``, built
+once a member holds its shard at an epoch's start; ``Trainer.compute_slots`` runs each
+slot inside ``active``; the step runner keeps every rank of a group at the same number of
+slots).
+
 Limits (this step): one gather per parameter (a collective each; grouping a module's
 parameters into one broadcast per owner would cut the count); a model whose set of used
 parameters depends on the data (a router that skips experts) breaks the lockstep; double

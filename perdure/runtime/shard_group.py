@@ -14,9 +14,13 @@ gives it (``checkpoint.plan``'s holders: the ranks of every group that own the s
 The final hash streams the other shards' tensors through the group one at a time
 (``fetcher``), so no rank ever holds the whole optimizer state.
 
-Limit of this step: parameters and the gradient sum stay whole on every rank (what
-shrinks by k is the optimizer state). ``param_gather.py`` holds the mechanism that shards
-the parameters at rest; it is tested on its own and not used here yet.
+With ``train.shard_params`` the parameters are sharded at rest too (``param_gather.py``):
+a rank keeps its shard's parameters only, gathers the others while a slot runs, and skips
+the broadcast after the update (nobody else keeps them). The parameters then travel with
+their shard's optimizer state (``exchange``), a checkpoint's model tensors are written by
+their shard's holders like the optimizer's, and the final hash streams them too.
+
+Limit: the gradient sum stays whole on every rank (a reduce-scatter would shrink it too).
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch import nn
 
-from perdure.checkpoint.tensors import flatten
+from perdure.checkpoint.tensors import MODEL, flatten
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.transfer import (
     broadcast_state,
@@ -36,6 +41,7 @@ from perdure.runtime.comm.transfer import (
     unpack,
     unpack_skeleton,
 )
+from perdure.runtime.param_gather import ParamGather
 from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources
 
 
@@ -55,6 +61,7 @@ class Shards:
         rank: int,
         group: Comm,
         timeout: timedelta,
+        module: nn.Module | None = None,
     ) -> None:
         self.params = list(params)
         self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
@@ -62,6 +69,38 @@ class Shards:
         self.mine = shard_of(rank, k)
         self.received: tuple[int, int] | None = None
         """After ``exchange``: (the rank it received its shard from, the bytes), if any."""
+        self.model_keys = {} if module is None else self._model_keys(module)
+        """With the parameters sharded at rest (a ``module`` given): the shard of each of
+        its state dict's parameters, by checkpoint name (``model/<name>``; a tied
+        parameter under each of its names)."""
+
+    @property
+    def shard_params(self) -> bool:
+        return bool(self.model_keys)
+
+    def _model_keys(self, module: nn.Module) -> dict[str, int]:
+        index = {id(p): i for i, p in enumerate(self.params)}
+        named = {n: t for n, t in module.state_dict(keep_vars=True).items() if id(t) in index}
+        self._named: dict[str, torch.Tensor] = {}
+        """Each parameter under its first state dict name (what ``exchange`` sends)."""
+        for n, t in named.items():
+            if all(t is not u for u in self._named.values()):
+                self._named[n] = t
+        return {MODEL + n: self.owner[index[id(t)]] for n, t in named.items()}
+
+    def owned_params(self, j: int) -> list[torch.Tensor]:
+        return [p for p, o in zip(self.params, self.owner, strict=True) if o == j]
+
+    def gatherer(self) -> ParamGather:
+        """The parameters at rest from now on: this shard's kept, the others freed."""
+        return ParamGather(self.params, self.owner, self.mine, self._broadcast)  # type: ignore[arg-type]
+
+    def _broadcast(self, flat: torch.Tensor, src: int) -> None:
+        dev, pg, t = self.group.device, self.group.pg, self.timeout
+        buf = flat if flat.device == torch.device(dev) else flat.to(dev)
+        self.group.call(lambda: pg.broadcast(buf, src).wait(t))
+        if buf is not flat:
+            flat.copy_(buf)
 
     # -- the step --------------------------------------------------------------------------
 
@@ -75,7 +114,7 @@ class Shards:
         """After it: each shard's owner broadcasts its updated parameters to the group (as
         bytes, so any dtype travels), and the others copy them in."""
         for j in range(self.k):
-            owned = [p for p, o in zip(self.params, self.owner, strict=True) if o == j]
+            owned = self.owned_params(j)
             if owned:
                 self._broadcast_params(j, owned)
 
@@ -102,8 +141,9 @@ class Shards:
     def fetcher(self, whole: dict[str, Any]) -> Callable[[str, torch.Tensor], torch.Tensor]:
         """For ``state_digest`` over a ``skeleton``: each tensor of a shard, broadcast by
         its owner to the group as it is hashed (every rank of the group calls it for every
-        tensor, in the same order), so no rank holds more than one foreign tensor at once."""
-        shard_of_key = self._key_shards(whole)
+        tensor, in the same order), so no rank holds more than one foreign tensor at once.
+        The model's tensors of each shard too, with the parameters sharded at rest."""
+        shard_of_key = {**self._key_shards(whole), **self.model_keys}
         dev = self.group.device
 
         def fetch(key: str, t: torch.Tensor) -> torch.Tensor:
@@ -135,7 +175,8 @@ class Shards:
         """For each tensor of a shard's optimizer state (as a checkpoint names it), the
         ranks of a ``world``-member epoch that hold it: that shard's rank in every group."""
         ranks = [tuple(r for r in range(world) if shard_of(r, self.k) == j) for j in range(self.k)]
-        return {key: ranks[j] for key, j in self._key_shards(state).items()}
+        keys = {**self._key_shards(state), **self.model_keys}
+        return {key: ranks[j] for key, j in keys.items()}
 
     def _key_shards(self, state: dict[str, Any]) -> dict[str, int]:
         """The shard of each tensor of ``state`` that one shard alone holds, by its name
@@ -148,26 +189,38 @@ class Shards:
                     out[key] = j
         return out
 
-    def exchange(self, epoch: Comm, held: int, state: dict[str, Any]) -> dict[str, Any] | None:
+    def exchange(
+        self, epoch: Comm, held: int, state: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
         """At an epoch's start, over the whole epoch: every member that lacks its shard's
         state receives it from the lowest rank that has it. ``held``: what this rank holds
-        (a shard, ``ALL``, or ``NONE``); returns the state this rank must load (its shard
-        only), or None when it holds exactly that already."""
+        (a shard, ``ALL``, or ``NONE``); returns the optimizer state this rank must load
+        (its shard only; None when it holds exactly that already) and, with the
+        parameters sharded at rest, the shard's parameters it received (by state dict
+        name; empty when it holds them)."""
         dev = epoch.device
         mine = torch.tensor([held], dtype=torch.int64, device=dev)
         outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(epoch.size)]
         epoch.call(lambda: epoch.pg.allgather([outs], [mine]).wait(self.timeout))
         holdings = [int(o[0]) for o in outs]
         got: dict[str, Any] | None = None
+        params: dict[str, torch.Tensor] = {}
         for j, src in sorted(sources(holdings, self.k).items()):
-            own = part(state, self.owner, j)
-            payload = pack({}, own, {}, epoch.device) if self.rank == src else None
+            payload = None
+            if self.rank == src:
+                payload = pack(self._shard_model(j), part(state, self.owner, j), {}, epoch.device)
             head, blob = broadcast_state(epoch, src, payload, self.timeout)
             if j == self.mine and held not in (j, ALL):
-                got = unpack(head, blob)[1]
+                params, got, _ = unpack(head, blob)
                 self.received = (src, int(blob.numel()) + len(head))
         if got is not None:
-            return part(got, self.owner, self.mine)
+            return part(got, self.owner, self.mine), params
         if held == ALL:
-            return part(state, self.owner, self.mine)
-        return None
+            return part(state, self.owner, self.mine), {}
+        return None, {}
+
+    def _shard_model(self, j: int) -> dict[str, torch.Tensor]:
+        """Shard ``j``'s parameters by state dict name (sharded at rest only; else none)."""
+        if not self.shard_params:
+            return {}
+        return {n: t.detach() for n, t in self._named.items() if self.model_keys[MODEL + n] == j}

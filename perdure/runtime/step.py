@@ -26,6 +26,7 @@ from perdure.runtime.comm.reducer import Reducer
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
+from perdure.runtime.shard_plan import group_of
 
 
 class SlotTimer:
@@ -77,6 +78,15 @@ class StepRunner:
         self.reducer, self.seams, self.timer = reducer, seams, timer
         self.slots = plan.slots_of(rank)
         self.bufs: list[torch.Tensor] = []
+        train = trainer.config.train
+        self.lockstep = train.shard_params
+        """Parameters sharded at rest: a slot's gathers are collectives of the replica
+        group, so every rank of a group computes as many slots (``passes``) and none is
+        salvaged (a kept slot would skip its gathers on one rank only)."""
+        k = train.shard_degree
+        group = [r for r in range(self.size) if group_of(r, k) == group_of(rank, k)]
+        self.passes = max(len(plan.slots_of(r)) for r in group) if self.lockstep else 0
+        self._scratch: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -107,9 +117,10 @@ class StepRunner:
             self.bufs = [tr.layout.new_buffer() for _ in slots]
         key = (t, tr.state_version)
         computed = self._fill(t, key, range(len(slots) - 1), abort, None)
+        self._pad(t, abort)  # before the reduction starts: it may begin with a collective
         delay = self.seams.delay_s()
         last = len(slots) - 1
-        kept = self.seams.salvage.take(key, slots[last], self.bufs[last])
+        kept = self._take(key, slots[last], self.bufs[last])
         ready = None if kept else Readiness()
         fut = self._start_reduce(self.bufs, delay, ready, abort)
         if not kept:
@@ -118,6 +129,25 @@ class StepRunner:
             self.timer.record(time.monotonic() - t0, computed)
         self._log_salvage(t)
         return self.comm.result(fut)
+
+    def _take(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> bool:
+        return not self.lockstep and self.seams.salvage.take(key, slot, buf)
+
+    def _pad(self, t: int, abort: Callable[[], bool]) -> None:
+        """Sharded at rest: the throwaway slots that keep this rank's gathers in step with
+        its group's busiest rank (the gradient goes to a scratch buffer, unused). Run
+        before the reduction starts, so that every rank enters it after as many slots
+        (the reduction can open with a collective of the epoch, and a rank waiting in it
+        would starve its group's gathers)."""
+        extra = self.passes - len(self.slots)
+        if extra <= 0:
+            return
+        if self._scratch is None:
+            self._scratch = self.tr.layout.new_buffer()
+        slot = self.slots[0] if self.slots else 0
+        for _ in range(extra):
+            if not self.tr.compute_slots(t, range(slot, slot + 1), [self._scratch], abort):
+                raise Abandoned("membership epoch changed during compute")
 
     def _carried(self, t: int, t0: float, red: CarriedReducer) -> torch.Tensor:
         """The carried-exponent form (``comm/carried.py``): one slot buffer, each slot
@@ -153,6 +183,7 @@ class StepRunner:
         if t0 is not None and self.slots:
             self.timer.record(time.monotonic() - t0, len(self.slots))
         self._injected_drop()
+        self._pad(t, abort)
         fut = red.finish(
             self.comm,
             buf,
@@ -182,12 +213,13 @@ class StepRunner:
         salvage, computed = self.seams.salvage, 0
         for i in indices:
             slot, buf = self.slots[i], self.bufs[i]
-            if salvage.take(key, slot, buf):
+            if self._take(key, slot, buf):
                 salvage.put(key, slot, buf)
                 continue
             if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort, ready=ready):
                 raise Abandoned("membership epoch changed during compute")
-            salvage.put(key, slot, buf)
+            if not self.lockstep:
+                salvage.put(key, slot, buf)
             computed += 1
         return computed
 
@@ -226,10 +258,11 @@ class StepRunner:
         per = self.tr.config.train.slot_size
         vec = torch.zeros(self.tr.config.train.slots * per, device=self.comm.device)
         owner = {s: r for r in range(self.size) for s in self.plan.slots_of(r)}
-        for s in bad:
-            if (owner[s] + 1) % self.size == self.rank:
-                flags = self.tr.rerun_flags(t, s)
-                vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
+        with self.tr.params_whole():  # the reruns are on some ranks only
+            for s in bad:
+                if (owner[s] + 1) % self.size == self.rank:
+                    flags = self.tr.rerun_flags(t, s)
+                    vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
         verdict = self._reduce([vec]).cpu()
         found: dict[int, list[bool]] = {}
         for s in bad:
@@ -279,7 +312,11 @@ class StepRunner:
         Without a strict majority (two replicas that differ, three that all differ) no
         replica can be trusted over another: the model's state is not a function of the
         slots (a buffer or parameter changed outside the step's math), and the run stops
-        with a :class:`MathError` naming the tensors."""
+        with a :class:`MathError` naming the tensors.
+
+        Sharded at rest, a rank holds its shard's parameters only (-1 in its CRCs for the
+        others): replicas are compared within each set of ranks that hold the same
+        tensors."""
         crcs = self.tr.fingerprint()
         dev = self.comm.device
         mine = torch.tensor(crcs, dtype=torch.int64, device=dev)
@@ -289,26 +326,40 @@ class StepRunner:
         values = [tuple(int(x) for x in o.cpu()) for o in outs]
         if len(set(values)) == 1:
             return True
-        majority = max(set(values), key=values.count)
-        odd = [m for m, v in zip(self.plan.members, values, strict=True) if v != majority]
         names = self.tr.fingerprint_names()
-        differ = sorted(
-            {
+        odd: list[str] = []
+        differ: set[str] = set()
+        lost = False
+        for ranks in _holding_classes(values):
+            vs = [values[r] for r in ranks]
+            majority = max(set(vs), key=vs.count)
+            odd += [self.plan.members[r] for r in ranks if values[r] != majority]
+            differ |= {
                 names[i]
-                for v in values
+                for v in vs
                 for i, (a, b) in enumerate(zip(v, majority, strict=True))
                 if a != b
             }
-        )
+            lost = lost or 2 * vs.count(majority) <= len(vs)
+        if not odd:
+            return True
         step = self.tr.next_step
         self.seams.events.write(
-            {"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd, "tensors": differ}
+            {"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd, "tensors": sorted(differ)}
         )
-        if 2 * values.count(majority) <= len(values):
+        if lost:
             raise MathError(
                 f"step {step}: replicas {list(self.plan.members)} hold different model state "
-                f"and no majority agrees; tensors that differ: {', '.join(differ[:8])}"
+                f"and no majority agrees; tensors that differ: {', '.join(sorted(differ)[:8])}"
                 f"{' ...' if len(differ) > 8 else ''} (the model changes state outside the "
                 "step's math: see docs/architecture.md, 'Buffers')"
             )
         return self.seams.name not in odd
+
+
+def _holding_classes(values: list[tuple[int, ...]]) -> list[list[int]]:
+    """The ranks grouped by which tensors they hold (-1: not held), in rank order."""
+    classes: dict[tuple[bool, ...], list[int]] = {}
+    for r, v in enumerate(values):
+        classes.setdefault(tuple(x == -1 for x in v), []).append(r)
+    return list(classes.values())

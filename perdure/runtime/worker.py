@@ -362,7 +362,10 @@ class Worker:
             return
         group = comm.subgroup(store, f"shard{group_of(rank, k)}", shard_of(rank, k), k)
         params = optimizer_params(self.trainer.optimizer)
-        self.shards = Shards(params, k=k, rank=rank, group=group, timeout=self._timeout())
+        module = self.trainer.module if self.config.train.shard_params else None
+        self.shards = Shards(
+            params, k=k, rank=rank, group=group, timeout=self._timeout(), module=module
+        )
         self.trainer.shards = self.shards
 
     def _exchange_shards(self, ep: Epoch) -> None:
@@ -372,7 +375,18 @@ class Worker:
         if shards is None:
             return
         t0 = time.monotonic()
-        tr.keep_shard(shards.exchange(ep.comm, tr.held, tr.recipe.state_dict()))
+        tr.keep_shard(*shards.exchange(ep.comm, tr.held, tr.recipe.state_dict()))
+        if tr.gather is not None:
+            self.events.write(
+                {
+                    "event": ev.PARAMS_AT_REST,
+                    "worker": self.name,
+                    "epoch": ep.number,
+                    "shard": shards.mine,
+                    "bytes": tr.gather.held,
+                    "of": sum(tr.gather.nbytes),
+                }
+            )
         if shards.received is not None:
             src, nbytes = shards.received
             self.events.write(
@@ -436,6 +450,7 @@ class Worker:
             self.shards = None
         if self.trainer is not None:
             self.trainer.shards = None
+            self.trainer.gather = None  # the parameters stay at rest: ``held`` says which
         if ep.ckpt is not None:
             try:
                 ep.ckpt.wait()

@@ -6,8 +6,9 @@ every replica, and a single process replaying the run, computes the same bits.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,9 +22,11 @@ from perdure.checkpoint import (
     restore_rng,
     state_digest,
 )
+from perdure.checkpoint.tensors import byte_view, to_cpu_contiguous
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
+from perdure.runtime.param_gather import ParamGather
 from perdure.runtime.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
@@ -58,6 +61,11 @@ class ShardSeam(Protocol):
     """What the trainer needs of its replica group (``runtime/shard_group.py``)."""
 
     mine: int
+
+    @property
+    def shard_params(self) -> bool: ...
+
+    def gatherer(self) -> ParamGather: ...
 
     def drop_foreign_grads(self) -> None: ...
 
@@ -132,7 +140,12 @@ class Trainer:
         parameters' exchange): this replica's own shard moved on, the others did not, so
         it must receive a peer's state before it trains again."""
         self.held = ALL
-        """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all)."""
+        """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all), and
+        with ``train.shard_params`` which shard's parameters are resident."""
+        self.gather: ParamGather | None = None
+        """With ``train.shard_params``, in an epoch: the parameters at rest, gathered while
+        a slot runs (``runtime/param_gather.py``)."""
+        self._whole = False
         self.exponents: list[int] | None = None
         """The exact reduction's carried exponents for the next step, one per bucket
         (``train.reduction_exponents = "carried"``; None until a step has measured them):
@@ -181,8 +194,33 @@ class Trainer:
                 return False
             batch = to_tensors(self.loader.batch(step, slot))
             last = i == len(bufs) - 1
-            self.engine.compute(step, slot, batch, buf, ready=ready if last else None)
+            with self._gathered():
+                self.engine.compute(step, slot, batch, buf, ready=ready if last else None)
         return True
+
+    def _gathered(self) -> contextlib.AbstractContextManager[None]:
+        """Around a slot: the parameters gathered as used (sharded at rest only)."""
+        if self.gather is None or self._whole:
+            return contextlib.nullcontext()
+        return self.gather.active(self.model)
+
+    @contextlib.contextmanager
+    def params_whole(self) -> Iterator[None]:
+        """Every parameter resident inside (sharded at rest: gathered, a collective of the
+        group, then freed again): for what runs on some ranks only, such as re-running a
+        non-finite slot. The whole parameters are held meanwhile."""
+        gather = self.gather
+        if gather is None:
+            yield
+            return
+        try:
+            for i in range(len(gather.params)):
+                gather.gather(i)
+            self._whole = True
+            yield
+        finally:
+            self._whole = False
+            gather.release()
 
     def warm_up(self) -> None:
         """One throwaway slot gradient (step 0, slot 0), for a replica that will receive
@@ -212,11 +250,12 @@ class Trainer:
                 self.model.parameters(), self.config.optim.grad_clip, foreach=False
             )
         lr = self.recipe.set_lr(step)
+        synced = self.shards is not None and self.gather is None
         if self.shards is not None:
             self.shards.drop_foreign_grads()
-            self.torn = True  # until every owner's update is in: see ``torn``
+            self.torn = synced  # until every owner's update is in: see ``torn``
         self.recipe.step()
-        if self.shards is not None:
+        if self.shards is not None and synced:  # sharded at rest: nobody else keeps them
             self.shards.sync_params()
             self.torn = False
         if not self._params_finite():
@@ -237,8 +276,9 @@ class Trainer:
         self._staged = exponents
 
     def _params_finite(self) -> bool:
-        """One sum per parameter and one read of the sums (see ``slots.all_finite``)."""
-        sums = [p.detach().sum() for p in self.model.parameters()]
+        """One sum per parameter and one read of the sums (see ``slots.all_finite``); the
+        resident ones only (sharded at rest, each shard's owners check it)."""
+        sums = [p.detach().sum() for p in self.model.parameters() if resident(p)]
         return not sums or all_finite(torch.stack(sums))
 
     def rerun_flags(self, step: int, slot: int) -> list[bool]:
@@ -285,9 +325,12 @@ class Trainer:
 
     def fingerprint(self) -> list[int]:
         """A CRC per tensor of the model's state (parameters and buffers, in state-dict
-        order: see ``fingerprint_names``), compared across replicas every K steps."""
+        order: see ``fingerprint_names``), compared across replicas every K steps; -1 for a
+        parameter this rank does not hold (sharded at rest)."""
         return [
-            zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+            zlib.crc32(byte_view(to_cpu_contiguous(t)))  # not .numpy(): see ``byte_view``
+            if resident(t)
+            else -1
             for t in self.module.state_dict().values()
         ]
 
@@ -300,18 +343,42 @@ class Trainer:
         same point): the same digest as the unsharded replica's, without its memory.
         ``optimizer``: the optimizer state of a ``checkpoint_state`` just taken (its
         skeleton, when sharded), so that it is not asked of the group twice."""
-        model = self.module.state_dict()
+        model = self._model_state()
         whole = self._optimizer_for_save() if optimizer is None else optimizer
         if self.shards is None:
             return state_digest(model, whole)
         return state_digest(model, whole, fetch=self.shards.fetcher(whole))
 
-    def keep_shard(self, state: dict[str, Any] | None) -> None:
-        """Hold exactly this shard's optimizer state from now on (``Shards.exchange``)."""
+    def keep_shard(
+        self, state: dict[str, Any] | None, params: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Hold exactly this shard's optimizer state from now on (``Shards.exchange``)
+        and, sharded at rest, its parameters only (``params``: those it received)."""
         assert self.shards is not None
         if state is not None:
             self.recipe.load_state_dict(state, source="the replica group's shard")
+        self._copy_in(params or {})
         self.held = self.shards.mine
+        if self.shards.shard_params:
+            self.gather = self.shards.gatherer()
+
+    def _copy_in(self, model: dict[str, torch.Tensor]) -> None:
+        """Copy tensors of the model's state in by name, making each resident first (a
+        parameter at rest has no storage)."""
+        named = self.module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, t in model.items():
+                dst = named[name]
+                _make_resident(dst)
+                dst.copy_(t)
+
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict, a parameter this rank does not hold (sharded at rest)
+        as a ``meta`` tensor of its dtype and shape (``save_holders`` names who has it)."""
+        return {
+            n: t if resident(t) else torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for n, t in self.module.state_dict().items()
+        }
 
     def checkpoint_state(self, topology: dict[str, Any]) -> CheckpointState:
         """The seven fields. Sharded, the optimizer state is this rank's shard plus the
@@ -319,7 +386,7 @@ class Trainer:
         member of the group must call it at the same point."""
         return CheckpointState(
             step=self.next_step,
-            model=self.module.state_dict(),
+            model=self._model_state(),
             optimizer=self._optimizer_for_save(),
             rng=capture_rng(self.config.train.seed),
             data=self.loader.state(self.next_step).to_dict(),
@@ -376,6 +443,9 @@ class Trainer:
             allow_config_change=allow_config_change,
             provenance=self.provenance,
         )
+        self.gather = None
+        for p in self.module.parameters():  # sharded at rest: whole again, for a moment
+            _make_resident(p)
         self.module.load_state_dict(ckpt.model)
         self._load_optimizer(ckpt.optimizer, str(path))
         restore_rng(ckpt.rng)
@@ -388,19 +458,27 @@ class Trainer:
         return notes
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
-        """What a joiner needs: model, optimizer, and the JSON extras."""
+        """What a joiner needs: model, optimizer, and the JSON extras. Sharded at rest,
+        the model's tensors this rank holds (its shard's parameters and the buffers)."""
         extra = {
             "next_step": self.next_step,
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
             "held": self.held,
         }
-        return self.module.state_dict(), self._optimizer_state(), extra
+        model = {n: t for n, t in self.module.state_dict().items() if resident(t)}
+        return model, self._optimizer_state(), extra
 
     def adopt(
         self, model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
     ) -> None:
-        self.module.load_state_dict(model)
+        if model.keys() == self.module.state_dict().keys():
+            self.module.load_state_dict(model)
+        elif self.config.train.shard_params:  # a shard's parameters: see ``export``
+            self._copy_in(model)
+        else:
+            missing = sorted(self.module.state_dict().keys() - model.keys())
+            raise ValueError(f"the received state lacks model tensors {missing[:4]}")
         self._load_optimizer(optim, "the received state")
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
@@ -411,6 +489,17 @@ class Trainer:
 
     def close(self) -> None:
         self.loader.close()
+
+
+def resident(t: torch.Tensor) -> bool:
+    """Whether a tensor has its bytes (a parameter at rest has a storage of zero bytes)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
+
+def _make_resident(p: torch.Tensor) -> None:
+    need = int((p.storage_offset() + p.numel()) * p.element_size())
+    if p.untyped_storage().nbytes() < need:
+        p.untyped_storage().resize_(need)
 
 
 def _row(batch: Any, i: int) -> Any:

@@ -1,0 +1,146 @@
+"""Runs with the parameters sharded at rest (``train.shard_params``): each rank keeps about
+1/k of the parameters between slots and gathers the others while a slot runs, and the
+final hash is still the unsharded run's, for every k and group count, through a kill of a
+group's rank, a non-finite slot, and across a resume with another k."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perdure import events as ev
+from perdure.checkpoint.reference_reader import Checkpoint
+from perdure.events import read_jsonl
+from perdure.run_config import RunConfig
+from tests.runtime_support import events, run_to_end, small_config, summary
+
+STEPS = 20
+
+
+def _cfg(dataset: Path, workers: int, k: int, at_rest: bool = True, **kw: Any) -> RunConfig:
+    train = {"reduction": "exact", "shard_degree": k, "shard_params": at_rest and k > 1}
+    return small_config(dataset, workers=workers, steps=STEPS, train=train, **kw)
+
+
+@pytest.fixture(scope="module")
+def unsharded_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("unsharded") / "run"
+    run_to_end(_cfg(small_dataset, 2, 1), run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def unsharded(unsharded_run: Path) -> str:
+    return str(summary(unsharded_run)["final_hash"])
+
+
+def _at_rest(run_dir: Path) -> list[dict[str, Any]]:
+    return events(run_dir, ev.PARAMS_AT_REST)
+
+
+@pytest.mark.parametrize("workers,k", [(2, 2), (4, 2), (3, 3)])
+def test_parameters_sharded_at_rest_do_not_change_the_final_hash(
+    unsharded: str, small_dataset: Path, tmp_path: Path, workers: int, k: int
+) -> None:
+    run_dir = tmp_path / "run"
+    s = run_to_end(_cfg(small_dataset, workers, k), run_dir)
+    assert s["final_hash"] == unsharded
+    assert s["replica_hashes_agree"]
+    rest = _at_rest(run_dir)
+    members = events(run_dir, ev.EPOCH_STARTED)[0]["plan"]["members"]
+    assert sorted(e["worker"] for e in rest) == sorted(members)
+    for e in rest:  # a rank keeps its shard: about 1/k of the parameters' bytes
+        assert 0 < e["bytes"] < 1.6 * e["of"] / k, e
+
+
+def test_a_killed_rank_of_a_group_sharded_at_rest_is_absorbed_and_changes_no_bit(
+    unsharded: str, small_dataset: Path, tmp_path: Path
+) -> None:
+    """r0-0 killed: its parameters existed only on it and on the other group's rank 0;
+    the survivors that move to another shard receive that shard's parameters with its
+    optimizer state, and the run ends with the unsharded bits."""
+    kill = [{"kind": "kill", "target": "r0-0", "at_step": STEPS // 3}]
+    run_dir = tmp_path / "run"
+    s = run_to_end(_cfg(small_dataset, 4, 2, chaos={"faults": kill}), run_dir)
+    assert s["final_hash"] == unsharded
+    assert sorted(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")) == list(range(STEPS))
+    assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
+    sizes = [len(e["plan"]["members"]) for e in events(run_dir, ev.EPOCH_STARTED)]
+    assert sizes[:2] == [4, 2]
+    for got in events(run_dir, ev.SHARD_RECEIVED):
+        assert got["bytes"] > 0
+    later = [e for e in _at_rest(run_dir) if e["epoch"] > 0]
+    assert later and all(e["bytes"] < e["of"] for e in later)
+
+
+@pytest.fixture(scope="module")
+def at_rest_half(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The step-10 checkpoint of a k = 2 run in two groups, parameters at rest."""
+    first = tmp_path_factory.mktemp("at_rest") / "run"
+    run_to_end(_cfg(small_dataset, 4, 2), first)
+    assert not events(first, ev.CHECKPOINT_FAILED)
+    return first / "checkpoints" / f"step-{STEPS // 2:09d}"
+
+
+def test_each_parameter_of_a_checkpoint_is_written_by_its_shards_ranks_and_reads_whole(
+    at_rest_half: Path, unsharded_run: Path
+) -> None:
+    """Every parameter is in the files of one shard's ranks, both shards occur, and the
+    reference reader gives each model tensor with the unsharded checkpoint's bytes."""
+    ckpt = Checkpoint(at_rest_half)
+    manifest = ckpt.manifest
+    writers = {name: int(name.split("-")[1]) for name in manifest["files"] if "tensors" in name}
+    parities: set[int] = set()
+    for key, rec in manifest["tensors"].items():
+        if key.startswith("model/") and key.endswith("weight"):
+            parity = {writers[c["file"]] % 2 for c in rec["chunks"]}
+            assert len(parity) == 1, (key, parity)
+            parities |= parity
+    assert parities == {0, 1}
+    whole = Checkpoint(unsharded_run / "checkpoints" / at_rest_half.name)
+    names = [n for n in ckpt.tensor_names() if n.startswith("model/")]
+    assert names == [n for n in whole.tensor_names() if n.startswith("model/")]
+    for n in names:
+        assert ckpt.tensor(n).tobytes() == whole.tensor(n).tobytes(), n
+
+
+@pytest.mark.parametrize("workers,k,at_rest", [(2, 1, False), (4, 4, True), (2, 2, False)])
+def test_a_checkpoint_sharded_at_rest_resumes_with_another_layout_on_the_same_trajectory(
+    unsharded: str,
+    at_rest_half: Path,
+    small_dataset: Path,
+    tmp_path: Path,
+    workers: int,
+    k: int,
+    at_rest: bool,
+) -> None:
+    cfg = _cfg(small_dataset, workers, k, at_rest)
+    s = run_to_end(cfg, tmp_path / "resumed", resume=str(at_rest_half))
+    assert s["final_hash"] == unsharded
+
+
+def test_a_poisoned_shard_is_quarantined_with_the_unsharded_runs_decisions(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """The non-finite slots are re-run on other ranks than their own (the reruns hold
+    the whole parameters for a moment); the quarantine and the bits are the unsharded
+    run's."""
+    poison = {"chaos": {"faults": [{"kind": "poison_shard", "target": "3", "at_step": 5}]}}
+    ref = run_to_end(_cfg(small_dataset, 2, 1, **poison), tmp_path / "ref")
+    s = run_to_end(_cfg(small_dataset, 4, 2, **poison), tmp_path / "run")
+    decisions = [
+        [{k: v for k, v in d.items() if k != "t"} for d in r["decisions"]] for r in (ref, s)
+    ]
+    assert decisions[0] and decisions[1] == decisions[0]
+    assert s["final_hash"] == ref["final_hash"]
+
+
+def test_shard_params_without_a_replica_group_is_refused_naming_the_field() -> None:
+    from perdure.config.errors import ConfigError
+    from perdure.runtime.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"shard_params.*shard_degree > 1"):
+        TrainConfig(shard_params=True)
+    assert TrainConfig(shard_params=True, shard_degree=2).shard_params
