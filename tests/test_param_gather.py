@@ -40,7 +40,7 @@ def _slot_grads(task: Any, slot: int, gather: ParamGather | None) -> list[bytes]
     return [p.grad.numpy().tobytes() for p in model.parameters()]
 
 
-def _rank(name: str, rank: int, world: int, port: int, q: Any) -> None:
+def _rank(name: str, unit_bytes: int | None, rank: int, world: int, port: int, q: Any) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -50,27 +50,39 @@ def _rank(name: str, rank: int, world: int, port: int, q: Any) -> None:
     task = _task(name)
     params = list(task.model.parameters())
     owner = owners([p.numel() for p in params], world)
-    gather = ParamGather(params, owner, rank, lambda t, src: dist.broadcast(t, src))
+    gather = ParamGather(
+        params, owner, rank, lambda t, src: dist.broadcast(t, src), unit_bytes=unit_bytes
+    )
     at_rest = gather.held
     grads = [_slot_grads(task, s, gather) for s in range(SLOTS)]
     foreign_freed = all(
         p.untyped_storage().nbytes() == 0 for i, p in enumerate(params) if owner[i] != rank
     )
-    q.put((rank, grads, at_rest, gather.peak_bytes, gather.held, foreign_freed))
+    per_slot = gather.gathers / SLOTS
+    q.put((rank, grads, at_rest, gather.peak_bytes, gather.held, foreign_freed, per_slot))
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize(("name", "k"), [("tiny_lm", 2), ("tiny_lm", 3), ("hf_lm", 2)])
-def test_gathered_gradients_equal_the_whole_replica_bit_for_bit(name: str, k: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "k", "unit_bytes"),
+    [("tiny_lm", 2, None), ("tiny_lm", 3, None), ("hf_lm", 2, None), ("tiny_lm", 2, 1 << 30)],
+)
+def test_gathered_gradients_equal_the_whole_replica_bit_for_bit(
+    name: str, k: int, unit_bytes: int | None
+) -> None:
+    """The default units (a quarter of a shard's share), and the whole model as one unit
+    (every gather a bulk one: the forward's two broadcasts, the backward's by unit)."""
     torch.set_num_threads(1)
     task = _task(name)
     want = [_slot_grads(task, s, None) for s in range(SLOTS)]
     total = sum(p.numel() * p.element_size() for p in task.model.parameters())
-    out = sorted(run_ranks(functools.partial(_rank, name), k, k), key=lambda r: r[0])
-    for rank, grads, at_rest, peak, held, freed in out:
+    out = sorted(run_ranks(functools.partial(_rank, name, unit_bytes), k, k), key=lambda r: r[0])
+    n = len(list(task.model.parameters()))
+    for rank, grads, at_rest, peak, held, freed, per_slot in out:
         assert grads == want, f"rank {rank} of {k}"
+        assert unit_bytes is None or per_slot < n / 2, (per_slot, n)  # one unit: few
         assert at_rest == held < total / k * 1.6, (rank, at_rest, total)
-        assert peak < total, (rank, peak, total)
+        assert peak < (total if unit_bytes is None else 2 * total), (rank, peak, total)
         assert freed
 
 
@@ -121,3 +133,44 @@ def test_a_parameter_hashed_or_written_stays_resizable() -> None:
     byte_view(q.detach())
     q.untyped_storage().resize_(0)
     assert q.untyped_storage().nbytes() == 0 and q.shape == (6,)
+
+
+def _mlp() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def test_a_unit_is_gathered_with_one_broadcast_per_owner() -> None:
+    """Owners alternate (weights 0, biases 1): the whole MLP is one unit under a large
+    budget, so its forward gathers it in two broadcasts, not four; each parameter's
+    backward needs it again, and its unit's pending ones come with it."""
+    model = _mlp()
+    want = [p.detach().clone() for p in model.parameters()]
+    sent: list[tuple[int, int]] = []
+
+    def broadcast(t: torch.Tensor, src: int) -> None:  # owner 1's bytes, as a peer sends
+        sent.append((src, t.numel()))
+        if src == 1:
+            t.copy_(
+                torch.cat([want[1].view(-1).view(torch.uint8), want[3].view(-1).view(torch.uint8)])
+            )
+
+    gather = ParamGather(list(model.parameters()), [0, 1, 0, 1], 0, broadcast, unit_bytes=1 << 20)
+    with gather.active(model):
+        model(torch.ones(3, 4)).sum().backward()
+    assert sent[:2] == [(0, (32 + 16) * 4), (1, (8 + 2) * 4)]
+    assert gather.gathers == len(sent) < 2 * 4
+    assert model[0].bias.untyped_storage().nbytes() == 0  # at rest again
+
+
+def test_units_are_the_largest_modules_within_the_budget() -> None:
+    model = _mlp()
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+    nbytes = [p.numel() * 4 for p in params]
+    from perdure.runtime.param_gather import units
+
+    assert [idx for _, idx in units(model, index, nbytes, 1 << 20)] == [[0, 1, 2, 3]]
+    cut = units(model, index, nbytes, 200)  # the first Linear is 160 bytes, the second 72
+    assert [(m, idx) for m, idx in cut] == [(model[0], [0, 1]), (model[2], [2, 3])]
+    assert [idx for _, idx in units(model, index, nbytes, 0)] == [[0, 1], [2, 3]]  # own ones

@@ -40,7 +40,7 @@ def _at_rest(run_dir: Path) -> list[dict[str, Any]]:
     return events(run_dir, ev.PARAMS_AT_REST)
 
 
-@pytest.mark.parametrize("workers,k", [(2, 2), (4, 2), (3, 3)])
+@pytest.mark.parametrize("workers,k", [(2, 2), (4, 2), (6, 2), (3, 3)])
 def test_parameters_sharded_at_rest_do_not_change_the_final_hash(
     unsharded: str, small_dataset: Path, tmp_path: Path, workers: int, k: int
 ) -> None:

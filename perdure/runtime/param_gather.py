@@ -9,16 +9,21 @@ the slot engine keep the same tensors, and no module is rewritten.
 
 While a slot runs (``active``):
 
-- **forward**: a ``TorchFunctionMode`` sees every torch function's arguments; the first
-  use of a parameter that is not resident gathers it (its owner broadcasts it to the
-  group), and each module's forward hook frees the parameters of its subtree once its
-  forward is done (a module whose parameters its parent passes to a functional call, as
-  ``MultiheadAttention`` does with ``out_proj``, is covered by the parent's hook; a tied
-  parameter used again elsewhere is simply gathered again);
+- **forward**: the model is cut into *units* (``units``: the largest modules of at most
+  ``unit_bytes`` of parameters, as FSDP wraps blocks); a unit's forward pre-hook gathers
+  its parameters that are not resident, one broadcast per owner (the owner's parameters
+  of the unit laid end to end). A ``TorchFunctionMode`` sees every torch function's
+  arguments and gathers, alone, a parameter used outside its unit's forward (a head tied
+  to the embedding through ``.T``). Each module's forward hook frees the parameters of
+  its subtree once its forward is done (a module whose parameters its parent passes to a
+  functional call, as ``MultiheadAttention`` does with ``out_proj``, is covered by the
+  parent's hook; a tied parameter used again elsewhere is simply gathered again);
 - **backward**: ``saved_tensors_hooks`` save a parameter (or a view of one) as a marker
-  instead of the tensor, so the freed storage is not kept alive by the graph; unpacking
-  the marker gathers it again, and the parameter's post-accumulate hook frees it once its
-  gradient is final (autograd sums every use of a leaf before that).
+  instead of the tensor, so the freed storage is not kept alive by the graph; unpacking a
+  marker of a parameter at rest gathers it with every parameter of its unit that the
+  graph still holds markers of (one broadcast per owner again), and the parameter's
+  post-accumulate hook frees it once its gradient is final (autograd sums every use of a
+  leaf before that).
 
 Gathering is a collective of the group, so every rank of a group must make the same
 gathers in the same order. Every rank runs the same state machine for every parameter
@@ -34,8 +39,8 @@ once a member holds its shard at an epoch's start; ``Trainer.compute_slots`` run
 slot inside ``active``; the step runner keeps every rank of a group at the same number of
 slots).
 
-Limits (this step): one gather per parameter (a collective each; grouping a module's
-parameters into one broadcast per owner would cut the count); a model whose set of used
+Limits (this step): the gathers are not prefetched (the next unit's broadcasts could run
+while one computes, as FSDP2's do); a model whose set of used
 parameters depends on the data (a router that skips experts) breaks the lockstep; double
 backward (``create_graph``) is not supported, since unpacked parameters are detached.
 """
@@ -64,6 +69,8 @@ class ParamGather:
         owner: Sequence[int],
         mine: int,
         broadcast: Broadcast,
+        *,
+        unit_bytes: int | None = None,
     ) -> None:
         assert len(params) == len(owner), (len(params), len(owner))
         self.params = list(params)
@@ -79,8 +86,15 @@ class ParamGather:
         """The group-wide state machine: whether parameter i is resident on every rank
         (the owner's own copy is always there; this says whether it was sent)."""
         self.held = sum(self.nbytes)
+        self.unit_bytes = unit_bytes if unit_bytes is not None else self.held // (4 * k_of(owner))
+        """The most parameter bytes a unit gathers at once (default: a quarter of one
+        shard's share; 0: each module's own parameters)."""
         self.busy = False
         self.gathers = 0
+        """Broadcasts made (a unit's owner counts once)."""
+        self.pending = [0] * len(self.params)
+        """Markers of each parameter the autograd graph holds and has not unpacked."""
+        self.unit_of: list[list[int]] = [[i] for i in range(len(self.params))]
         self.release()
         self.peak_bytes = self.held
         """The most parameter bytes this rank has held at once."""
@@ -99,23 +113,54 @@ class ParamGather:
 
     def gather(self, i: int) -> None:
         """Make parameter i resident on every rank of the group (a collective)."""
-        if self.live[i]:
-            return
-        p = self.params[i]
+        self.gather_many([i])
+
+    def gather_many(self, indices: Sequence[int]) -> None:
+        """Make parameters resident on every rank of the group: one broadcast per owner
+        of those at rest (in the order of the owners; the same on every rank, since
+        ``live`` is)."""
+        todo = list(dict.fromkeys(i for i in indices if not self.live[i]))
+        for j in sorted({self.owner[i] for i in todo}):
+            self._broadcast_from(j, [i for i in todo if self.owner[i] == j])
+
+    def _broadcast_from(self, j: int, idx: list[int]) -> None:
+        ps = [self.params[i] for i in idx]
+        sizes = [self.nbytes[i] for i in idx]
         with self._own_calls():
-            if self.foreign(i):
-                p.untyped_storage().resize_(self.nbytes[i])
+            if j != self.mine:
+                for p, n in zip(ps, sizes, strict=True):
+                    p.untyped_storage().resize_(n)
             try:
-                self.broadcast(_bytes(p), self.owner[i])
+                flat = self._send_or_receive(j, ps, sum(sizes))
             except BaseException:  # a failed collective: nothing half-received stays
-                if self.foreign(i):
-                    p.untyped_storage().resize_(0)
+                if j != self.mine:
+                    for p in ps:
+                        p.untyped_storage().resize_(0)
                 raise
-        if self.foreign(i):
-            self.held += self.nbytes[i]
-        self.live[i] = True
+        for i in idx:
+            self.live[i] = True
+        if j != self.mine:
+            self.held += sum(sizes)
         self.gathers += 1
-        self.peak_bytes = max(self.peak_bytes, self.held)
+        self.peak_bytes = max(self.peak_bytes, self.held + flat)
+
+    def _send_or_receive(self, j: int, ps: list[nn.Parameter], n: int) -> int:
+        """One broadcast of ``ps`` from their owner ``j``, in place when there is one
+        (no copy); returns the bytes of the temporary it needed (0 when none)."""
+        if len(ps) == 1:
+            self.broadcast(_bytes(ps[0]), j)
+            return 0
+        if j == self.mine:
+            self.broadcast(torch.cat([_bytes(p) for p in ps]), j)
+            return n
+        flat = torch.empty(n, dtype=torch.uint8, device=ps[0].device)
+        self.broadcast(flat, j)
+        offset = 0
+        for p in ps:
+            m = p.numel() * p.element_size()
+            _bytes(p).copy_(flat[offset : offset + m])
+            offset += m
+        return n
 
     def free(self, i: int) -> None:
         """Drop parameter i (its storage, where this rank does not own it)."""
@@ -145,14 +190,28 @@ class ParamGather:
     def active(self, model: nn.Module) -> Iterator[None]:
         """Run a slot's forward and backward inside: parameters are gathered when used and
         freed after. On exit every foreign parameter is freed again."""
-        handles = self._module_hooks(model) + self._grad_hooks()
+        handles = self._unit_hooks(model) + self._module_hooks(model) + self._grad_hooks()
         try:
             with _Touch(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
             for h in handles:
                 h.remove()
+            self.pending = [0] * len(self.params)
             self.release()
+
+    def _unit_hooks(self, model: nn.Module) -> list[Any]:
+        cut = units(model, self.index, self.nbytes, self.unit_bytes)
+        for _, idx in reversed(cut):  # a parameter's unit: the first that holds it
+            for i in idx:
+                self.unit_of[i] = idx
+        return [m.register_forward_pre_hook(self._gatherer(idx)) for m, idx in cut]
+
+    def _gatherer(self, indices: list[int]) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            self.gather_many(indices)
+
+        return hook
 
     def _module_hooks(self, model: nn.Module) -> list[Any]:
         handles = []
@@ -184,13 +243,17 @@ class ParamGather:
         i = self.index.get(id(base))
         if i is None:
             return t
+        self.pending[i] += 1
         return _Saved(i, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Saved):
             return x
-        self.gather(x.param)
-        return self.params[x.param].detach().as_strided(x.shape, x.stride, x.offset)
+        i = x.param
+        if not self.live[i]:  # with the rest of its unit that the backward still needs
+            self.gather_many([i, *(u for u in self.unit_of[i] if self.pending[u] > 0)])
+        self.pending[i] = max(0, self.pending[i] - 1)
+        return self.params[i].detach().as_strided(x.shape, x.stride, x.offset)
 
     def touch(self, args: Any, kwargs: Any) -> None:
         if self.busy:  # see ``_own_calls``
@@ -199,6 +262,45 @@ class ParamGather:
             i = self.index.get(id(a))
             if i is not None:
                 self.gather(i)
+
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+"""Modules that are never called: a unit is one of their children, never them."""
+
+
+def units(
+    model: nn.Module, index: dict[int, int], nbytes: Sequence[int], budget: int
+) -> list[tuple[nn.Module, list[int]]]:
+    """The model cut into gather units: each module whose parameters (of ``index``, by
+    ``id``) total at most ``budget`` bytes, largest first from the root; a module over
+    the budget is a unit of its own parameters (not its children's), and its children are
+    cut in turn. A pure function of the model's structure, the same on every rank."""
+    out: list[tuple[nn.Module, list[int]]] = []
+
+    def indices(m: nn.Module, recurse: bool) -> list[int]:
+        found = (index.get(id(p)) for p in m.parameters(recurse=recurse))
+        return list(dict.fromkeys(i for i in found if i is not None))
+
+    def visit(m: nn.Module) -> None:
+        idx = indices(m, True)
+        if not idx:
+            return
+        if sum(nbytes[i] for i in idx) <= budget and not isinstance(m, _CONTAINERS):
+            out.append((m, idx))
+            return
+        own = indices(m, False)
+        if own and not isinstance(m, _CONTAINERS):
+            out.append((m, own))
+        for child in m.children():
+            visit(child)
+
+    visit(model)
+    return out
+
+
+def k_of(owner: Sequence[int]) -> int:
+    """The shard count an ownership list implies (at least 1)."""
+    return max(owner, default=0) + 1
 
 
 class _Saved(NamedTuple):
