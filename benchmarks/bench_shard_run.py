@@ -13,8 +13,10 @@ one intra-op thread each, the exact reduction) of the tiny_lm task on the stdlib
 - ``k2_at_rest`` / ``k4_at_rest``: ``train.shard_params = true`` too.
 
 Reported: the final hash (equal to ``k1``'s or not), the median step time (steps >= 2)
-as a ratio of ``k1``'s, and the parameter bytes a rank keeps between slots (the largest
-``params_at_rest`` event) as a share of the whole replica's. The 4 workers share 2 cores,
+as a ratio of ``k1``'s, the parameter bytes a rank keeps between slots (the largest
+``params_at_rest`` event) and the most it held at once (``params_peak``: resident
+parameters plus a gather's temporary) as shares of the whole replica's, and a rank's
+broadcasts per step. The 4 workers share 2 cores,
 so the step-time ratios show the gathers' cost under oversubscription, not on 4 hosts.
 
 Results: ``benchmarks/results/shard_run.json``.
@@ -59,12 +61,16 @@ def point(name: str, steps: int, dataset: str) -> dict:
         r = perdure_run(cfg(VARIANTS[name], dataset), steps, Path(d) / "run", timeout_s=900)
     ms = [m["step_s"] for m in r["metrics"] if m["step"] >= 2]
     rest = [e for e in r["events"] if e.get("event") == "params_at_rest"]
+    peak = [e for e in r["events"] if e.get("event") == "params_peak"]
+    steps_run = max(1, len({m["step"] for m in r["metrics"]}))
     out = {
         "variant": name,
         "rc": r["rc"],
         "final_hash": r["summary"].get("final_hash"),
         "step_s": statistics.median(ms) if ms else None,
         "params_at_rest": max(e["bytes"] / e["of"] for e in rest) if rest else 1.0,
+        "params_peak": max(e["peak_bytes"] / e["of"] for e in peak) if peak else 1.0,
+        "broadcasts_per_step": max(e["gathers"] for e in peak) / steps_run if peak else 0,
     }
     if r["rc"]:
         out["error"] = r["stderr_tail"][-800:]

@@ -96,6 +96,10 @@ are sharded at rest (``train.shard_params``)."""
 PARAMS_AT_REST: Final = "params_at_rest"
 """Parameters sharded at rest (``train.shard_params``): what a member keeps resident
 between slots in this epoch (``bytes``) and the whole replica's (``of``)."""
+PARAMS_PEAK: Final = "params_peak"
+"""Parameters sharded at rest, at an epoch's end: the most parameter bytes a member held
+at once in it (``peak_bytes``: resident parameters plus a gather's temporary), the whole
+replica's (``of``) and the broadcasts it took part in (``gathers``)."""
 STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
 SLOTS_SALVAGED: Final = "slots_salvaged"
@@ -174,6 +178,7 @@ NAMES: frozenset[str] = frozenset(
         STATE_RECEIVED,
         SHARD_RECEIVED,
         PARAMS_AT_REST,
+        PARAMS_PEAK,
         STEP_ABANDONED,
         SLOTS_SALVAGED,
         EXPONENTS_REFIT,

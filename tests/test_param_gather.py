@@ -174,3 +174,19 @@ def test_units_are_the_largest_modules_within_the_budget() -> None:
     cut = units(model, index, nbytes, 200)  # the first Linear is 160 bytes, the second 72
     assert [(m, idx) for m, idx in cut] == [(model[0], [0, 1]), (model[2], [2, 3])]
     assert [idx for _, idx in units(model, index, nbytes, 0)] == [[0, 1], [2, 3]]  # own ones
+
+
+def test_reading_a_parameters_metadata_or_grad_does_not_gather_it() -> None:
+    """The slot engine clears and reads ``.grad`` inside the slot (the ``grad`` getter and
+    setter are torch functions too): that gathered the whole model at every slot's start
+    until metadata reads were told apart."""
+    model = torch.nn.Linear(4, 3)
+    sent: list[int] = []
+    gather = ParamGather(list(model.parameters()), [1, 1], 0, lambda t, src: sent.append(src))
+    with gather.active(model):
+        for p in model.parameters():
+            p.grad = None
+            assert p.grad is None and p.numel() > 0 and p.shape and p.requires_grad
+        assert sent == []
+        model.weight.sum()  # a read of the bytes does
+        assert sent == [1]

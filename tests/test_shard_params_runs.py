@@ -53,6 +53,10 @@ def test_parameters_sharded_at_rest_do_not_change_the_final_hash(
     assert sorted(e["worker"] for e in rest) == sorted(members)
     for e in rest:  # a rank keeps its shard: about 1/k of the parameters' bytes
         assert 0 < e["bytes"] < 1.6 * e["of"] / k, e
+    peaks = events(run_dir, ev.PARAMS_PEAK)
+    assert sorted(e["worker"] for e in peaks) == sorted(members)
+    for e in peaks:  # and never the whole replica's at once, gathers in flight included
+        assert e["peak_bytes"] < e["of"] and e["gathers"] > 0, e
 
 
 def test_a_killed_rank_of_a_group_sharded_at_rest_is_absorbed_and_changes_no_bit(

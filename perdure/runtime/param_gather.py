@@ -255,8 +255,8 @@ class ParamGather:
         self.pending[i] = max(0, self.pending[i] - 1)
         return self.params[i].detach().as_strided(x.shape, x.stride, x.offset)
 
-    def touch(self, args: Any, kwargs: Any) -> None:
-        if self.busy:  # see ``_own_calls``
+    def touch(self, func: Any, args: Any, kwargs: Any) -> None:
+        if self.busy or func in _METADATA:  # see ``_own_calls``, ``_METADATA``
             return
         for a in _tensors(args, kwargs):
             i = self.index.get(id(a))
@@ -312,6 +312,27 @@ class _Saved(NamedTuple):
     offset: int
 
 
+def _metadata() -> frozenset[Any]:
+    """The torch functions that read a tensor's metadata, never its bytes: a parameter at
+    rest passed to one is not gathered. Without this, the slot engine's ``p.grad = None``
+    before each slot (the ``grad`` setter is a torch function too) gathered every
+    parameter at the slot's start, and the whole model was resident at once."""
+    t = torch.Tensor
+    props = ["grad", "shape", "dtype", "device", "requires_grad", "ndim", "is_leaf", "layout"]
+    props += ["grad_fn", "is_cuda", "is_meta", "_base", "is_sparse", "is_quantized"]
+    methods = ["numel", "nelement", "size", "dim", "stride", "storage_offset", "element_size"]
+    methods += ["is_contiguous", "is_floating_point", "is_complex", "get_device", "untyped_storage"]
+    methods += ["register_hook", "register_post_accumulate_grad_hook", "requires_grad_"]
+    out: set[Any] = set()
+    for name in props:
+        d = getattr(t, name)
+        out |= {d.__get__} | ({d.__set__} if hasattr(d, "__set__") else set())
+    return frozenset(out | {getattr(t, name) for name in methods})
+
+
+_METADATA = _metadata()
+
+
 class _Touch(TorchFunctionMode):
     """Gathers a parameter the first time a torch function receives it."""
 
@@ -321,7 +342,7 @@ class _Touch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
-        self.owner.touch(args, kwargs)
+        self.owner.touch(func, args, kwargs)
         return func(*args, **kwargs)
 
 

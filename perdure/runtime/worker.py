@@ -449,6 +449,7 @@ class Worker:
             self.shards.group.close()
             self.shards = None
         if self.trainer is not None:
+            self._log_gathers(ep)
             self.trainer.shards = None
             self.trainer.gather = None  # the parameters stay at rest: ``held`` says which
         if ep.ckpt is not None:
@@ -460,6 +461,21 @@ class Worker:
                     {"event": ev.CHECKPOINT_ABANDONED, "worker": self.name, "error": str(e)[:200]}
                 )
             ep.ckpt.close()
+
+    def _log_gathers(self, ep: Epoch) -> None:
+        gather = self.trainer.gather if self.trainer is not None else None
+        if gather is None:
+            return
+        self.events.write(
+            {
+                "event": ev.PARAMS_PEAK,
+                "worker": self.name,
+                "epoch": ep.number,
+                "peak_bytes": gather.peak_bytes,
+                "of": sum(gather.nbytes),
+                "gathers": gather.gathers,
+            }
+        )
 
     def _steps(self, ep: Epoch) -> None:
         assert self.trainer is not None
