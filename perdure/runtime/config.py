@@ -118,11 +118,12 @@ class TrainConfig:
     shard_params: bool = False
     """With ``shard_degree`` > 1: the parameters are sharded at rest too, not only the
     optimizer state (``runtime/param_gather.py``). A rank keeps the parameters its shard
-    owns; the others are gathered from their owners while a slot runs, one at a time, and
-    freed after use, so a rank holds about 1/k of the parameters and of the optimizer state
-    (plus the largest gathered ones in flight). Not part of the math: a gathered parameter
-    is its owner's bytes. Costs a broadcast per parameter use per slot (see
-    docs/performance.md), and every rank of a group computes as many slots as the busiest
+    owns; the others are gathered from their owners while a slot runs, a unit (the largest
+    modules within a quarter of a shard's share, as FSDP wraps blocks) at a time, and freed
+    after use, so a rank holds about 1/k of the parameters and of the optimizer state (plus
+    the unit in flight). Not part of the math: a gathered parameter is its owner's bytes.
+    Costs a broadcast per unit and owner in the forward and again in the backward, per
+    slot (see docs/performance.md), and every rank of a group computes as many slots as the busiest
     one (a rank with fewer computes throwaway ones: the gathers are collectives of the
     group). Limits: the whole gradient sum is still held by every rank; loading a
     checkpoint or re-running a non-finite slot holds the whole parameters for a moment; a
