@@ -52,3 +52,15 @@ def test_a_state_cut_by_shard_merges_back_to_the_same_dict() -> None:
     assert parts[1]["param_groups"] == state["param_groups"]
     assert parts[1]["scheduler"] == state["scheduler"]
     assert merge(parts[::-1]) == state
+
+
+def test_unit_owners_keep_each_unit_on_one_shard_balanced_by_size() -> None:
+    """Units [0, 1] (410 values), [2, 3] (430), [4] (5) and the tied parameter 1 again in
+    a later unit (it stays with its first); parameter 5 is in no unit (a unit alone)."""
+    from perdure.runtime.shard_plan import unit_owners
+
+    sizes = [10, 400, 30, 400, 5, 200]
+    got = unit_owners([[0, 1], [2, 3], [4, 1]], sizes, 2)
+    assert got[0] == got[1] and got[2] == got[3]
+    assert got == [1, 1, 0, 0, 0, 1]  # 430 -> 0, 410 -> 1, 200 -> 1, 5 -> 0
+    assert unit_owners([[0, 1], [2, 3], [4, 1]], sizes, 1) == [0] * 6

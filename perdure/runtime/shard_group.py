@@ -41,8 +41,8 @@ from perdure.runtime.comm.transfer import (
     unpack,
     unpack_skeleton,
 )
-from perdure.runtime.param_gather import ParamGather
-from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources
+from perdure.runtime.param_gather import ParamGather, units
+from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources, unit_owners
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -65,7 +65,9 @@ class Shards:
     ) -> None:
         self.params = list(params)
         self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
-        self.owner = owners([p.numel() for p in self.params], k)
+        self.unit_bytes: int | None = None
+        """Sharded at rest: the gather units' budget (``param_gather.units``)."""
+        self.owner = self._owners(module)
         self.mine = shard_of(rank, k)
         self.received: tuple[int, int] | None = None
         """After ``exchange``: (the rank it received its shard from, the bytes), if any."""
@@ -73,6 +75,18 @@ class Shards:
         """With the parameters sharded at rest (a ``module`` given): the shard of each of
         its state dict's parameters, by checkpoint name (``model/<name>``; a tied
         parameter under each of its names)."""
+
+    def _owners(self, module: nn.Module | None) -> list[int]:
+        """Whole parameters balanced by size; sharded at rest, whole gather units (one
+        broadcast each: ``shard_plan.unit_owners``)."""
+        sizes = [p.numel() for p in self.params]
+        if module is None:
+            return owners(sizes, self.k)
+        nbytes = [p.numel() * p.element_size() for p in self.params]
+        self.unit_bytes = sum(nbytes) // (4 * self.k)
+        index = {id(p): i for i, p in enumerate(self.params)}
+        cut = units(module, index, nbytes, self.unit_bytes)
+        return unit_owners([idx for _, idx in cut], sizes, self.k)
 
     @property
     def shard_params(self) -> bool:
@@ -93,7 +107,13 @@ class Shards:
 
     def gatherer(self) -> ParamGather:
         """The parameters at rest from now on: this shard's kept, the others freed."""
-        return ParamGather(self.params, self.owner, self.mine, self._broadcast)  # type: ignore[arg-type]
+        return ParamGather(
+            self.params,  # type: ignore[arg-type]
+            self.owner,
+            self.mine,
+            self._broadcast,
+            unit_bytes=self.unit_bytes,
+        )
 
     def _broadcast(self, flat: torch.Tensor, src: int) -> None:
         dev, pg, t = self.group.device, self.group.pg, self.timeout

@@ -37,6 +37,25 @@ def owners(sizes: Sequence[int], k: int) -> list[int]:
     return out
 
 
+def unit_owners(units: Sequence[Sequence[int]], sizes: Sequence[int], k: int) -> list[int]:
+    """``owners`` for parameters sharded at rest: each unit (a list of parameter indices;
+    ``param_gather.units``) owned whole by one shard, so that gathering it is one
+    broadcast, balanced by the units' sizes the same way. A parameter in several units (a
+    tied one) belongs to the first; one in none is a unit of its own."""
+    first: dict[int, int] = {}
+    for u, idx in enumerate(units):
+        for i in idx:
+            first.setdefault(i, u)
+    groups = [[i for i in idx if first[i] == u] for u, idx in enumerate(units)]
+    groups = [g for g in groups if g] + [[i] for i in range(len(sizes)) if i not in first]
+    by_group = owners([sum(sizes[i] for i in g) for g in groups], k)
+    out = [0] * len(sizes)
+    for g, j in zip(groups, by_group, strict=True):
+        for i in g:
+            out[i] = j
+    return out
+
+
 def shard_of(rank: int, k: int) -> int:
     """The shard a member owns: its position inside its group (groups are consecutive
     ranks of the plan: ``rank // k``)."""
