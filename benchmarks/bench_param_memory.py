@@ -6,8 +6,9 @@ peak parameter + optimizer bytes per rank, and slot time, against the whole repl
 
 Model: the tiny_lm of ``bench_recovery`` (d_model 128, 10 layers, ~2M parameters;
 ``--d-model``/``--layers`` to change). For each k, k spawned processes form one gloo group
-on loopback (one thread each); each owns the parameters ``shard_plan.owners`` gives its
-shard and holds AdamW state for those only (measured after one real ``step``: the bytes
+on loopback (one thread each); each owns the parameters the runtime gives its shard
+(``shard_plan.unit_owners`` over ``param_gather.units``: whole gather units, one broadcast
+each) and holds AdamW state for those only (measured after one real ``step``: the bytes
 of every state tensor). Peak parameter bytes are the largest sum of resident parameter
 storages during ``--slots`` slots (``ParamGather.peak_bytes``, counted at every gather and
 free, so it is the tensors' own bytes, not the process's resident set). The baseline is
@@ -84,19 +85,23 @@ def _opt_bytes(params: list[Any]) -> int:
 def _rank(rank: int, k: int, port: int, args: dict, q: Any) -> None:  # pragma: no cover
     import torch
 
-    from perdure.runtime.param_gather import ParamGather
-    from perdure.runtime.shard_plan import owners
+    from perdure.runtime.param_gather import ParamGather, units
+    from perdure.runtime.shard_plan import unit_owners
 
     torch.set_num_threads(1)
     _, pg = gloo_group(rank, k, port)
     model = _model(args["d_model"], args["layers"])
     params = list(model.parameters())
-    owner = owners([p.numel() for p in params], k)
+    nbytes = [p.numel() * p.element_size() for p in params]
+    budget = sum(nbytes) // (4 * k)  # as ``Shards`` cuts it
+    index = {id(p): i for i, p in enumerate(params)}
+    cut = [idx for _, idx in units(model, index, nbytes, budget)]
+    owner = unit_owners(cut, [p.numel() for p in params], k)
 
     def bcast(t: torch.Tensor, src: int) -> None:
         pg.broadcast(t, src).wait()
 
-    gather = ParamGather(params, owner, rank, bcast)
+    gather = ParamGather(params, owner, rank, bcast, unit_bytes=budget)
     times, digests = _slots(model, args["slots"], gather)
     mine = [p for p, o in zip(params, owner, strict=True) if o == rank]
     for p in mine:  # the optimizer's step reads the gradient of the last slot
