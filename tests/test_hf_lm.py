@@ -21,7 +21,9 @@ HF = {
 }
 
 
-def _config(dataset: Path, workers: int, faults: list[dict[str, Any]] | None = None) -> Any:
+def _config(
+    dataset: Path, workers: int, faults: list[dict[str, Any]] | None = None, **kw: Any
+) -> Any:
     return small_config(
         dataset,
         workers=workers,
@@ -29,6 +31,7 @@ def _config(dataset: Path, workers: int, faults: list[dict[str, Any]] | None = N
         steps=STEPS,
         task=HF,
         chaos={"faults": faults or []},
+        **kw,
     )
 
 
@@ -56,3 +59,19 @@ def test_a_killed_worker_does_not_change_a_transformers_models_final_weights(
     assert s["survivor_restarts"] == 0 and s["steps_lost"] == 0
     assert [f["kind"] for f in s["faults"]] == ["kill"] and s["faults"][0]["absorbed"]
     assert [e["worker"] for e in events(tmp_path, "replacement_started")] == ["r1-0"]
+
+
+def test_a_transformers_model_sharded_at_rest_ends_bitwise_equal_to_one(
+    one_worker: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """GPT-2 ties its head by sharing the Parameter (two state dict names, one tensor):
+    the shard's holders write it under both names, the final hash fetches both, and the
+    periodic checkpoint reads back whole."""
+    from perdure.checkpoint.reference_reader import Checkpoint
+
+    at_rest = {"shard_degree": 2, "shard_params": True}
+    s = run_to_end(_config(small_dataset, 2, train=at_rest), tmp_path)
+    assert s["final_hash"] == one_worker["final_hash"] is not None
+    ckpt = Checkpoint(tmp_path / "checkpoints" / f"step-{STEPS // 2:09d}")
+    head, wte = ckpt.tensor("model/lm_head.weight"), ckpt.tensor("model/transformer.wte.weight")
+    assert head.tobytes() == wte.tobytes()

@@ -64,3 +64,13 @@ def test_unit_owners_keep_each_unit_on_one_shard_balanced_by_size() -> None:
     assert got[0] == got[1] and got[2] == got[3]
     assert got == [1, 1, 0, 0, 0, 1]  # 430 -> 0, 410 -> 1, 200 -> 1, 5 -> 0
     assert unit_owners([[0, 1], [2, 3], [4, 1]], sizes, 1) == [0] * 6
+
+
+def test_fingerprints_are_compared_among_the_ranks_that_hold_the_same_tensors() -> None:
+    """Sharded at rest, a rank's CRC of a parameter it does not hold is -1: ranks 0 and 2
+    hold shard 0, ranks 1 and 3 shard 1, and each pair is compared on its own."""
+    from perdure.runtime.step import _holding_classes
+
+    values = [(5, 7, -1), (5, -1, 9), (5, 7, -1), (5, -1, 8)]
+    assert _holding_classes(values) == [[0, 2], [1, 3]]
+    assert _holding_classes([(1, 2), (1, 3)]) == [[0, 1]]  # unsharded: one class
