@@ -148,3 +148,28 @@ def test_shard_params_without_a_replica_group_is_refused_naming_the_field() -> N
     with pytest.raises(ConfigError, match=r"shard_params.*shard_degree > 1"):
         TrainConfig(shard_params=True)
     assert TrainConfig(shard_params=True, shard_degree=2).shard_params
+
+
+@pytest.mark.parametrize(
+    "train",
+    [
+        {"reduction": "chain"},
+        {"reduction": "exact", "reduction_exponents": "carried"},
+        {"reduction": "exact", "precision": "bf16"},
+    ],
+    ids=["chain", "carried", "bf16"],
+)
+def test_every_reduction_and_bf16_keep_the_bits_with_uneven_slots_per_rank(
+    small_dataset: Path, tmp_path: Path, train: dict[str, Any]
+) -> None:
+    """3 ranks of one group share 8 slots (3, 3, 2): the third computes a throwaway slot
+    to keep its gathers in step, before the reduction opens (the chain's and the carried
+    exponents' own ways of starting it); the bits are the one-worker run's, in bf16 too
+    (autocast's casts of a gathered parameter are its owner's bytes cast)."""
+    ref = small_config(small_dataset, workers=1, steps=STEPS, train=train)
+    at_rest = {**train, "shard_degree": 3, "shard_params": True}
+    cfg = small_config(small_dataset, workers=3, steps=STEPS, train=at_rest)
+    s, r = run_to_end(cfg, tmp_path / "run"), run_to_end(ref, tmp_path / "ref")
+    assert s["final_hash"] == r["final_hash"] is not None
+    plans = [e["plan"] for e in events(tmp_path / "run", ev.EPOCH_STARTED)]
+    assert sorted(hi - lo for lo, hi in plans[0]["ranges"]) == [2, 3, 3], plans[0]
