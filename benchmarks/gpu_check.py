@@ -5,7 +5,9 @@ run (budget: 8 minutes on one H200). Writes ``results/gpu_check.json`` with the 
    same four slots of step 0 on the GPU; their CRCs must match.
 2. Final hashes of short ``perdure run``s on the GPU: W = 1 with NCCL; W = 1, 2, 3 sharing
    the one GPU with ``cluster.data_plane = "gloo"`` (NCCL refuses two ranks on one
-   device); all must be equal. fp32 and bf16 (two hashes, each equal across W).
+   device); all must be equal. fp32 and bf16 (two hashes, each equal across W). W = 2 in
+   one replica group with the parameters sharded at rest (``train.shard_params``: CUDA
+   parameters gathered through the gloo group's host buffers) must give the fp32 hash.
 3. Step time against a plain loop on the same GPU (same model, batch and optimizer, no
    slots, no reduction), and the checkpoint snapshot's blocking time from the events.
 4. The snapshot's side-stream device-to-host copy of 256 MB into a pinned buffer: equal
@@ -40,7 +42,7 @@ STEPS = 30
 MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_len": 128}
 
 
-def config(dataset: str, workers: int, precision: str, plane: str) -> RunConfig:
+def config(dataset: str, workers: int, precision: str, plane: str, **train: Any) -> RunConfig:
     return with_overrides(
         RunConfig(),
         task={"options": MODEL},
@@ -51,6 +53,7 @@ def config(dataset: str, workers: int, precision: str, plane: str) -> RunConfig:
             "device": "cuda",
             "precision": precision,
             "reduction": "exact",
+            **train,
         },
         data={"dataset": dataset},
         cluster={"regions": [{"name": "g", "workers": workers}], "data_plane": plane},
@@ -70,13 +73,15 @@ def slot_crcs(dataset: str) -> list[int]:
     return [zlib.crc32(b.cpu().numpy().tobytes()) for b in bufs]
 
 
-def run_hash(dataset: str, workers: int, precision: str, plane: str) -> dict[str, Any]:
+def run_hash(
+    dataset: str, workers: int, precision: str, plane: str, **train: Any
+) -> dict[str, Any]:
     from perdure.launch.api import run
 
     with tempfile.TemporaryDirectory() as tmp:
         rd = Path(tmp) / "run"
         t0 = time.perf_counter()
-        s = run(config(dataset, workers, precision, plane), run_dir=rd, timeout_s=240)
+        s = run(config(dataset, workers, precision, plane, **train), run_dir=rd, timeout_s=240)
         wall = time.perf_counter() - t0
         steps = [m["step_s"] for m in read_jsonl(rd / "metrics.jsonl")]
         snaps = [
@@ -88,6 +93,7 @@ def run_hash(dataset: str, workers: int, precision: str, plane: str) -> dict[str
         "workers": workers,
         "precision": precision,
         "data_plane": plane,
+        "train": train,
         "final_hash": s["final_hash"],
         "wall_s": round(wall, 2),
         "median_step_s": round(statistics.median(steps[5:]), 5),
@@ -168,6 +174,7 @@ def main() -> int:
     out["slot_crcs_equal_across_processes"] = crcs[0] == crcs[1]
     runs = [run_hash(dataset, 1, "fp32", "nccl")]
     runs += [run_hash(dataset, w, p, "gloo") for p in ("fp32", "bf16") for w in (1, 2, 3)]
+    runs.append(run_hash(dataset, 2, "fp32", "gloo", shard_degree=2, shard_params=True))
     out["runs"] = runs
     for p in ("fp32", "bf16"):
         hashes = {r["final_hash"] for r in runs if r["precision"] == p}
