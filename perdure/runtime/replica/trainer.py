@@ -472,10 +472,10 @@ class Trainer:
     def adopt(
         self, model: dict[str, torch.Tensor], optim: dict[str, Any], extra: dict[str, Any]
     ) -> None:
-        if model.keys() == self.module.state_dict().keys():
+        if self.config.train.shard_params:  # a shard's parameters (``export``), or all
+            self._copy_in(model)  # into parameters that may be at rest (no storage)
+        elif model.keys() == self.module.state_dict().keys():
             self.module.load_state_dict(model)
-        elif self.config.train.shard_params:  # a shard's parameters: see ``export``
-            self._copy_in(model)
         else:
             missing = sorted(self.module.state_dict().keys() - model.keys())
             raise ValueError(f"the received state lacks model tensors {missing[:4]}")
