@@ -1,8 +1,9 @@
-"""Parameters sharded at rest inside a replica group, gathered one at a time while a slot
-runs: the memory half of HSDP (``train.shard_degree`` > 1).
+"""Parameters sharded at rest inside a replica group, gathered a unit at a time while a
+slot runs: the memory half of HSDP (``train.shard_degree`` > 1, ``train.shard_params``).
 
-At rest a rank holds only the parameters its shard owns (``shard_plan.owners``: whole
-parameters, so the optimizer's arithmetic is the unsharded one). Every other parameter
+At rest a rank holds only the parameters its shard owns (whole parameters, so the
+optimizer's arithmetic is the unsharded one; the runtime gives each gather unit whole to
+one shard: ``shard_plan.unit_owners``). Every other parameter
 keeps its ``nn.Parameter`` object, shape and dtype, but its storage is resized to zero
 bytes (what FSDP1 does with its flat parameters): the optimizer, the gradient hooks and
 the slot engine keep the same tensors, and no module is rewritten.
@@ -40,9 +41,11 @@ slot inside ``active``; the step runner keeps every rank of a group at the same 
 slots).
 
 Limits (this step): the gathers are not prefetched (the next unit's broadcasts could run
-while one computes, as FSDP2's do); a model whose set of used
-parameters depends on the data (a router that skips experts) breaks the lockstep; double
-backward (``create_graph``) is not supported, since unpacked parameters are detached.
+while one computes, as FSDP2's do); a receiver holds a multi-parameter unit twice for a
+moment (its parameters and the bytes received: no flat parameter storage); a model whose
+set of used parameters depends on the data (a router that skips experts) breaks the
+lockstep; double backward (``create_graph``) is not supported, since unpacked parameters
+are detached.
 """
 
 from __future__ import annotations
