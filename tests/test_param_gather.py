@@ -142,25 +142,33 @@ def _mlp() -> torch.nn.Sequential:
 
 def test_a_unit_is_gathered_with_one_broadcast_per_owner() -> None:
     """Owners alternate (weights 0, biases 1): the whole MLP is one unit under a large
-    budget, so its forward gathers it in two broadcasts, not four; each parameter's
-    backward needs it again, and its unit's pending ones come with it."""
+    budget, so its forward gathers it in two broadcasts, not four (each parameter at a
+    64-byte aligned offset of the buffer, which the received ones then view); the
+    backward's gathers come by unit too, and the gradients are the whole model's."""
     model = _mlp()
+    x = torch.ones(3, 4)
+    model(x).sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
     want = [p.detach().clone() for p in model.parameters()]
     sent: list[tuple[int, int]] = []
 
     def broadcast(t: torch.Tensor, src: int) -> None:  # owner 1's bytes, as a peer sends
         sent.append((src, t.numel()))
-        if src == 1:
-            t.copy_(
-                torch.cat([want[1].view(-1).view(torch.uint8), want[3].view(-1).view(torch.uint8)])
-            )
+        if src == 1:  # the biases: 32 bytes at 0, 8 bytes at 64
+            t[:32].copy_(want[1].view(-1).view(torch.uint8))
+            t[64:72].copy_(want[3].view(-1).view(torch.uint8))
 
     gather = ParamGather(list(model.parameters()), [0, 1, 0, 1], 0, broadcast, unit_bytes=1 << 20)
+    for p in model.parameters():
+        p.grad = None
     with gather.active(model):
-        model(torch.ones(3, 4)).sum().backward()
-    assert sent[:2] == [(0, (32 + 16) * 4), (1, (8 + 2) * 4)]
+        model(x).sum().backward()
+    assert sent[:2] == [(0, 128 + 64), (1, 64 + 64)]
     assert gather.gathers == len(sent) < 2 * 4
-    assert model[0].bias.untyped_storage().nbytes() == 0  # at rest again
+    got = [p.grad for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want_grads, strict=True))
+    assert model[0].bias.untyped_storage().nbytes() == 0  # at rest again, in its own storage
+    assert model[0].bias.shape == (8,) and gather.held == (32 + 16) * 4
 
 
 def test_units_are_the_largest_modules_within_the_budget() -> None:

@@ -98,6 +98,9 @@ class ParamGather:
         self.pending = [0] * len(self.params)
         """Markers of each parameter the autograd graph holds and has not unpacked."""
         self.unit_of: list[list[int]] = [[i] for i in range(len(self.params))]
+        self.own = [p.untyped_storage() for p in self.params]
+        """Each parameter's own storage (at rest: 0 bytes), kept while it views a unit's
+        receive buffer."""
         self.release()
         self.peak_bytes = self.held
         """The most parameter bytes this rank has held at once."""
@@ -128,42 +131,54 @@ class ParamGather:
 
     def _broadcast_from(self, j: int, idx: list[int]) -> None:
         ps = [self.params[i] for i in idx]
-        sizes = [self.nbytes[i] for i in idx]
         with self._own_calls():
-            if j != self.mine:
-                for p, n in zip(ps, sizes, strict=True):
-                    p.untyped_storage().resize_(n)
-            try:
-                flat = self._send_or_receive(j, ps, sum(sizes))
-            except BaseException:  # a failed collective: nothing half-received stays
-                if j != self.mine:
-                    for p in ps:
-                        p.untyped_storage().resize_(0)
-                raise
+            if len(ps) == 1:  # in place, into (or from) its own storage
+                temp = self._one(j, idx[0])
+            elif j == self.mine:
+                temp = self._send_many(j, ps)
+            else:
+                temp = self._receive_many(j, ps)
         for i in idx:
             self.live[i] = True
         if j != self.mine:
-            self.held += sum(sizes)
+            self.held += sum(self.nbytes[i] for i in idx)
         self.gathers += 1
-        self.peak_bytes = max(self.peak_bytes, self.held + flat)
+        self.peak_bytes = max(self.peak_bytes, self.held + temp)
 
-    def _send_or_receive(self, j: int, ps: list[nn.Parameter], n: int) -> int:
-        """One broadcast of ``ps`` from their owner ``j``, in place when there is one
-        (no copy); returns the bytes of the temporary it needed (0 when none)."""
-        if len(ps) == 1:
-            self.broadcast(_bytes(ps[0]), j)
-            return 0
-        if j == self.mine:
-            self.broadcast(torch.cat([_bytes(p) for p in ps]), j)
-            return n
+    def _one(self, j: int, i: int) -> int:
+        p = self.params[i]
+        if j != self.mine:
+            p.untyped_storage().resize_(self.nbytes[i])
+        try:
+            self.broadcast(_bytes(p), j)
+        except BaseException:  # a failed collective: nothing half-received stays
+            if j != self.mine:
+                p.untyped_storage().resize_(0)
+            raise
+        return 0
+
+    def _send_many(self, j: int, ps: list[nn.Parameter]) -> int:
+        """The owner's side of a unit: its parameters laid out as ``_layout`` says, sent;
+        returns the temporary's bytes."""
+        offsets, n = _layout(ps)
         flat = torch.empty(n, dtype=torch.uint8, device=ps[0].device)
+        for p, a in zip(ps, offsets, strict=True):
+            flat[a : a + p.numel() * p.element_size()].copy_(_bytes(p))
         self.broadcast(flat, j)
-        offset = 0
-        for p in ps:
-            m = p.numel() * p.element_size()
-            _bytes(p).copy_(flat[offset : offset + m])
-            offset += m
         return n
+
+    def _receive_many(self, j: int, ps: list[nn.Parameter]) -> int:
+        """A receiver's side of a unit: the bytes land in one buffer, and each parameter
+        becomes a view of it (``set_``, no copy); ``free`` gives it its own (empty)
+        storage back, and the buffer goes with its last view."""
+        offsets, n = _layout(ps)
+        flat = torch.empty(n, dtype=torch.uint8, device=ps[0].device)
+        self.broadcast(flat, j)  # a failure leaves every parameter as it was: at rest
+        storage = flat.untyped_storage()
+        with torch.no_grad():
+            for p, a in zip(ps, offsets, strict=True):
+                p.set_(storage, a // p.element_size(), p.shape, p.stride())
+        return n - sum(p.numel() * p.element_size() for p in ps)  # the padding
 
     def free(self, i: int) -> None:
         """Drop parameter i (its storage, where this rank does not own it)."""
@@ -172,8 +187,19 @@ class ParamGather:
         self.live[i] = False
         if self.foreign(i):
             with self._own_calls():
-                self.params[i].untyped_storage().resize_(0)
+                self._to_own_storage(i)
             self.held -= self.nbytes[i]
+
+    def _to_own_storage(self, i: int) -> None:
+        """Free parameter i's bytes: its own storage resized to 0, or, where it views a
+        unit's receive buffer, its own storage put back first (``set_`` needs a storage
+        that fits, so it is sized for the moment: allocated, never written)."""
+        p, own = self.params[i], self.own[i]
+        if p.untyped_storage().data_ptr() != own.data_ptr() or own.nbytes() != self.nbytes[i]:
+            own.resize_(self.nbytes[i])
+            with torch.no_grad():
+                p.set_(own, 0, p.shape, p.stride())
+        own.resize_(0)
 
     @contextlib.contextmanager
     def _own_calls(self) -> Iterator[None]:
@@ -247,7 +273,8 @@ class ParamGather:
         if i is None:
             return t
         self.pending[i] += 1
-        return _Saved(i, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+        offset = int(t.storage_offset() - base.storage_offset())  # where the view starts
+        return _Saved(i, tuple(t.shape), tuple(t.stride()), offset)
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Saved):
@@ -256,7 +283,8 @@ class ParamGather:
         if not self.live[i]:  # with the rest of its unit that the backward still needs
             self.gather_many([i, *(u for u in self.unit_of[i] if self.pending[u] > 0)])
         self.pending[i] = max(0, self.pending[i] - 1)
-        return self.params[i].detach().as_strided(x.shape, x.stride, x.offset)
+        p = self.params[i]  # now possibly a view of another unit buffer: its own offset
+        return p.detach().as_strided(x.shape, x.stride, p.storage_offset() + x.offset)
 
     def touch(self, func: Any, args: Any, kwargs: Any) -> None:
         if self.busy or func in _METADATA:  # see ``_own_calls``, ``_METADATA``
@@ -307,7 +335,8 @@ def k_of(owner: Sequence[int]) -> int:
 
 
 class _Saved(NamedTuple):
-    """A saved parameter (or a view of one), as the graph keeps it: a marker."""
+    """A saved parameter (or a view of one), as the graph keeps it: a marker. ``offset``
+    is the view's, in elements from the parameter's own start."""
 
     param: int
     shape: tuple[int, ...]
@@ -355,6 +384,19 @@ def _tensors(args: Any, kwargs: Any) -> Iterator[torch.Tensor]:
             yield a
         elif isinstance(a, list | tuple):
             yield from (x for x in a if isinstance(x, torch.Tensor))
+
+
+_ALIGN = 64
+"""Bytes each parameter's offset in a unit's buffer is a multiple of (any dtype's)."""
+
+
+def _layout(ps: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Each parameter's byte offset in a unit's buffer, and the buffer's size."""
+    offsets, n = [], 0
+    for p in ps:
+        offsets.append(n)
+        n += -(-p.numel() * p.element_size() // _ALIGN) * _ALIGN
+    return offsets, n
 
 
 def _bytes(p: torch.Tensor) -> torch.Tensor:
