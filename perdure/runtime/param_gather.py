@@ -13,7 +13,8 @@ While a slot runs (``active``):
 - **forward**: the model is cut into *units* (``units``: the largest modules of at most
   ``unit_bytes`` of parameters, as FSDP wraps blocks); a unit's forward pre-hook gathers
   its parameters that are not resident, one broadcast per owner (the owner's parameters
-  of the unit laid end to end). A ``TorchFunctionMode`` sees every torch function's
+  of the unit laid end to end, which a receiver's parameters then view: ``set_``, no
+  copy; the runtime gives each unit one owner). A ``TorchFunctionMode`` sees every torch function's
   arguments and gathers, alone, a parameter used outside its unit's forward (a head tied
   to the embedding through ``.T``). Each module's forward hook frees the parameters of
   its subtree once its forward is done (a module whose parameters its parent passes to a
@@ -41,8 +42,8 @@ slot inside ``active``; the step runner keeps every rank of a group at the same 
 slots).
 
 Limits (this step): the gathers are not prefetched (the next unit's broadcasts could run
-while one computes, as FSDP2's do); a receiver holds a multi-parameter unit twice for a
-moment (its parameters and the bytes received: no flat parameter storage); a model whose
+while one computes, as FSDP2's do); an owner sends a multi-parameter unit from a copy laid
+end to end (its parameters are not views of one flat storage); a model whose
 set of used parameters depends on the data (a router that skips experts) breaks the
 lockstep; double backward (``create_graph``) is not supported, since unpacked parameters
 are detached.
