@@ -83,11 +83,15 @@ def test_dropped_link_reforms_the_same_members_without_changing_a_bit(
     assert s["membership_changes"] == 0
 
 
-def test_a_three_second_delay_benches_its_member_at_once_evicts_nobody_and_plans_it_back(
+def test_a_long_delay_benches_its_member_at_once_evicts_nobody_and_plans_it_back(
     clean_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
+    """The member is back only once its delayed heartbeats have all arrived (the fault's
+    duration plus the delay) and a re-plan saw it steady: all of that must fit in the
+    run's remaining steps on a fast machine too (at 14 ms a step, a 3 s delay for 4 s from
+    step 60 outlasted the run's 400 steps)."""
     faults = [
-        {"kind": "delay", "target": "r1-0", "at_step": 60, "delay_ms": 3000, "duration_s": 4.0}
+        {"kind": "delay", "target": "r1-0", "at_step": 20, "delay_ms": 1500, "duration_s": 2.0}
     ]
     s = run_to_end(_config(small_dataset, faults, replan_interval_ms=500), tmp_path)
     _assert_absorbed(s, clean_ref, ["delay"])
@@ -149,8 +153,10 @@ def test_all_four_classes_in_one_run_change_no_bit(
     faults = [
         POISON,
         {"kind": "kill", "target": "r0-1", "at_step": 80},
-        {"kind": "delay", "target": "r1-0", "at_step": 150, "delay_ms": 500, "duration_s": 1.5},
-        {"kind": "region_down", "target": "r0", "at_step": 250, "duration_s": 1.0},
+        {"kind": "delay", "target": "r1-0", "at_step": 120, "delay_ms": 500, "duration_s": 1.5},
+        # Late enough that the benched member is back first, at 14 ms a step too (it
+        # was not at step 250: the benched member's stale state lost 95 steps).
+        {"kind": "region_down", "target": "r0", "at_step": 360, "duration_s": 1.0},
     ]
     s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=100)
     _assert_absorbed(s, poison_ref, ["poison_shard", "kill", "delay", "region_down"])
