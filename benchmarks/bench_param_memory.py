@@ -85,7 +85,7 @@ def _opt_bytes(params: list[Any]) -> int:
 def _rank(rank: int, k: int, port: int, args: dict, q: Any) -> None:  # pragma: no cover
     import torch
 
-    from perdure.runtime.param_gather import ParamGather, units
+    from perdure.runtime.param_gather import ParamGather, unit_budget, units
     from perdure.runtime.shard_plan import unit_owners
 
     torch.set_num_threads(1)
@@ -93,7 +93,7 @@ def _rank(rank: int, k: int, port: int, args: dict, q: Any) -> None:  # pragma: 
     model = _model(args["d_model"], args["layers"])
     params = list(model.parameters())
     nbytes = [p.numel() * p.element_size() for p in params]
-    budget = sum(nbytes) // (4 * k)  # as ``Shards`` cuts it
+    budget = unit_budget(nbytes, k)  # as ``Shards`` cuts it
     index = {id(p): i for i, p in enumerate(params)}
     cut = [idx for _, idx in units(model, index, nbytes, budget)]
     owner = unit_owners(cut, [p.numel() for p in params], k)

@@ -1,7 +1,8 @@
 """Runs with the parameters sharded at rest (``train.shard_params``): each rank keeps about
 1/k of the parameters between slots and gathers the others while a slot runs, and the
 final hash is still the unsharded run's, for every k and group count, through a kill of a
-group's rank, a non-finite slot, and across a resume with another k."""
+group's rank (``test_shard_runs.py``), a non-finite slot, and across a resume with
+another k."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import pytest
 
 from perdure import events as ev
 from perdure.checkpoint.reference_reader import Checkpoint
-from perdure.events import read_jsonl
 from perdure.run_config import RunConfig
 from tests.runtime_support import events, run_to_end, small_config, summary
 
@@ -57,26 +57,6 @@ def test_parameters_sharded_at_rest_do_not_change_the_final_hash(
     assert sorted(e["worker"] for e in peaks) == sorted(members)
     for e in peaks:  # and never the whole replica's at once, gathers in flight included
         assert e["peak_bytes"] < e["of"] and e["gathers"] > 0, e
-
-
-def test_a_killed_rank_of_a_group_sharded_at_rest_is_absorbed_and_changes_no_bit(
-    unsharded: str, small_dataset: Path, tmp_path: Path
-) -> None:
-    """r0-0 killed: its parameters existed only on it and on the other group's rank 0;
-    the survivors that move to another shard receive that shard's parameters with its
-    optimizer state, and the run ends with the unsharded bits."""
-    kill = [{"kind": "kill", "target": "r0-0", "at_step": STEPS // 3}]
-    run_dir = tmp_path / "run"
-    s = run_to_end(_cfg(small_dataset, 4, 2, chaos={"faults": kill}), run_dir)
-    assert s["final_hash"] == unsharded
-    assert sorted(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")) == list(range(STEPS))
-    assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
-    sizes = [len(e["plan"]["members"]) for e in events(run_dir, ev.EPOCH_STARTED)]
-    assert sizes[:2] == [4, 2]
-    for got in events(run_dir, ev.SHARD_RECEIVED):
-        assert got["bytes"] > 0
-    later = [e for e in _at_rest(run_dir) if e["epoch"] > 0]
-    assert later and all(e["bytes"] < e["of"] for e in later)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from tests.runtime_support import events, run_to_end, small_config
 STEPS = 20
 
 
-def _cfg(dataset: Path, workers: int, k: int, **kw: Any) -> RunConfig:
-    train = {"reduction": "exact", "shard_degree": k}
+def _cfg(dataset: Path, workers: int, k: int, at_rest: bool = False, **kw: Any) -> RunConfig:
+    train = {"reduction": "exact", "shard_degree": k, "shard_params": at_rest}
     return small_config(dataset, workers=workers, steps=STEPS, train=train, **kw)
 
 
@@ -38,15 +38,19 @@ def test_the_shard_degree_and_the_group_count_do_not_change_the_final_hash(
     assert s["replica_hashes_agree"]
 
 
+@pytest.mark.parametrize("at_rest", [False, True], ids=["whole_params", "params_at_rest"])
 def test_a_killed_rank_of_a_group_is_absorbed_and_changes_no_bit(
-    unsharded: str, small_dataset: Path, tmp_path: Path
+    unsharded: str, small_dataset: Path, tmp_path: Path, at_rest: bool
 ) -> None:
     """r0-0 (rank 0 of group 0) killed: the next epoch takes two of the three survivors
     (whole groups only) that hold both shards between them, whose shards may have to move
-    (r0-1 held shard 1 and is rank 0 now); the third waits for a partner."""
+    (r0-1 held shard 1 and is rank 0 now); the third waits for a partner. With the
+    parameters sharded at rest (``train.shard_params``), r0-0's parameters existed only on
+    it and on the other group's rank 0: a survivor that moves to another shard receives
+    that shard's parameters with its optimizer state."""
     kill = [{"kind": "kill", "target": "r0-0", "at_step": STEPS // 3}]
     run_dir = tmp_path / "run"
-    s = run_to_end(_cfg(small_dataset, 4, 2, chaos={"faults": kill}), run_dir)
+    s = run_to_end(_cfg(small_dataset, 4, 2, at_rest, chaos={"faults": kill}), run_dir)
     assert s["final_hash"] == unsharded
     assert sorted(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")) == list(range(STEPS))
     assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
@@ -62,6 +66,9 @@ def test_a_killed_rank_of_a_group_is_absorbed_and_changes_no_bit(
         members = plans[got["epoch"]]
         assert got["shard"] == members.index(got["worker"]) % 2, got
         assert got["from"] in members and got["from"] != got["worker"] and got["bytes"] > 0
+    if at_rest:  # a rank keeps less than the whole in every later epoch
+        later = [e for e in events(run_dir, ev.PARAMS_AT_REST) if e["epoch"] > 0]
+        assert later and all(e["bytes"] < e["of"] for e in later)
 
 
 @pytest.fixture(scope="module")

@@ -90,15 +90,19 @@ class ParamGather:
         """The group-wide state machine: whether parameter i is resident on every rank
         (the owner's own copy is always there; this says whether it was sent)."""
         self.held = sum(self.nbytes)
-        self.unit_bytes = unit_bytes if unit_bytes is not None else self.held // (4 * k_of(owner))
-        """The most parameter bytes a unit gathers at once (default: a quarter of one
-        shard's share; 0: each module's own parameters)."""
+        default = unit_budget(self.nbytes, k_of(owner))
+        self.unit_bytes = default if unit_bytes is None else unit_bytes
+        """The most parameter bytes a unit gathers at once (default ``unit_budget``; 0:
+        each module's own parameters)."""
         self.busy = False
         self.gathers = 0
         """Broadcasts made (a unit's owner counts once)."""
         self.pending = [0] * len(self.params)
         """Markers of each parameter the autograd graph holds and has not unpacked."""
         self.unit_of: list[list[int]] = [[i] for i in range(len(self.params))]
+        self._cut: list[tuple[nn.Module, list[int]]] | None = None
+        """The model's units, cut once (the first ``active``): a pure function of its
+        structure."""
         self.own = [p.untyped_storage() for p in self.params]
         """Each parameter's own storage (at rest: 0 bytes), kept while it views a unit's
         receive buffer."""
@@ -196,7 +200,7 @@ class ParamGather:
         unit's receive buffer, its own storage put back first (``set_`` needs a storage
         that fits, so it is sized for the moment: allocated, never written)."""
         p, own = self.params[i], self.own[i]
-        if p.untyped_storage().data_ptr() != own.data_ptr() or own.nbytes() != self.nbytes[i]:
+        if p.untyped_storage().data_ptr() != own.data_ptr():  # a view of a unit's buffer
             own.resize_(self.nbytes[i])
             with torch.no_grad():
                 p.set_(own, 0, p.shape, p.stride())
@@ -231,11 +235,12 @@ class ParamGather:
             self.release()
 
     def _unit_hooks(self, model: nn.Module) -> list[Any]:
-        cut = units(model, self.index, self.nbytes, self.unit_bytes)
-        for _, idx in reversed(cut):  # a parameter's unit: the first that holds it
-            for i in idx:
-                self.unit_of[i] = idx
-        return [m.register_forward_pre_hook(self._gatherer(idx)) for m, idx in cut]
+        if self._cut is None:
+            self._cut = units(model, self.index, self.nbytes, self.unit_bytes)
+            for _, idx in reversed(self._cut):  # a parameter's unit: the first holding it
+                for i in idx:
+                    self.unit_of[i] = idx
+        return [m.register_forward_pre_hook(self._gatherer(idx)) for m, idx in self._cut]
 
     def _gatherer(self, indices: list[int]) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -328,6 +333,12 @@ def units(
 
     visit(model)
     return out
+
+
+def unit_budget(nbytes: Sequence[int], k: int) -> int:
+    """The default unit size: a quarter of one shard's share of the parameter bytes (one
+    layer of a 10-layer model at k = 2; what a rank holds in flight beyond its shard)."""
+    return sum(nbytes) // (4 * k)
 
 
 def k_of(owner: Sequence[int]) -> int:

@@ -41,7 +41,7 @@ from perdure.runtime.comm.transfer import (
     unpack,
     unpack_skeleton,
 )
-from perdure.runtime.param_gather import ParamGather, units
+from perdure.runtime.param_gather import ParamGather, unit_budget, units
 from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources, unit_owners
 
 
@@ -65,6 +65,7 @@ class Shards:
     ) -> None:
         self.params = list(params)
         self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
+        self._index = {id(p): i for i, p in enumerate(self.params)}
         self.unit_bytes: int | None = None
         """Sharded at rest: the gather units' budget (``param_gather.units``)."""
         self.owner = self._owners(module)
@@ -83,9 +84,8 @@ class Shards:
         if module is None:
             return owners(sizes, self.k)
         nbytes = [p.numel() * p.element_size() for p in self.params]
-        self.unit_bytes = sum(nbytes) // (4 * self.k)
-        index = {id(p): i for i, p in enumerate(self.params)}
-        cut = units(module, index, nbytes, self.unit_bytes)
+        self.unit_bytes = unit_budget(nbytes, self.k)
+        cut = units(module, self._index, nbytes, self.unit_bytes)
         return unit_owners([idx for _, idx in cut], sizes, self.k)
 
     @property
@@ -93,7 +93,7 @@ class Shards:
         return bool(self.model_keys)
 
     def _model_keys(self, module: nn.Module) -> dict[str, int]:
-        index = {id(p): i for i, p in enumerate(self.params)}
+        index = self._index
         named = {n: t for n, t in module.state_dict(keep_vars=True).items() if id(t) in index}
         self._named: dict[str, torch.Tensor] = {}
         """Each parameter under its first state dict name (what ``exchange`` sends)."""

@@ -133,6 +133,10 @@ class StepRunner:
     def _take(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> bool:
         return not self.lockstep and self.seams.salvage.take(key, slot, buf)
 
+    def _keep(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> None:
+        if not self.lockstep:
+            self.seams.salvage.put(key, slot, buf)
+
     def _pad(self, t: int, abort: Callable[[], bool]) -> None:
         """Sharded at rest: the throwaway slots that keep this rank's gathers in step with
         its group's busiest rank (the gradient goes to a scratch buffer, unused). Run
@@ -210,16 +214,15 @@ class StepRunner:
     ) -> int:
         """Fill ``self.bufs[i]`` for ``i`` in ``indices``: a kept slot of this step is
         copied, the others computed (and kept). Returns how many were computed."""
-        salvage, computed = self.seams.salvage, 0
+        computed = 0
         for i in indices:
             slot, buf = self.slots[i], self.bufs[i]
             if self._take(key, slot, buf):
-                salvage.put(key, slot, buf)
+                self._keep(key, slot, buf)
                 continue
             if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort, ready=ready):
                 raise Abandoned("membership epoch changed during compute")
-            if not self.lockstep:
-                salvage.put(key, slot, buf)
+            self._keep(key, slot, buf)
             computed += 1
         return computed
 
@@ -343,15 +346,15 @@ class StepRunner:
             lost = lost or 2 * vs.count(majority) <= len(vs)
         if not odd:
             return True
-        step = self.tr.next_step
+        step, tensors = self.tr.next_step, sorted(differ)
         self.seams.events.write(
-            {"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd, "tensors": sorted(differ)}
+            {"event": ev.REPLICA_DIVERGED, "step": step, "workers": odd, "tensors": tensors}
         )
         if lost:
             raise MathError(
                 f"step {step}: replicas {list(self.plan.members)} hold different model state "
-                f"and no majority agrees; tensors that differ: {', '.join(sorted(differ)[:8])}"
-                f"{' ...' if len(differ) > 8 else ''} (the model changes state outside the "
+                f"and no majority agrees; tensors that differ: {', '.join(tensors[:8])}"
+                f"{' ...' if len(tensors) > 8 else ''} (the model changes state outside the "
                 "step's math: see docs/architecture.md, 'Buffers')"
             )
         return self.seams.name not in odd

@@ -214,8 +214,7 @@ class Trainer:
             yield
             return
         try:
-            for i in range(len(gather.params)):
-                gather.gather(i)
+            gather.gather_many(range(len(gather.params)))  # one broadcast per owner
             self._whole = True
             yield
         finally:
@@ -474,11 +473,8 @@ class Trainer:
     ) -> None:
         if self.config.train.shard_params:  # a shard's parameters (``export``), or all
             self._copy_in(model)  # into parameters that may be at rest (no storage)
-        elif model.keys() == self.module.state_dict().keys():
-            self.module.load_state_dict(model)
         else:
-            missing = sorted(self.module.state_dict().keys() - model.keys())
-            raise ValueError(f"the received state lacks model tensors {missing[:4]}")
+            self.module.load_state_dict(model)
         self._load_optimizer(optim, "the received state")
         self.loader.restore(DataState.from_dict(extra["data"]))
         self.decisions = list(extra["decisions"])
