@@ -173,11 +173,16 @@ def md_recovery(d: dict) -> str:
             g.get("faults"),
             fmt(g.get("clean_span_s"), 1),
             fmt(g.get("faulty_span_s"), 1),
+            fmt(g.get("goodput_in_run")) if g.get("goodput_in_run") else "-",
+            fmt(g.get("kill_to_next_s")) if g.get("kill_to_next_s") else "-",
+            fmt(g.get("stall_s")) if g.get("stall_s") else "-",
             g.get("bitwise_equal", "-"),
         ]
         for n, g in d.get("goodput", {}).items()
     ]
-    t2 = table(["system", "goodput", "kills", "clean span s", "faulty span s", "bitwise equal"], gp)
+    head = ["system", "goodput", "kills", "clean span s", "faulty span s", "goodput in the run"]
+    head += ["kill -> next new step s", "stall s", "bitwise equal"]
+    t2 = table(head, gp)
     rat = ", ".join(f"{k}: {v:.1f}x" for k, v in d.get("ratios", {}).items())
     goals = ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in d["goals"].items())
     return f"{t}\n\nRatios (peer / perdure, medians): {rat or '-'}\n\n{t2}\n\nGoals: {goals}"

@@ -492,3 +492,44 @@ def test_with_bench_lag_ms_zero_a_lagging_member_stays_in() -> None:
     _beats(d, 1.0)
     _beats(d, 1.0, late={"w2": 2.0})
     assert d.logged(ev.MEMBER_BENCHED) == []
+
+
+def test_a_promoted_spare_takes_the_lost_members_rank_and_every_survivor_keeps_its_slots() -> None:
+    """Survivors keep their slot ranges, so the slots they finished before the death are
+    salvaged and only the lost member's range is computed again (by the spare, the only
+    receiver). Before, the spare went last and every rank after the lost one moved."""
+    d = running(3, slots=6)
+    d.admit("s0")  # past the expected count: a warm spare
+    d.tick()
+    assert [e["worker"] for e in d.logged(ev.BECAME_SPARE)] == ["s0"]
+    d.recv("w0", p.Heartbeat(next_step=5, prepared=True))
+    d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w0", "s0", "w2"]
+    assert [e["worker"] for e in d.logged(ev.SPARE_PROMOTED)] == ["s0"]
+    d.ready("w0", "w2", next_step=5)
+    d.ready("s0", next_step=0, has_state=False)
+    start = d.starts()["w2"]
+    assert Plan.from_dict(start.plan).ranges == ((0, 2), (2, 4), (4, 6))
+    assert (start.start_step, start.receivers) == (5, ["s0"])
+
+
+def test_a_spare_from_another_region_is_ordered_with_its_region() -> None:
+    config = with_overrides(
+        RunConfig(),
+        train={"slots": 6, "global_batch": 12, "steps": 100},
+        cluster={"regions": [{"name": "r0", "workers": 3}, {"name": "r1", "workers": 0}]},
+    )
+    settings = pol.Settings(
+        config=config, run_dir="/run", resume=None, store_port=1, instance="x", expected=3
+    )
+    d = Driver(pol.Policy(settings, now=0.0))
+    d.admit("w0", "w1", "w2")
+    d.tick()
+    d.ready("w0", "w1", "w2")
+    d.admit("s0", region="r1")
+    d.tick()
+    d.feed(pol.Closed("w0", "connection closed (process exited)", d.now))
+    assert [e["worker"] for e in d.logged(ev.SPARE_PROMOTED)] == ["s0"]
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w1", "w2", "s0"]

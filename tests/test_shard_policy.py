@@ -95,3 +95,25 @@ def test_replica_groups_stay_inside_a_region_and_only_the_leftovers_span_two() -
     d.tick()
     assert d.policy.pending is not None
     assert d.policy.pending.members == ["a0", "a1", "b0", "b1", "a2", "b2"]
+
+
+def test_a_promoted_spare_takes_the_lost_ranks_shard_and_no_survivor_changes_shard() -> None:
+    """Groups (w0, w1) and (w2, w3) hold shards 0 1 0 1. With the spare last, w1's death
+    gave w2 and w3 each other's shard (every rank after the lost one moved); in the lost
+    rank's place the spare is the only one that needs a shard, from w3."""
+    d = _driver(4)
+    d.admit("w0", "w1", "w2", "w3")
+    d.tick()
+    d.ready("w0", "w1", "w2", "w3")
+    d.admit("s0")
+    d.tick()
+    d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
+    pend = d.policy.pending
+    assert pend is not None and pend.members == ["w0", "s0", "w2", "w3"]
+    for name, shard in (("w0", 0), ("w2", 0), ("w3", 1)):
+        _ready(d, name, 7, shard)
+    _ready(d, "s0", 0, -2, has_state=False)
+    d.tick()
+    (started,) = [e for e in d.logged(ev.EPOCH_STARTED) if e["epoch"] == pend.epoch]
+    assert (started["start_step"], started["receivers"]) == (7, ["s0"])
+    assert [d.policy.workers[m].shard for m in pend.members] == [0, 1, 0, 1]

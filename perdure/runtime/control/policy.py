@@ -627,9 +627,13 @@ class Policy:
         info.role = "leaving"
         members = self._members_now()
         if info.name in members:
-            rest = [m for m in members if m != info.name] + self._promote_spare(info)
+            spare = self._promote_spare(info)
+            rest = [m for m in members if m != info.name] + spare
             after = max(self.workers[m].next_step for m in members) + 1
-            self._announce(rest, after=after, reason=f"{info.name} left gracefully")
+            stand_ins = {info.name: spare[0]} if spare else None
+            self._announce(
+                rest, after=after, reason=f"{info.name} left gracefully", stand_ins=stand_ins
+            )
 
     def _on_closed(self, e: Closed) -> None:
         info = self.workers.get(e.worker)
@@ -654,8 +658,10 @@ class Policy:
         in_pending = self.pending is not None and info.name in self.pending.members
         if (in_current or in_pending) and not self.finished:
             survivors = [m for m in self._members_now() if m != info.name]
-            survivors += self._promote_spare(info)
-            self._announce(survivors, after=-1, reason=f"{info.name} left: {reason}")
+            spare = self._promote_spare(info)
+            stand_ins = {info.name: spare[0]} if spare else None
+            reason = f"{info.name} left: {reason}"
+            self._announce(survivors + spare, after=-1, reason=reason, stand_ins=stand_ins)
 
     def _promote_spare(self, lost: Member) -> list[str]:
         """A warm spare (imported, admitted, idle) takes the lost member's place at once,
@@ -785,13 +791,17 @@ class Policy:
         if not benched:
             return False
         rest = [m for m in self.current.members if m not in benched]
+        stand_ins: dict[str, str] = {}
         for name, lag_s in benched.items():
             info = self.workers[name]
             info.role, info.calm_since = "benched", None
             self._log(ev.MEMBER_BENCHED, worker=name, lag_s=round(lag_s, 3),
                       step_s=round(step_s, 4))  # fmt: skip
-            rest += self._promote_spare(info)
-        self._announce(rest, after=-1, reason="bench")
+            spare = self._promote_spare(info)
+            rest += spare
+            if spare:
+                stand_ins[name] = spare[0]
+        self._announce(rest, after=-1, reason="bench", stand_ins=stand_ins)
         return True
 
     def _to_bench(self, lags: list[float], limit: float, step_s: float) -> dict[str, float]:
@@ -896,9 +906,19 @@ class Policy:
     # -- epochs ----------------------------------------------------------------------------
 
     def _announce(
-        self, names: list[str], *, after: int, reason: str, counts: list[int] | None = None
+        self,
+        names: list[str],
+        *,
+        after: int,
+        reason: str,
+        counts: list[int] | None = None,
+        stand_ins: dict[str, str] | None = None,
     ) -> None:
+        """Announce the next epoch of ``names``. ``stand_ins``: lost member -> the spare
+        promoted for it (see :meth:`_in_their_places`)."""
         members = self._order(self._pick(self._order(names), self._usable(len(names))))
+        if stand_ins:
+            members, counts = self._in_their_places(members, stand_ins, counts)
         self.epoch += 1
         self.pending = Pending(self.epoch, members, after, reason, counts, self.now)
         self._log(
@@ -914,6 +934,27 @@ class Policy:
         )
         for w in self._alive():
             self._send(w.name, notice)
+
+    def _in_their_places(
+        self, members: list[str], stand_ins: dict[str, str], counts: list[int] | None
+    ) -> tuple[list[str], list[int] | None]:
+        """Each promoted spare in the rank of the member it replaces, and every other
+        member in its own rank, with the slot ranges of the epoch now. So a survivor keeps
+        its slot range (the slots it finished in the abandoned attempt are salvaged, not
+        recomputed: only the lost member's range is computed again, by the spare) and its
+        replica-group shard (only the spare receives state, not every rank after the lost
+        one). Only where every spare is in its lost member's region, so a region's ranks
+        stay adjacent; else ``members`` as ordered."""
+        base = (
+            self.pending.members if self.pending else self.current.members if self.current else []
+        )
+        placed = [stand_ins.get(m, m) for m in base]
+        home = all(self.workers[s].region == self.workers[m].region for m, s in stand_ins.items())
+        if not home or sorted(placed) != sorted(members):
+            return members, counts
+        if counts is None and self.current is not None and list(base) == list(self.current.members):
+            counts = self.current.counts()
+        return placed, counts
 
     def _progress_pending(self, now: float) -> None:
         pend = self.pending
