@@ -66,3 +66,25 @@ def test_a_changed_epoch_abandons_the_wait(comm: Comm) -> None:
     with pytest.raises(Abandoned):
         comm.call(lambda: release.wait(5))
     release.set()
+
+
+def test_an_exchange_given_grace_finishes_after_the_epoch_changes(comm: Comm) -> None:
+    """An update's parameter exchange (``shard_group.SYNC_GRACE_S``): the epoch changed
+    during it, and it ends well inside its grace, so its result is kept."""
+    import time
+
+    comm.should_abort = lambda: True
+    assert comm.call(lambda: time.sleep(0.1) or 7, grace_s=2.0) == 7
+
+
+def test_an_exchange_given_grace_is_left_once_the_grace_is_over(comm: Comm) -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+    comm.should_abort = lambda: True
+    t0 = time.monotonic()
+    with pytest.raises(Abandoned):
+        comm.call(lambda: release.wait(5), grace_s=0.3)
+    assert 0.3 <= time.monotonic() - t0 < 5
+    release.set()

@@ -533,3 +533,48 @@ def test_a_spare_from_another_region_is_ordered_with_its_region() -> None:
     assert [e["worker"] for e in d.logged(ev.SPARE_PROMOTED)] == ["s0"]
     pending = d.policy.pending
     assert pending is not None and pending.members == ["w1", "w2", "s0"]
+
+
+def test_a_step_redone_after_a_death_is_planned_from_the_slots_the_survivors_kept() -> None:
+    """w0 and w2 report their own slots of step 5 finished (``kept``); the spare in w1's
+    rank starts late. The redone step gives the spare one slot and the survivors the rest
+    beside their own; the epoch's plan, from step 6 on, stays the even one."""
+    d = running(3, slots=6)
+    d.admit("s0")
+    d.tick()
+    d.recv("w0", p.Heartbeat(next_step=5, prepared=True))
+    d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
+    epoch = d.policy.pending.epoch if d.policy.pending else -1
+    for name, kept in (("w0", [0, 1]), ("w2", [4, 5])):
+        d.recv(name, p.Ready(epoch=epoch, next_step=5, has_state=True, kept=kept))
+    d.recv("s0", p.Ready(epoch=epoch, next_step=0, has_state=False, kept=[]))
+    d.tick()
+    start = d.starts()["s0"]
+    assert Plan.from_dict(start.plan).ranges == ((0, 2), (2, 4), (4, 6))
+    assert start.first is not None
+    assert Plan.from_dict(start.first).ranges == ((0, 3), (3, 4), (4, 6))
+    assert d.logged(ev.EPOCH_STARTED)[-1]["first"] == start.first
+
+
+def test_a_redo_nobody_kept_slots_of_follows_the_epochs_plan() -> None:
+    d = running(3, slots=6)
+    d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
+    d.ready("w0", "w2", next_step=5)
+    assert d.starts()["w0"].first is None
+    assert "first" not in d.logged(ev.EPOCH_STARTED)[-1]
+
+
+def test_a_gracefully_leaving_worker_that_exits_before_its_epoch_starts_aborts_nothing() -> None:
+    """Its exit used to announce a second epoch ``after = -1``: the members gave up the
+    step in flight, and one caught between the reduction and its update received state."""
+    d = running(3, slots=6)
+    for w in ("w0", "w1", "w2"):
+        d.recv(w, p.Heartbeat(next_step=5, prepared=True))
+    d.recv("w1", p.Leave())
+    pending = d.policy.pending
+    assert pending is not None and pending.members == ["w0", "w2"] and pending.after == 6
+    d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
+    assert d.policy.pending is pending
+    assert [e["reason"] for e in d.logged(ev.EPOCH_ANNOUNCED)][-1] == "w1 left gracefully"
+    starts = d.starts(d.ready("w0", "w2", next_step=7))
+    assert starts["w0"].start_step == 7 and starts["w0"].receivers == []

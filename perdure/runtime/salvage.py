@@ -47,6 +47,11 @@ class SlotSalvage:
             self.reused.append(slot)
         return True
 
+    def held(self, key: tuple[int, int]) -> list[int]:
+        """The slots kept under ``key`` (what a member reports when it is ready to redo
+        that step), in order."""
+        return sorted(self.slots) if key == self.key else []
+
     def pop_reused(self) -> list[int]:
         out, self.reused = self.reused, []
         return out

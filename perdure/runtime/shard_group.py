@@ -50,6 +50,12 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in optimizer.param_groups for p in g["params"]]
 
 
+SYNC_GRACE_S = 1.0
+"""How long an update's parameter exchange may go on once the epoch changed (the group's
+other ranks, if they are in it too, finish in milliseconds; one that left the step never
+comes)."""
+
+
 class Shards:
     """Ownership, the update's exchange and the optimizer state's moves of one member."""
 
@@ -147,7 +153,10 @@ class Shards:
         else:
             flat = torch.empty(sum(sizes), dtype=torch.uint8, device=dev)
         pg, t = self.group.pg, self.timeout
-        self.group.call(lambda: pg.broadcast(flat, j).wait(t))
+        # Finished, if it can be, when the epoch changes: a death in another group would
+        # otherwise tear this group's replica (each rank then needs a whole replica's
+        # state, and with every group torn the run restarts from a checkpoint).
+        self.group.call(lambda: pg.broadcast(flat, j).wait(t), grace_s=SYNC_GRACE_S)
         if j == self.mine:
             return
         offset = 0

@@ -73,9 +73,13 @@ class StepRunner:
         reducer: Reducer,
         seams: Seams,
         timer: SlotTimer,
+        first: tuple[int, Plan] | None = None,
     ) -> None:
+        """``first``: a step and its own plan (the step an epoch redoes after a loss,
+        ``plan.redo_plan``); every other step follows ``plan``."""
         self.tr, self.plan, self.rank, self.comm = trainer, plan, rank, comm
         self.reducer, self.seams, self.timer = reducer, seams, timer
+        self.first = first
         self.slots = plan.slots_of(rank)
         self.bufs: list[torch.Tensor] = []
         train = trainer.config.train
@@ -92,6 +96,10 @@ class StepRunner:
     def size(self) -> int:
         return len(self.plan.members)
 
+    def plan_at(self, t: int) -> Plan:
+        """The plan of step ``t``: ``first``'s for its step, else the epoch's."""
+        return self.first[1] if self.first is not None and self.first[0] == t else self.plan
+
     def gradient(self, t: int, t0: float) -> torch.Tensor:
         """Compute, reduce, and handle non-finite slots until step ``t`` has a clean sum.
 
@@ -99,7 +107,8 @@ class StepRunner:
         the last slot's backward (as DDP overlaps its buckets): a chunk is added as soon as
         every gradient laid out in it is final.
         """
-        self.tr.prefetch(t + 1, self.slots)
+        self.slots = self.plan_at(t).slots_of(self.rank)
+        self.tr.prefetch(t + 1, self.plan_at(t + 1).slots_of(self.rank))
         while True:
             total = self._attempt(t, t0)
             bad = self.tr.layout.bad_slots(total)
@@ -260,7 +269,8 @@ class StepRunner:
         """Re-run each bad slot on another member to tell bad data from a bad worker."""
         per = self.tr.config.train.slot_size
         vec = torch.zeros(self.tr.config.train.slots * per, device=self.comm.device)
-        owner = {s: r for r in range(self.size) for s in self.plan.slots_of(r)}
+        plan = self.plan_at(t)
+        owner = {s: r for r in range(self.size) for s in plan.slots_of(r)}
         with self.tr.params_whole():  # the reruns are on some ranks only
             for s in bad:
                 if (owner[s] + 1) % self.size == self.rank:

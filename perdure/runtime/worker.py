@@ -165,12 +165,7 @@ class Worker:
         self.chaos.arm(config.chaos)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
-        self.trainer = Trainer(
-            config,
-            cache_dir=str(self.run_dir / "cache"),
-            poison=_poison_schedule(config),
-            placement=self.placement,
-        )
+        self.trainer = self._new_trainer()
         self.allow_config_change = welcome.allow_config_change
         if welcome.resume:
             self._load(welcome.resume)
@@ -220,8 +215,14 @@ class Worker:
         if self.trainer.torn:
             self.has_state = False  # half of an update: receive a whole replica's state
         held = self.trainer.held if self.has_state else NONE
+        t = self.trainer.next_step
+        kept = self.salvage.held((t, self.trainer.state_version)) if self.has_state else []
         ready = p.Ready(
-            epoch=msg.epoch, next_step=self.trainer.next_step, has_state=self.has_state, shard=held
+            epoch=msg.epoch,
+            next_step=t,
+            has_state=self.has_state,
+            shard=held,
+            kept=kept[: p.MAX_LIST],
         )
         self.client.send(ready)
         return self.client.wait_start(msg.epoch)
@@ -262,7 +263,8 @@ class Worker:
         except (Abandoned, CommFailed) as e:
             self._failed(e)
             return
-        runner = self._runner(plan, rank, comm)
+        first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
+        runner = self._runner(plan, rank, comm, first)
         ep = Epoch(start.epoch, plan, rank, start, comm, runner)
         try:
             self._transfer(ep)
@@ -297,7 +299,9 @@ class Worker:
                 {"event": ev.WORKER_FENCED, "worker": self.name, "generation": old, "newer": newer}
             )
 
-    def _runner(self, plan: Plan, rank: int, comm: Comm) -> StepRunner:
+    def _runner(
+        self, plan: Plan, rank: int, comm: Comm, first: tuple[int, Plan] | None = None
+    ) -> StepRunner:
         assert self.trainer is not None
         seams = Seams(
             name=self.name,
@@ -312,7 +316,7 @@ class Worker:
             salvage=self.salvage,
         )
         reducer = make_reducer(self.config.train, rank, len(plan.members))
-        return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer)
+        return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer, first)
 
     def _failed(self, e: Exception) -> None:
         epoch = self.client.epoch_no
@@ -401,13 +405,27 @@ class Worker:
                 }
             )
 
+    def _new_trainer(self) -> Trainer:
+        """The replica built from the seed (step 0)."""
+        config = self.config
+        return Trainer(
+            config,
+            cache_dir=str(self.run_dir / "cache"),
+            poison=_poison_schedule(config),
+            placement=self.placement,
+        )
+
     def _reload(self, path: str | None) -> None:
-        """Every replica was lost: start again from a checkpoint (or from the seed)."""
+        """Every replica was lost: start again from a checkpoint, or from the seed when the
+        run has none (a replica past step 0, torn or not, is built again: every member
+        then holds the same step-0 state)."""
         assert self.trainer is not None
         if path is not None:
             self._load(path)
         elif self.trainer.next_step != 0 or self.has_state:
-            raise RuntimeError("no checkpoint to recover from, and this replica is not at step 0")
+            self.trainer.close()
+            self.trainer = self._new_trainer()
+            self.salvage.clear()
         self.has_state = True
 
     def _load(self, path: str) -> None:

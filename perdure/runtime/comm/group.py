@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -120,21 +121,28 @@ class Comm:
             device=self.device,
         )
 
-    def call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging."""
-        return self.result(self.submit(fn))
+    def call(self, fn: Callable[[], T], *, grace_s: float = 0.0) -> T:
+        """Run ``fn`` on the comm thread; raise Abandoned or CommFailed instead of hanging.
+        ``grace_s``: once the epoch changes, how long to let ``fn`` finish before leaving
+        it, for an exchange that tears this rank's replica if left half done while its
+        peers finish (an update's parameters)."""
+        return self.result(self.submit(fn), grace_s=grace_s)
 
     def submit(self, fn: Callable[[], T]) -> cf.Future[T]:
         """Start ``fn`` on the comm thread (the step loop goes on; see :meth:`result`)."""
         return self._pool.submit(fn)
 
-    def result(self, fut: cf.Future[T]) -> T:
-        """Wait for ``fut`` in short slices, leaving at once if the epoch changes."""
+    def result(self, fut: cf.Future[T], *, grace_s: float = 0.0) -> T:
+        """Wait for ``fut`` in short slices, leaving once the epoch has changed (at once,
+        or ``grace_s`` after: see :meth:`call`)."""
+        since: float | None = None
         while True:
             done, _ = cf.wait([fut], timeout=_SLICE_S)
             if done:
                 break
-            if self.should_abort():
+            if since is None and self.should_abort():
+                since = time.monotonic()
+            if since is not None and time.monotonic() - since >= grace_s:
                 self.close()
                 raise Abandoned("membership epoch changed during a collective")
         try:

@@ -61,7 +61,15 @@ from perdure.runtime.control import protocol as p
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
 from perdure.runtime.control.lease import LeaseView
-from perdure.runtime.plan import Plan, from_counts, group_order, make_plan, rebalance
+from perdure.runtime.plan import (
+    REDO_MAX_WORK,
+    Plan,
+    from_counts,
+    group_order,
+    make_plan,
+    rebalance,
+    redo_plan,
+)
 from perdure.runtime.shard_plan import ALL, NONE
 from perdure.runtime.shard_plan import complete as shards_complete
 
@@ -656,6 +664,8 @@ class Policy:
         self._log(ev.LEAVE, worker=info.name, reason=reason)
         in_current = self.current is not None and info.name in self.current.members
         in_pending = self.pending is not None and info.name in self.pending.members
+        if info.role == "leaving" and self.pending is not None and not in_pending:
+            return  # its graceful leave is planned: the step in flight is not given up
         if (in_current or in_pending) and not self.finished:
             survivors = [m for m in self._members_now() if m != info.name]
             spare = self._promote_spare(info)
@@ -1078,6 +1088,7 @@ class Policy:
         recover: bool,
     ) -> None:
         plan = self._plan(pend)
+        first = None if recover else self._first_plan(pend, plan, start, receivers)
         msg = p.Start(
             epoch=pend.epoch,
             plan=plan.to_dict(),
@@ -1088,6 +1099,7 @@ class Policy:
             reload=reload,
             prefix=f"pg/{pend.epoch}/{self.s.instance}/",
             generation=self.generation,
+            first=first.to_dict() if first is not None else None,
         )
         for m in pend.members:
             self._send(m, msg)
@@ -1111,7 +1123,27 @@ class Policy:
             plan=plan.to_dict(),
             reason=pend.reason,
             generation=self.generation,
+            **({"first": first.to_dict()} if first is not None else {}),
         )
+
+    def _first_plan(
+        self, pend: Pending, plan: Plan, start: int, receivers: list[str]
+    ) -> Plan | None:
+        """The start step's own plan, when the epoch redoes a step that members hold
+        slots of finished (a loss mid-step; ``plan.redo_plan``); None: ``plan`` for every
+        step. Not with parameters sharded at rest: those ranks salvage nothing."""
+        if self.s.config.train.shard_params or plan.slots * len(plan.members) > REDO_MAX_WORK:
+            return None
+        ready = pend.ready
+        kept = [
+            set(ready[m].kept) if ready[m].next_step == start and m not in receivers else set()
+            for m in plan.members
+        ]
+        if not any(kept):
+            return None
+        lag = [1 if m in receivers else 0 for m in plan.members]
+        first = redo_plan(plan, kept, lag)
+        return None if first == plan else first
 
     # -- the lease -------------------------------------------------------------------------
 

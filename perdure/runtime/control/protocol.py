@@ -17,6 +17,8 @@ serving, and a refusal may say "retry" (a standby that does not hold the lease, 
 coordinator renewing its own). Version 3 added the heartbeat's ``sent`` stamp, from which
 the coordinator measures each member's link latency (``control/lag.py``). Version 4 added
 the ready's ``shard``: which shard of a replica group's optimizer state the member holds.
+Version 5 added the ready's ``kept`` (the slots it holds finished of the step it would
+redo) and the start's ``first`` (the plan of that one step, ``plan.redo_plan``).
 
 Limits: a line is at most ``MAX_LINE`` bytes (the welcome, which carries the run config,
 is the largest message); strings, lists and nesting are bounded so that decoding is cheap
@@ -29,10 +31,10 @@ import json
 import math
 import types
 import typing
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Union
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
 MAX_STR = 4096
@@ -94,6 +96,9 @@ class Ready:
     shard: int = -1
     """The shard of the optimizer state it holds (``train.shard_degree`` > 1); -1: all of
     it, -2: none (``runtime/shard_plan.py``)."""
+    kept: list[int] = field(default_factory=list)
+    """Slots of step ``next_step`` it holds finished from an abandoned attempt (salvage,
+    ``runtime/salvage.py``); at most ``MAX_LIST`` of them are reported."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +218,10 @@ class Start:
     """Of the coordinator that started the epoch; every write of the epoch's members (a
     step's metrics line, a checkpoint commit) is checked against the run directory's
     fence with it."""
+    first: dict[str, Any] | None = None
+    """The plan of ``start_step`` alone (the step redone after a loss), where it differs
+    from ``plan``: the members that hold slots finished take the lost ones beside them
+    (``plan.redo_plan``). None: ``plan`` from the first step on."""
 
 
 @dataclass(frozen=True)
