@@ -1088,7 +1088,8 @@ class Policy:
         recover: bool,
     ) -> None:
         plan = self._plan(pend)
-        first = None if recover else self._first_plan(pend, plan, start, receivers)
+        first_plan = None if recover else self._first_plan(pend, plan, start, receivers)
+        first = first_plan.to_dict() if first_plan is not None else None
         msg = p.Start(
             epoch=pend.epoch,
             plan=plan.to_dict(),
@@ -1099,7 +1100,7 @@ class Policy:
             reload=reload,
             prefix=f"pg/{pend.epoch}/{self.s.instance}/",
             generation=self.generation,
-            first=first.to_dict() if first is not None else None,
+            first=first,
         )
         for m in pend.members:
             self._send(m, msg)
@@ -1123,7 +1124,7 @@ class Policy:
             plan=plan.to_dict(),
             reason=pend.reason,
             generation=self.generation,
-            **({"first": first.to_dict()} if first is not None else {}),
+            **({"first": first} if first is not None else {}),
         )
 
     def _first_plan(
