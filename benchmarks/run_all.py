@@ -38,6 +38,7 @@ SUITE = [
     ("rtt", "bench_rtt.py", [], ["--quick"]),
     ("spike", "bench_spike.py", [], ["--quick"]),
     ("launch", "bench_launch.py", [], ["--quick"]),
+    ("scatter", "bench_scatter.py", [], ["--quick"]),
 ]
 
 
@@ -406,6 +407,23 @@ def md_spike(d: dict) -> str:
     )
 
 
+def md_scatter(d: dict) -> str:
+    head = ["W", "k", "MB", "scatter / whole", "scatter / all_reduce", "whole / all_reduce"]
+    head += ["words sent per value: scatter, flat", "bitwise equal"]
+    keys = ["scatter_over_whole", "scatter_over_all_reduce", "whole_over_all_reduce"]
+    rows = []
+    for r in d["rows"]:
+        w = r["words_per_value_sent"]
+        words = f"{w['scatter']:.2f}, {w['flat_all_reduce']:.2f}"
+        cells = [fmt(r[key], 2) for key in keys]
+        rows.append([r["W"], r["k"], f"{r['mb']:.0f}", *cells, words, r["bitwise_equal"]])
+    return (
+        table(head, rows)
+        + f"\n\nint{d['bits']}, {d['slots']} slot buffers per rank, times of the slowest rank; "
+        + f"load average at start {d['machine']['loadavg_at_start']}."
+    )
+
+
 RENDER = {
     "reduce": md_reduce,
     "step": md_step,
@@ -417,6 +435,7 @@ RENDER = {
     "rtt": md_rtt,
     "spike": md_spike,
     "launch": md_launch,
+    "scatter": md_scatter,
 }
 
 

@@ -96,6 +96,10 @@ are sharded at rest (``train.shard_params``)."""
 PARAMS_AT_REST: Final = "params_at_rest"
 """Parameters sharded at rest (``train.shard_params``): what a member keeps resident
 between slots in this epoch (``bytes``) and the whole replica's (``of``)."""
+SHARD_REDUCE: Final = "shard_reduce"
+"""How a replica group's member gets the step's gradient in an epoch (``train.shard_degree``
+> 1): ``mode`` ``scatter`` (its shard's value ``range`` of the slot buffer, reduce-
+scattered) or ``whole`` (all-reduced whole; ``why``, where a scatter was wanted)."""
 PARAMS_PEAK: Final = "params_peak"
 """Parameters sharded at rest, at an epoch's end: the most parameter bytes a member held
 at once in it (``peak_bytes``: resident parameters plus a gather's temporary), the whole
@@ -178,6 +182,7 @@ NAMES: frozenset[str] = frozenset(
         STATE_RECEIVED,
         SHARD_RECEIVED,
         PARAMS_AT_REST,
+        SHARD_REDUCE,
         PARAMS_PEAK,
         STEP_ABANDONED,
         SLOTS_SALVAGED,

@@ -3,7 +3,11 @@ optimizer state dicts cut and merged by shard."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from perdure.runtime.shard_plan import ALL, NONE, complete, merge, owners, part, shard_of, sources
 
@@ -74,3 +78,61 @@ def test_fingerprints_are_compared_among_the_ranks_that_hold_the_same_tensors() 
     values = [(5, 7, -1), (5, -1, 9), (5, 7, -1), (5, -1, 8)]
     assert _holding_classes(values) == [[0, 2], [1, 3]]
     assert _holding_classes([(1, 2), (1, 3)]) == [[0, 1]]  # unsharded: one class
+
+
+def test_contiguous_owners_give_each_shard_one_run_with_the_least_largest_load() -> None:
+    """Positions [100, 1, 1, 100, 50, 50] in 2 runs: the least largest load is 152
+    (100 + 1 + 1 | 100 + 50 + 50 would be 200), so the cut falls after position 2."""
+    from perdure.runtime.shard_plan import contiguous_owners, shard_ranges
+
+    sizes = [100, 1, 1, 100, 50, 50]
+    items = [[i] for i in range(len(sizes))]
+    got = contiguous_owners(items, sizes, 2)
+    assert got == [0, 0, 0, 1, 1, 1]
+    assert shard_ranges(got, sizes, 2) == [(0, 102), (102, 302)]
+    # a unit kept whole: [2, 3] cannot be split, so the cut moves before it
+    assert contiguous_owners([[0], [1], [2, 3], [4], [5]], sizes, 2) == [0, 0, 1, 1, 1, 1]
+    # more shards than items: the last shards get empty ranges where they would begin
+    assert contiguous_owners([[0, 1]], [3, 4], 3) == [0, 0]
+    assert shard_ranges([0, 0], [3, 4], 3) == [(0, 7), (7, 7), (7, 7)]
+
+
+def test_contiguous_owners_are_none_when_the_items_cannot_be_runs() -> None:
+    from perdure.runtime.shard_plan import contiguous_owners
+
+    assert contiguous_owners([[0, 2], [1]], [1, 1, 1], 2) is None  # interleaved
+    assert contiguous_owners([[0], [2]], [1, 1, 1], 2) is None  # position 1 in no item
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 50), min_size=1, max_size=12),
+    k=st.integers(1, 5),
+    data=st.data(),
+)
+def test_contiguous_owners_are_optimal_among_every_cut(
+    sizes: list[int], k: int, data: st.DataObject
+) -> None:
+    """Against brute force: runs in position order, units whole, and no cut into at most
+    k runs has a smaller largest load."""
+    from perdure.runtime.shard_plan import contiguous_owners, shard_ranges
+
+    n = len(sizes)
+    cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)) if n > 1 else [])
+    bounds = [0, *cuts, n]
+    items = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+    got = contiguous_owners(items, sizes, k)
+    assert got is not None
+    assert got == sorted(got) and got[0] == 0 and got[-1] < k
+    for it in items:
+        assert len({got[i] for i in it}) == 1
+    loads = [sum(sizes[lo:hi]) for lo, hi in itertools.pairwise(bounds)]
+    best = min(
+        max(sum(loads[a:b]) for a, b in zip((0, *c), (*c, len(loads)), strict=True))
+        for r in range(min(k, len(loads)))
+        for c in itertools.combinations(range(1, len(loads)), r)
+    )
+    assert max(sum(s for s, o in zip(sizes, got, strict=True) if o == j) for j in range(k)) == best
+    ranges = shard_ranges(got, sizes, k)
+    assert ranges[0][0] == 0 and ranges[-1][1] == sum(sizes)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))

@@ -4,6 +4,7 @@ rank, and across a resume with another k."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,61 @@ def test_the_shard_degree_and_the_group_count_do_not_change_the_final_hash(
     s = run_to_end(_cfg(small_dataset, workers, k), tmp_path / "run")
     assert s["final_hash"] == unsharded
     assert s["replica_hashes_agree"]
+
+
+CLIP = {"grad_clip": 0.05}  # below the gradient's norm: every step is clipped
+
+
+@pytest.fixture(scope="module")
+def unsharded_clipped(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    run_dir = tmp_path_factory.mktemp("unsharded_clipped") / "run"
+    return str(run_to_end(_cfg(small_dataset, 2, 1, optim=CLIP), run_dir)["final_hash"])
+
+
+@pytest.mark.parametrize(
+    "mode,workers,k,at_rest",
+    [("scatter", 4, 2, False), ("whole", 4, 2, False), ("auto", 6, 3, True)],
+)
+def test_the_reduce_scatter_and_the_whole_reduction_end_with_the_unsharded_bits(
+    unsharded_clipped: str,
+    small_dataset: Path,
+    tmp_path: Path,
+    mode: str,
+    workers: int,
+    k: int,
+    at_rest: bool,
+) -> None:
+    """Clipped at every step, so a rank's norms summed over its group must give the whole
+    gradient's norm bit for bit; each shard's range of the buffer is one run, the same for
+    its ranks in every group, and the ranges tile the gradient part in shard order."""
+    run_dir = tmp_path / "run"
+    train = {"reduction": "exact", "shard_degree": k, "shard_params": at_rest, "shard_reduce": mode}
+    cfg = small_config(small_dataset, workers=workers, steps=STEPS, train=train, optim=CLIP)
+    s = run_to_end(cfg, run_dir)
+    assert s["final_hash"] == unsharded_clipped
+    logged = events(run_dir, ev.SHARD_REDUCE)
+    members = events(run_dir, ev.EPOCH_STARTED)[0]["plan"]["members"]
+    assert sorted(e["worker"] for e in logged) == sorted(members)
+    want = "whole" if mode == "whole" else "scatter"
+    assert {e["mode"] for e in logged} == {want} and {e["why"] for e in logged} == {None}
+    if want == "scatter":
+        by_shard = {members.index(e["worker"]) % k: tuple(e["range"]) for e in logged}
+        assert all(tuple(e["range"]) == by_shard[members.index(e["worker"]) % k] for e in logged)
+        ranges = [by_shard[j] for j in range(k)]
+        assert ranges[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+        assert all(lo < hi for lo, hi in ranges)
+
+
+def test_a_scatter_with_a_reduction_that_cannot_scatter_is_refused_naming_the_field() -> None:
+    from perdure.config.errors import ConfigError
+    from perdure.runtime.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"shard_reduce.*'scatter' needs train.reduction"):
+        TrainConfig(shard_degree=2, shard_reduce="scatter")  # the chain
+    with pytest.raises(ConfigError, match=r"shard_reduce"):
+        TrainConfig(reduction="exact", reduction_exponents="carried", shard_reduce="scatter")
+    assert not TrainConfig(shard_degree=2).scatters  # auto with the chain: whole
+    assert TrainConfig(shard_degree=2, reduction="exact").scatters
 
 
 @pytest.mark.parametrize("at_rest", [False, True], ids=["whole_params", "params_at_rest"])

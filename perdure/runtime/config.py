@@ -125,9 +125,23 @@ class TrainConfig:
     Costs a broadcast per unit and owner in the forward and again in the backward, per
     slot (see docs/performance.md), and every rank of a group computes as many slots as the busiest
     one (a rank with fewer computes throwaway ones: the gathers are collectives of the
-    group). Limits: the whole gradient sum is still held by every rank; loading a
+    group). Limits: the gradient sum keeps its whole size on every rank (with
+    ``shard_reduce = "scatter"`` only the own range of it is reduced and converted); loading a
     checkpoint or re-running a non-finite slot holds the whole parameters for a moment; a
     model whose use of parameters depends on the data (an expert router) cannot run so."""
+    shard_reduce: Literal["auto", "whole", "scatter"] = "auto"
+    """How a replica group's ranks get the step's gradient (``train.shard_degree`` > 1).
+    ``scatter``: the integer sum is reduce-scattered inside the group (each rank receives
+    its shard's contiguous range of the slot buffer) and all-reduced across groups among
+    the ranks of the same shard, then only that range is converted back (HSDP's
+    reduce-scatter: half the bytes of an all-reduce per rank inside the group, 1/k across
+    groups); gradient clipping then sums its per-parameter norms over the group. ``whole``:
+    every rank all-reduces the whole sum over every member and drops the foreign part.
+    ``auto``: ``scatter`` wherever it is possible, else ``whole``. ``scatter`` needs
+    ``train.reduction = "exact"`` with ``reduction_exponents = "step"`` (integers: any
+    grouping of the additions gives the same bits, so not part of the math). Where each
+    shard cannot own one contiguous range (gather units of ``shard_params`` that interleave
+    in the buffer's order), a run falls back to ``whole`` and logs why."""
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
     """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
     in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
@@ -172,6 +186,15 @@ class TrainConfig:
             self.reduction_exponents,
         )
         c.check(
+            self.shard_reduce != "scatter"
+            or (self.reduction == "exact" and self.reduction_exponents == "step"),
+            "shard_reduce",
+            "'scatter' needs train.reduction = 'exact' with reduction_exponents = 'step' "
+            "(the chain's left fold and the carried form's buckets are not sums of integer "
+            "ranges)",
+            self.shard_reduce,
+        )
+        c.check(
             1 <= self.reduction_block <= 1 << 20,
             "reduction_block",
             "must be in [1, 1048576]",
@@ -182,6 +205,13 @@ class TrainConfig:
     @property
     def slot_size(self) -> int:
         return self.global_batch // self.slots
+
+    @property
+    def scatters(self) -> bool:
+        """Whether replica groups reduce-scatter the gradient (``shard_reduce``), where
+        each shard's range can be contiguous."""
+        possible = self.reduction == "exact" and self.reduction_exponents == "step"
+        return self.shard_degree > 1 and self.shard_reduce != "whole" and possible
 
 
 @dataclass(kw_only=True, frozen=True)

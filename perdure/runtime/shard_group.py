@@ -20,7 +20,12 @@ the broadcast after the update (nobody else keeps them). The parameters then tra
 their shard's optimizer state (``exchange``), a checkpoint's model tensors are written by
 their shard's holders like the optimizer's, and the final hash streams them too.
 
-Limit: the gradient sum stays whole on every rank (a reduce-scatter would shrink it too).
+With ``train.shard_reduce`` (``scatter``, or ``auto`` where possible) each shard owns
+one contiguous range of the slot buffer's order (``shard_plan.contiguous_owners``), the
+gradient sum is reduce-scattered (``comm/scatter.py``) and is correct on a rank's own
+range only: gradient clipping then sums its per-parameter norms over the group
+(:meth:`Shards.clip`). Limit: the accumulator and the converted buffer keep their whole
+size (only their own range and the tail are final).
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from perdure.checkpoint.tensors import MODEL, flatten
 from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.scatter import Scatter
 from perdure.runtime.comm.transfer import (
     broadcast_state,
     pack,
@@ -42,7 +49,18 @@ from perdure.runtime.comm.transfer import (
     unpack_skeleton,
 )
 from perdure.runtime.param_gather import ParamGather, unit_budget, units
-from perdure.runtime.shard_plan import ALL, merge, owners, part, shard_of, sources, unit_owners
+from perdure.runtime.shard_plan import (
+    ALL,
+    contiguous_owners,
+    group_of,
+    merge,
+    owners,
+    part,
+    shard_of,
+    shard_ranges,
+    sources,
+    unit_owners,
+)
 
 
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -68,13 +86,29 @@ class Shards:
         group: Comm,
         timeout: timedelta,
         module: nn.Module | None = None,
+        layout: Sequence[torch.Tensor] | None = None,
     ) -> None:
+        """``layout``: the parameters in the slot buffer's order (``SlotEngine.params``),
+        to give each shard one contiguous range of it for a reduce-scatter
+        (``train.shard_reduce = "scatter"``); ``ranges`` stays None where the ownership
+        cannot be contiguous (gather units that interleave in that order)."""
         self.params = list(params)
         self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.unit_bytes: int | None = None
         """Sharded at rest: the gather units' budget (``param_gather.units``)."""
-        self.owner = self._owners(module)
+        self.ranges: list[tuple[int, int]] | None = None
+        """Each shard's value range of the slot buffer's gradient part (contiguous
+        ownership for the reduce-scatter), or None."""
+        self.grad_owner: dict[int, int] = {}
+        """With ``ranges``: the shard whose range holds each slot-buffer parameter's
+        gradient, by ``id`` (what :meth:`clip` sums norms by)."""
+        self.why_whole: str | None = None
+        """Why a ``layout`` given got no contiguous ranges."""
+        self.scatter: Scatter | None = None
+        """This epoch's reduce-scatter (``comm/scatter.py``), once built."""
+        self._scatter_comms: list[Comm] = []
+        self.owner = self._owners(module, layout)
         self.mine = shard_of(rank, k)
         self.received: tuple[int, int] | None = None
         """After ``exchange``: (the rank it received its shard from, the bytes), if any."""
@@ -83,16 +117,72 @@ class Shards:
         its state dict's parameters, by checkpoint name (``model/<name>``; a tied
         parameter under each of its names)."""
 
-    def _owners(self, module: nn.Module | None) -> list[int]:
+    def _owners(self, module: nn.Module | None, layout: Sequence[torch.Tensor] | None) -> list[int]:
         """Whole parameters balanced by size; sharded at rest, whole gather units (one
-        broadcast each: ``shard_plan.unit_owners``)."""
+        broadcast each: ``shard_plan.unit_owners``); for a reduce-scatter, contiguous runs
+        of the slot buffer (units kept whole) where that is possible."""
         sizes = [p.numel() for p in self.params]
-        if module is None:
-            return owners(sizes, self.k)
-        nbytes = [p.numel() * p.element_size() for p in self.params]
-        self.unit_bytes = unit_budget(nbytes, self.k)
-        cut = units(module, self._index, nbytes, self.unit_bytes)
-        return unit_owners([idx for _, idx in cut], sizes, self.k)
+        groups = None
+        if module is not None:
+            nbytes = [p.numel() * p.element_size() for p in self.params]
+            self.unit_bytes = unit_budget(nbytes, self.k)
+            groups = [idx for _, idx in units(module, self._index, nbytes, self.unit_bytes)]
+        if layout is not None:
+            found = self._contiguous(layout, groups)
+            if found is not None:
+                return found
+        return owners(sizes, self.k) if groups is None else unit_owners(groups, sizes, self.k)
+
+    def _contiguous(
+        self, layout: Sequence[torch.Tensor], groups: list[list[int]] | None
+    ) -> list[int] | None:
+        """Owners giving each shard one run of ``layout`` (and ``self.ranges``), or None."""
+        pos = {id(p): i for i, p in enumerate(layout)}
+        if any(id(p) not in pos for p in self.params):
+            self.why_whole = "an optimized parameter is outside the slot buffer"
+            return None
+        items: list[list[int]] = []
+        covered: set[int] = set()
+        for g in groups or []:  # a tied parameter stays in its first unit
+            it = [pos[id(self.params[i])] for i in g if pos[id(self.params[i])] not in covered]
+            covered.update(it)
+            items += [it] if it else []
+        items += [[i] for i in range(len(layout)) if i not in covered]
+        numels = [p.numel() for p in layout]
+        by_pos = contiguous_owners(items, numels, self.k)
+        if by_pos is None:
+            self.why_whole = "the gather units interleave in the slot buffer's order"
+            return None
+        self.ranges = shard_ranges(by_pos, numels, self.k)
+        self.grad_owner = {id(p): by_pos[i] for i, p in enumerate(layout)}
+        return [by_pos[pos[id(p)]] for p in self.params]
+
+    def build_scatter(self, epoch: Comm, store: Any, world: int, numel: int, size: int) -> None:
+        """This epoch's reduce-scatter, where the ranges are contiguous: a process group of
+        the replica group for it alone (the gathers' group keeps its own order of
+        collectives) and, with several groups, one of this shard's ranks across them.
+        ``numel`` and ``size``: the slot buffer's gradient part and whole length. Every
+        member of the epoch calls it, in the same order of groups (no cycle of waits)."""
+        if self.ranges is None:
+            return
+        g, j = group_of(self.rank, self.k), self.mine
+        self._scatter_comms = [epoch.subgroup(store, f"scatter{g}", j, self.k)]
+        if world > self.k:
+            self._scatter_comms.append(epoch.subgroup(store, f"cross{j}", g, world // self.k))
+        cross = self._scatter_comms[1].pg if world > self.k else None
+        pg = self._scatter_comms[0].pg
+        first = "all_reduce" if isinstance(pg, dist.ProcessGroupGloo) else "reduce_scatter"
+        self.scatter = Scatter(pg, cross, tuple(self.ranges), j, numel, size, first)
+
+    def close(self) -> None:
+        for c in [self.group, *self._scatter_comms]:
+            c.close()
+
+    @property
+    def scattered(self) -> bool:
+        """Whether this epoch's reduction reduce-scatters (set by the worker once it has
+        built the scatter): the gradients are then correct on their owners only."""
+        return self.scatter is not None
 
     @property
     def shard_params(self) -> bool:
@@ -135,6 +225,29 @@ class Shards:
         for p, j in zip(self.params, self.owner, strict=True):
             if j != self.mine:
                 p.grad = None
+
+    def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None:
+        """``clip_grad_norm_(params, max_norm, foreach=False)`` with each gradient correct
+        on its range's owner only (a reduce-scatter): the same bits on this rank's own
+        gradients. Each parameter's norm is taken by its owner, the vector of norms (one
+        owner's value and zeros: an exact sum) is all-reduced over the group, and the total
+        is torch's norm of that vector, as ``clip_grad_norm_`` stacks the norms (one
+        device and dtype, which the float32 slot buffer's gradients are)."""
+        grads = [p.grad for p in params if p.grad is not None]
+        owners_ = [self.grad_owner[id(p)] for p in params if p.grad is not None]
+        dev = self.group.device
+        norms = torch.zeros(len(grads), dtype=torch.float32, device=dev)
+        for i, (g, j) in enumerate(zip(grads, owners_, strict=True)):
+            if j == self.mine:
+                norms[i] = torch.linalg.vector_norm(g, 2.0)
+        pg, t = self.group.pg, self.timeout
+        self.group.call(lambda: pg.allreduce([norms]).wait(t))
+        total = torch.linalg.vector_norm(norms, 2.0)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g, j in zip(grads, owners_, strict=True):
+                if j == self.mine:
+                    g.mul_(coef.to(g.device))
 
     def sync_params(self) -> None:
         """After it: each shard's owner broadcasts its updated parameters to the group (as

@@ -13,6 +13,7 @@ moments). Whole-parameter ownership keeps ``train.shard_degree`` out of the math
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -53,6 +54,74 @@ def unit_owners(units: Sequence[Sequence[int]], sizes: Sequence[int], k: int) ->
     for g, j in zip(groups, by_group, strict=True):
         for i in g:
             out[i] = j
+    return out
+
+
+def contiguous_owners(
+    items: Sequence[Sequence[int]], sizes: Sequence[int], k: int
+) -> list[int] | None:
+    """Owners (by position) that give each shard one contiguous run of positions, for a
+    reduce-scatter of a flat buffer laid out in position order (``train.shard_reduce``).
+    ``items``: the indivisible groups of positions (a gather unit; else each position
+    alone); ``sizes``: each position's size. The runs minimise the largest shard's load,
+    and among those cuts the earliest fill (a pure function of the inputs). None when the
+    items do not tile the positions in order (an item that is not one interval, or two
+    that interleave): such an ownership cannot be contiguous."""
+    spans = _item_spans(items, len(sizes))
+    if spans is None:
+        return None
+    loads = [sum(sizes[lo:hi]) for lo, hi in spans]
+    cap = _least_capacity(loads, k)
+    out = [0] * len(sizes)
+    shard, held = 0, 0
+    for (lo, hi), load in zip(spans, loads, strict=True):
+        if held + load > cap and held > 0:
+            shard, held = shard + 1, 0
+        held += load
+        out[lo:hi] = [shard] * (hi - lo)
+    assert shard < max(k, 1), "the least capacity fits every item in k runs"
+    return out
+
+
+def _item_spans(items: Sequence[Sequence[int]], n: int) -> list[tuple[int, int]] | None:
+    """The items as position intervals in order, if they tile ``0..n-1``; else None."""
+    spans = sorted((min(it), max(it) + 1, len(set(it))) for it in items if it)
+    at = 0
+    for lo, hi, count in spans:
+        if lo != at or hi - lo != count:
+            return None
+        at = hi
+    return [(lo, hi) for lo, hi, _ in spans] if at == n else None
+
+
+def _least_capacity(loads: Sequence[int], k: int) -> int:
+    """The smallest largest-run load that cuts ``loads`` into at most ``k`` runs."""
+    if k < 1:
+        raise ValueError(f"shard degree must be >= 1 (got {k})")
+    lo, hi = max(loads, default=0), sum(loads)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        runs, held = 1, 0
+        for x in loads:
+            if held + x > mid and held > 0:
+                runs, held = runs + 1, 0
+            held += x
+        lo, hi = (lo, mid) if runs <= k else (mid + 1, hi)
+    return lo
+
+
+def shard_ranges(owner: Sequence[int], numels: Sequence[int], k: int) -> list[tuple[int, int]]:
+    """Each shard's value range ``[lo, hi)`` in a flat buffer of the positions in order,
+    for a contiguous ownership (``contiguous_owners``: owners never decrease along the
+    positions); an empty shard gets an empty range where it would begin."""
+    assert all(a <= b for a, b in itertools.pairwise(owner)), "not contiguous"
+    out, offset, pos = [], 0, 0
+    for j in range(k):
+        lo = offset
+        while pos < len(owner) and owner[pos] == j:
+            offset += numels[pos]
+            pos += 1
+        out.append((lo, offset))
     return out
 
 

@@ -22,7 +22,7 @@ from perdure.events import JsonLines
 from perdure.runtime.comm.carried import CarriedReducer, accepts, fitted, predict
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.readiness import Readiness
-from perdure.runtime.comm.reducer import Reducer
+from perdure.runtime.comm.reducer import Reducer, make_reducer
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
@@ -79,6 +79,11 @@ class StepRunner:
         ``plan.redo_plan``); every other step follows ``plan``."""
         self.tr, self.plan, self.rank, self.comm = trainer, plan, rank, comm
         self.reducer, self.seams, self.timer = reducer, seams, timer
+        self.verdicts = reducer
+        """The reducer of the reruns' verdicts: the flat one where ``reducer`` scatters
+        the slot buffers (a verdict is needed whole on every rank)."""
+        if getattr(reducer, "scatter", None) is not None:
+            self.verdicts = make_reducer(trainer.config.train, rank, len(plan.members))
         self.first = first
         self.slots = plan.slots_of(rank)
         self.bufs: list[torch.Tensor] = []
@@ -241,9 +246,10 @@ class StepRunner:
         delay: float,
         ready: Readiness | None,
         abort: Callable[[], bool],
+        reducer: Reducer | None = None,
     ) -> Any:
         self._injected_drop()
-        return self.reducer.start(
+        return (reducer or self.reducer).start(
             self.comm,
             bufs,
             timeout=self.seams.timeout(),
@@ -261,7 +267,8 @@ class StepRunner:
 
     def _reduce(self, bufs: list[torch.Tensor]) -> torch.Tensor:
         """The slot-ordered sum of every member's ``bufs`` (all final already)."""
-        return self.comm.result(self._start_reduce(bufs, 0.0, None, lambda: False))
+        fut = self._start_reduce(bufs, 0.0, None, lambda: False, self.verdicts)
+        return self.comm.result(fut)
 
     # -- non-finite slots ------------------------------------------------------------------
 

@@ -261,6 +261,10 @@ class Worker:
                 comm.add_tiers(store, self.region)
             self._shard_group(store, comm, rank)
         except (Abandoned, CommFailed) as e:
+            if self.shards is not None:  # its groups, as far as they were built
+                self.shards.close()
+                self.shards = None
+                self.trainer.shards = None
             self._failed(e)
             return
         first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
@@ -315,7 +319,8 @@ class Worker:
             suspects=self.suspects,
             salvage=self.salvage,
         )
-        reducer = make_reducer(self.config.train, rank, len(plan.members))
+        scatter = self.shards.scatter if self.shards is not None else None
+        reducer = make_reducer(self.config.train, rank, len(plan.members), scatter)
         return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer, first)
 
     def _failed(self, e: Exception) -> None:
@@ -364,13 +369,27 @@ class Worker:
         k = self.config.train.shard_degree
         if k == 1:
             return
+        train, tr = self.config.train, self.trainer
         group = comm.subgroup(store, f"shard{group_of(rank, k)}", shard_of(rank, k), k)
-        params = optimizer_params(self.trainer.optimizer)
-        module = self.trainer.module if self.config.train.shard_params else None
+        params = optimizer_params(tr.optimizer)
+        module = tr.module if train.shard_params else None
+        layout = tr.engine.params if train.scatters else None
         self.shards = Shards(
-            params, k=k, rank=rank, group=group, timeout=self._timeout(), module=module
+            params,
+            k=k,
+            rank=rank,
+            group=group,
+            timeout=self._timeout(),
+            module=module,
+            layout=layout,
         )
-        self.trainer.shards = self.shards
+        tr.shards = self.shards
+        if train.scatters:
+            self.shards.build_scatter(comm, store, comm.size, tr.layout.numel, tr.layout.size)
+        if train.shard_reduce == "scatter" and self.shards.why_whole:
+            log.warning(
+                "%s: train.shard_reduce: whole, not scatter: %s", self.name, self.shards.why_whole
+            )
 
     def _exchange_shards(self, ep: Epoch) -> None:
         """Every member holds its own shard's optimizer state before the first step."""
@@ -380,6 +399,7 @@ class Worker:
             return
         t0 = time.monotonic()
         tr.keep_shard(*shards.exchange(ep.comm, tr.held, tr.recipe.state_dict()))
+        self._log_shard_reduce(ep, shards)
         if tr.gather is not None:
             self.events.write(
                 {
@@ -404,6 +424,19 @@ class Worker:
                     "seconds": round(time.monotonic() - t0, 4),
                 }
             )
+
+    def _log_shard_reduce(self, ep: Epoch, shards: Shards) -> None:
+        sc = shards.scatter
+        self.events.write(
+            {
+                "event": ev.SHARD_REDUCE,
+                "worker": self.name,
+                "epoch": ep.number,
+                "mode": "whole" if sc is None else "scatter",
+                "range": None if sc is None else list(sc.mine),
+                "why": shards.why_whole if self.config.train.scatters else None,
+            }
+        )
 
     def _new_trainer(self) -> Trainer:
         """The replica built from the seed (step 0)."""
@@ -464,7 +497,7 @@ class Worker:
     def _close_epoch(self, ep: Epoch) -> None:
         ep.comm.close()
         if self.shards is not None:
-            self.shards.group.close()
+            self.shards.close()
             self.shards = None
         if self.trainer is not None:
             self._log_gathers(ep)

@@ -20,6 +20,9 @@ and a finite 1.0) makes every replica redo the step, so they never reach an upda
 The integers travel in buckets of ``CHUNK`` values: gloo's own threads all-reduce bucket
 ``i`` while this thread converts bucket ``i + 1``, so conversion overlaps communication.
 
+In replica groups (``train.shard_reduce``) the integers are reduce-scattered instead
+(``comm/scatter.py``): a rank converts back its shard's range of the sum only.
+
 The conversions run in fused C kernels (:mod:`perdure.runtime.comm.exact_kernels`: one
 pass each for the exponents, the integers and the way back) when they build and agree with
 the torch ops on a probe; the torch ops below stay as the fallback and the reference, and
@@ -47,6 +50,7 @@ import torch.distributed as dist
 
 from perdure.runtime.comm import exact_kernels
 from perdure.runtime.comm.exact_kernels import Kernels
+from perdure.runtime.comm.scatter import Scatter, ScatterExchange
 from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 from perdure.runtime.replica.slots import all_finite
 
@@ -60,13 +64,24 @@ whether one of them is not finite."""
 
 class ExactReducer:
     """One member's side of the exact reduction (see the module doc). ``fused``: use the
-    fused kernels where they are available (False: the torch ops, the reference)."""
+    fused kernels where they are available (False: the torch ops, the reference).
+    ``scatter``: a replica group's reduce-scatter (``comm/scatter.py``) for the slot
+    buffers; the sum is then final on this rank's shard range and the buffer's tail only."""
 
     def __init__(
-        self, rank: int, size: int, *, slots: int, bits: int, block: int, fused: bool = True
+        self,
+        rank: int,
+        size: int,
+        *,
+        slots: int,
+        bits: int,
+        block: int,
+        fused: bool = True,
+        scatter: Scatter | None = None,
     ) -> None:
         assert bits in (32, 64) and block > 0 and slots > 0
         self.rank, self.size, self.bits, self.block = rank, size, bits, block
+        self.scatter = scatter
         self.headroom = math.ceil(math.log2(slots)) if slots > 1 else 0
         self.dtype = torch.int64 if bits == 64 else torch.int32
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -125,6 +140,15 @@ class ExactReducer:
         scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
         inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
         buckets = range(len(self._ranges(acc.numel())))
+        sc = self.scatter
+        if pg is not None and sc is not None and acc.numel() == sc.size:
+            ex = ScatterExchange(sc, acc, pg, tiers)
+            for i in buckets:  # gloo's threads scatter this bucket while we convert the next
+                self._accumulate(acc, bufs, scale, i, fused)
+                ex.send(*self._values(acc.numel(), i))
+            for lo, hi in ex.finish(timeout):
+                self._convert_values(acc, inv, out, lo, hi, fused)
+            return out
         if pg is not None and tiers is not None:
             # One exchange for the whole buffer: across regions each exchange costs round
             # trips, and buckets would pay them one after another.
@@ -246,6 +270,27 @@ class ExactReducer:
         rows, (lo, hi) = self._span(acc, i)
         out_rows, _ = self._span(out, i)
         torch.mul(rows.to(torch.float32), inv[lo:hi, None], out=out_rows)
+
+    def _convert_values(
+        self,
+        acc: torch.Tensor,
+        inv: torch.Tensor,
+        out: torch.Tensor,
+        lo: int,
+        hi: int,
+        fused: Kernels | None = None,
+    ) -> None:
+        """``_convert_back`` for the values ``[lo, hi)``, from the start of ``lo``'s block
+        (the values before ``lo`` in it are converted too, and unused), at most ``CHUNK``
+        values at a time."""
+        step = max(self.block, CHUNK // self.block * self.block)
+        for a in range(lo - lo % self.block, hi, step):
+            b = min(hi, a + step)
+            if fused is not None:
+                fused.back(out, acc, inv, (a, b), self.block)
+                continue
+            blocks = torch.arange(a, b, device=acc.device) // self.block
+            torch.mul(acc[a:b].to(torch.float32), inv[blocks], out=out[a:b])
 
     # -- blocks ----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ import torch
 
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.readiness import Readiness
+from perdure.runtime.comm.scatter import Scatter
 from perdure.runtime.config import TrainConfig
 
 
@@ -42,11 +43,15 @@ class Reducer(Protocol):
         ...
 
 
-def make_reducer(train: TrainConfig, rank: int, size: int) -> Reducer:
-    """The reducer that ``train.reduction`` selects, for one epoch's member."""
+def make_reducer(
+    train: TrainConfig, rank: int, size: int, scatter: Scatter | None = None
+) -> Reducer:
+    """The reducer that ``train.reduction`` selects, for one epoch's member; ``scatter``:
+    its replica group's reduce-scatter (the exact reduction with step exponents only)."""
     from perdure.runtime.comm.chain import ChainReducer
     from perdure.runtime.comm.exact import ExactReducer
 
+    assert scatter is None or train.scatters, "a scatter for a reduction that cannot use it"
     if train.reduction == "chain":
         return ChainReducer(rank, size)
     if train.reduction == "exact" and train.reduction_exponents == "carried":
@@ -55,5 +60,5 @@ def make_reducer(train: TrainConfig, rank: int, size: int) -> Reducer:
         return CarriedReducer(rank, size, slots=train.slots, block=train.reduction_block)
     if train.reduction == "exact":
         bits, block = train.reduction_bits, train.reduction_block
-        return ExactReducer(rank, size, slots=train.slots, bits=bits, block=block)
+        return ExactReducer(rank, size, slots=train.slots, bits=bits, block=block, scatter=scatter)
     raise ValueError(f"train.reduction: unknown reduction {train.reduction!r}")

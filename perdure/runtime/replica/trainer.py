@@ -67,6 +67,11 @@ class ShardSeam(Protocol):
 
     def gatherer(self) -> ParamGather: ...
 
+    @property
+    def scattered(self) -> bool: ...
+
+    def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None: ...
+
     def drop_foreign_grads(self) -> None: ...
 
     def sync_params(self) -> None: ...
@@ -244,10 +249,11 @@ class Trainer:
         loss = float(self.engine.slot_losses(total).sum()) / B
         self.engine.assign_grads(total, B)
         self.engine.apply_buffers(total)
-        if self.config.optim.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(
-                self.model.parameters(), self.config.optim.grad_clip, foreach=False
-            )
+        clip = self.config.optim.grad_clip
+        if clip is not None and self.shards is not None and self.shards.scattered:
+            self.shards.clip(list(self.model.parameters()), clip)  # own gradients only
+        elif clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
         lr = self.recipe.set_lr(step)
         synced = self.shards is not None and self.gather is None
         if self.shards is not None:

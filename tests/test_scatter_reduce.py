@@ -1,0 +1,85 @@
+"""The exact reduction reduce-scattered inside replica groups (``comm/scatter.py``): each
+rank's shard range and the buffer's tail hold the flat reduction's bits, for one group and
+for several, with ranges that cut blocks, an empty range, both widths and both the fused
+kernels and the torch ops."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from perdure.runtime.comm import exact
+from perdure.runtime.comm.exact import ExactReducer
+from perdure.runtime.comm.scatter import Scatter
+from tests.gloo_support import run_ranks
+
+S, N, P = 8, 5000, 4990  # 10 tail values after the gradient part, as a slot buffer has
+T = timedelta(seconds=30)
+# k = 2 in two groups (ranges cut blocks of 256); k = 4 in one group, with an empty range
+# (k, ranges, bits, fused kernels, values per bucket: the default 1M is one bucket here,
+# the first tier's collective)
+CASES = [
+    (2, ((0, 1000), (1000, P)), 64, True, 1 << 20, "reduce_scatter"),
+    (2, ((0, 1000), (1000, P)), 32, False, 768, "all_reduce"),
+    (4, ((0, 300), (300, 300), (300, 2571), (2571, P)), 64, False, 1 << 20, "all_reduce"),
+    (4, ((0, 300), (300, 300), (300, 2571), (2571, P)), 32, True, 512, "reduce_scatter"),
+    (2, ((0, 4900), (4900, P)), 64, True, 256, "reduce_scatter"),  # a bucket of the tail alone
+    (2, ((0, 4900), (4900, P)), 32, False, 256, "all_reduce"),
+]
+SLOTS = [[0, 1], [2, 3, 4], [5], [6, 7]]  # by rank of the world of 4
+
+
+def _slots() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        torch.randn(N, generator=g) * torch.exp(3 * torch.randn(N, generator=g)) for _ in range(S)
+    ]
+
+
+def _flat(bits: int) -> torch.Tensor:
+    r = ExactReducer(0, 1, slots=S, bits=bits, block=256, fused=False)
+    return r.reduce(None, _slots(), T).clone()
+
+
+def _pg(store: dist.Store, name: str, rank: int, size: int) -> dist.ProcessGroup:
+    return dist.ProcessGroupGloo(dist.PrefixStore(name, store), rank, size, T)
+
+
+def _rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, T)
+    pg = _pg(store, "all/", rank, world)
+    bufs = _slots()
+    for i, (k, ranges, bits, fused, chunk, first) in enumerate(CASES):
+        exact.CHUNK = chunk
+        exact._bucket_ranges.cache_clear()
+        g, j = rank // k, rank % k
+        group = _pg(store, f"{i}/group{g}/", j, k)
+        cross = _pg(store, f"{i}/cross{j}/", g, world // k) if world > k else None
+        sc = Scatter(group, cross, ranges, j, P, N, first)
+        r = ExactReducer(rank, world, slots=S, bits=bits, block=256, fused=fused, scatter=sc)
+        out = r.reduce(pg, [bufs[s].clone() for s in SLOTS[rank]], T)
+        q.put((i, rank, {span: out[span[0] : span[1]].clone() for span in sc.spans()}))
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_gets_the_flat_reductions_bits_on_its_range_and_the_tail() -> None:
+    got = run_ranks(_rank, 4, 4 * len(CASES))
+    want = {bits: _flat(bits) for bits in (32, 64)}
+    seen = {(i, r) for i, r, _ in got}
+    assert seen == {(i, r) for i in range(len(CASES)) for r in range(4)}
+    for i, rank, spans in got:
+        k, ranges, bits, *_ = CASES[i]
+        mine = ranges[rank % k]
+        expected = ([mine] if mine[0] < mine[1] else []) + [(P, N)]
+        assert sorted(spans) == sorted(expected), (i, rank)
+        for (lo, hi), values in spans.items():
+            assert torch.equal(values, want[bits][lo:hi]), (i, rank, lo, hi)
+
+
+def test_a_scatter_whose_ranges_do_not_tile_the_gradient_part_is_a_bug() -> None:
+    with pytest.raises(AssertionError):
+        Scatter(None, None, ((0, 10), (11, P)), 0, P, N)
