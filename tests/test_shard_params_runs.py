@@ -49,12 +49,15 @@ def test_parameters_sharded_at_rest_do_not_change_the_final_hash(
     assert s["final_hash"] == unsharded
     assert s["replica_hashes_agree"]
     rest = _at_rest(run_dir)
-    members = events(run_dir, ev.EPOCH_STARTED)[0]["plan"]["members"]
-    assert sorted(e["worker"] for e in rest) == sorted(members)
+    first = events(run_dir, ev.EPOCH_STARTED)[0]
+    members, at_first = first["plan"]["members"], lambda e: e["epoch"] == first["epoch"]
+    # every member of the first epoch (a loaded machine can add epochs: a member benched
+    # for a moment re-plans the run without changing a bit)
+    assert sorted(e["worker"] for e in rest if at_first(e)) == sorted(members)
     for e in rest:  # a rank keeps its shard: about 1/k of the parameters' bytes
         assert 0 < e["bytes"] < 1.6 * e["of"] / k, e
     peaks = events(run_dir, ev.PARAMS_PEAK)
-    assert sorted(e["worker"] for e in peaks) == sorted(members)
+    assert sorted(e["worker"] for e in peaks if at_first(e)) == sorted(members)
     for e in peaks:  # and never the whole replica's at once, gathers in flight included
         assert e["peak_bytes"] < e["of"] and e["gathers"] > 0, e
 

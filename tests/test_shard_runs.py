@@ -70,7 +70,9 @@ def test_the_reduce_scatter_and_the_whole_reduction_end_with_the_unsharded_bits(
     s = run_to_end(cfg, run_dir)
     assert s["final_hash"] == unsharded_clipped
     logged = events(run_dir, ev.SHARD_REDUCE)
-    members = events(run_dir, ev.EPOCH_STARTED)[0]["plan"]["members"]
+    first = events(run_dir, ev.EPOCH_STARTED)[0]
+    members = first["plan"]["members"]  # (a loaded machine can add epochs: bits unchanged)
+    logged = [e for e in logged if e["epoch"] == first["epoch"]]
     assert sorted(e["worker"] for e in logged) == sorted(members)
     want = "whole" if mode == "whole" else "scatter"
     assert {e["mode"] for e in logged} == {want} and {e["why"] for e in logged} == {None}
