@@ -49,8 +49,13 @@ def unsharded_clipped(small_dataset: Path, tmp_path_factory: pytest.TempPathFact
 
 
 @pytest.mark.parametrize(
-    "mode,workers,k,at_rest",
-    [("scatter", 4, 2, False), ("whole", 4, 2, False), ("auto", 6, 3, True)],
+    "mode,workers,k,at_rest,regions",
+    [
+        ("scatter", 4, 2, False, 1),
+        ("whole", 4, 2, False, 1),
+        ("auto", 6, 3, True, 1),
+        ("auto", 4, 2, False, 2),  # a group per region; the tail and exponents in tiers
+    ],
 )
 def test_the_reduce_scatter_and_the_whole_reduction_end_with_the_unsharded_bits(
     unsharded_clipped: str,
@@ -60,13 +65,16 @@ def test_the_reduce_scatter_and_the_whole_reduction_end_with_the_unsharded_bits(
     workers: int,
     k: int,
     at_rest: bool,
+    regions: int,
 ) -> None:
     """Clipped at every step, so a rank's norms summed over its group must give the whole
     gradient's norm bit for bit; each shard's range of the buffer is one run, the same for
     its ranks in every group, and the ranges tile the gradient part in shard order."""
     run_dir = tmp_path / "run"
     train = {"reduction": "exact", "shard_degree": k, "shard_params": at_rest, "shard_reduce": mode}
-    cfg = small_config(small_dataset, workers=workers, steps=STEPS, train=train, optim=CLIP)
+    cfg = small_config(
+        small_dataset, workers=workers, regions=regions, steps=STEPS, train=train, optim=CLIP
+    )
     s = run_to_end(cfg, run_dir)
     assert s["final_hash"] == unsharded_clipped
     logged = events(run_dir, ev.SHARD_REDUCE)
