@@ -135,7 +135,9 @@ class TrainConfig:
     its shard's contiguous range of the slot buffer) and all-reduced across groups among
     the ranks of the same shard, then only that range is converted back (HSDP's
     reduce-scatter: half the bytes of an all-reduce per rank inside the group, 1/k across
-    groups); gradient clipping then sums its per-parameter norms over the group. ``whole``:
+    groups; on gloo the first tier is an all-reduce inside the group, of which a rank keeps
+    its range, since gloo's reduce_scatter measured slower than its all-reduce); gradient
+    clipping then sums its per-parameter norms over the group. ``whole``:
     every rank all-reduces the whole sum over every member and drops the foreign part.
     ``auto``: ``scatter`` wherever it is possible, else ``whole``. ``scatter`` needs
     ``train.reduction = "exact"`` with ``reduction_exponents = "step"`` (integers: any
