@@ -242,7 +242,11 @@ class Shards:
                 norms[i] = torch.linalg.vector_norm(g, 2.0)
         pg, t = self.group.pg, self.timeout
         self.group.call(lambda: pg.allreduce([norms]).wait(t))
-        total = torch.linalg.vector_norm(norms, 2.0)
+        if not grads:
+            return
+        # on the first gradient's device, as torch stacks them (a CUDA model's norms must
+        # not be summed up on the CPU of a gloo group: another kernel, other bits)
+        total = torch.linalg.vector_norm(norms.to(grads[0].device), 2.0)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for g, j in zip(grads, owners_, strict=True):
