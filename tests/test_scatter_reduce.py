@@ -6,7 +6,10 @@ kernels and the torch ops."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Callable
+from concurrent.futures import Future
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -83,3 +86,75 @@ def test_each_rank_gets_the_flat_reductions_bits_on_its_range_and_the_tail() -> 
 def test_a_scatter_whose_ranges_do_not_tile_the_gradient_part_is_a_bug() -> None:
     with pytest.raises(AssertionError):
         Scatter(None, None, ((0, 10), (11, P)), 0, P, N)
+
+
+# -- the carried form ------------------------------------------------------------------------
+
+CARRIED_SLOTS = [[0, 1, 2], [], [3, 4, 5, 6], [7]]  # by rank; one rank without a slot
+CARRIED_P = 5 * 256 + 10  # then a tail of 7 values
+
+
+class _Inline:
+    """A comm whose thread is the caller's."""
+
+    def __init__(self, pg: dist.ProcessGroup) -> None:
+        self.pg = pg
+
+    def submit(self, fn: Callable[[], Any]) -> Future[Any]:
+        f: Future[Any] = Future()
+        f.set_result(fn())
+        return f
+
+
+def _carried_pass(
+    red: Any, comm: _Inline, bufs: list[torch.Tensor], mine: list[int], used: Any
+) -> Any:
+    """One pass of a rank's slots, each added as it finishes, the last one in ``finish``."""
+    buf = torch.empty_like(bufs[0])
+    red.open(buf, used)
+    for s in mine:
+        buf.copy_(bufs[s])
+        if s != mine[-1]:
+            red.add(buf)
+    return red.finish(comm, buf, timeout=T, last=buf if mine else None).result()
+
+
+def _carried_rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
+    from perdure.runtime.comm.carried import CarriedReducer, predict
+    from tests.test_carried import _slots as carried_slots
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, T)
+    comm = _Inline(_pg(store, "all/", rank, world))
+    k, g, j = 2, rank // 2, rank % 2
+    n = CARRIED_P + 7
+    bufs = carried_slots(4, n)
+    group, cross = _pg(store, f"group{g}/", j, k), _pg(store, f"cross{j}/", g, world // k)
+    for first in ("reduce_scatter", "all_reduce"):
+        sc = Scatter(group, cross, ((0, 700), (700, CARRIED_P)), j, CARRIED_P, n, first)
+        red = CarriedReducer(rank, world, slots=S, block=256, scatter=sc)
+        _, maxima = _carried_pass(red, comm, bufs, CARRIED_SLOTS[rank], None)
+        out, again = _carried_pass(red, comm, bufs, CARRIED_SLOTS[rank], predict(maxima))
+        spans = {span: out[span[0] : span[1]].clone() for span in sc.spans()}
+        q.put((first, rank, maxima, again, spans))
+
+
+@pytest.mark.timeout(120)
+def test_the_carried_form_reduce_scattered_gives_the_flat_bits_and_every_rank_its_verdict() -> None:
+    from perdure.runtime.comm.carried import CarriedReducer, predict
+    from tests.test_carried import _pass
+    from tests.test_carried import _slots as carried_slots
+
+    got = run_ranks(_carried_rank, 4, 8)
+    bufs = carried_slots(4, CARRIED_P + 7)
+    red = CarriedReducer(0, 1, slots=S, block=256)
+    _, maxima = _pass(red, bufs, None)
+    want, _ = _pass(red, bufs, predict(maxima))
+    assert sorted((first, rank) for first, rank, *_ in got) == sorted(
+        (f, r) for f in ("all_reduce", "reduce_scatter") for r in range(4)
+    )
+    for first, rank, got_maxima, again, spans in got:
+        assert got_maxima == maxima and again == maxima, (first, rank)
+        mine = ((0, 700), (700, CARRIED_P))[rank % 2]
+        assert sorted(spans) == [mine, (CARRIED_P, CARRIED_P + 7)]
+        for (lo, hi), values in spans.items():
+            assert torch.equal(values, want[lo:hi]), (first, rank, lo, hi)

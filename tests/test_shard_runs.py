@@ -98,10 +98,30 @@ def test_a_scatter_with_a_reduction_that_cannot_scatter_is_refused_naming_the_fi
 
     with pytest.raises(ConfigError, match=r"shard_reduce.*'scatter' needs train.reduction"):
         TrainConfig(shard_degree=2, shard_reduce="scatter")  # the chain
-    with pytest.raises(ConfigError, match=r"shard_reduce"):
-        TrainConfig(reduction="exact", reduction_exponents="carried", shard_reduce="scatter")
     assert not TrainConfig(shard_degree=2).scatters  # auto with the chain: whole
     assert TrainConfig(shard_degree=2, reduction="exact").scatters
+    carried = {"reduction": "exact", "reduction_exponents": "carried"}
+    assert TrainConfig(shard_degree=2, shard_reduce="scatter", **carried).scatters  # type: ignore[arg-type]
+    assert not TrainConfig(shard_degree=2, shard_reduce="whole", **carried).scatters  # type: ignore[arg-type]
+
+
+def test_the_carried_form_reduce_scattered_ends_with_its_unsharded_bits(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """``reduction_exponents = "carried"`` (one slot buffer and the accumulator a rank,
+    whatever its slots) in two groups of two, reduce-scattered, clipped at every step."""
+    hashes = []
+    for workers, k in ((2, 1), (4, 2)):
+        train = {"reduction": "exact", "reduction_exponents": "carried", "shard_degree": k}
+        cfg = small_config(small_dataset, workers=workers, steps=STEPS, train=train, optim=CLIP)
+        run_dir = tmp_path / f"k{k}"
+        hashes.append(run_to_end(cfg, run_dir)["final_hash"])
+    assert hashes[1] == hashes[0]
+    first = events(run_dir, ev.EPOCH_STARTED)[0]["epoch"]
+    modes = {
+        e["worker"]: e["mode"] for e in events(run_dir, ev.SHARD_REDUCE) if e["epoch"] == first
+    }
+    assert modes == {f"r0-{i}": "scatter" for i in range(4)}
 
 
 @pytest.mark.parametrize("at_rest", [False, True], ids=["whole_params", "params_at_rest"])

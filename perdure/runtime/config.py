@@ -140,8 +140,8 @@ class TrainConfig:
     clipping then sums its per-parameter norms over the group. ``whole``:
     every rank all-reduces the whole sum over every member and drops the foreign part.
     ``auto``: ``scatter`` wherever it is possible, else ``whole``. ``scatter`` needs
-    ``train.reduction = "exact"`` with ``reduction_exponents = "step"`` (integers: any
-    grouping of the additions gives the same bits, so not part of the math). Where each
+    ``train.reduction = "exact"`` (either form of its exponents; integers: any grouping
+    of the additions gives the same bits, so not part of the math). Where each
     shard cannot own one contiguous range (gather units of ``shard_params`` that interleave
     in the buffer's order), a run falls back to ``whole`` and logs why."""
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
@@ -188,12 +188,10 @@ class TrainConfig:
             self.reduction_exponents,
         )
         c.check(
-            self.shard_reduce != "scatter"
-            or (self.reduction == "exact" and self.reduction_exponents == "step"),
+            self.shard_reduce != "scatter" or self.reduction == "exact",
             "shard_reduce",
-            "'scatter' needs train.reduction = 'exact' with reduction_exponents = 'step' "
-            "(the chain's left fold and the carried form's buckets are not sums of integer "
-            "ranges)",
+            "'scatter' needs train.reduction = 'exact' (the chain's left fold is no sum of "
+            "integers that any grouping may add)",
             self.shard_reduce,
         )
         c.check(
@@ -212,7 +210,7 @@ class TrainConfig:
     def scatters(self) -> bool:
         """Whether replica groups reduce-scatter the gradient (``shard_reduce``), where
         each shard's range can be contiguous."""
-        possible = self.reduction == "exact" and self.reduction_exponents == "step"
+        possible = self.reduction == "exact"
         return self.shard_degree > 1 and self.shard_reduce != "whole" and possible
 
 

@@ -36,6 +36,11 @@ themselves a function of the trajectory: whoever computed which slot, every rank
 or falls back identically and the result is the same bits. It is a different rounding from
 the ``step`` form's (per bucket, not per block), so it is a math setting.
 
+In replica groups (``train.shard_reduce``) the integers are reduce-scattered as in the
+``step`` form (``comm/scatter.py``) while the histograms go whole, so that every rank
+takes the same verdict: with sharded state a rank then keeps one slot buffer, the
+accumulator and its own range of the sum.
+
 Limits: 64-bit integers only (32 leave too few bits for a per-bucket exponent); a step
 whose prediction misses costs a second compute pass (the first step always does); and a
 member's finished slots are not salvaged across a membership change (they are inside
@@ -54,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from perdure.runtime.comm.exact import ExactReducer, _bucket_ranges, _zero_non_finite
+from perdure.runtime.comm.scatter import Scatter, ScatterExchange
 from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 
 MARGIN = 2
@@ -140,9 +146,21 @@ class CarriedReducer:
     accumulator and bucket histogram in one exchange (the module doc). Reductions of whole
     buffers (the re-runs' flags) go through the ``step`` form, ``start``."""
 
-    def __init__(self, rank: int, size: int, *, slots: int, block: int, fused: bool = True):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        slots: int,
+        block: int,
+        fused: bool = True,
+        scatter: Scatter | None = None,
+    ):
+        """``scatter``: a replica group's reduce-scatter (``comm/scatter.py``) of the
+        slot buffer's sum; the sum is then final on this rank's range and the tail only
+        (the maxima stay whole: every rank takes the same verdict)."""
         self.exact = ExactReducer(rank, size, slots=slots, bits=64, block=block, fused=fused)
-        self.size, self.block = size, block
+        self.size, self.block, self.scatter = size, block, scatter
         self.start = self.exact.start
         self.n, self.added, self.summing = 0, 0, False
         self.peaks = torch.zeros(0, dtype=torch.int32)
@@ -246,6 +264,9 @@ class CarriedReducer:
         if pg is not None and send_delay_s > 0:
             time.sleep(send_delay_s)  # injected link latency (the delay fault)
         fused = None if last is None else self.exact._fused([last])
+        sc = self.scatter
+        if pg is not None and sc is not None and self.n == sc.size and self.summing:
+            return self._scattered(sc, pg, tiers, out, last, fused, timeout)
         if pg is not None and tiers is not None:  # one exchange for all of it
             for i in self._buckets if self.summing else ():
                 self._add_bucket(last, i, fused)
@@ -260,6 +281,33 @@ class CarriedReducer:
         for work in pending:
             work.wait(timeout)
         return self._back(out), from_histogram(self.hist)
+
+    def _scattered(
+        self,
+        sc: Scatter,
+        pg: Any,
+        tiers: Tiers | None,
+        out: torch.Tensor,
+        last: torch.Tensor | None,
+        fused: Any,
+        timeout: timedelta,
+    ) -> tuple[torch.Tensor | None, list[int]]:
+        """``_finish`` in a replica group: the histograms all-reduced whole beside the
+        integers' reduce-scatter, and only this rank's range and the tail converted back
+        (``out`` may be ``last``: every bucket of it is added before any is converted)."""
+        hist = None if tiers is not None else pg.allreduce([self.hist])
+        ex = ScatterExchange(sc, self.ints, pg, tiers)
+        for i in self._buckets:
+            self._add_bucket(last, i, fused)
+            ex.send(*self.exact._values(self.n, i))
+        back = self.exact._fused([out])
+        for lo, hi in ex.finish(timeout):
+            self.exact._convert_values(self.ints, self.inv, out, lo, hi, back)
+        if hist is not None:
+            hist.wait(timeout)
+        else:
+            tiered_allreduce(tiers, self.hist, dist.ReduceOp.SUM, timeout)  # type: ignore[arg-type]
+        return out, from_histogram(self.hist)
 
     def _add_bucket(self, last: torch.Tensor | None, i: int, fused: Any) -> None:
         """Bucket ``i`` of the integers made final: ``last``'s added (zeros for a member

@@ -47,7 +47,7 @@ def make_reducer(
     train: TrainConfig, rank: int, size: int, scatter: Scatter | None = None
 ) -> Reducer:
     """The reducer that ``train.reduction`` selects, for one epoch's member; ``scatter``:
-    its replica group's reduce-scatter (the exact reduction with step exponents only)."""
+    its replica group's reduce-scatter (the exact reduction only)."""
     from perdure.runtime.comm.chain import ChainReducer
     from perdure.runtime.comm.exact import ExactReducer
 
@@ -57,7 +57,8 @@ def make_reducer(
     if train.reduction == "exact" and train.reduction_exponents == "carried":
         from perdure.runtime.comm.carried import CarriedReducer
 
-        return CarriedReducer(rank, size, slots=train.slots, block=train.reduction_block)
+        block = train.reduction_block
+        return CarriedReducer(rank, size, slots=train.slots, block=block, scatter=scatter)
     if train.reduction == "exact":
         bits, block = train.reduction_bits, train.reduction_block
         return ExactReducer(rank, size, slots=train.slots, bits=bits, block=block, scatter=scatter)
