@@ -7,7 +7,10 @@ run (budget: 8 minutes on one H200). Writes ``results/gpu_check.json`` with the 
    the one GPU with ``cluster.data_plane = "gloo"`` (NCCL refuses two ranks on one
    device); all must be equal. fp32 and bf16 (two hashes, each equal across W). W = 2 in
    one replica group with the parameters sharded at rest (``train.shard_params``: CUDA
-   parameters gathered through the gloo group's host buffers) must give the fp32 hash.
+   parameters gathered through the gloo group's host buffers; the gradient sum
+   reduce-scattered and clipped from per-parameter norms taken on the GPU) and W = 2 with
+   the optimizer state sharded and the sum reduced whole (``train.shard_reduce``) must
+   give the fp32 hash.
 3. Step time against a plain loop on the same GPU (same model, batch and optimizer, no
    slots, no reduction), and the checkpoint snapshot's blocking time from the events.
 4. The snapshot's side-stream device-to-host copy of 256 MB into a pinned buffer: equal
@@ -175,6 +178,7 @@ def main() -> int:
     runs = [run_hash(dataset, 1, "fp32", "nccl")]
     runs += [run_hash(dataset, w, p, "gloo") for p in ("fp32", "bf16") for w in (1, 2, 3)]
     runs.append(run_hash(dataset, 2, "fp32", "gloo", shard_degree=2, shard_params=True))
+    runs.append(run_hash(dataset, 2, "fp32", "gloo", shard_degree=2, shard_reduce="whole"))
     out["runs"] = runs
     for p in ("fp32", "bf16"):
         hashes = {r["final_hash"] for r in runs if r["precision"] == p}
