@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -171,7 +171,8 @@ class Shards:
             self._scatter_comms.append(epoch.subgroup(store, f"cross{j}", g, world // self.k))
         cross = self._scatter_comms[1].pg if world > self.k else None
         pg = self._scatter_comms[0].pg
-        first = "all_reduce" if isinstance(pg, dist.ProcessGroupGloo) else "reduce_scatter"
+        gloo = isinstance(pg, dist.ProcessGroupGloo)
+        first: Literal["reduce_scatter", "all_reduce"] = "all_reduce" if gloo else "reduce_scatter"
         self.scatter = Scatter(pg, cross, tuple(self.ranges), j, numel, size, first)
 
     def close(self) -> None:

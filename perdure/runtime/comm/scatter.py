@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class Scatter:
     """P: the gradient part's length; the buffer's tail after it is reduced whole."""
     size: int
     """The slot buffer's length: other buffers (a rerun's flags) take the flat path."""
-    in_group: str = "reduce_scatter"
+    in_group: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
     """The first tier's collective: ``reduce_scatter`` (NCCL's own), or ``all_reduce`` of
     each bucket inside the group, of which a rank keeps its part (gloo, whose
     ``reduce_scatter`` measured 1.0-2.1x its ``all_reduce`` of the same buffer here:
