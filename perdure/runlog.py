@@ -25,19 +25,24 @@ it (its writer preempted in between) lands in the next one, slightly out of orde
 would have landed late in one shared file; each writer's own lines keep their order. A
 record written after the final merge (a worker's last line after the
 coordinator exited, on a deployment without the local launcher) stays in its part file
-only; two coordinators merging at once (a split brain) would interleave appends, which
-the control plane's fencing must prevent.
+only. Two coordinators alive at once (a primary cut off from its run while a standby took
+over) would write over each other's appends: each merger records its coordinator's
+generation in the state, recovers and appends under an advisory lock, and one that finds
+a newer generation recorded stands down for good (the newer one reads every part,
+the old coordinator's included, from the recorded offsets).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import re
 import secrets
 import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +83,19 @@ class Merger:
     than a step could cause only if no member that committed both wrote them in order.
     """
 
-    def __init__(self, run_dir: str | Path, log: str, *, new_launch: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        log: str,
+        *,
+        new_launch: bool = False,
+        generation: int | None = None,
+    ) -> None:
+        """``generation``: the merging coordinator's; it claims the log (recorded in the
+        state), and a merger of an older generation that finds it there stands down for
+        good (a primary cut off from its run, still merging while a standby took over,
+        must not write over the newer merger's lines). None: a last merge (the launcher's,
+        a tool's), which claims nothing."""
         assert log in LOGS, log
         self.merged = Path(run_dir) / f"{log}.jsonl"
         self.parts = Path(run_dir) / f"{log}.d"
@@ -87,10 +104,22 @@ class Merger:
         self.size = 0
         self.per_step = log == "metrics"
         self.last_step = -1
-        self._recover()
-        if new_launch and self.last_step >= 0:
-            self.last_step = -1
-            self._save()  # a standby taking over from this launch must not see the old one
+        self.generation = generation
+        self.claimed: int | None = None
+        """The newest generation recorded in the state."""
+        self.stood_down = False
+        with self._lock():
+            self._recover()
+            # a new launch starts the count again (its lease store may be new); a standby
+            # claims over an older generation
+            newer = new_launch or (generation is not None and generation > (self.claimed or 0))
+            claim = generation is not None and newer
+            if claim:
+                self.claimed = generation
+            if new_launch and self.last_step >= 0:
+                self.last_step = -1
+            if claim or new_launch:  # a standby taking over from this launch must not see
+                self._save()  # the old one's steps
 
     def _recover(self) -> None:
         """Pick up where the last merger's record says it stopped."""
@@ -99,6 +128,7 @@ class Merger:
             self.size = int(state["size"])
             self.offsets = {str(k): int(v) for k, v in state["offsets"].items()}
             self.last_step = int(state.get("last_step", -1))
+            self.claimed = _generation(state)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             self.size = self.merged.stat().st_size if self.merged.exists() else 0
             self.offsets = {}
@@ -118,20 +148,50 @@ class Merger:
             if end != self.offsets.get(path.name, 0):
                 reached[path.name] = end
             batch += [(t, path.name, line) for t, line in lines]
-        if not reached:
+        if not reached or self.stood_down:
             return 0
         batch.sort(key=lambda x: (x[0], x[1]))
         kept, last_step = self._first_per_step([line for _, _, line in batch])
         data = b"".join(line + b"\n" for line in kept)
-        try:
-            self._append(data)
-        except OSError:
-            return 0  # a full disk or a lost mount: the parts keep the records; retried
-        self.last_step = last_step
-        self.offsets.update(reached)
-        self.size += len(data)
-        self._save()
+        with self._lock():
+            if self._superseded():
+                self.stood_down = True
+                return 0
+            try:
+                self._append(data)
+            except OSError:
+                return 0  # a full disk or a lost mount: the parts keep the records; retried
+            self.last_step = last_step
+            self.offsets.update(reached)
+            self.size += len(data)
+            self._save()
         return len(kept)
+
+    def _superseded(self) -> bool:
+        """Whether a newer generation's merger has claimed the log since this one did."""
+        if self.generation is None:
+            return False
+        try:
+            newest = _generation(json.loads(self.state_path.read_text()))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return False
+        return newest is not None and newest > self.generation
+
+    @contextlib.contextmanager
+    def _lock(self) -> Iterator[None]:
+        """Recover, check and append as one step against another merger of the run (an
+        advisory lock on a file beside the parts: the mergers of one file system)."""
+        try:
+            self.parts.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.parts / "merge.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:  # no lock to be had (a read-only run directory): merge unlocked
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
 
     def _first_per_step(self, lines: list[bytes]) -> tuple[list[bytes], int]:
         """``lines`` less, for ``metrics``, every line of a step already merged (in
@@ -168,6 +228,8 @@ class Merger:
         tmp = self.state_path.with_name(STATE + ".tmp")
         with contextlib.suppress(OSError):
             state = {"size": self.size, "offsets": self.offsets, "last_step": self.last_step}
+            if self.claimed is not None:
+                state["generation"] = self.claimed
             tmp.write_text(json.dumps(state))
             os.replace(tmp, self.state_path)
 
@@ -195,6 +257,11 @@ def _new_lines(path: Path, offset: int, cutoff: float) -> tuple[list[tuple[float
             out.append((t, line))
         at += len(raw)
     return out, at
+
+
+def _generation(state: Any) -> int | None:
+    g = state.get("generation") if isinstance(state, dict) else None
+    return int(g) if isinstance(g, int) else None
 
 
 def _field(line: bytes, name: str) -> Any:
@@ -234,12 +301,16 @@ class Mergers:
         self._mergers: list[Merger] | None = None
         self._last = 0.0
 
-    def tick(self, now: float, final: bool = False) -> None:
+    def tick(self, now: float, final: bool = False, generation: int | None = None) -> None:
+        """``generation``: this coordinator's (see ``Merger``)."""
         if not final and now - self._last < MERGE_S:
             return
         self._last = now
         if self._mergers is None:  # created on first use: a standby merges once active
-            self._mergers = [Merger(self.run_dir, log, new_launch=self.new_launch) for log in LOGS]
+            new = self.new_launch
+            self._mergers = [
+                Merger(self.run_dir, log, new_launch=new, generation=generation) for log in LOGS
+            ]
         for m in self._mergers:
             m.merge(final=final)
 

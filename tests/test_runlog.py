@@ -123,3 +123,31 @@ def test_events_are_never_deduplicated_by_step(tmp_path: Path) -> None:
         log.write({"event": ev.STEP_ABANDONED, "step": 3})
     merge_all(tmp_path, final=True)
     assert [r["step"] for r in read_jsonl(tmp_path / "events.jsonl")] == [3, 3]
+
+
+def test_a_cut_off_primary_still_merging_stands_down_for_the_standby_that_took_over(
+    tmp_path: Path,
+) -> None:
+    """Generation 1 merges; generation 2 takes over while 1 still runs (cut off from its
+    workers, not from the disk); 1's next merge finds 2 recorded and stands down instead
+    of writing over 2's lines, and 2 merges every part, 1's own included."""
+    old = part(tmp_path, "events", "coordinator.a")
+    new = part(tmp_path, "events", "standby.b")
+    old.write({"event": ev.JOIN, "i": 0})
+    primary = Merger(tmp_path, "events", new_launch=True, generation=1)
+    assert primary.merge(final=True) == 1
+    standby = Merger(tmp_path, "events", generation=2)
+    new.write({"event": ev.COORDINATOR_TAKEOVER, "i": 1})
+    old.write({"event": ev.JOIN, "i": 2})
+    assert primary.merge(final=True) == 0 and primary.stood_down
+    assert standby.merge(final=True) == 2
+    old.write({"event": ev.JOIN, "i": 3})
+    assert primary.merge(final=True) == 0  # for good
+    assert standby.merge(final=True) == 1
+    assert [r["i"] for r in read_jsonl(tmp_path / "events.jsonl")] == [0, 1, 2, 3]
+    assert json.loads((tmp_path / "events.d" / STATE).read_text())["generation"] == 2
+    merge_all(tmp_path, final=True)  # the launcher's last merge claims nothing
+    assert json.loads((tmp_path / "events.d" / STATE).read_text())["generation"] == 2
+    relaunch = Merger(tmp_path, "events", new_launch=True, generation=1)  # a new lease store
+    old.write({"event": ev.JOIN, "i": 4})
+    assert relaunch.merge(final=True) == 1 and not relaunch.stood_down

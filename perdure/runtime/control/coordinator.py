@@ -185,7 +185,7 @@ class Coordinator:
                 self.queue.append(pol.Tick(now))
                 self._drain()
                 if self.active:
-                    self.logs.tick(now)
+                    self.logs.tick(now, generation=self.policy.generation)
                 else:
                     self._watch_run_end(now)
         finally:
@@ -397,7 +397,7 @@ class Coordinator:
         self.sel.close()
         self.store.close()
         if self.active:
-            self.logs.tick(time.monotonic(), final=True)
+            self.logs.tick(time.monotonic(), final=True, generation=self.policy.generation)
         self.metrics.close()  # a last pass: the final steps reach TensorBoard
 
 
