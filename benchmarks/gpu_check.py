@@ -10,7 +10,8 @@ run (budget: 8 minutes on one H200). Writes ``results/gpu_check.json`` with the 
    parameters gathered through the gloo group's host buffers; the gradient sum
    reduce-scattered and clipped from per-parameter norms taken on the GPU) and W = 2 with
    the optimizer state sharded and the sum reduced whole (``train.shard_reduce``) must
-   give the fp32 hash.
+   give the fp32 hash. ``task.init = "per_module"`` at W = 1 (NCCL) and W = 2 sharded at
+   rest (each rank initialising only its shard, on the CPU, copied to the GPU): one hash.
 3. Step time against a plain loop on the same GPU (same model, batch and optimizer, no
    slots, no reduction), and the checkpoint snapshot's blocking time from the events.
 4. The snapshot's side-stream device-to-host copy of 256 MB into a pinned buffer: equal
@@ -45,10 +46,12 @@ STEPS = 30
 MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "max_len": 128}
 
 
-def config(dataset: str, workers: int, precision: str, plane: str, **train: Any) -> RunConfig:
+def config(
+    dataset: str, workers: int, precision: str, plane: str, init: str = "eager", **train: Any
+) -> RunConfig:
     return with_overrides(
         RunConfig(),
-        task={"options": MODEL},
+        task={"options": MODEL, "init": init},
         train={
             "steps": STEPS,
             "global_batch": 32,
@@ -77,14 +80,15 @@ def slot_crcs(dataset: str) -> list[int]:
 
 
 def run_hash(
-    dataset: str, workers: int, precision: str, plane: str, **train: Any
+    dataset: str, workers: int, precision: str, plane: str, init: str = "eager", **train: Any
 ) -> dict[str, Any]:
     from perdure.launch.api import run
 
     with tempfile.TemporaryDirectory() as tmp:
         rd = Path(tmp) / "run"
         t0 = time.perf_counter()
-        s = run(config(dataset, workers, precision, plane, **train), run_dir=rd, timeout_s=240)
+        cfg = config(dataset, workers, precision, plane, init, **train)
+        s = run(cfg, run_dir=rd, timeout_s=240)
         wall = time.perf_counter() - t0
         steps = [m["step_s"] for m in read_jsonl(rd / "metrics.jsonl")]
         snaps = [
@@ -96,6 +100,7 @@ def run_hash(
         "workers": workers,
         "precision": precision,
         "data_plane": plane,
+        "init": init,
         "train": train,
         "final_hash": s["final_hash"],
         "wall_s": round(wall, 2),
@@ -179,10 +184,16 @@ def main() -> int:
     runs += [run_hash(dataset, w, p, "gloo") for p in ("fp32", "bf16") for w in (1, 2, 3)]
     runs.append(run_hash(dataset, 2, "fp32", "gloo", shard_degree=2, shard_params=True))
     runs.append(run_hash(dataset, 2, "fp32", "gloo", shard_degree=2, shard_reduce="whole"))
+    runs.append(run_hash(dataset, 1, "fp32", "nccl", "per_module"))
+    runs.append(
+        run_hash(dataset, 2, "fp32", "gloo", "per_module", shard_degree=2, shard_params=True)
+    )
     out["runs"] = runs
     for p in ("fp32", "bf16"):
-        hashes = {r["final_hash"] for r in runs if r["precision"] == p}
+        hashes = {r["final_hash"] for r in runs if r["precision"] == p and r["init"] == "eager"}
         out[f"{p}_hashes_equal"] = len(hashes) == 1
+    per_module = {r["final_hash"] for r in runs if r["init"] == "per_module"}
+    out["per_module_hashes_equal"] = len(per_module) == 1
     out["snapshot"] = snapshot_check()
     plain = plain_step_s(dataset)
     w1 = next(r for r in runs if r["workers"] == 1 and r["data_plane"] == "nccl")
@@ -192,6 +203,7 @@ def main() -> int:
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))
     ok = out["slot_crcs_equal_across_processes"] and out["fp32_hashes_equal"]
+    ok = ok and out["per_module_hashes_equal"]
     ok = ok and out["snapshot"]["bytes_equal"]
     return 0 if ok and out["bf16_hashes_equal"] else 1
 

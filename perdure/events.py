@@ -95,7 +95,10 @@ member at an epoch's start (``train.shard_degree`` > 1), with its parameters whe
 are sharded at rest (``train.shard_params``)."""
 PARAMS_AT_REST: Final = "params_at_rest"
 """Parameters sharded at rest (``train.shard_params``): what a member keeps resident
-between slots in this epoch (``bytes``) and the whole replica's (``of``)."""
+between slots in this epoch (``bytes``), the whole replica's (``of``), and the most it has
+held at once outside a slot's gathers since it was built (``init_peak_bytes``: the whole
+replica where the model is built eagerly; about one shard with ``task.init =
+"per_module"`` or a checkpoint loaded by shard)."""
 SHARD_REDUCE: Final = "shard_reduce"
 """How a replica group's member gets the step's gradient in an epoch (``train.shard_degree``
 > 1): ``mode`` ``scatter`` (its shard's value ``range`` of the slot buffer, reduce-

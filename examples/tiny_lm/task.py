@@ -47,6 +47,26 @@ class TinyLM(nn.Module):
         return self.norm(x) @ self.tok.weight.T
 
 
+def init(name: str, module: nn.Module) -> bool:
+    """The model's own initialisation, module by module (``task.init = "per_module"``):
+    embeddings at std 0.02 as ``TinyLM.__init__`` draws them; the attention's input
+    projection by its own (private) reset, and its output bias at zero as that reset
+    sets it (a parent's writes to a child's parameters are dropped: each module's
+    parameters are its own); everything else by its ``reset_parameters``."""
+    if isinstance(module, nn.Embedding):
+        nn.init.normal_(module.weight, std=0.02)
+        return True
+    if isinstance(module, nn.MultiheadAttention):
+        module._reset_parameters()  # its own reset, private in torch
+        return True
+    if name.endswith("self_attn.out_proj") and isinstance(module, nn.Linear):
+        module.reset_parameters()
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+        return True
+    return False
+
+
 def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Sum over samples of (per-sample mean token cross-entropy x sample weight).
 
@@ -77,4 +97,4 @@ def make_task(
         dropout=dropout,
         max_len=max_len,
     )
-    return Task(model=model, loss_fn=loss_fn, vocab_size=vocab, max_len=max_len)
+    return Task(model=model, loss_fn=loss_fn, vocab_size=vocab, max_len=max_len, init=init)

@@ -176,7 +176,7 @@ def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
 
     entry = config.task.entry
     try:
-        return build_task(config.task, config.train.seed, config.run.base_dir)
+        task = build_task(config.task, config.train.seed, config.run.base_dir)
     except ValueError as e:
         text = str(e)
         if text.startswith("task.entry: "):  # resolve()'s and build_task()'s own errors
@@ -185,7 +185,23 @@ def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
         problems.append(_factory_problem(config, e))
     except Exception as e:  # the user's factory: any error is the config's problem
         problems.append(_factory_problem(config, e))
-    return None
+        return None
+    return task if _initialised(config, task, problems) else None
+
+
+def _initialised(config: RunConfig, task: Task, problems: list[Problem]) -> bool:
+    """With ``task.init = "per_module"``: every module initialised as a worker would (the
+    whole model, here), so a module that nothing can initialise is refused now."""
+    from perdure.runtime.replica.deferred import materialize
+
+    if config.task.init != "per_module":
+        return True
+    try:
+        materialize(task.model, seed=config.train.seed, init=task.init)
+    except Exception as e:  # the task's init or a module's reset_parameters
+        problems.append(Problem("task.init", f"{type(e).__name__}: {e}", config.task.init))
+        return False
+    return True
 
 
 def _factory_problem(config: RunConfig, e: Exception) -> Problem:

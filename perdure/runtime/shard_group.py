@@ -30,6 +30,7 @@ size (only their own range and the tail are final).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -66,6 +67,14 @@ from perdure.runtime.shard_plan import (
 def optimizer_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """The parameters in the order of the optimizer state's indices."""
     return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+Fill = Callable[[Sequence[torch.Tensor]], contextlib.AbstractContextManager[None]]
+"""``fill(params)``: a context inside which ``params`` are resident (``Trainer.filled``)."""
+
+
+def _as_is(_params: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 SYNC_GRACE_S = 1.0
@@ -337,14 +346,16 @@ class Shards:
         return out
 
     def exchange(
-        self, epoch: Comm, held: int, state: dict[str, Any]
+        self, epoch: Comm, held: int, state: dict[str, Any], fill: Fill = _as_is
     ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
         """At an epoch's start, over the whole epoch: every member that lacks its shard's
         state receives it from the lowest rank that has it. ``held``: what this rank holds
         (a shard, ``ALL``, or ``NONE``); returns the optimizer state this rank must load
         (its shard only; None when it holds exactly that already) and, with the
         parameters sharded at rest, the shard's parameters it received (by state dict
-        name; empty when it holds them)."""
+        name; empty when it holds them). ``fill(params)``: the parameters of a shard this
+        rank sends made resident around the send (``Trainer.filled``, for a replica
+        that holds every shard only virtually)."""
         dev = epoch.device
         mine = torch.tensor([held], dtype=torch.int64, device=dev)
         outs = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(epoch.size)]
@@ -355,7 +366,9 @@ class Shards:
         for j, src in sorted(sources(holdings, self.k).items()):
             payload = None
             if self.rank == src:
-                payload = pack(self._shard_model(j), part(state, self.owner, j), {}, epoch.device)
+                model = self._shard_model(j)
+                with fill([self._named[n] for n in model]):
+                    payload = pack(model, part(state, self.owner, j), {}, epoch.device)
             head, blob = broadcast_state(epoch, src, payload, self.timeout)
             if j == self.mine and held not in (j, ALL):
                 params, got, _ = unpack(head, blob)

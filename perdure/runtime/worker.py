@@ -398,7 +398,7 @@ class Worker:
         if shards is None:
             return
         t0 = time.monotonic()
-        tr.keep_shard(*shards.exchange(ep.comm, tr.held, tr.recipe.state_dict()))
+        tr.keep_shard(*shards.exchange(ep.comm, tr.held, tr.whole_optimizer(), tr.filled))
         self._log_shard_reduce(ep, shards)
         if tr.gather is not None:
             self.events.write(
@@ -409,6 +409,7 @@ class Worker:
                     "shard": shards.mine,
                     "bytes": tr.gather.held,
                     "of": sum(tr.gather.nbytes),
+                    "init_peak_bytes": tr.peak_param_bytes,
                 }
             )
         if shards.received is not None:

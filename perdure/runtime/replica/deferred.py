@@ -1,5 +1,5 @@
 """Models built without their parameters' bytes, then initialised a module at a time from
-seeds of their own: the building blocks of sharded initialisation (issue 17).
+seeds of their own: sharded initialisation (``task.init = "per_module"``).
 
 Eager construction draws every parameter from the run seed's one stream, in construction
 order, and a task's own code may initialise a parameter after it is registered (tiny_lm's
@@ -11,32 +11,35 @@ bits without making every tensor before it. Here instead:
   ``requires_grad`` (a global parameter-registration hook): initialisation ops on them do
   nothing and draw nothing, buffers stay real, ties stay ties (one ``Parameter`` object);
   building a model holds one parameter's bytes at a time.
-- :func:`materialize` gives each module's direct parameters their bytes in place
-  (``torch.utils.swap_tensors``: the same objects, so ties, optimizers and hooks keep
-  them) and initialises them under the CPU generator seeded from (seed, the module's
-  qualified name): the task's ``init(name, module)`` where it takes the module, else the
-  module's own ``reset_parameters``; a module with neither is refused by name. A tied
-  parameter is the first holder's (in module order): a later holder initialises with a
-  ``meta`` stand-in for it. A module
-  that ``keep`` declines gets zero-byte storage instead (the at-rest form of
-  ``param_gather.py``), and draws nothing. So a parameter's bits depend on the seed, its
-  module's name and the init code only: any subset, in any order, on any rank, gives the
-  same bits for the modules it keeps.
+- :func:`at_rest` gives each parameter, in place (``torch.utils.swap_tensors``: the same
+  objects, so ties, optimizers and hooks keep them), its device and a storage of zero
+  bytes: the at-rest form of ``param_gather.py``.
+- :class:`SeedInit` makes any subset resident with its initial bits. A parameter belongs
+  to its first holder in module order (a tie to the module that registers it first); a
+  holder's parameters are initialised together on the CPU, under the generator seeded
+  from (seed, the holder's qualified name), by the task's ``init(name, module)`` where
+  it takes the module, else the module's own ``reset_parameters``; a holder with neither
+  is refused by name. While a holder initialises, its parameters are CPU stand-ins and
+  every other parameter of its subtree (ties held earlier, its children's) a ``meta``
+  one, so a write there is dropped: each parameter's bits depend on the seed, its
+  holder's name and the init code only. Any subset, in any order, on any rank, on any
+  device, gives the same bits.
 
-This is a different initialisation from the eager one (another function of the seed): to
-the runtime it would be a math setting. Limits: not wired into the trainer yet (the
-workers still build the whole model eagerly); a ``reset_parameters`` that writes a child's
-parameters (``MultiheadAttention``'s ``out_proj.bias``) writes them only where the child is
-already materialised, since the parent comes first in module order (the child's own
-initialisation then decides); a buffer computed from a parameter at construction sees
-none.
+This is another initialisation than the eager one (another function of the seed): to the
+runtime a math setting. The trainer makes every parameter at once (unsharded), or with
+``train.shard_params`` only its own shard once it knows it (``replica/pending.py``).
+Limits: a module whose ``reset_parameters`` sets a child's parameters
+(``MultiheadAttention`` zeroes ``out_proj.bias``) does not decide them: the child's own
+initialisation does, unless the task's ``init`` takes the child (tiny_lm's does); a buffer
+computed from a parameter at construction sees none; init code that reaches a parameter
+other than through its module's attributes writes the parameter at rest (an error).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 import torch
@@ -78,6 +81,122 @@ def module_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def at_rest(model: nn.Module, device: torch.device | str = "cpu") -> None:
+    """Every ``meta`` parameter of ``model`` at rest on ``device``: the same shape, dtype and
+    ``Parameter`` object (``swap_tensors``), over a storage of zero bytes (the form of
+    ``param_gather.py``; nothing is allocated, not even for a moment)."""
+    for p in model.parameters():
+        if p.device.type == "meta":
+            torch.utils.swap_tensors(p, nn.Parameter(_empty(p, device), p.requires_grad))
+
+
+def _empty(p: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A contiguous tensor of ``p``'s shape and dtype whose storage holds zero bytes.
+    (Allocated and freed at once: on the CPU its pages are never touched, on CUDA the
+    caching allocator keeps the block for what comes next. ``set_`` onto an empty
+    storage would resize the storage to fit.)"""
+    out = torch.empty(p.shape, dtype=p.dtype, device=device)
+    out.untyped_storage().resize_(0)
+    return out
+
+
+class SeedInit:
+    """A model at rest (:func:`at_rest`) and what initialises any subset of its parameters:
+    each parameter belongs to its first holder (in module order), and a holder's
+    parameters are initialised together from its seed (as its ``reset_parameters`` or the
+    task's ``init`` needs them)."""
+
+    def __init__(self, model: nn.Module, *, seed: int, init: Init | None = None) -> None:
+        self.seed, self.init = seed, init
+        seen: set[int] = set()
+        self.holders: list[tuple[str, nn.Module, list[nn.Parameter]]] = []
+        """(name, module, the parameters it holds first), in module order."""
+        for name, module in model.named_modules():
+            own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+            seen.update(id(p) for p in own)
+            if own:
+                self.holders.append((name, module, own))
+        self.peak_bytes = 0
+        """The most parameter bytes :meth:`fill` has held at once (its own and those it
+        made resident), counted from the storages."""
+
+    def fill(self, want: Sequence[torch.Tensor]) -> list[str]:
+        """Give the parameters ``want`` (at rest) their initial bytes, in place; the other
+        parameters of their holders are made for the initialisation and freed again.
+        Returns the holders initialised, in module order."""
+        ids = {id(p) for p in want}
+        done = []
+        for name, module, own in self.holders:
+            if any(id(p) in ids for p in own):
+                self._fill_holder(name, module, own, ids)
+                done.append(name)
+        return done
+
+    def _fill_holder(
+        self, name: str, module: nn.Module, own: list[nn.Parameter], ids: set[int]
+    ) -> None:
+        """Initialise ``module``'s parameters on the CPU (the same bits on any device)
+        into stand-ins, then copy the wanted ones into their parameters. Stand-ins are set
+        in ``_parameters`` directly (past the registration hooks) over the module's whole
+        subtree: a tie that an earlier module holds, and every descendant's parameter, is
+        a ``meta`` stand-in, so what the module's code writes there is dropped (each
+        parameter's holder alone decides it)."""
+        mine = {id(p) for p in own}
+        saved = {m: dict(m._parameters) for m in module.modules()}
+        stand = {
+            m: {
+                k: _stand_in(p, m is module and id(p) in mine)
+                for k, p in ps.items()
+                if p is not None
+            }
+            for m, ps in saved.items()
+        }
+        for m, stood in stand.items():
+            m._parameters.update(stood)
+        try:
+            _init_module(name, module, self.seed, self.init)
+        finally:
+            for m, kept in saved.items():
+                m._parameters.update(kept)
+        made = sum(_nbytes(t) for t in stand[module].values() if t.device.type != "meta")
+        self.peak_bytes = max(self.peak_bytes, self._held() + made)
+        with torch.no_grad():
+            for k, p in saved[module].items():
+                if p is not None and id(p) in mine and id(p) in ids:
+                    make_resident(p)
+                    p.copy_(stand[module][k])
+        self.peak_bytes = max(self.peak_bytes, self._held())
+
+    def _held(self) -> int:
+        return sum(_nbytes(p) for _, _, own in self.holders for p in own if resident(p))
+
+
+def _stand_in(p: nn.Parameter, real: bool) -> nn.Parameter:
+    device = "cpu" if real else "meta"
+    return nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def resident(t: torch.Tensor) -> bool:
+    """Whether a tensor has its bytes (one at rest has a storage of zero bytes)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
+
+def make_resident(p: torch.Tensor) -> None:
+    """Give a tensor at rest a storage of its size again (contents undefined)."""
+    need = int((p.storage_offset() + p.numel()) * p.element_size())
+    if p.untyped_storage().nbytes() < need:
+        p.untyped_storage().resize_(need)
+
+
+def free(p: torch.Tensor) -> None:
+    """Back to rest: a storage of zero bytes."""
+    p.untyped_storage().resize_(0)
+
+
 def materialize(
     model: nn.Module,
     *,
@@ -85,48 +204,13 @@ def materialize(
     init: Init | None = None,
     keep: Callable[[str, nn.Module], bool] = lambda _n, _m: True,
 ) -> list[str]:
-    """Give every ``meta`` parameter of ``model`` its bytes, module by module in module
-    order: initialised from the module's own seed where ``keep(name, module)``, zero-byte
-    storage (at rest) elsewhere. Returns the names of the modules initialised."""
-    done = []
-    for name, module in model.named_modules():
-        params = [p for p in module.parameters(recurse=False) if p.device.type == "meta"]
-        if not params:
-            continue
-        if not keep(name, module):
-            for p in params:
-                _swap_in(p, resident=False)
-            continue
-        for p in params:
-            _swap_in(p, resident=True)
-        with _hidden_ties(module, {id(p) for p in params}):
-            _init_module(name, module, seed, init)
-        done.append(name)
-    return done
-
-
-@contextlib.contextmanager
-def _hidden_ties(module: nn.Module, fresh: set[int]) -> Iterator[None]:
-    """While ``module`` initialises, its direct parameters that an earlier module holds
-    (ties) are ``meta`` stand-ins: a tied parameter is the first holder's, whichever
-    modules this rank keeps (the stand-ins are set in ``_parameters`` directly, past the
-    registration hooks)."""
-    tied = {k: p for k, p in module._parameters.items() if p is not None and id(p) not in fresh}
-    for k, p in tied.items():
-        meta = torch.empty(p.shape, dtype=p.dtype, device="meta")
-        module._parameters[k] = nn.Parameter(meta, requires_grad=p.requires_grad)
-    try:
-        yield
-    finally:
-        for k, p in tied.items():
-            module._parameters[k] = p
-
-
-def _swap_in(p: nn.Parameter, *, resident: bool) -> None:
-    real = torch.empty(p.shape, dtype=p.dtype)
-    if not resident:
-        real.untyped_storage().resize_(0)
-    torch.utils.swap_tensors(p, nn.Parameter(real, requires_grad=p.requires_grad))
+    """Every ``meta`` parameter of ``model`` on the CPU: initialised from its holder's own
+    seed where ``keep(name, holder)``, at rest elsewhere. Returns the holders
+    initialised."""
+    at_rest(model)
+    seeded = SeedInit(model, seed=seed, init=init)
+    want = [p for n, m, own in seeded.holders if keep(n, m) for p in own]
+    return seeded.fill(want)
 
 
 def _init_module(name: str, module: nn.Module, seed: int, init: Init | None) -> None:

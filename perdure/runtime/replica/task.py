@@ -20,6 +20,7 @@ from torch import nn
 
 from perdure.data.fields import FieldSpec
 from perdure.runtime.config import OptimConfig, TaskConfig
+from perdure.runtime.replica.deferred import Init, build_deferred
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter], OptimConfig], torch.optim.Optimizer]
@@ -67,6 +68,13 @@ class Task:
     """The dataset fields ``loss_fn`` reads besides ``weight`` (e.g. ``{"labels":
     FieldSpec("integer", (None,)), "loss_mask": FieldSpec(shape=(None,))}``): preflight
     refuses a dataset that lacks one or holds it with another dtype or shape."""
+    init: Init | None = None
+    """With ``task.init = "per_module"``: ``init(name, module)`` initialises the direct
+    parameters of the module ``name`` in place (under a generator seeded for that module)
+    and returns True, or returns False to leave them to the module's
+    ``reset_parameters()``. What a factory's own code does to parameters after building
+    them (``nn.init.normal_(self.tok.weight, std=0.02)``) does nothing there: parameters
+    are on ``meta`` while the factory runs. Unused with ``eager``."""
 
 
 def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -98,9 +106,15 @@ def resolve(entry: str, base_dir: str | None = None) -> Callable[..., Any]:
 
 
 def build_task(cfg: TaskConfig, seed: int, base_dir: str | None = None) -> Task:
-    """Build the task with the generator seeded by ``seed`` (identical on every replica)."""
+    """Build the task with the generator seeded by ``seed`` (identical on every replica).
+    With ``task.init = "per_module"`` its parameters are on ``meta``: the caller gives
+    them their bytes (``deferred.SeedInit``)."""
     torch.manual_seed(seed)
-    task = resolve(cfg.entry, base_dir)(**cfg.options)
+    factory = resolve(cfg.entry, base_dir)
+    if cfg.init == "per_module":
+        task = build_deferred(lambda: factory(**cfg.options))
+    else:
+        task = factory(**cfg.options)
     if not isinstance(task, Task):
         raise ValueError(f"task.entry: {cfg.entry!r} returned {type(task).__name__}, not a Task")
     if task.loss_reduction not in LOSS_REDUCTIONS:

@@ -16,6 +16,7 @@ import torch
 
 from perdure.checkpoint import (
     CheckpointState,
+    LoadedCheckpoint,
     capture_rng,
     check_compatible,
     load_checkpoint,
@@ -28,12 +29,14 @@ from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 from perdure.runtime.param_gather import ParamGather
 from perdure.runtime.placement import Placement, determinism, deterministic_cuda
+from perdure.runtime.replica.deferred import SeedInit, at_rest, free, make_resident, resident
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
-from perdure.runtime.replica.task import build_task, plain_module
-from perdure.runtime.shard_plan import ALL
+from perdure.runtime.replica.task import Task, build_task, plain_module
+from perdure.runtime.shard_plan import ALL, NONE
 
 REDUCTION_KEY = "reduction"
 """Beside the recipe's state in a checkpoint's optimizer field: the reduction's carried
@@ -76,6 +79,8 @@ class ShardSeam(Protocol):
 
     def sync_params(self) -> None: ...
 
+    def owned_params(self, j: int) -> list[torch.Tensor]: ...
+
     def skeleton(self, state: dict[str, Any]) -> dict[str, Any]: ...
 
     def fetcher(self, whole: dict[str, Any]) -> Callable[[str, torch.Tensor], torch.Tensor]: ...
@@ -99,6 +104,9 @@ class Trainer:
         self.placement = placement or Placement.of(train, config.cluster)
         configure_torch(train.threads_per_worker, train.device)
         task = build_task(config.task, train.seed, config.run.base_dir)
+        self.pending: Pending | None = self._initial(task)
+        """Sharded at rest (``train.shard_params``) before this replica knows its shard:
+        where its parameters, all at rest, come from (``replica/pending.py``)."""
         # Built on the CPU from the seed (the same initial bits wherever it runs), then moved:
         # the optimizer, built next, holds the moved parameters.
         task.model.to(self.placement.device)
@@ -159,6 +167,12 @@ class Trainer:
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
+        self._pending_optim: dict[str, Any] | None = None
+        """With a checkpoint pending: its optimizer state (mapped), cut by shard later."""
+        self.peak_param_bytes = 0
+        """The most parameter bytes this replica has held at once outside a slot's
+        gathers (building the model, loading, filling its shard)."""
+        self._note_peak()
         identity = run_identity(task, self.recipe.initial, self.dataset.version_id)
         self.config_hash = config_hash(config, identity)
         self.canonical = canonical(config, identity)
@@ -166,6 +180,25 @@ class Trainer:
             **provenance(config.task.entry),
             "determinism": determinism(self.placement),
         }
+
+    def _initial(self, task: Task) -> Pending | None:
+        """The initial parameters: eager (built whole by the factory), or per module
+        (``task.init``): every module's made now, or with ``train.shard_params`` none
+        until the replica knows its shard (a pending seed)."""
+        if self.config.task.init != "per_module":
+            return None
+        at_rest(task.model, self.placement.device)
+        seeded = SeedInit(task.model, seed=self.config.train.seed, init=task.init)
+        if self.config.train.shard_params:
+            return FromSeed(seeded)
+        seeded.fill(list(task.model.parameters()))
+        return None
+
+    def _note_peak(self, seen: int = 0) -> None:
+        """``peak_param_bytes`` with what is resident now, and ``seen``: a peak that a
+        pending source measured while it filled."""
+        held = sum(p.numel() * p.element_size() for p in self.module.parameters() if resident(p))
+        self.peak_param_bytes = max(self.peak_param_bytes, held, seen)
 
     # -- the math of a step ----------------------------------------------------------------
 
@@ -235,6 +268,8 @@ class Trainer:
         The bits are unaffected: every slot reseeds the RNG and starts from cleared
         gradients, and the data quarantine that the read could add on this replica alone
         (an unreadable shard) is replaced by the received one (``adopt``)."""
+        if self.pending is not None:
+            return  # its parameters are at rest until it knows its shard: nothing to run
         batch = to_tensors(self.loader.batch(0, 0))
         self.engine.compute(0, 0, batch, self.engine.new_buffer())
 
@@ -360,12 +395,39 @@ class Trainer:
         """Hold exactly this shard's optimizer state from now on (``Shards.exchange``)
         and, sharded at rest, its parameters only (``params``: those it received)."""
         assert self.shards is not None
+        if self.pending is not None:  # every shard virtually: make its own real
+            assert not params, "a pending replica holds every shard and receives none"
+            self.pending.fill(self.shards.owned_params(self.shards.mine))
+            self._note_peak(self.pending.peak_bytes)
+            self.pending, self._pending_optim = None, None
         if state is not None:
             self.recipe.load_state_dict(state, source="the replica group's shard")
         self._copy_in(params or {})
         self.held = self.shards.mine
         if self.shards.shard_params:
             self.gather = self.shards.gatherer()
+
+    def whole_optimizer(self) -> dict[str, Any]:
+        """The optimizer state a shard is cut from: a pending checkpoint's, else the
+        recipe's (``Shards.exchange``)."""
+        if self._pending_optim is not None:
+            return self._pending_optim
+        return self.recipe.state_dict()
+
+    @contextlib.contextmanager
+    def filled(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
+        """``params`` resident inside, for a pending replica that sends a shard it does not
+        keep (made from its source, then at rest again)."""
+        if self.pending is None:
+            yield
+            return
+        self.pending.fill(params)
+        self._note_peak(self.pending.peak_bytes)
+        try:
+            yield
+        finally:
+            for p in params:
+                free(p)
 
     def _copy_in(self, model: dict[str, torch.Tensor]) -> None:
         """Copy tensors of the model's state in by name, making each resident first (a
@@ -374,8 +436,9 @@ class Trainer:
         with torch.no_grad():
             for name, t in model.items():
                 dst = named[name]
-                _make_resident(dst)
+                make_resident(dst)
                 dst.copy_(t)
+        self._note_peak()
 
     def _model_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict, a parameter this rank does not hold (sharded at rest)
@@ -449,10 +512,12 @@ class Trainer:
             provenance=self.provenance,
         )
         self.gather = None
-        for p in self.module.parameters():  # sharded at rest: whole again, for a moment
-            _make_resident(p)
-        self.module.load_state_dict(ckpt.model)
-        self._load_optimizer(ckpt.optimizer, str(path))
+        if self.config.train.shard_params:
+            self._load_pending(ckpt, str(path))
+        else:
+            self.module.load_state_dict(ckpt.model)
+            self._load_optimizer(ckpt.optimizer, str(path))
+            self._note_peak()
         restore_rng(ckpt.rng)
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
@@ -462,6 +527,29 @@ class Trainer:
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
         return notes
 
+    def _load_pending(self, ckpt: LoadedCheckpoint, path: str) -> None:
+        """Sharded at rest: the checkpoint's buffers now, its parameters and optimizer state
+        by shard once the replica knows its own (``keep_shard``); every parameter at rest
+        meanwhile. Names, shapes and dtypes are checked here, so a checkpoint of another
+        model is refused now, naming the tensor."""
+        named = self.module.state_dict(keep_vars=True)
+        _check_model(named, ckpt.model, path)
+        params = {id(p) for p in self.module.parameters()}
+        with torch.no_grad():
+            for name, t in named.items():
+                if id(t) not in params:
+                    t.copy_(ckpt.model[name])  # a buffer: whole on every rank
+        for p in self.module.parameters():
+            free(p)
+        state = dict(ckpt.optimizer)
+        reduction = state.pop(REDUCTION_KEY, None)
+        exps = None if reduction is None else reduction.get("exponents")
+        self.exponents, self._staged = self._checked_exponents(exps, path), None
+        # the param groups and the scheduler now (checked); each shard's tensors later
+        self.recipe.load_state_dict({**state, "state": {}}, source=path)
+        self._pending_optim = state
+        self.pending = FromCheckpoint(self.module, ckpt.model, path)
+
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """What a joiner needs: model, optimizer, and the JSON extras. Sharded at rest,
         the model's tensors this rank holds (its shard's parameters and the buffers)."""
@@ -469,7 +557,7 @@ class Trainer:
             "next_step": self.next_step,
             "data": self.loader.state(self.next_step).to_dict(),
             "decisions": self.decisions,
-            "held": self.held,
+            "held": NONE if self.pending is not None else self.held,  # none of it real yet
         }
         model = {n: t for n, t in self.module.state_dict().items() if resident(t)}
         return model, self._optimizer_state(), extra
@@ -486,6 +574,7 @@ class Trainer:
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
         self.held = int(extra.get("held", ALL))
+        self.pending, self._pending_optim = None, None
         self.torn = False
         self.state_version += 1
 
@@ -493,15 +582,22 @@ class Trainer:
         self.loader.close()
 
 
-def resident(t: torch.Tensor) -> bool:
-    """Whether a tensor has its bytes (a parameter at rest has a storage of zero bytes)."""
-    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
-
-
-def _make_resident(p: torch.Tensor) -> None:
-    need = int((p.storage_offset() + p.numel()) * p.element_size())
-    if p.untyped_storage().nbytes() < need:
-        p.untyped_storage().resize_(need)
+def _check_model(named: dict[str, torch.Tensor], saved: dict[str, torch.Tensor], path: str) -> None:
+    """A checkpoint's model tensors against the module's: the same names, shapes and
+    dtypes (what ``load_state_dict`` checks, before any tensor is read)."""
+    missing, unexpected = sorted(set(named) - set(saved)), sorted(set(saved) - set(named))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: the model's tensors do not match the task's model (missing "
+            f"{missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    for name, t in named.items():
+        s = saved[name]
+        if s.shape != t.shape or s.dtype != t.dtype:
+            raise ValueError(
+                f"{path}: model/{name} is {s.dtype} {list(s.shape)}, the task's model "
+                f"has {t.dtype} {list(t.shape)}"
+            )
 
 
 def _row(batch: Any, i: int) -> Any:

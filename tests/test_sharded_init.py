@@ -1,0 +1,214 @@
+"""Sharded initialisation (``task.init = "per_module"``) and checkpoints loaded by shard:
+with the parameters sharded at rest a worker never holds the whole model, whether it
+starts from the seed or from a checkpoint, and the bits are the same for every layout."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from perdure import events as ev
+from perdure.launch.preflight import PreflightError, preflight
+from perdure.run_config import RunConfig
+from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
+from perdure.runtime.replica.deferred import resident
+from perdure.runtime.replica.trainer import Trainer
+from perdure.runtime.shard_group import Shards, optimizer_params
+from perdure.runtime.shard_plan import ALL, NONE
+from tests.runtime_support import events, run_to_end, small_config
+
+STEPS = 20
+T = timedelta(seconds=30)
+
+
+def _cfg(dataset: Path, workers: int, k: int, init: str = "per_module", **kw: Any) -> RunConfig:
+    train = {"reduction": "exact", "shard_degree": k, "shard_params": k > 1}
+    train.update(kw.pop("train", {}))
+    return small_config(
+        dataset, workers=workers, steps=STEPS, train=train, task={"init": init}, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def per_module_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One worker, initialised per module: the reference bits."""
+    run_dir = tmp_path_factory.mktemp("per_module") / "run"
+    run_to_end(_cfg(small_dataset, 1, 1), run_dir)
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def at_rest_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Four workers in two groups of two, parameters sharded at rest, initialised per
+    module: each makes only its own shard."""
+    run_dir = tmp_path_factory.mktemp("at_rest") / "run"
+    run_to_end(_cfg(small_dataset, 4, 2), run_dir)
+    return run_dir
+
+
+def _hash(run_dir: Path) -> str:
+    import json
+
+    return str(json.loads((run_dir / "summary.json").read_text())["final_hash"])
+
+
+def _first_epoch(run_dir: Path, kind: str) -> list[dict[str, Any]]:
+    first = events(run_dir, ev.EPOCH_STARTED)[0]["epoch"]
+    return [e for e in events(run_dir, kind) if e["epoch"] == first]
+
+
+def test_per_module_initialisation_gives_every_layout_the_same_bits_and_a_run_of_its_own(
+    per_module_run: Path, at_rest_run: Path, small_dataset: Path, tmp_path: Path
+) -> None:
+    """One worker, two groups of two at rest, one group of two with whole parameters:
+    one final hash; the eager initialisation's is another (a math setting)."""
+    want = _hash(per_module_run)
+    assert _hash(at_rest_run) == want
+    whole = run_to_end(_cfg(small_dataset, 2, 2, train={"shard_params": False}), tmp_path / "w")
+    assert whole["final_hash"] == want
+    eager = run_to_end(_cfg(small_dataset, 1, 1, init="eager"), tmp_path / "eager")
+    assert eager["final_hash"] != want
+
+
+def test_a_rank_initialised_per_module_never_holds_more_than_its_shard(
+    at_rest_run: Path, small_dataset: Path, tmp_path: Path
+) -> None:
+    """The most parameter bytes a rank held before its first slot is its own shard's
+    (here each module's parameters are one shard's, so nothing more); built eagerly,
+    every rank held the whole model first."""
+    rest = _first_epoch(at_rest_run, ev.PARAMS_AT_REST)
+    assert len(rest) == 4
+    for e in rest:
+        assert e["init_peak_bytes"] == e["bytes"] < 0.6 * e["of"], e
+    eager_dir = tmp_path / "eager"
+    run_to_end(_cfg(small_dataset, 4, 2, init="eager"), eager_dir)
+    for e in _first_epoch(eager_dir, ev.PARAMS_AT_REST):
+        assert e["init_peak_bytes"] == e["of"], e
+
+
+@pytest.mark.parametrize("workers,k", [(4, 2), (4, 4), (1, 1)])
+def test_a_checkpoint_resumed_at_rest_is_read_by_shard_on_the_same_trajectory(
+    per_module_run: Path,
+    at_rest_run: Path,
+    small_dataset: Path,
+    tmp_path: Path,
+    workers: int,
+    k: int,
+) -> None:
+    """The step-10 checkpoint of the k = 2 run, resumed with k = 2, 4 and 1: the same
+    final hash; sharded at rest, a rank reads only its shard's parameters."""
+    ckpt = at_rest_run / "checkpoints" / f"step-{STEPS // 2:09d}"
+    run_dir = tmp_path / "resumed"
+    s = run_to_end(_cfg(small_dataset, workers, k), run_dir, resume=str(ckpt))
+    assert s["final_hash"] == _hash(per_module_run)
+    for e in _first_epoch(run_dir, ev.PARAMS_AT_REST):
+        assert e["init_peak_bytes"] == e["bytes"] < e["of"], e
+
+
+def test_a_killed_rank_initialised_per_module_is_absorbed_and_changes_no_bit(
+    per_module_run: Path, small_dataset: Path, tmp_path: Path
+) -> None:
+    kill = [{"kind": "kill", "target": "r0-0", "at_step": STEPS // 3}]
+    s = run_to_end(_cfg(small_dataset, 4, 2, chaos={"faults": kill}), tmp_path / "run")
+    assert s["final_hash"] == _hash(per_module_run)
+    assert [e["worker"] for e in events(tmp_path / "run", ev.LEAVE)] == ["r0-0"]
+
+
+# -- a pending replica as the source of a shard it does not keep -------------------------
+
+
+def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
+    """Rank 0 holds every shard from the seed, virtually; rank 1 joins (it receives the
+    run's state, then its shard), as the worker does it: ``_transfer``, then
+    ``_exchange_shards``."""
+    config = _cfg(Path(dataset), 2, 2)
+    tr = Trainer(config)
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, proc == 0, T)
+    comm = Comm(store, "e/", proc, 2, T, lambda: False)
+    group = comm.subgroup(store, "shard0", proc, 2)
+    shards = Shards(
+        optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
+    )
+    tr.shards = shards
+    payload = pack(*tr.export(), comm.device) if proc == 0 else None
+    head, blob = broadcast_state(comm, 0, payload, T)
+    held = ALL
+    if proc == 1:
+        tr.adopt(*unpack(head, blob))
+        held = tr.held
+    tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
+    # bytes, not tensors: a tensor would travel as a handle to this process's memory
+    params = {
+        n: p.detach().numpy().tobytes() for n, p in tr.module.named_parameters() if resident(p)
+    }
+    q.put((proc, held, params, tr.peak_param_bytes, shards.received is not None))
+    comm.close()
+
+
+def test_a_joiner_receives_its_shard_from_a_replica_that_holds_it_only_from_the_seed(
+    small_dataset: Path,
+) -> None:
+    """The joiner learns from the state it receives that its source holds nothing real
+    (``held`` NONE), so it takes its shard in the exchange; the source makes that shard
+    from the seed for the send and keeps only its own: each rank ends with its shard's
+    parameters bit for bit those of the whole model initialised per module."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    procs = [ctx.Process(target=_joined, args=(r, port, str(small_dataset), q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r[0]: r[1:] for r in (q.get(timeout=90) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    whole = Trainer(_cfg(small_dataset, 1, 1)).module  # per module, every parameter made
+    want = {n: p.detach() for n, p in whole.named_parameters()}
+    (held0, params0, peak0, recv0), (held1, params1, peak1, recv1) = got[0], got[1]
+    assert (held0, held1) == (ALL, NONE) and (recv0, recv1) == (False, True)
+    assert params0 and params1 and not set(params0) & set(params1)
+    assert set(params0) | set(params1) == set(want)
+    for name, b in {**params0, **params1}.items():
+        assert b == want[name].numpy().tobytes(), name
+    total = sum(t.numel() * t.element_size() for t in want.values())
+    assert max(peak0, peak1) < total  # neither held the whole model, the sender included
+
+
+def test_a_module_nothing_can_initialise_is_refused_before_any_worker_starts(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    (tmp_path / "bare_init_task.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from examples.tiny_lm.task import make_task as tiny\n"
+        "class Scale(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.gain = nn.Parameter(torch.ones(4))\n"
+        "def make_task(**options):\n"
+        "    task = tiny(**options)\n"
+        "    task.model.extra = Scale()\n"
+        "    return task\n"
+    )
+    cfg = small_config(
+        small_dataset,
+        task={"entry": "bare_init_task:make_task", "init": "per_module"},
+        run={"base_dir": str(tmp_path)},
+    )
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg)
+    [problem] = info.value.problems
+    assert problem.key == "task.init" and problem.value == "per_module"
+    assert "'extra' (Scale)" in problem.rule and "reset_parameters" in problem.rule
