@@ -186,9 +186,12 @@ def test_a_joiner_receives_its_shard_from_a_replica_that_holds_it_only_from_the_
     assert max(peak0, peak1) < total  # neither held the whole model, the sender included
 
 
+@pytest.mark.parametrize("at_rest", [False, True], ids=["whole", "holder_by_holder"])
 def test_a_module_nothing_can_initialise_is_refused_before_any_worker_starts(
-    small_dataset: Path, tmp_path: Path
+    small_dataset: Path, tmp_path: Path, at_rest: bool
 ) -> None:
+    """Preflight initialises as the workers do: the whole model, or sharded at rest one
+    holder module at a time (the launcher never holds the model)."""
     (tmp_path / "bare_init_task.py").write_text(
         "import torch\n"
         "from torch import nn\n"
@@ -205,6 +208,7 @@ def test_a_module_nothing_can_initialise_is_refused_before_any_worker_starts(
     cfg = small_config(
         small_dataset,
         task={"entry": "bare_init_task:make_task", "init": "per_module"},
+        train={"shard_degree": 2, "shard_params": at_rest},
         run={"base_dir": str(tmp_path)},
     )
     with pytest.raises(PreflightError) as info:
@@ -212,3 +216,12 @@ def test_a_module_nothing_can_initialise_is_refused_before_any_worker_starts(
     [problem] = info.value.problems
     assert problem.key == "task.init" and problem.value == "per_module"
     assert "'extra' (Scale)" in problem.rule and "reset_parameters" in problem.rule
+
+
+def test_preflight_of_a_model_sharded_at_rest_says_its_loss_was_not_measured(
+    small_dataset: Path,
+) -> None:
+    at_rest = preflight(_cfg(small_dataset, 2, 2))
+    assert any("not measured" in n and "task.loss_reduction" in n for n in at_rest.notes)
+    whole = preflight(_cfg(small_dataset, 2, 2, train={"shard_params": False}))
+    assert not any("not measured" in n for n in whole.notes)

@@ -190,18 +190,37 @@ def _task(config: RunConfig, problems: list[Problem]) -> Task | None:
 
 
 def _initialised(config: RunConfig, task: Task, problems: list[Problem]) -> bool:
-    """With ``task.init = "per_module"``: every module initialised as a worker would (the
-    whole model, here), so a module that nothing can initialise is refused now."""
-    from perdure.runtime.replica.deferred import materialize
-
+    """With ``task.init = "per_module"``: every module initialised as a worker would, so
+    a module that nothing can initialise is refused now. The whole model at once, or with
+    ``train.shard_params`` one holder module at a time, freed again (a model sharded at
+    rest need not fit the launcher: its loss is then not measured, see ``_recipe``)."""
     if config.task.init != "per_module":
         return True
     try:
-        materialize(task.model, seed=config.train.seed, init=task.init)
+        _initialise(task, config.train.seed, whole=not config.train.shard_params)
     except Exception as e:  # the task's init or a module's reset_parameters
         problems.append(Problem("task.init", f"{type(e).__name__}: {e}", config.task.init))
         return False
     return True
+
+
+def _initialise(task: Task, seed: int, *, whole: bool) -> None:
+    from perdure.runtime.replica.deferred import SeedInit, at_rest, free
+
+    at_rest(task.model)
+    seeded = SeedInit(task.model, seed=seed, init=task.init)
+    if whole:
+        seeded.fill(list(task.model.parameters()))
+        return
+    for _, _, own in seeded.holders:
+        seeded.fill(own)
+        for p in own:
+            free(p)
+
+
+def _at_rest(config: RunConfig) -> bool:
+    """Whether preflight holds the model at rest (initialised per module, sharded)."""
+    return config.task.init == "per_module" and config.train.shard_params
 
 
 def _factory_problem(config: RunConfig, e: Exception) -> Problem:
@@ -232,6 +251,12 @@ def _recipe(
         problems.append(_factory_problem(config, e))
         return None
     if problems:  # the data does not fit the task or the batch: no slot to measure on
+        return run_identity(task, recipe.initial, ds.version_id)
+    if _at_rest(config):
+        report.notes.append(
+            f"task.loss_reduction: {task.loss_reduction!r} not measured: with task.init = "
+            "'per_module' and train.shard_params the launcher does not make the whole model"
+        )
         return run_identity(task, recipe.initial, ds.version_id)
     try:
         note = check_loss_reduction(task, _first_slot(config, ds))
