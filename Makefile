@@ -24,8 +24,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# -X faulthandler: a crash after pytest's own handler is off (the interpreter's teardown)
+# still prints every thread's stack
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -X faulthandler -m pytest -q
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

@@ -149,7 +149,9 @@ def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
         n: p.detach().numpy().tobytes() for n, p in tr.module.named_parameters() if resident(p)
     }
     q.put((proc, held, params, tr.peak_param_bytes, shards.received is not None))
+    shards.close()
     comm.close()
+    tr.close()
 
 
 def test_a_joiner_receives_its_shard_from_a_replica_that_holds_it_only_from_the_seed(
@@ -174,8 +176,11 @@ def test_a_joiner_receives_its_shard_from_a_replica_that_holds_it_only_from_the_
             p.join(30)
             if p.is_alive():
                 p.kill()
-    whole = Trainer(_cfg(small_dataset, 1, 1)).module  # per module, every parameter made
-    want = {n: p.detach() for n, p in whole.named_parameters()}
+    reference = Trainer(_cfg(small_dataset, 1, 1))  # per module, every parameter made
+    try:
+        want = {n: p.detach().clone() for n, p in reference.module.named_parameters()}
+    finally:
+        reference.close()
     (held0, params0, peak0, recv0), (held1, params1, peak1, recv1) = got[0], got[1]
     assert (held0, held1) == (ALL, NONE) and (recv0, recv1) == (False, True)
     assert params0 and params1 and not set(params0) & set(params1)
