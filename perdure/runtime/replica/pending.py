@@ -29,9 +29,6 @@ from perdure.runtime.replica.deferred import SeedInit, make_resident
 class Pending(Protocol):
     """A source of any of a replica's parameters, filled in place."""
 
-    what: str
-    """For events and errors: ``"seed"`` or ``"checkpoint <path>"``."""
-
     @property
     def peak_bytes(self) -> int:
         """The most parameter bytes its fills held at once (a seed initialises a module's
@@ -45,8 +42,6 @@ class Pending(Protocol):
 
 class FromSeed:
     """The initial parameters, initialised per module from the seed."""
-
-    what = "seed"
 
     def __init__(self, seeded: SeedInit) -> None:
         self.seeded = seeded
@@ -62,8 +57,7 @@ class FromSeed:
 class FromCheckpoint:
     """A checkpoint's model tensors (mapped), by the module's state dict names."""
 
-    def __init__(self, module: nn.Module, model: Mapping[str, torch.Tensor], path: str) -> None:
-        self.what = f"checkpoint {path}"
+    def __init__(self, module: nn.Module, model: Mapping[str, torch.Tensor]) -> None:
         self.model = model
         self.names: dict[int, str] = {}
         for name, t in module.state_dict(keep_vars=True).items():

@@ -548,7 +548,7 @@ class Trainer:
         # the param groups and the scheduler now (checked); each shard's tensors later
         self.recipe.load_state_dict({**state, "state": {}}, source=path)
         self._pending_optim = state
-        self.pending = FromCheckpoint(self.module, ckpt.model, path)
+        self.pending = FromCheckpoint(self.module, ckpt.model)
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """What a joiner needs: model, optimizer, and the JSON extras. Sharded at rest,
