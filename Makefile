@@ -24,8 +24,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# -X faulthandler: a crash after pytest's own handler is off (the interpreter's teardown)
-# still prints every thread's stack
+# -X faulthandler: a crash after pytest's own handler is off still prints every thread's
+# stack (tests/conftest.py skips the interpreter's teardown unless PERDURE_TEST_TEARDOWN=1)
 test: lint
 	$(PY) -X faulthandler -m pytest -q
 
