@@ -230,3 +230,16 @@ def test_preflight_of_a_model_sharded_at_rest_says_its_loss_was_not_measured(
     assert any("not measured" in n and "task.loss_reduction" in n for n in at_rest.notes)
     whole = preflight(_cfg(small_dataset, 2, 2, train={"shard_params": False}))
     assert not any("not measured" in n for n in whole.notes)
+
+
+def test_the_eager_default_keeps_the_config_hash_of_runs_before_task_init_existed() -> None:
+    """``task.init`` at its default (the math every earlier run did) is left out of the
+    canonical config, so checkpoints written before the field existed keep their hash;
+    ``per_module`` enters it."""
+    from perdure.run_config import canonical, config_hash, with_overrides
+
+    eager = RunConfig()
+    per_module = with_overrides(eager, task={"init": "per_module"})
+    assert "init" not in canonical(eager)["task"]
+    assert canonical(per_module)["task"]["init"] == "per_module"
+    assert config_hash(per_module) != config_hash(eager)

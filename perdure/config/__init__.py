@@ -11,4 +11,9 @@ from perdure.config.errors import Checker, ConfigError, Problem
 MATH = {"math": True}
 """Field metadata that marks a field as math-affecting: it enters the config hash."""
 
-__all__ = ["MATH", "Checker", "ConfigError", "Problem", "build"]
+MATH_ADDED = {"math": True, "hash_default": False}
+"""A math field added after runs existed, whose default is the math they already did: at
+its default it is left out of the config hash, so their checkpoints keep their hash and
+resume without ``--allow-config-change``; any other value enters the hash."""
+
+__all__ = ["MATH", "MATH_ADDED", "Checker", "ConfigError", "Problem", "build"]

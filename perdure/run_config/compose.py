@@ -151,13 +151,18 @@ def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict
         math = {
             f.name: _plain(getattr(value, f.name))
             for f in dataclasses.fields(value)
-            if f.metadata.get("math")
+            if f.metadata.get("math") and not _default_left_out(f, getattr(value, f.name))
         }
         if math:
             out[section.name] = math
     if identity is not None:
         out["identity"] = identity
     return out
+
+
+def _default_left_out(f: dataclasses.Field[Any], value: Any) -> bool:
+    """A ``MATH_ADDED`` field at its default: not in the hash (``perdure.config``)."""
+    return f.metadata.get("hash_default") is False and value == f.default
 
 
 def _plain(value: Any) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from perdure.config import MATH, Checker
+from perdure.config import MATH, MATH_ADDED, Checker
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -16,14 +16,15 @@ class TaskConfig:
     """``module:function`` returning a :class:`perdure.Task`; the module must be importable."""
     options: dict[str, Any] = field(default_factory=dict, metadata=MATH)
     """Keyword arguments passed to the factory (model sizes, dropout, ...)."""
-    init: Literal["eager", "per_module"] = field(default="eager", metadata=MATH)
+    init: Literal["eager", "per_module"] = field(default="eager", metadata=MATH_ADDED)
     """How the initial parameters are drawn. ``eager``: as the factory builds them, from the
     run seed's one stream (the whole model on every worker). ``per_module``: the factory
     runs with its parameters on ``meta`` and each module's own parameters are then drawn
     from a seed of (run seed, module name), by the task's ``Task.init`` or the module's
     ``reset_parameters`` (``runtime/replica/deferred.py``), so a rank can make just its
     shard: with ``train.shard_params`` a worker never holds the whole model. Other initial
-    bits than ``eager``'s, so a math setting."""
+    bits than ``eager``'s, so a math setting (``eager``, the math of runs before the field
+    existed, is left out of the config hash: their checkpoints keep their hash)."""
 
     def __post_init__(self) -> None:
         c = Checker()
