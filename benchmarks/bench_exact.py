@@ -17,8 +17,19 @@ all_reduce's own.
 
 ``--floors`` adds, in the same rotation: the integer all-reduce alone (int32 and int64
 buffers of the payload's count, in the reducer's buckets, no conversion: what the exact
-reduction cannot go below) and the exact reduction through the torch ops (the fallback,
-as it was before the fused kernels).
+reduction cannot go below), the same with the cheapest conversion there could be (one
+cast of the float32 buffer into the integers before, one cast back after: no exponents,
+no scaling, no rounding; a lower bound on any fixed-point reduction's work, not a
+reduction), and the exact reduction through the torch ops (the fallback, as it was
+before the fused kernels).
+
+Every method's CPU time is recorded too: the CPU seconds of all of a rank's threads
+(``time.process_time``, gloo's included) over the timed call, summed over the ranks. On a
+machine with fewer cores than ranks, ``cpu / cores`` bounds a method's wall time from
+below whatever overlaps, so ``cpu_floor`` (a method's summed CPU over the cores, divided by
+the same repeat's all_reduce wall time) is the least ratio this machine allows that
+method, and ``busy`` (the all_reduce's summed CPU over cores x wall) says how much of the
+machine the float32 all_reduce alone keeps busy.
 
 Results: ``benchmarks/results/exact.json``.
 """
@@ -27,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +48,14 @@ from _common import InlineComm, fmt, free_port, gloo_group, machine, ratios, sta
 
 MB = 1 << 20
 METHODS = ("all_reduce", "exact64", "exact32", "chain")
-FLOORS = ("int32_all_reduce", "int64_all_reduce", "exact32_torch", "exact64_torch")
+FLOORS = (
+    "int32_all_reduce",
+    "int64_all_reduce",
+    "int32_casts",
+    "int64_casts",
+    "exact32_torch",
+    "exact64_torch",
+)
 CARRIED = ("carried64",)
 """``--carried``: the exact reduction with carried exponents (``comm/carried.py``) in its
 steady state (the prediction made from a measuring pass outside the timing, so every
@@ -100,18 +119,22 @@ def _worker(rank, size, port, sizes_mb, repeats, q, methods=METHODS):  # pragma:
         ):
             buf.copy_(src)
             pg.barrier().wait()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             if name == "all_reduce":
                 pg.allreduce([buf]).wait()
                 res = buf
             elif name == "chain":
                 chain_reduce(pg, rank, size, [buf], partial, out, timeout=timeout)
                 res = out
-            elif name.endswith("_all_reduce"):  # a floor: no result to check
+            elif name.endswith(("_all_reduce", "_casts")):  # a floor: no result to check
                 x = ints[int(name[3:5])]
+                if name.endswith("_casts"):
+                    x.copy_(buf)
                 for w in [pg.allreduce([x[lo : lo + CHUNK]]) for lo in range(0, n, CHUNK)]:
                     w.wait()
-                return time.perf_counter() - t0
+                if name.endswith("_casts"):
+                    out.copy_(x)
+                return time.perf_counter() - t0, time.process_time() - c0
             elif name == "carried64":
                 carried.open(buf, predicted)
                 res, _ = carried.finish(now, buf, last=buf, timeout=timeout).result()
@@ -119,23 +142,33 @@ def _worker(rank, size, port, sizes_mb, repeats, q, methods=METHODS):  # pragma:
                 res = torch_ops[int(name[5:7])].reduce(pg, [buf], timeout)
             else:
                 res = reducers[int(name[-2:])].reduce(pg, [buf], timeout)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - c0
             outputs[name] = res.clone()
-            return dt
+            return dt, cpu
 
         for name in methods:
             run(name)  # warm-up
         times = {m: [] for m in methods}
+        cpus = {m: [] for m in methods}
         for r in range(repeats):
             k = r % len(methods)
             for name in methods[k:] + methods[:k]:
-                times[name].append(run(name))
+                dt, cpu = run(name)
+                times[name].append(dt)
+                cpus[name].append(cpu)
         t = torch.tensor([times[m] for m in methods], dtype=torch.float64)
         pg.allreduce([t], opts=_max_opts()).wait()
+        c = torch.tensor([cpus[m] for m in methods], dtype=torch.float64)
+        pg.allreduce([c]).wait()  # the machine's CPU seconds per call: every rank's, summed
         err = _errors(pg, rank, size, src, outputs)
         if rank == 0:
             results.append(
-                {"mb": mb, "times": {m: t[i].tolist() for i, m in enumerate(methods)}, **err}
+                {
+                    "mb": mb,
+                    "times": {m: t[i].tolist() for i, m in enumerate(methods)},
+                    "cpu": {m: c[i].tolist() for i, m in enumerate(methods)},
+                    **err,
+                }
             )
     pg.barrier().wait()
     if rank == 0:
@@ -200,8 +233,12 @@ def main(argv=None) -> int:
         for res in run_world(w, sizes, repeats, methods):
             base = res["times"]["all_reduce"]
             row = {"workers": w, "mb": res["mb"], "relative_error": res["relative_error"]}
+            cores = os.cpu_count() or 1
+            row["busy"] = ratios([x / cores for x in res["cpu"]["all_reduce"]], base)
             for m in methods:
                 row[f"{m}_s"] = stats(res["times"][m])
+                row[f"{m}_cpu_s"] = stats(res["cpu"][m])
+                row[f"cpu_floor_{m}"] = ratios([x / cores for x in res["cpu"][m]], base)
                 if m != "all_reduce":
                     row[f"ratio_{m}_over_all_reduce"] = ratios(res["times"][m], base)
             rows.append(row)
@@ -209,8 +246,11 @@ def main(argv=None) -> int:
                 f"W={w} {res['mb']:>5g} MB"
                 f"  all_reduce {row['all_reduce_s']['median'] * 1e3:7.1f} ms"
                 + "".join(
-                    f"  {m} {fmt(row[f'ratio_{m}_over_all_reduce'], 2)}" for m in methods[1:]
-                ),
+                    f"  {m} {fmt(row[f'ratio_{m}_over_all_reduce'], 2)}"
+                    f" (cpu floor {row[f'cpu_floor_{m}']['median']:.2f})"
+                    for m in methods[1:]
+                )
+                + f"  busy {row['busy']['median']:.2f}",
                 flush=True,
             )
     data = {
@@ -221,6 +261,7 @@ def main(argv=None) -> int:
         "carried": a.carried,
         "repeats": repeats,
         "threads_per_process": 1,
+        "cores": os.cpu_count(),
         "goal": "exact int32 <= 1.10x all_reduce at W = 2-4, >= 16 MB; int64 <= 2.1x",
         "rows": rows,
         "seconds": time.perf_counter() - t_start,

@@ -17,6 +17,12 @@ run (budget: 8 minutes on one H200). Writes ``results/gpu_check.json`` with the 
 4. The snapshot's side-stream device-to-host copy of 256 MB into a pinned buffer: equal
    bytes, and its time.
 
+5. Issue 15's speed goals for the exact reduction on this host's CPUs, which give a core
+   per rank (the 2-core development machine cannot: ``docs/performance.md`` section 6):
+   ``bench_exact.py --floors`` at W = 2, 3, 4, 16 and 64 MB, its medians over gloo's
+   float32 all_reduce, into ``results/exact_core_per_rank.json``. Skipped on fewer than
+   8 cores.
+
 Usage (a CUDA build of torch, from the repository root): ``python benchmarks/gpu_check.py``.
 On a host without CUDA it says so and exits 2: nothing here ran on a GPU until then.
 """
@@ -153,6 +159,31 @@ def snapshot_check(mb: int = 256) -> dict[str, Any]:
     }
 
 
+def exact_core_per_rank() -> dict[str, Any]:
+    """Item 5: the exact reduction against gloo's all_reduce with a core per rank."""
+    import os
+
+    cores = os.cpu_count() or 1
+    if cores < 8:
+        return {"skipped": f"{cores} cores: fewer than 8 cannot give a core per rank"}
+    path = REPO / "benchmarks" / "results" / "exact_core_per_rank.json"
+    args = ["--floors", "--sizes-mb", "16", "64", "--worlds", "2", "3", "4"]
+    cmd = [sys.executable, str(REPO / "benchmarks" / "bench_exact.py"), *args]
+    subprocess.run([*cmd, "--repeats", "5", "--out", str(path)], check=True, timeout=300)
+    rows = json.loads(path.read_text())["rows"]
+    keys = ("exact32", "exact64", "int32_all_reduce", "int64_all_reduce")
+    return {
+        "cores": cores,
+        "rows": [
+            {"workers": r["workers"], "mb": r["mb"]}
+            | {k: round(r[f"ratio_{k}_over_all_reduce"]["median"], 3) for k in keys}
+            for r in rows
+        ],
+        "int32_goal_met": all(r["ratio_exact32_over_all_reduce"]["median"] <= 1.10 for r in rows),
+        "int64_goal_met": all(r["ratio_exact64_over_all_reduce"]["median"] <= 2.1 for r in rows),
+    }
+
+
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--slots":
         print(json.dumps(slot_crcs(sys.argv[2])))
@@ -199,6 +230,7 @@ def main() -> int:
     w1 = next(r for r in runs if r["workers"] == 1 and r["data_plane"] == "nccl")
     out["plain_loop_step_s"] = round(plain, 5)
     out["step_ratio_w1_vs_plain"] = round(w1["median_step_s"] / plain, 3)
+    out["exact_core_per_rank"] = exact_core_per_rank()
     path = REPO / "benchmarks" / "results" / "gpu_check.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps(out, indent=2))

@@ -63,6 +63,25 @@ def small_config(
     return config_from_dict(data)
 
 
+def sharded_config(
+    dataset: Path,
+    workers: int,
+    k: int,
+    *,
+    steps: int,
+    at_rest: bool = True,
+    init: str | None = None,
+    **sections: dict[str, Any],
+) -> RunConfig:
+    """:func:`small_config` with the exact reduction in replica groups of ``k``
+    (``at_rest``: parameters sharded between slots too; ``init``: ``task.init``)."""
+    train = {"reduction": "exact", "shard_degree": k, "shard_params": at_rest and k > 1}
+    train.update(sections.pop("train", {}))
+    if init is not None:
+        sections["task"] = {"init": init, **sections.get("task", {})}
+    return small_config(dataset, workers=workers, steps=steps, train=train, **sections)
+
+
 def run_to_end(
     config: RunConfig, run_dir: Path, *, resume: str | None = None, timeout_s: float = 90.0
 ) -> dict[str, Any]:

@@ -14,14 +14,13 @@ import pytest
 from perdure import events as ev
 from perdure.checkpoint.reference_reader import Checkpoint
 from perdure.run_config import RunConfig
-from tests.runtime_support import events, run_to_end, small_config, summary
+from tests.runtime_support import events, run_to_end, sharded_config, small_config, summary
 
 STEPS = 20
 
 
 def _cfg(dataset: Path, workers: int, k: int, at_rest: bool = True, **kw: Any) -> RunConfig:
-    train = {"reduction": "exact", "shard_degree": k, "shard_params": at_rest and k > 1}
-    return small_config(dataset, workers=workers, steps=STEPS, train=train, **kw)
+    return sharded_config(dataset, workers, k, steps=STEPS, at_rest=at_rest, **kw)
 
 
 @pytest.fixture(scope="module")

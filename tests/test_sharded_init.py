@@ -22,18 +22,14 @@ from perdure.runtime.replica.deferred import resident
 from perdure.runtime.replica.trainer import Trainer
 from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import ALL, NONE
-from tests.runtime_support import events, run_to_end, small_config
+from tests.runtime_support import events, run_to_end, sharded_config, small_config, summary
 
 STEPS = 20
 T = timedelta(seconds=30)
 
 
 def _cfg(dataset: Path, workers: int, k: int, init: str = "per_module", **kw: Any) -> RunConfig:
-    train = {"reduction": "exact", "shard_degree": k, "shard_params": k > 1}
-    train.update(kw.pop("train", {}))
-    return small_config(
-        dataset, workers=workers, steps=STEPS, train=train, task={"init": init}, **kw
-    )
+    return sharded_config(dataset, workers, k, steps=STEPS, init=init, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +50,7 @@ def at_rest_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 
 def _hash(run_dir: Path) -> str:
-    import json
-
-    return str(json.loads((run_dir / "summary.json").read_text())["final_hash"])
+    return str(summary(run_dir)["final_hash"])
 
 
 def _first_epoch(run_dir: Path, kind: str) -> list[dict[str, Any]]:

@@ -59,6 +59,9 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from perdure.runtime.replica.deferred import free as free_storage
+from perdure.runtime.replica.deferred import make_resident
+
 Broadcast = Callable[[torch.Tensor, int], None]
 """``broadcast(flat_uint8, src)``: the group's broadcast, in place, from rank ``src`` of
 the group (the owner's shard index: a group's rank ``j`` owns shard ``j``)."""
@@ -153,12 +156,12 @@ class ParamGather:
     def _one(self, j: int, i: int) -> int:
         p = self.params[i]
         if j != self.mine:
-            p.untyped_storage().resize_(self.nbytes[i])
+            make_resident(p)
         try:
             self.broadcast(_bytes(p), j)
         except BaseException:  # a failed collective: nothing half-received stays
             if j != self.mine:
-                p.untyped_storage().resize_(0)
+                free_storage(p)
             raise
         return 0
 

@@ -125,22 +125,24 @@ class SeedInit:
         parameters of their holders are made for the initialisation and freed again.
         Returns the holders initialised, in module order."""
         ids = {id(p) for p in want}
+        held = self._held()  # counted once: below, only this method makes bytes resident
         done = []
         for name, module, own in self.holders:
             if any(id(p) in ids for p in own):
-                self._fill_holder(name, module, own, ids)
+                held = self._fill_holder(name, module, own, ids, held)
                 done.append(name)
         return done
 
     def _fill_holder(
-        self, name: str, module: nn.Module, own: list[nn.Parameter], ids: set[int]
-    ) -> None:
+        self, name: str, module: nn.Module, own: list[nn.Parameter], ids: set[int], held: int
+    ) -> int:
         """Initialise ``module``'s parameters on the CPU (the same bits on any device)
         into stand-ins, then copy the wanted ones into their parameters. Stand-ins are set
         in ``_parameters`` directly (past the registration hooks) over the module's whole
         subtree: a tie that an earlier module holds, and every descendant's parameter, is
         a ``meta`` stand-in, so what the module's code writes there is dropped (each
-        parameter's holder alone decides it)."""
+        parameter's holder alone decides it). ``held``: the parameter bytes resident
+        before; returns those resident after."""
         mine = {id(p) for p in own}
         saved = {m: dict(m._parameters) for m in module.modules()}
         stand = {
@@ -159,13 +161,15 @@ class SeedInit:
             for m, kept in saved.items():
                 m._parameters.update(kept)
         made = sum(_nbytes(t) for t in stand[module].values() if t.device.type != "meta")
-        self.peak_bytes = max(self.peak_bytes, self._held() + made)
+        self.peak_bytes = max(self.peak_bytes, held + made)
         with torch.no_grad():
             for k, p in saved[module].items():
                 if p is not None and id(p) in mine and id(p) in ids:
+                    held += 0 if resident(p) else _nbytes(p)
                     make_resident(p)
                     p.copy_(stand[module][k])
-        self.peak_bytes = max(self.peak_bytes, self._held())
+        self.peak_bytes = max(self.peak_bytes, held)
+        return held
 
     def _held(self) -> int:
         return sum(_nbytes(p) for _, _, own in self.holders for p in own if resident(p))
