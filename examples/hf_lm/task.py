@@ -16,7 +16,9 @@ dataset the model cannot read.
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -62,6 +64,25 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (ce.mean(dim=1) * batch["weight"]).sum()
 
 
+def per_module_init(model: GPT2LMHeadModel) -> Callable[[str, nn.Module], bool]:
+    """``Task.init`` for ``task.init = "per_module"``: the library's own initialisation,
+    one module at a time. ``_init_weights(module)`` is what ``post_init`` applies to each
+    module (weights at ``initializer_range``, biases zero, LayerNorm ones). GPT-2's scaled
+    initialisation of the residual projections (``c_proj``, std / sqrt(2 layers)) is
+    applied by the library from their parents, whose writes to a child's parameters are
+    dropped when each module initialises alone; so it is done here on the ``c_proj``
+    module itself. The same distributions as eager construction, other draws."""
+    scaled = model.config.initializer_range / math.sqrt(2 * model.config.n_layer)
+
+    def init(name: str, module: nn.Module) -> bool:
+        model._init_weights(module)
+        if name.endswith((".attn.c_proj", ".mlp.c_proj")):
+            nn.init.normal_(module.weight, mean=0.0, std=scaled)
+        return True
+
+    return init
+
+
 def make_task(
     d_model: int = 64,
     n_layers: int = 2,
@@ -81,4 +102,10 @@ def make_task(
     )
     model = GPT2LMHeadModel(cfg)
     model.train()
-    return Task(model=model, loss_fn=loss_fn, vocab_size=vocab, max_len=max_len)
+    return Task(
+        model=model,
+        loss_fn=loss_fn,
+        vocab_size=vocab,
+        max_len=max_len,
+        init=per_module_init(model),
+    )
