@@ -59,9 +59,6 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from perdure.runtime.replica.deferred import free as free_storage
-from perdure.runtime.replica.deferred import make_resident
-
 Broadcast = Callable[[torch.Tensor, int], None]
 """``broadcast(flat_uint8, src)``: the group's broadcast, in place, from rank ``src`` of
 the group (the owner's shard index: a group's rank ``j`` owns shard ``j``)."""
@@ -161,7 +158,7 @@ class ParamGather:
             self.broadcast(_bytes(p), j)
         except BaseException:  # a failed collective: nothing half-received stays
             if j != self.mine:
-                free_storage(p)
+                free(p)
             raise
         return 0
 
@@ -416,3 +413,23 @@ def _layout(ps: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 
 def _bytes(p: torch.Tensor) -> torch.Tensor:
     return p.detach().reshape(-1).view(torch.uint8)
+
+
+# -- the at-rest form: a tensor whose storage has zero bytes ----------------------------
+
+
+def resident(t: torch.Tensor) -> bool:
+    """Whether a tensor has its bytes (one at rest has a storage of zero bytes)."""
+    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
+
+
+def make_resident(p: torch.Tensor) -> None:
+    """Give a tensor at rest a storage of its size again (contents undefined)."""
+    need = int((p.storage_offset() + p.numel()) * p.element_size())
+    if p.untyped_storage().nbytes() < need:
+        p.untyped_storage().resize_(need)
+
+
+def free(p: torch.Tensor) -> None:
+    """Back to rest: a storage of zero bytes."""
+    p.untyped_storage().resize_(0)

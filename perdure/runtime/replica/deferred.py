@@ -46,6 +46,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
+from perdure.runtime.param_gather import free as free  # re-exported: the at-rest helpers
+from perdure.runtime.param_gather import make_resident as make_resident
+from perdure.runtime.param_gather import resident as resident
+
 T = TypeVar("T")
 Init = Callable[[str, nn.Module], bool]
 """A task's initialisation of one module's direct parameters (``name``: its qualified
@@ -182,23 +186,6 @@ def _stand_in(p: nn.Parameter, real: bool) -> nn.Parameter:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
-
-
-def resident(t: torch.Tensor) -> bool:
-    """Whether a tensor has its bytes (one at rest has a storage of zero bytes)."""
-    return t.numel() == 0 or t.untyped_storage().nbytes() > 0
-
-
-def make_resident(p: torch.Tensor) -> None:
-    """Give a tensor at rest a storage of its size again (contents undefined)."""
-    need = int((p.storage_offset() + p.numel()) * p.element_size())
-    if p.untyped_storage().nbytes() < need:
-        p.untyped_storage().resize_(need)
-
-
-def free(p: torch.Tensor) -> None:
-    """Back to rest: a storage of zero bytes."""
-    p.untyped_storage().resize_(0)
 
 
 def materialize(
