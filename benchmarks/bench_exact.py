@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import os
 import sys
 import time
 from pathlib import Path
@@ -127,12 +126,12 @@ def _worker(rank, size, port, sizes_mb, repeats, q, methods=METHODS):  # pragma:
                 chain_reduce(pg, rank, size, [buf], partial, out, timeout=timeout)
                 res = out
             elif name.endswith(("_all_reduce", "_casts")):  # a floor: no result to check
-                x = ints[int(name[3:5])]
-                if name.endswith("_casts"):
+                x, casts = ints[int(name[3:5])], name.endswith("_casts")
+                if casts:
                     x.copy_(buf)
                 for w in [pg.allreduce([x[lo : lo + CHUNK]]) for lo in range(0, n, CHUNK)]:
                     w.wait()
-                if name.endswith("_casts"):
+                if casts:
                     out.copy_(x)
                 return time.perf_counter() - t0, time.process_time() - c0
             elif name == "carried64":
@@ -228,12 +227,13 @@ def main(argv=None) -> int:
     repeats = a.repeats or (3 if a.quick else 5)
     methods = METHODS + (FLOORS if a.floors else ()) + (CARRIED if a.carried else ())
     rows = []
+    host = machine()
+    cores = host["affinity_cores"] or host["cores"] or 1
     t_start = time.perf_counter()
     for w in worlds:
         for res in run_world(w, sizes, repeats, methods):
             base = res["times"]["all_reduce"]
             row = {"workers": w, "mb": res["mb"], "relative_error": res["relative_error"]}
-            cores = os.cpu_count() or 1
             row["busy"] = ratios([x / cores for x in res["cpu"]["all_reduce"]], base)
             for m in methods:
                 row[f"{m}_s"] = stats(res["times"][m])
@@ -255,13 +255,13 @@ def main(argv=None) -> int:
             )
     data = {
         "name": "exact",
-        "machine": machine(),
+        "machine": host,
         "quick": a.quick,
         "floors": a.floors,
         "carried": a.carried,
         "repeats": repeats,
         "threads_per_process": 1,
-        "cores": os.cpu_count(),
+        "cores": cores,
         "goal": "exact int32 <= 1.10x all_reduce at W = 2-4, >= 16 MB; int64 <= 2.1x",
         "rows": rows,
         "seconds": time.perf_counter() - t_start,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -161,8 +162,6 @@ def snapshot_check(mb: int = 256) -> dict[str, Any]:
 
 def exact_core_per_rank() -> dict[str, Any]:
     """Item 5: the exact reduction against gloo's all_reduce with a core per rank."""
-    import os
-
     cores = os.cpu_count() or 1
     if cores < 8:
         return {"skipped": f"{cores} cores: fewer than 8 cannot give a core per rank"}

@@ -52,7 +52,7 @@ are detached.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -428,6 +428,11 @@ def make_resident(p: torch.Tensor) -> None:
     need = int((p.storage_offset() + p.numel()) * p.element_size())
     if p.untyped_storage().nbytes() < need:
         p.untyped_storage().resize_(need)
+
+
+def resident_bytes(params: Iterable[torch.Tensor]) -> int:
+    """The bytes of those of ``params`` that are resident."""
+    return sum(p.numel() * p.element_size() for p in params if resident(p))
 
 
 def free(p: torch.Tensor) -> None:

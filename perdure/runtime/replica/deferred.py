@@ -49,6 +49,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from perdure.runtime.param_gather import free as free  # re-exported: the at-rest helpers
 from perdure.runtime.param_gather import make_resident as make_resident
 from perdure.runtime.param_gather import resident as resident
+from perdure.runtime.param_gather import resident_bytes as resident_bytes
 
 T = TypeVar("T")
 Init = Callable[[str, nn.Module], bool]
@@ -176,7 +177,7 @@ class SeedInit:
         return held
 
     def _held(self) -> int:
-        return sum(_nbytes(p) for _, _, own in self.holders for p in own if resident(p))
+        return resident_bytes(p for _, _, own in self.holders for p in own)
 
 
 def _stand_in(p: nn.Parameter, real: bool) -> nn.Parameter:

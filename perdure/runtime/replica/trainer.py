@@ -29,7 +29,14 @@ from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
 from perdure.runtime.param_gather import ParamGather
 from perdure.runtime.placement import Placement, determinism, deterministic_cuda
-from perdure.runtime.replica.deferred import SeedInit, at_rest, free, make_resident, resident
+from perdure.runtime.replica.deferred import (
+    SeedInit,
+    at_rest,
+    free,
+    make_resident,
+    resident,
+    resident_bytes,
+)
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
@@ -197,7 +204,7 @@ class Trainer:
     def _note_peak(self, seen: int = 0) -> None:
         """``peak_param_bytes`` with what is resident now, and ``seen``: a peak that a
         pending source measured while it filled."""
-        held = sum(p.numel() * p.element_size() for p in self.module.parameters() if resident(p))
+        held = resident_bytes(self.module.parameters())
         self.peak_param_bytes = max(self.peak_param_bytes, held, seen)
 
     # -- the math of a step ----------------------------------------------------------------
