@@ -129,9 +129,18 @@ class Cluster:
         return list(self.procs.values())
 
     def logs(self) -> str:
+        """Each process's output and the run's last decisions: what a failure shows."""
         out = []
         for log in sorted((self.tmp / "logs").glob("*.log")):
             out.append(f"--- {log.name}\n" + "\n".join(log.read_text().splitlines()[-15:]))
+        events = self.run_dir / "events.jsonl"
+        if events.exists():
+            tail = events.read_text().splitlines()[-25:]
+            out.append("--- events.jsonl (last 25)\n" + "\n".join(line[:300] for line in tail))
+        steps = self.steps()
+        out.append(f"--- steps committed: {len(set(steps))}, last {max(steps, default=-1)}")
+        alive = [n for n, p in self.procs.items() if p.poll() is None]
+        out.append(f"--- still running: {alive}")
         return "\n".join(out)
 
     def summary(self) -> dict[str, Any]:

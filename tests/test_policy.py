@@ -424,7 +424,9 @@ def test_a_loopback_data_plane_mixed_with_remote_peers_is_refused_naming_both() 
 # -- bench-out -------------------------------------------------------------------------------
 
 
-def _beats(d: Driver, seconds: float, late: dict[str, float] | None = None) -> None:
+def _beats(
+    d: Driver, seconds: float, late: dict[str, float] | None = None, step: int = 5
+) -> None:
     """Heartbeats from every member every 0.1 s for ``seconds``, each ``late[w]`` late
     (its sender's clock is 50 s behind the coordinator's: only changes of delay count)."""
     late = late or {}
@@ -432,7 +434,7 @@ def _beats(d: Driver, seconds: float, late: dict[str, float] | None = None) -> N
         d.now += 0.1
         for w in sorted(d.policy.workers):
             sent = d.now - 50.0 - late.get(w, 0.0)
-            beat = p.Heartbeat(next_step=5, prepared=True, slot_s=0.01, sent=sent)
+            beat = p.Heartbeat(next_step=step, prepared=True, slot_s=0.01, sent=sent)
             d.feed(pol.Received(w, beat, d.now, wall=d.now))
         d.tick(0.0)
 
@@ -459,6 +461,40 @@ def test_a_member_whose_link_lags_leaves_the_collective_at_once_and_comes_back_a
     d.recv("w2", p.Ready(epoch=pending.epoch, next_step=5, has_state=True))
     start = d.starts(d.ready("w0", "w1", next_step=pending.after))["w2"]
     assert start.receivers == ["w2"]  # behind the others: it receives the state
+
+
+def test_a_member_back_to_speed_near_the_end_stays_benched_and_is_stopped_with_the_run() -> None:
+    """Seen in a multi-host run: the unbench boundary (step 125 of 120) came after the
+    members' last step, so they reported done, then started the announced epoch with the
+    benched member as a receiver at the last step; it waited for its peers' final save
+    and the run never ended. A boundary at or past the end plans nothing."""
+    d = running(3, slots=6, replan_interval_ms=1000)  # steps = 100
+    _beats(d, 1.0, step=95)
+    _beats(d, 0.2, late={"w2": 0.8}, step=95)
+    assert d.policy.pending is not None and d.policy.pending.reason == "bench"
+    d.ready("w0", "w1", next_step=95)
+    _beats(d, 3.0, step=99)  # back to speed for long enough, but the boundary is past 100
+    assert d.policy.pending is None and d.policy.epoch == 1
+    assert d.logged(ev.MEMBER_UNBENCHED) == [] and d.policy.workers["w2"].role == "benched"
+    for w in ("w0", "w1"):
+        d.recv(w, p.Done(next_step=100, final_hash="sha256:x"))
+    d.tick()
+    assert d.policy.finished and [e["next_step"] for e in d.logged(ev.RUN_END)] == [100]
+    stops = [e.to for e in d.out if isinstance(e, pol.Send) and isinstance(e.msg, p.Stop)]
+    assert sorted(stops) == ["w0", "w1", "w2"]
+
+
+def test_a_rebalance_is_not_planned_past_the_runs_end() -> None:
+    d = running(3, slots=6, replan_interval_ms=1, slow_ratio=1.5)
+    for w, slot_s in (("w0", 0.01), ("w1", 0.01), ("w2", 0.05)):  # w2 five times slower
+        d.recv(w, p.Heartbeat(next_step=99, prepared=True, slot_s=slot_s))
+    d.tick()
+    assert d.policy.pending is None and d.policy.epoch == 0
+    for w, slot_s in (("w0", 0.01), ("w1", 0.01), ("w2", 0.05)):  # earlier in the run: it does
+        d.recv(w, p.Heartbeat(next_step=50, prepared=True, slot_s=slot_s))
+    d.tick()
+    pending = d.policy.pending
+    assert pending is not None and pending.reason == "rebalance" and pending.after < 100
 
 
 def test_a_lag_every_member_shares_benches_nobody() -> None:

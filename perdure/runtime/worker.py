@@ -615,10 +615,12 @@ class Worker:
         if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
             self.has_state = False  # no run ends with replicas that disagree
             raise CommFailed(f"replica diverged at step {tr.next_step}")
-        # Sharded, the state to save is a collective of each group, on every member
-        # (whether a member saves may differ), as is the digest after it.
+        # Sharded, the state to save is a collective of each group, on every member, as
+        # is the digest after it. The save is a collective too (its commit waits for every
+        # member's part), so all members save if any has not saved this step: a member
+        # that received the state at the last step has not, while its peers have.
         state = tr.checkpoint_state(self._topology(ep))
-        if self.final_saved != tr.next_step:
+        if ep.runner.any_member(self.final_saved != tr.next_step):
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
             self._save(ep, state)

@@ -747,7 +747,7 @@ class Policy:
         if not idle or take <= 0:
             return
         after = self._boundary()
-        if after < self.s.config.train.steps:
+        if self._before_end(after):
             names = sorted(members | {w.name for w in idle[:take]})
             self._announce(names, after=after, reason="join")
 
@@ -770,11 +770,10 @@ class Policy:
             return
         speeds = [_speed(i, known, c.slow_ratio) for i in range(len(known))]
         new = rebalance(plan, speeds, max_moves=c.max_slot_moves)
-        if new.counts() != plan.counts():
+        after = self._boundary()
+        if new.counts() != plan.counts() and self._before_end(after):
             self.last_replan = now
-            self._announce(
-                list(plan.members), after=self._boundary(), reason="rebalance", counts=new.counts()
-            )
+            self._announce(list(plan.members), after=after, reason="rebalance", counts=new.counts())
 
     # -- bench-out -------------------------------------------------------------------------
 
@@ -846,16 +845,30 @@ class Policy:
         return False
 
     def _unbench(self, w: Member) -> bool:
+        """Plan ``w`` back in at a boundary, or make it a spare where the members are full.
+        A boundary at or past the run's end plans nothing: ``w`` stays benched (idle,
+        admitted) and is stopped with the others when the run ends."""
         assert self.current is not None
         members = list(self.current.members)
+        full = len(members) >= min(self.s.config.train.slots, self.s.expected)
+        after = self._boundary()
+        if not full and not self._before_end(after):
+            return False
         self._log(ev.MEMBER_UNBENCHED, worker=w.name)
-        if len(members) >= min(self.s.config.train.slots, self.s.expected):
+        if full:
             w.role = "spare"
             self._log(ev.BECAME_SPARE, worker=w.name)
             return False
         w.role = "worker"
-        self._announce([*members, w.name], after=self._boundary(), reason="unbench")
+        self._announce([*members, w.name], after=after, reason="unbench")
         return True
+
+    def _before_end(self, after: int) -> bool:
+        """Whether a planned epoch change at ``after`` happens before the run's last step.
+        One at or past it would start an epoch once the members are done: a member
+        planned in then would wait for peers that already reported done (seen: the run
+        never ended)."""
+        return after < self.s.config.train.steps
 
     def _boundary(self) -> int:
         """The first step of a planned (not failure-driven) epoch change: far enough ahead
