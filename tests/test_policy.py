@@ -424,9 +424,7 @@ def test_a_loopback_data_plane_mixed_with_remote_peers_is_refused_naming_both() 
 # -- bench-out -------------------------------------------------------------------------------
 
 
-def _beats(
-    d: Driver, seconds: float, late: dict[str, float] | None = None, step: int = 5
-) -> None:
+def _beats(d: Driver, seconds: float, late: dict[str, float] | None = None, step: int = 5) -> None:
     """Heartbeats from every member every 0.1 s for ``seconds``, each ``late[w]`` late
     (its sender's clock is 50 s behind the coordinator's: only changes of delay count)."""
     late = late or {}
