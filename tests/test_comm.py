@@ -88,3 +88,27 @@ def test_an_exchange_given_grace_is_left_once_the_grace_is_over(comm: Comm) -> N
         comm.call(lambda: release.wait(5), grace_s=0.3)
     assert 0.3 <= time.monotonic() - t0 < 5
     release.set()
+
+
+@pytest.mark.parametrize("flags", [(True, False), (False, True), (False, False), (True, True)])
+def test_any_rank_gives_every_rank_the_same_answer(flags: tuple[bool, bool]) -> None:
+    """The final-save choice (``Worker._finish``): a member that received the state at the
+    last step has not saved it while its peers have; all must save, or none."""
+    import concurrent.futures as cf
+
+    store = dist.HashStore()
+
+    def rank(r: int) -> bool:
+        c = Comm(store, "pg/any/", r, 2, timedelta(seconds=10), lambda: False)
+        try:
+            return c.any_rank(flags[r])
+        finally:
+            c.close()
+
+    with cf.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(rank, (0, 1)))
+    assert answers == [any(flags)] * 2
+
+
+def test_any_rank_of_one_rank_is_its_own_flag(comm: Comm) -> None:
+    assert comm.any_rank(True) and not comm.any_rank(False)

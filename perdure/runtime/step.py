@@ -16,7 +16,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from perdure import events as ev
 from perdure.events import JsonLines
@@ -326,16 +325,8 @@ class StepRunner:
     # -- fingerprints ----------------------------------------------------------------------
 
     def any_member(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any member: for a choice every member must make alike
-        because what follows is a collective (a MAX all-reduce of one integer)."""
-        if self.size == 1:
-            return flag
-        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.comm.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-        timeout = self.seams.timeout()
-        self.comm.call(lambda: self.comm.pg.allreduce([t], opts).wait(timeout))
-        return bool(t.item())
+        """Whether ``flag`` holds on any member (``Comm.any_rank``)."""
+        return self.comm.any_rank(flag, self.seams.timeout())
 
     def compare_fingerprints(self) -> bool:
         """Whether this replica agrees with the majority (a CRC per tensor of the model's

@@ -128,6 +128,19 @@ class Comm:
         peers finish (an update's parameters)."""
         return self.result(self.submit(fn), grace_s=grace_s)
 
+    def any_rank(self, flag: bool, timeout: timedelta | None = None) -> bool:
+        """Whether ``flag`` holds on any rank (a MAX all-reduce of one integer): for a
+        choice every rank must make alike because what follows it is a collective, such
+        as whether to write the final checkpoint (``Worker._finish``)."""
+        if self.size == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        wait = timeout or self.timeout
+        self.call(lambda: self.pg.allreduce([t], opts).wait(wait))
+        return bool(t.item())
+
     def submit(self, fn: Callable[[], T]) -> cf.Future[T]:
         """Start ``fn`` on the comm thread (the step loop goes on; see :meth:`result`)."""
         return self._pool.submit(fn)
