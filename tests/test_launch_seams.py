@@ -129,3 +129,29 @@ def test_the_live_view_is_a_hook_over_any_roster(tmp_path: Path) -> None:
         view.tick()
         text = "".join(s.text for s in Console(width=100).render(view.render()))
     assert "r0-0 idle" in text and "r1-0 down" in text
+
+
+class _ExitsOnSecondPoll:
+    """A coordinator that exits 0 right after the launcher's first look at it."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    def poll(self) -> int | None:
+        self.polls += 1
+        return None if self.polls == 1 else 0
+
+
+def test_a_coordinator_exiting_between_two_looks_completes_the_run(tmp_path: Path) -> None:
+    la = LocalLauncher(_config(tmp_path), tmp_path / "run")
+    la.coordinators.append(Proc("coordinator", "r0", "coordinator", _ExitsOnSecondPoll()))  # type: ignore[arg-type]
+    assert la._run_complete() is False  # running: one look, not two
+    assert la._run_complete() is True  # exited 0: the run is complete
+
+
+def test_every_coordinator_gone_with_an_error_names_the_exit_codes(launcher: Any) -> None:
+    c = launcher.coordinators[0].popen
+    c.kill()
+    c.wait()
+    with pytest.raises(RuntimeError, match=r"every coordinator is gone .*exit codes \[-9\]"):
+        launcher._run_complete()

@@ -319,12 +319,19 @@ class LocalLauncher:
 
     def _run_complete(self) -> bool:
         """A coordinator exited 0: it saw every member finish. (A standby that never took
-        over is stopped afterwards.)"""
-        if any(c.popen.poll() == 0 for c in self.coordinators):
+        over is stopped afterwards.)
+
+        Each coordinator is polled once: polled twice (exited 0? then: alive?), one that
+        exited 0 between the two reads as gone before the run completed, and a complete
+        run was reported as failed (seen in CI, with the launcher's thread descheduled
+        between the two polls)."""
+        codes = [c.popen.poll() for c in self.coordinators]
+        if 0 in codes:
             return True
-        if all(not c.alive for c in self.coordinators):
+        if codes and None not in codes:
             raise RuntimeError(
-                f"every coordinator is gone before the run completed ({self.run_dir})"
+                f"every coordinator is gone before the run completed (exit codes {codes}; "
+                f"{self.run_dir})"
             )
         return False
 
