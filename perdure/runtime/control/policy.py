@@ -770,8 +770,10 @@ class Policy:
             return
         speeds = [_speed(i, known, c.slow_ratio) for i in range(len(known))]
         new = rebalance(plan, speeds, max_moves=c.max_slot_moves)
+        if new.counts() == plan.counts():
+            return
         after = self._boundary()
-        if new.counts() != plan.counts() and self._before_end(after):
+        if self._before_end(after):
             self.last_replan = now
             self._announce(list(plan.members), after=after, reason="rebalance", counts=new.counts())
 
