@@ -1,25 +1,30 @@
-"""Runs with ``train.reduction = "exact"``, in both forms of its exponents (``step``: a MAX
-round first; ``carried``: predicted from the previous step, ``runtime/comm/carried.py``):
-the final parameters do not depend on the worker count, the region layout, a kill or a
-resume, and a carried run's exponents travel in its checkpoints."""
+"""Runs with ``train.reduction = "exact"``, in every form of its exponents (``step``: a MAX
+round first; ``carried``: predicted per bucket from the previous step,
+``runtime/comm/carried.py``; ``streamed``: predicted per block, 32-bit, each bucket on the
+wire behind the backward, ``runtime/comm/streamed.py``): the final parameters do not
+depend on the worker count, the region layout, a kill or a resume, and a carried run's
+exponents travel in its checkpoints."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from perdure.checkpoint import load_checkpoint
+from perdure.runtime.comm.streamed import ZERO
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 30
 
 
-def _train(form: str) -> dict[str, str]:
-    return {"reduction": "exact", "reduction_exponents": form}
+def _train(form: str) -> dict[str, object]:
+    bits = {"reduction_bits": 32} if form == "streamed" else {}
+    return {"reduction": "exact", "reduction_exponents": form, **bits}
 
 
-@pytest.fixture(scope="module", params=["step", "carried"])
+@pytest.fixture(scope="module", params=["step", "carried", "streamed"])
 def exact_ref(
     request: pytest.FixtureRequest, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict:
@@ -44,7 +49,7 @@ def test_the_exact_reduction_is_a_different_math_from_the_chain(
     assert chain["final_hash"] != exact_ref["final_hash"]
 
 
-@pytest.mark.parametrize("exact_ref", ["carried"], indirect=True)
+@pytest.mark.parametrize("exact_ref", ["carried", "streamed"], indirect=True)
 def test_carried_exponents_are_a_different_rounding_from_the_steps_own(
     exact_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
@@ -60,6 +65,11 @@ def test_only_a_carried_runs_checkpoint_holds_the_exponents_of_its_next_step(
         assert reduction is None
         return
     exps = reduction["exponents"]
+    if exact_ref["form"] == "streamed":  # one int32 per block of the slot buffer
+        assert exps.dtype == torch.int32 and exps.numel() > 1
+        seen = exps[exps != ZERO]
+        assert seen.numel() and bool(((seen > -150) & (seen < 130)).all())
+        return
     assert exps and all(isinstance(e, int) and -150 < e < 130 for e in exps)
 
 
@@ -86,11 +96,11 @@ def test_a_kill_and_a_resume_do_not_change_the_exact_runs_weights(
     assert r["final_hash"] == exact_ref["final_hash"]
 
 
-@pytest.mark.parametrize("exact_ref", ["carried"], indirect=True)
+@pytest.mark.parametrize("exact_ref", ["carried", "streamed"], indirect=True)
 def test_a_sharded_carried_run_gives_the_unsharded_weights(
     exact_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     """(The step form's sharded runs are ``tests/test_shard_runs.py``'s.)"""
-    train = {**_train("carried"), "shard_degree": 2}
+    train = {**_train(exact_ref["form"]), "shard_degree": 2}
     cfg = small_config(small_dataset, steps=STEPS, workers=4, train=train)
     assert run_to_end(cfg, tmp_path)["final_hash"] == exact_ref["final_hash"]

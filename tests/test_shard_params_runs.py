@@ -137,9 +137,10 @@ def test_shard_params_without_a_replica_group_is_refused_naming_the_field() -> N
     [
         {"reduction": "chain"},
         {"reduction": "exact", "reduction_exponents": "carried"},
+        {"reduction": "exact", "reduction_exponents": "streamed", "reduction_bits": 32},
         {"reduction": "exact", "precision": "bf16"},
     ],
-    ids=["chain", "carried", "bf16"],
+    ids=["chain", "carried", "streamed", "bf16"],
 )
 def test_every_reduction_and_bf16_keep_the_bits_with_uneven_slots_per_rank(
     small_dataset: Path, tmp_path: Path, train: dict[str, Any]

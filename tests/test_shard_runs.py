@@ -105,14 +105,17 @@ def test_a_scatter_with_a_reduction_that_cannot_scatter_is_refused_naming_the_fi
     assert not TrainConfig(shard_degree=2, shard_reduce="whole", **carried).scatters  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("form", ["carried", "streamed"])
 def test_the_carried_form_reduce_scattered_ends_with_its_unsharded_bits(
-    small_dataset: Path, tmp_path: Path
+    small_dataset: Path, tmp_path: Path, form: str
 ) -> None:
-    """``reduction_exponents = "carried"`` (one slot buffer and the accumulator a rank,
-    whatever its slots) in two groups of two, reduce-scattered, clipped at every step."""
+    """``reduction_exponents = "carried"`` or ``"streamed"`` (one slot buffer and the
+    accumulator a rank, whatever its slots; streamed: each bucket reduce-scattered behind
+    the backward) in two groups of two, reduce-scattered, clipped at every step."""
     hashes = []
+    bits = {"reduction_bits": 32} if form == "streamed" else {}
     for workers, k in ((2, 1), (4, 2)):
-        train = {"reduction": "exact", "reduction_exponents": "carried", "shard_degree": k}
+        train = {"reduction": "exact", "reduction_exponents": form, "shard_degree": k, **bits}
         cfg = small_config(small_dataset, workers=workers, steps=STEPS, train=train, optim=CLIP)
         run_dir = tmp_path / f"k{k}"
         hashes.append(run_to_end(cfg, run_dir)["final_hash"])

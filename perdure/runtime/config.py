@@ -102,14 +102,22 @@ class TrainConfig:
     below its block's maximum; 32 halves the bytes on the wire and keeps ~26 bits."""
     reduction_block: int = field(default=256, metadata=MATH)
     """Values sharing one exponent in the ``exact`` reduction."""
-    reduction_exponents: Literal["step", "carried"] = field(default="step", metadata=MATH)
+    reduction_exponents: Literal["step", "carried", "streamed"] = field(
+        default="step", metadata=MATH
+    )
     """Where the ``exact`` reduction's exponents come from. ``step``: a MAX round over the
     step's slots before any value is converted (a rank keeps every slot's buffer until
     then: slots x P). ``carried``: predicted from the previous step's and verified with
     the step's own (runtime/comm/carried.py): each slot is added to one accumulator as it
     finishes (O(P) whatever the slot count) and no round precedes the sum; a step whose
     prediction misses, and the first step, are computed twice. A different rounding (one
-    exponent per bucket of up to 1M values), so part of the math; 64-bit only."""
+    exponent per bucket of up to 1M values), so part of the math; 64-bit only.
+    ``streamed``: one exponent per block (``reduction_block`` values), predicted from the
+    previous step's block maxima with headroom and verified by a MAX of them sent behind
+    the gradient (runtime/comm/streamed.py); each bucket of a member's last slot goes on
+    the wire as soon as its backward has finished it, as DDP's buckets do. 32 or 64 bits:
+    with 32, DDP's bytes on the wire (plus one int32 per block). A step whose prediction
+    misses, and the first step, are computed twice."""
     precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
     """Arithmetic of the forward pass. ``bf16``: the forward and the loss run under
     ``torch.autocast`` in bfloat16 (matmuls, convolutions; reductions and norms stay fp32
@@ -190,10 +198,16 @@ class TrainConfig:
             self.shard_params,
         )
         c.check(
-            self.reduction_exponents == "step"
-            or (self.reduction == "exact" and self.reduction_bits == 64),
+            self.reduction_exponents == "step" or self.reduction == "exact",
             "reduction_exponents",
-            "'carried' needs train.reduction = 'exact' and train.reduction_bits = 64",
+            f"{self.reduction_exponents!r} needs train.reduction = 'exact'",
+            self.reduction_exponents,
+        )
+        c.check(
+            self.reduction_exponents != "carried" or self.reduction_bits == 64,
+            "reduction_exponents",
+            "'carried' needs train.reduction_bits = 64 (one exponent per bucket of up to 1M "
+            "values leaves 32-bit integers too few bits; 'streamed' carries one per block)",
             self.reduction_exponents,
         )
         c.check(

@@ -325,7 +325,10 @@ class Shards:
             mine = pack_skeleton(own) if j == self.mine else None
             head, _ = broadcast_state(self.group, j, mine, self.timeout)
             parts.append(own if j == self.mine else unpack_skeleton(head))
-        return merge(parts)
+        # What every shard holds whole (param groups, the scheduler, the reduction's carried
+        # exponents) is this rank's own, never another shard's meta copy.
+        whole = {key: value for key, value in state.items() if key != "state"}
+        return {**merge(parts), **whole}
 
     def holders(self, state: dict[str, Any], world: int) -> dict[str, tuple[int, ...]]:
         """For each tensor of a shard's optimizer state (as a checkpoint names it), the

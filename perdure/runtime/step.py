@@ -13,16 +13,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from perdure import events as ev
 from perdure.events import JsonLines
-from perdure.runtime.comm.carried import CarriedReducer, accepts, fitted, predict
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.readiness import Readiness
-from perdure.runtime.comm.reducer import Reducer, make_reducer
+from perdure.runtime.comm.reducer import CarriedReduction, Reducer, make_reducer
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
@@ -123,8 +122,8 @@ class StepRunner:
             self._on_nonfinite(t, bad)
 
     def _attempt(self, t: int, t0: float) -> torch.Tensor:
-        if isinstance(self.reducer, CarriedReducer):
-            return self._carried(t, t0, self.reducer)
+        if self.reducer.carried:
+            return self._carried(t, t0, cast(CarriedReduction, self.reducer))
         tr, slots = self.tr, self.slots
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         if len(self.bufs) != len(slots):
@@ -167,49 +166,65 @@ class StepRunner:
             if not self.tr.compute_slots(t, range(slot, slot + 1), [self._scratch], abort):
                 raise Abandoned("membership epoch changed during compute")
 
-    def _carried(self, t: int, t0: float, red: CarriedReducer) -> torch.Tensor:
-        """The carried-exponent form (``comm/carried.py``): one slot buffer, each slot
-        added to the reducer as it finishes. A prediction that the step's true maxima do
-        not accept (and the first step's missing one) computes the step again against
-        them."""
-        carried = self.tr.exponents
-        total, maxima = self._stream(t, red, carried, t0)
-        if total is None or carried is None or not accepts(carried, maxima):
-            if carried is not None and self.rank == 0:
+    def _carried(self, t: int, t0: float, red: CarriedReduction) -> torch.Tensor:
+        """A reducer with carried exponents (``comm/carried.py``, ``comm/streamed.py``):
+        one slot buffer, each slot added as it finishes and the last streamed behind its
+        backward. A prediction that the step's true maxima refuse (and the first step's
+        missing one) computes the step again against them."""
+        pred = self.tr.exponents
+        used = None if pred is None else red.used(pred)
+        total, maxima = self._stream(t, red, used, t0)
+        if total is None or pred is None or not red.accepts(pred, maxima):
+            if pred is not None and self.rank == 0:
                 self.seams.events.write({"event": ev.EXPONENTS_REFIT, "step": t})
-            total, maxima = self._stream(t, red, fitted(maxima))
+            total, maxima = self._stream(t, red, red.fitted(maxima))
         assert total is not None
-        self.tr.stage_exponents(predict(maxima))
+        self.tr.stage_exponents(red.predict(pred, maxima))
         return total
 
     def _stream(
-        self, t: int, red: CarriedReducer, used: list[int] | None, t0: float | None = None
-    ) -> tuple[torch.Tensor | None, list[int]]:
+        self, t: int, red: CarriedReduction, used: Any, t0: float | None = None
+    ) -> tuple[torch.Tensor | None, Any]:
         """One pass over this member's slots of step ``t``: the sum rounded against
-        ``used`` (None: no sum) and the step's true maximum of each bucket.
-        ``t0``: the step's start, to time the compute (the first pass only)."""
+        ``used`` (None: no sum) and the step's true maxima. The last slot's buckets go on
+        the wire as its backward finishes them. ``t0``: the step's start, to time the
+        compute (the first pass only)."""
         if len(self.bufs) != 1:
             self.bufs = [self.tr.layout.new_buffer()]
         buf = self.bufs[0]
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         red.open(buf, used)
-        for i, slot in enumerate(self.slots):
-            if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort):
-                raise Abandoned("membership epoch changed during compute")
-            if i < len(self.slots) - 1:  # the last is added bucket by bucket as it is sent
-                red.add(buf)
-        if t0 is not None and self.slots:
-            self.timer.record(time.monotonic() - t0, len(self.slots))
+        for slot in self.slots[:-1]:
+            self._compute(t, slot, buf, abort, None)
+            red.add(buf)
+        # Sharded at rest, the last slot's gathers are collectives of the replica group:
+        # it is computed before the reduction starts, so no rank interleaves the two.
+        streams = bool(self.slots) and not self.lockstep
+        if self.slots and not streams:
+            self._compute(t, self.slots[-1], buf, abort, None)
         self._injected_drop()
-        self._pad(t, abort)
+        self._pad(t, abort)  # before the reduction starts: it opens with a collective
+        ready = Readiness() if streams else None
         fut = red.finish(
             self.comm,
             buf,
             last=buf if self.slots else None,
+            ready=ready,
+            abort=abort,
             timeout=self.seams.timeout(),
             send_delay_s=self.seams.delay_s(),
         )
+        if streams:
+            self._compute(t, self.slots[-1], buf, abort, ready)
+        if t0 is not None and self.slots:
+            self.timer.record(time.monotonic() - t0, len(self.slots))
         return self.comm.result(fut)
+
+    def _compute(
+        self, t: int, slot: int, buf: torch.Tensor, abort: Callable[[], bool], ready: Any
+    ) -> None:
+        if not self.tr.compute_slots(t, range(slot, slot + 1), [buf], abort, ready=ready):
+            raise Abandoned("membership epoch changed during compute")
 
     def _log_salvage(self, t: int) -> None:
         reused = self.seams.salvage.pop_reused()

@@ -50,7 +50,7 @@ its accumulator).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 
 from perdure.runtime.comm.exact import ExactReducer, _bucket_ranges, _zero_non_finite
+from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.scatter import Scatter, ScatterExchange
 from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 
@@ -146,6 +147,9 @@ class CarriedReducer:
     accumulator and bucket histogram in one exchange (the module doc). Reductions of whole
     buffers (the re-runs' flags) go through the ``step`` form, ``start``."""
 
+    carried = True
+    """The step keeps one slot buffer and asks :meth:`open`/:meth:`add`/:meth:`finish`."""
+
     def __init__(
         self,
         rank: int,
@@ -184,6 +188,20 @@ class CarriedReducer:
         self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
         self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
 
+    # the carried state's rules, for the step (pure: the module's functions)
+
+    def used(self, pred: list[int]) -> list[int]:
+        return pred
+
+    def accepts(self, pred: list[int], maxima: list[int]) -> bool:
+        return accepts(pred, maxima)
+
+    def fitted(self, maxima: list[int]) -> list[int]:
+        return fitted(maxima)
+
+    def predict(self, pred: list[int] | None, maxima: list[int]) -> list[int]:
+        return predict(maxima)
+
     def add(self, buf: torch.Tensor) -> None:
         """One finished slot: its non-finite values zeroed (its flag is set already), its
         block peaks merged, and its integers added to the accumulator."""
@@ -202,15 +220,25 @@ class CarriedReducer:
         *,
         timeout: timedelta,
         last: torch.Tensor | None = None,
+        ready: Readiness | None = None,
+        abort: Callable[[], bool] = lambda: False,
         send_delay_s: float = 0.0,
     ) -> Future[tuple[torch.Tensor | None, list[int]]]:
         """On the comm thread: every member's sum into ``out`` (None for a measuring pass)
         and the step's true maximum of each bucket. ``last``: a slot not ``add``-ed yet,
         added here bucket by bucket, each bucket's integers on the wire while the next is
-        converted (``out`` may be the same buffer: it is written once all are sent)."""
+        converted (``out`` may be the same buffer: it is written once all are sent).
+        ``ready``: follows ``last`` while its backward fills it; this form waits for the
+        whole of it (the histogram needs every bucket's maximum first)."""
         tiers = getattr(comm, "tiers", None)
         pg = comm.pg if self.size > 1 else None
-        return comm.submit(lambda: self._finish(pg, tiers, out, last, timeout, send_delay_s))
+
+        def run() -> tuple[torch.Tensor | None, list[int]]:
+            if ready is not None and last is not None:
+                ready.wait(last.numel(), abort, timeout.total_seconds())
+            return self._finish(pg, tiers, out, last, timeout, send_delay_s)
+
+        return comm.submit(run)
 
     # -- the passes ------------------------------------------------------------------------
 

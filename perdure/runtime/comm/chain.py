@@ -128,6 +128,9 @@ class ChainReducer:
     """The chain as a :class:`~perdure.runtime.comm.reducer.Reducer`: one member's side of
     it, with its scratch buffers (a running sum and the result, per buffer size)."""
 
+    carried = False
+    """One buffer per slot, summed by :meth:`start` (no carried state)."""
+
     def __init__(self, rank: int, size: int, chunk: int = CHUNK_ELEMS) -> None:
         self.rank, self.size, self.chunk = rank, size, chunk
         self.scratch: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -68,6 +68,9 @@ class ExactReducer:
     ``scatter``: a replica group's reduce-scatter (``comm/scatter.py``) for the slot
     buffers; the sum is then final on this rank's shard range and the buffer's tail only."""
 
+    carried = False
+    """One buffer per slot, summed by :meth:`start` (no carried state)."""
+
     def __init__(
         self,
         rank: int,

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -25,7 +25,15 @@ from perdure.runtime.config import TrainConfig
 
 
 class Reducer(Protocol):
-    """Sums every member's slot buffers into one buffer, identically on every member."""
+    """Sums every member's slot buffers into one buffer, identically on every member.
+
+    ``carried`` says which of two ways the step feeds it: False, one buffer per slot,
+    handed whole to :meth:`start` (the chain, the ``step`` exponents); True, one buffer
+    for every slot, each slot added as it finishes and the last streamed behind its
+    backward, rounded against exponents carried from the previous step
+    (:class:`CarriedReduction`: ``carried`` and ``streamed`` exponents)."""
+
+    carried: bool
 
     def start(
         self,
@@ -43,6 +51,44 @@ class Reducer(Protocol):
         ...
 
 
+class CarriedReduction(Reducer, Protocol):
+    """A reducer with carried state (``Trainer.exponents``): the step opens a pass against
+    :meth:`used` of the prediction, adds its slots, and takes the verdict of
+    :meth:`accepts`; a refused pass is computed again against :meth:`fitted` maxima, which
+    cannot fail. ``P`` is the prediction's type, ``M`` the maxima's."""
+
+    def open(self, like: torch.Tensor, exps: Any) -> None:
+        """Begin a pass rounded against ``exps`` (None: measure the maxima only)."""
+        ...
+
+    def add(self, buf: torch.Tensor) -> None:
+        """A finished slot that is not this member's last."""
+        ...
+
+    def finish(
+        self,
+        comm: Comm,
+        out: torch.Tensor,
+        *,
+        timeout: timedelta,
+        last: torch.Tensor | None = None,
+        ready: Readiness | None = None,
+        abort: Callable[[], bool] = lambda: False,
+        send_delay_s: float = 0.0,
+    ) -> Future[tuple[torch.Tensor | None, Any]]:
+        """Every member's sum (None for a measuring pass) and the step's maxima; ``last``
+        follows ``ready`` while its backward fills it."""
+        ...
+
+    def used(self, pred: Any) -> Any: ...
+
+    def accepts(self, pred: Any, maxima: Any) -> bool: ...
+
+    def fitted(self, maxima: Any) -> Any: ...
+
+    def predict(self, pred: Any | None, maxima: Any) -> Any: ...
+
+
 def make_reducer(
     train: TrainConfig, rank: int, size: int, scatter: Scatter | None = None
 ) -> Reducer:
@@ -54,6 +100,13 @@ def make_reducer(
     assert scatter is None or train.scatters, "a scatter for a reduction that cannot use it"
     if train.reduction == "chain":
         return ChainReducer(rank, size)
+    if train.reduction == "exact" and train.reduction_exponents == "streamed":
+        from perdure.runtime.comm.streamed import StreamedReducer
+
+        bits, block = train.reduction_bits, train.reduction_block
+        return StreamedReducer(
+            rank, size, slots=train.slots, bits=bits, block=block, scatter=scatter
+        )
     if train.reduction == "exact" and train.reduction_exponents == "carried":
         from perdure.runtime.comm.carried import CarriedReducer
 

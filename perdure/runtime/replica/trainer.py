@@ -47,8 +47,9 @@ from perdure.runtime.shard_plan import ALL, NONE
 
 REDUCTION_KEY = "reduction"
 """Beside the recipe's state in a checkpoint's optimizer field: the reduction's carried
-state (``{"exponents": [...]}``, one per bucket), with ``train.reduction_exponents =
-"carried"`` only."""
+state (``{"exponents": ...}``): a list of integers, one per bucket, with
+``train.reduction_exponents = "carried"``; an int32 tensor, one per block, with
+``"streamed"``; absent otherwise."""
 
 
 class MathError(RuntimeError):
@@ -166,11 +167,12 @@ class Trainer:
         """With ``train.shard_params``, in an epoch: the parameters at rest, gathered while
         a slot runs (``runtime/param_gather.py``)."""
         self._whole = False
-        self.exponents: list[int] | None = None
-        """The exact reduction's carried exponents for the next step, one per bucket
-        (``train.reduction_exponents = "carried"``; None until a step has measured them):
-        state of the run, in checkpoints and state copies."""
-        self._staged: list[int] | None = None
+        self.exponents: list[int] | torch.Tensor | None = None
+        """The exact reduction's carried exponents for the next step: one per bucket
+        (``train.reduction_exponents = "carried"``) or an int32 tensor of one per block
+        (``"streamed"``); None until a step has measured them. State of the run, in
+        checkpoints and state copies."""
+        self._staged: list[int] | torch.Tensor | None = None
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
@@ -317,7 +319,7 @@ class Trainer:
             self.exponents, self._staged = self._staged, None
         return loss
 
-    def stage_exponents(self, exponents: list[int]) -> None:
+    def stage_exponents(self, exponents: list[int] | torch.Tensor) -> None:
         """The carried exponents this step's gradient gives the next one (``apply`` makes
         them current with its update; an abandoned step leaves them unused)."""
         self._staged = exponents
@@ -476,8 +478,10 @@ class Trainer:
         """The recipe's state, with the carried exponents beside it (if any): what a
         checkpoint and a state copy hold alike."""
         state = self.recipe.state_dict()
-        if self.exponents is not None:
-            state = {**state, REDUCTION_KEY: {"exponents": list(self.exponents)}}
+        exps = self.exponents
+        if exps is not None:
+            kept = exps.clone() if isinstance(exps, torch.Tensor) else list(exps)
+            state = {**state, REDUCTION_KEY: {"exponents": kept}}
         return state
 
     def _optimizer_for_save(self) -> dict[str, Any]:
@@ -492,11 +496,21 @@ class Trainer:
         self.exponents, self._staged = self._checked_exponents(exps, source), None
         self.recipe.load_state_dict(state, source=source)
 
-    def _checked_exponents(self, exps: Any, source: str) -> list[int] | None:
-        if exps is None or self.config.train.reduction_exponents != "carried":
+    def _checked_exponents(self, exps: Any, source: str) -> list[int] | torch.Tensor | None:
+        form = self.config.train.reduction_exponents
+        if exps is None or form == "step":
             return None
-        ok = isinstance(exps, list) and exps and all(type(e) is int for e in exps)
-        if not ok or not all(-(1 << 10) <= e <= 1 << 10 for e in exps):
+        if form == "streamed":
+            ok = isinstance(exps, torch.Tensor) and exps.dtype == torch.int32 and exps.dim() == 1
+            if not ok:
+                raise ValueError(
+                    f"{source}: optimizer.{REDUCTION_KEY}.exponents must be a 1-d int32 tensor, "
+                    "one per block of the gradient buffer (train.reduction_exponents = "
+                    f"'streamed'; got {type(exps).__name__})"
+                )
+            return exps.clone()
+        listed = isinstance(exps, list) and bool(exps) and all(type(e) is int for e in exps)
+        if not listed or not all(-(1 << 10) <= e <= 1 << 10 for e in exps):
             raise ValueError(
                 f"{source}: optimizer.{REDUCTION_KEY}.exponents must be a list of integers "
                 f"in [-1024, 1024], one per bucket of the gradient buffer (got {exps!r:.80})"

@@ -1,0 +1,317 @@
+"""The streamed exact reduction: per-block exponents known before the backward, 32- or
+64-bit integers, and every bucket on the wire the moment the backward has finished it
+(``train.reduction_exponents = "streamed"``).
+
+The ``step`` form (``exact.py``) must learn every block's exponent from a MAX round after
+the last slot, and the ``carried`` form (``carried.py``) predicts one exponent per bucket of
+a million values, which leaves too few bits for 32-bit integers. Here each block of
+``block`` values carries its own prediction, so 32-bit integers keep float32's precision
+and the wire carries DDP's bytes:
+
+- **Predict.** Block ``j``'s exponent for step ``t`` is step ``t - 1``'s true maximum
+  exponent of the block plus ``MARGIN`` bits; a block that was all zeros keeps its last
+  prediction (an embedding row that no token of the step touched), and a block never seen
+  non-zero takes the largest prediction of the buffer. The predictions are state of the
+  run (``Trainer.exponents``: an int32 tensor in checkpoints and state copies).
+- **Accumulate and stream.** Each of a member's slots but its last is rounded against the
+  predictions and added to one integer accumulator the moment its backward is done, so its
+  float buffer takes the next slot. The last slot's buffer is read by the comm thread as
+  its backward finishes it (``Readiness``: the buffer holds the parameters in reverse
+  registration order, the order the backward finishes them, as DDP's buckets): each
+  bucket (``exact._bucket_ranges``: fixed by the buffer's length and ``block``, never by W
+  or k) is rounded, added and handed to the backend's ``all_reduce`` (or the replica
+  group's reduce-scatter, ``scatter.py``) at once, while the backward goes on. Integer
+  addition is associative: the launch order, the grouping and the algorithm cannot change
+  a bit.
+- **Verify.** The step's true block maxima over every slot of every rank come from a MAX
+  all-reduce of one int32 per block (``1/block`` of the buffer: 0.4 % of DDP's bytes at
+  256), sent behind the last bucket. The sum stands when no block's maximum exceeds the
+  exponent it was rounded against (no integer can then overflow: the ``step`` form's
+  headroom argument) and no block with a prediction of its own sits more than ``slack``
+  bits above its maximum (the precision guard; a block predicted from the buffer's
+  largest prediction is exempt, so a newly touched embedding row costs no recompute).
+- **Fall back.** Otherwise every member computes the step's slots again, rounded against
+  the true maxima, which cannot fail. A run's first step (nothing predicted yet) takes its
+  maxima from a pass that only measures.
+
+Every decision is a function of the slot gradients and of the previous step's maxima,
+themselves a function of the trajectory: whoever computed which slot, every rank accepts
+or falls back identically and the result is the same bits. The rounding (per block,
+against the prediction) differs from the other forms', so it is a math setting.
+
+Accuracy: a value is kept to ``bits - 2 - headroom - (used - its block's maximum)`` bits
+below its block's maximum, ``headroom = ceil(log2 S)``: with 32-bit integers, 8 slots and
+the margin of 2, 25 bits at an accepted block's maximum (float32 has 24), at least 23 with
+the 32-bit slack of 4.
+
+Limits: a step whose prediction misses costs a second compute pass (the first step always
+does); a member's finished slots are not salvaged across a membership change (they are
+inside its accumulator); across regions (``tiers``) the integers go in one exchange after
+the last slot, as the two-tier reduction is not bucketed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from perdure.runtime.comm.exact import ExactReducer, _bucket_ranges, _zero_non_finite
+from perdure.runtime.comm.readiness import Readiness
+from perdure.runtime.comm.scatter import Scatter, ScatterExchange
+from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
+
+MARGIN = 2
+"""Bits a block's prediction sits above the previous step's maximum: a block may grow 4x
+from one step to the next before its step is computed twice."""
+SLACK = {32: 4, 64: 8}
+"""Bits a prediction may sit above the block's true maximum and still be accepted, by
+integer width (the precision guard: 16x shrink at 32 bits, 256x at 64)."""
+ZERO = -(1 << 20)
+"""A block's maximum when its values are all zero; as a prediction: never seen non-zero."""
+
+
+# -- the pure part: predictions and their verdict ------------------------------------------
+
+
+def used(pred: torch.Tensor) -> torch.Tensor:
+    """The exponents a step is rounded against: each block's prediction, the buffer's
+    largest for a block never seen non-zero."""
+    seen = pred != ZERO
+    top = int(pred[seen].max()) if bool(seen.any()) else 0
+    return torch.where(seen, pred, torch.full_like(pred, top))
+
+
+def accepts(pred: torch.Tensor, maxima: torch.Tensor, slack: int) -> bool:
+    """Whether a sum rounded against ``used(pred)`` stands, given the step's true maxima
+    (the module doc): no block above its exponent, none with a prediction of its own more
+    than ``slack`` bits above a non-zero maximum."""
+    u = used(pred)
+    if bool((maxima > u).any()):
+        return False
+    loose = (u - maxima > slack) & (maxima != ZERO) & (pred != ZERO)
+    return not bool(loose.any())
+
+
+def fitted(maxima: torch.Tensor) -> torch.Tensor:
+    """The exponents a missed step is computed again with: the maxima themselves (an
+    all-zero block takes the buffer's largest, which rounds its zeros to zeros)."""
+    return used(maxima)
+
+
+def predict(pred: torch.Tensor | None, maxima: torch.Tensor) -> torch.Tensor:
+    """The next step's predictions: ``MARGIN`` bits above each non-zero maximum; an
+    all-zero block keeps its prediction."""
+    keep = torch.full_like(maxima, ZERO) if pred is None else pred
+    return torch.where(maxima != ZERO, maxima + MARGIN, keep)
+
+
+def maxima_of(peaks: torch.Tensor) -> torch.Tensor:
+    """Each block's true exponent (the smallest ``e`` with ``|g| < 2**e``) from its peak's
+    bits (int32 storage, finite), ``ZERO`` for an all-zero block."""
+    exps = torch.frexp(peaks.view(torch.float32))[1].to(torch.int32)
+    return torch.where(peaks == 0, torch.full_like(exps, ZERO), exps)
+
+
+# -- one member's side ---------------------------------------------------------------------
+
+
+class StreamedReducer:
+    """Adds a member's slots into one accumulator as they finish and streams the last one's
+    buckets behind its backward (the module doc). Whole-buffer reductions (the re-runs'
+    flags) go through the ``step`` form, ``start``."""
+
+    carried = True
+    """The step keeps one slot buffer and asks :meth:`open`/:meth:`add`/:meth:`finish`."""
+
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        *,
+        slots: int,
+        bits: int,
+        block: int,
+        fused: bool = True,
+        scatter: Scatter | None = None,
+    ) -> None:
+        self.exact = ExactReducer(rank, size, slots=slots, bits=bits, block=block, fused=fused)
+        self.size, self.block, self.bits, self.scatter = size, block, bits, scatter
+        self.slack = SLACK[bits]
+        self.start = self.exact.start
+        self.n, self.added, self.summing = 0, 0, False
+        self.peaks = torch.zeros(0, dtype=torch.int32)
+        self.ints = torch.zeros(0, dtype=self.exact.dtype)
+
+    # -- the step's calls --------------------------------------------------------------
+
+    def open(self, like: torch.Tensor, exps: torch.Tensor | None) -> None:
+        """Begin a pass over one step's slots, rounded against ``exps`` (one per block:
+        :meth:`used` of the prediction, or :meth:`fitted` maxima), or None for a pass
+        that only measures the maxima."""
+        n = like.numel()
+        nblocks = -(-n // self.block)
+        if exps is not None and exps.numel() != nblocks:
+            raise ValueError(
+                f"streamed exponents: {exps.numel()} blocks for a buffer of {nblocks} "
+                f"(train.reduction_block = {self.block})"
+            )
+        self.n, self.added, self.summing = n, 0, exps is not None
+        self.peaks = torch.zeros(nblocks, dtype=torch.int32)
+        if self.ints.numel() != n:
+            self.ints = torch.empty(n, dtype=self.exact.dtype, device=like.device)
+        if exps is None:
+            return
+        k = self.exact._shift(exps)
+        self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
+        self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
+
+    # the carried state's rules, for the step (pure: the module's functions)
+
+    def used(self, pred: torch.Tensor) -> torch.Tensor:
+        return used(pred)
+
+    def accepts(self, pred: torch.Tensor, maxima: torch.Tensor) -> bool:
+        return accepts(pred, maxima, self.slack)
+
+    def fitted(self, maxima: torch.Tensor) -> torch.Tensor:
+        return fitted(maxima)
+
+    def predict(self, pred: torch.Tensor | None, maxima: torch.Tensor) -> torch.Tensor:
+        return predict(pred, maxima)
+
+    def add(self, buf: torch.Tensor) -> None:
+        """One finished slot (not the member's last): peaks merged, integers added."""
+        for i in self._buckets:
+            self._add_bucket(buf, i)
+        self.added += 1
+
+    def finish(
+        self,
+        comm: Any,
+        out: torch.Tensor,
+        *,
+        timeout: timedelta,
+        last: torch.Tensor | None = None,
+        ready: Readiness | None = None,
+        abort: Callable[[], bool] = lambda: False,
+        send_delay_s: float = 0.0,
+    ) -> Future[tuple[torch.Tensor | None, torch.Tensor]]:
+        """On the comm thread: every member's sum into ``out`` (None for a measuring pass)
+        and the step's true block maxima (the step takes the verdict: :meth:`accepts`).
+        ``last``: the member's last slot, read bucket by bucket as ``ready`` says its backward has
+        finished it (None for ``ready``: final already), each bucket on the wire at once;
+        ``out`` may be ``last``: it is written once every bucket is sent."""
+        tiers = getattr(comm, "tiers", None)
+        pg = comm.pg if self.size > 1 else None
+        t = timeout.total_seconds()
+
+        def wait(upto: int) -> None:
+            if ready is not None:
+                ready.wait(upto, abort, t)
+
+        def run() -> tuple[torch.Tensor | None, torch.Tensor]:
+            return self._finish(pg, tiers, out, last, wait, timeout, send_delay_s)
+
+        return comm.submit(run)
+
+    # -- the passes ------------------------------------------------------------------------
+
+    @property
+    def _buckets(self) -> range:
+        return range(len(_bucket_ranges(self.n, self.block)))
+
+    def _add_bucket(self, buf: torch.Tensor | None, i: int) -> None:
+        """Bucket ``i`` of ``buf``: its non-finite values zeroed (the slot's flag is set
+        already), its block peaks merged, its integers added (set by the first slot;
+        zeros for a member that adds no slot at all)."""
+        lo, hi = self.exact._values(self.n, i)
+        if buf is None:
+            if self.added == 0:
+                self.ints[lo:hi].zero_()
+            return
+        part = buf[lo:hi]
+        blo, bhi = _bucket_ranges(self.n, self.block)[i]
+        peaks = self.peaks[blo:bhi]
+        fused = self.exact._fused([part])
+        if fused is not None:
+            mine = torch.empty_like(peaks)
+            if fused.peaks([part], self.block, mine):
+                _zero_non_finite([part])
+                fused.peaks([part], self.block, mine)
+        else:
+            _zero_non_finite([part])
+            rows, _ = self.exact._span(buf, i)
+            mine = rows.abs().amax(dim=1).view(torch.int32)
+        torch.maximum(peaks, mine, out=peaks)
+        if not self.summing:
+            return
+        add = self.added > 0
+        if fused is not None:
+            fused.accumulate(self.ints, [buf], self.scale, (lo, hi), self.block, add=add)
+            return
+        acc_rows, (a, b) = self.exact._span(self.ints, i)
+        rows, _ = self.exact._span(buf, i)
+        ints = (rows * self.scale[a:b, None]).round_().to(self.ints.dtype)
+        if add:
+            acc_rows += ints
+        else:
+            acc_rows.copy_(ints)
+
+    def _finish(
+        self,
+        pg: Any,
+        tiers: Tiers | None,
+        out: torch.Tensor,
+        last: torch.Tensor | None,
+        wait: Callable[[int], None],
+        timeout: timedelta,
+        send_delay_s: float,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        if pg is not None and send_delay_s > 0:
+            time.sleep(send_delay_s)  # injected link latency (the delay fault)
+        sc = self.scatter
+        streams = pg is not None and tiers is None and self.summing
+        scattered = streams and sc is not None and self.n == sc.size
+        ex = ScatterExchange(sc, self.ints, pg, None) if scattered and sc else None
+        pending = []
+        for i in self._buckets:
+            wait(self.exact._values(self.n, i)[1])
+            self._add_bucket(last, i)
+            if ex is not None:
+                ex.send(*self.exact._values(self.n, i))
+            elif streams:  # on the wire while the backward finishes the next bucket
+                pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
+        maxima = maxima_of(self.peaks)
+        if pg is not None:
+            self._max(pg, tiers, maxima, timeout)
+        if pg is not None and tiers is not None and self.summing:
+            tiered_allreduce(tiers, self.ints, dist.ReduceOp.SUM, timeout)
+        for work in pending:
+            work.wait(timeout)
+        if not self.summing:
+            return None, maxima
+        if ex is not None:
+            back = self.exact._fused([out])
+            for lo, hi in ex.finish(timeout):
+                self.exact._convert_values(self.ints, self.inv, out, lo, hi, back)
+            return out, maxima
+        back = self.exact._fused([out])
+        for i in self._buckets:
+            self.exact._convert_back(self.ints, self.inv, out, i, back)
+        return out, maxima
+
+    @staticmethod
+    def _max(pg: Any, tiers: Tiers | None, maxima: torch.Tensor, timeout: timedelta) -> None:
+        """``maxima`` (in place) = the block maxima over every member."""
+        if tiers is not None:
+            tiered_allreduce(tiers, maxima, dist.ReduceOp.MAX, timeout)
+            return
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+        pg.allreduce([maxima], opts).wait(timeout)
