@@ -24,10 +24,8 @@ from perdure.runtime.comm.exact_kernels import load
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.streamed import (
     MARGIN,
-    SLACK,
     ZERO,
     StreamedReducer,
-    accepts,
     fitted,
     maxima_of,
     predict,
@@ -109,16 +107,6 @@ def test_a_block_never_seen_non_zero_is_rounded_against_the_largest_prediction()
 def test_a_prediction_is_the_maximum_plus_the_margin_and_an_idle_block_keeps_its_own() -> None:
     assert predict(None, _exps(1, ZERO)).tolist() == [1 + MARGIN, ZERO]
     assert predict(_exps(9, 4), _exps(2, ZERO)).tolist() == [2 + MARGIN, 4]
-
-
-def test_a_prediction_is_refused_below_a_maximum_and_far_above_its_own_blocks() -> None:
-    slack = SLACK[32]
-    assert accepts(_exps(5, 5), _exps(5, ZERO), slack)
-    assert not accepts(_exps(5, 5), _exps(6, 0), slack)  # a value would overflow
-    assert not accepts(_exps(5 + slack + 1, 0), _exps(5, 0), slack)  # too coarse
-    # a block without a prediction of its own takes the largest and is not held to slack
-    assert accepts(_exps(20, ZERO), _exps(20, -30), slack)
-    assert not accepts(_exps(20, ZERO), _exps(21, -30), slack)
 
 
 def test_fitted_exponents_are_the_maxima_with_idle_blocks_at_the_largest() -> None:
@@ -273,25 +261,33 @@ def _rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
         for bits in (32, 64):
             red = StreamedReducer(rank, world, slots=S, bits=bits, block=BLOCK)
             _, maxima = one_pass(red, assignment[rank], None)
-            low = maxima - 1
-            _, seen = one_pass(red, assignment[rank], used(low))
+            low, _ = one_pass(red, assignment[rank], used(_low(maxima)))
             pred = predict(None, maxima)
-            out, again = one_pass(red, assignment[rank], used(pred))
-            verdicts = (red.accepts(low, seen), red.accepts(pred, again))
-            q.put((i, bits, rank, maxima.tolist(), verdicts, out.numpy().tobytes()))
+            out, _ = one_pass(red, assignment[rank], used(pred))
+            q.put((i, bits, rank, maxima.tolist(), low.numpy().tobytes(), out.numpy().tobytes()))
 
 
-def test_three_ranks_with_any_slot_assignment_give_the_one_rank_bits_and_verdicts() -> None:
+def test_three_ranks_with_any_slot_assignment_give_the_one_rank_bits_with_outliers_too() -> None:
     got = {(i, b, r): rest for i, b, r, *rest in run_ranks(_rank, 3, 6 * len(ASSIGNMENTS))}
     bufs = _slots(3, SMALL)
     for bits in (32, 64):
         red = StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK)
         _, maxima = _pass(red, bufs, None)
         want, _ = _pass(red, bufs, used(predict(None, maxima)))
+        low, _ = _pass(red, bufs, used(_low(maxima)))
+        if bits == 32:  # the outlier lane is another rounding (at 64 bits it rounds alike)
+            assert not torch.equal(low, want)
         for i in range(len(ASSIGNMENTS)):
             for r in range(3):
-                expect = [maxima.tolist(), (False, True), want.numpy().tobytes()]
+                expect = [maxima.tolist(), low.numpy().tobytes(), want.numpy().tobytes()]
                 assert got[(i, bits, r)] == expect, (i, bits, r)
+
+
+def _low(maxima: torch.Tensor) -> torch.Tensor:
+    """A prediction that every other block outgrows (by 1 to 3 bits): the outlier lane."""
+    drop = 1 + torch.arange(maxima.numel(), dtype=torch.int32) % 3
+    low = torch.where(torch.arange(maxima.numel()) % 2 == 0, maxima - drop, maxima + MARGIN)
+    return torch.where(maxima == ZERO, maxima, low)
 
 
 # -- in the step runner --------------------------------------------------------------------
@@ -303,7 +299,7 @@ def _runner(config: Any, events: list[dict[str, Any]]) -> Any:
     return carried_runner(config, events)
 
 
-def test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima(
+def test_a_missed_prediction_takes_the_outlier_lane_and_an_explosion_is_computed_again(
     small_dataset: Path,
 ) -> None:
     train = {"reduction": "exact", "reduction_bits": 32, "reduction_exponents": "streamed"}
@@ -314,16 +310,20 @@ def test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima(
     assert events == [] and len(run.bufs) == 1  # one slot buffer for 8 slots
     staged = tr._staged
     assert isinstance(staged, torch.Tensor) and tr.exponents is None
-    seen = staged != ZERO
-    tr.exponents = torch.where(seen, staged - MARGIN - 1, staged)  # too low: overflow
-    again = run.gradient(0, 0.0)
-    assert events == [{"event": "exponents_refit", "step": 0}] and torch.equal(again, first)
-    assert torch.equal(tr._staged, staged)
-    tr.exponents = torch.where(seen, staged + SLACK[32], staged)  # too coarse
-    assert torch.equal(run.gradient(0, 0.0), first) and len(events) == 2
+    maxima = staged - MARGIN
+    every8th = torch.arange(maxima.numel()) % 8 == 0
+    tr.exponents = torch.where(every8th & (staged != ZERO), maxima - 2, staged)
+    # an eighth of the blocks outgrow it: the outlier lane, one pass
+    lane = run.gradient(0, 0.0).clone()
+    assert events == [] and torch.equal(tr._staged, staged)
+    grads = tr.layout.grads
+    assert float((grads(lane) - grads(first)).abs().max()) <= 2**-20 * float(first.abs().max())
+    tr.exponents = torch.where(staged != ZERO, staged - 20, staged)  # past the outliers' cap
+    assert torch.equal(run.gradient(0, 0.0), first)
+    assert events == [{"event": "exponents_refit", "step": 0}]
     tr.exponents = staged
     run.gradient(0, 0.0)
-    assert len(events) == 2  # accepted: one pass
+    assert len(events) == 1  # as predicted: one pass
 
 
 def test_received_exponents_that_are_not_an_int32_tensor_are_refused(small_dataset: Path) -> None:

@@ -23,31 +23,39 @@ and the wire carries DDP's bytes:
   group's reduce-scatter, ``scatter.py``) at once, while the backward goes on. Integer
   addition is associative: the launch order, the grouping and the algorithm cannot change
   a bit.
-- **Verify.** The step's true block maxima over every slot of every rank come from a MAX
-  all-reduce of one int32 per block (``1/block`` of the buffer: 0.4 % of DDP's bytes at
-  256), sent behind the last bucket. The sum stands when no block's maximum exceeds the
-  exponent it was rounded against (no integer can then overflow: the ``step`` form's
-  headroom argument) and no block with a prediction of its own sits more than ``slack``
-  bits above its maximum (the precision guard; a block predicted from the buffer's
-  largest prediction is exempt, so a newly touched embedding row costs no recompute).
-- **Fall back.** Otherwise every member computes the step's slots again, rounded against
-  the true maxima, which cannot fail. A run's first step (nothing predicted yet) takes its
-  maxima from a pass that only measures.
+- **Outliers, not recomputes.** A slot's block whose largest value reaches ``2**e`` of its
+  prediction ``e`` (the gradient grew more than the margin) is left out of the integers
+  (zeros) and kept as floats. The step's true block maxima over every slot of every rank
+  come from a MAX all-reduce of one int32 per block (``1/block`` of the buffer: 0.4 % of
+  DDP's bytes at 256), sent behind the last bucket; every block above its prediction then
+  goes through the *outlier lane*: each member rounds its kept slot blocks against the
+  block's true maximum as 64-bit integers, one all-reduce of those blocks sums them, and
+  the block's result is the lane's sum plus the main integers moved onto the lane's grid,
+  converted once. Which slot block is an outlier is a function of its values and the
+  prediction alone, so this too is the same bits whoever computed which slot; a missed
+  prediction costs one small all-reduce, not a second compute pass.
+- **Fall back.** A member that would keep more than ``1/CAP_FRACTION`` of the buffer
+  (at least ``CAP_FLOOR`` values) as outliers (a gradient that exploded everywhere) flags
+  it in the MAX; every member then computes the step's slots again against the true
+  maxima, which cannot fail. A run's first step (nothing predicted yet) takes its maxima
+  from a pass that only measures.
 
 Every decision is a function of the slot gradients and of the previous step's maxima,
-themselves a function of the trajectory: whoever computed which slot, every rank accepts
-or falls back identically and the result is the same bits. The rounding (per block,
-against the prediction) differs from the other forms', so it is a math setting.
+themselves a function of the trajectory: whoever computed which slot, every rank takes
+the same outlier blocks or falls back identically and the result is the same bits. The
+rounding (per block, against the prediction) differs from the other forms', so it is a
+math setting.
 
 Accuracy: a value is kept to ``bits - 2 - headroom - (used - its block's maximum)`` bits
 below its block's maximum, ``headroom = ceil(log2 S)``: with 32-bit integers, 8 slots and
-the margin of 2, 25 bits at an accepted block's maximum (float32 has 24), at least 23 with
-the 32-bit slack of 4.
+the margin of 2, 25 bits at a block's maximum when it moved as predicted (float32 has 24);
+a block whose maximum shrank by ``d`` bits more than the margin keeps ``d`` bits fewer for
+that step (the next prediction follows it); an outlier block keeps ``62 - headroom``.
 
-Limits: a step whose prediction misses costs a second compute pass (the first step always
-does); a member's finished slots are not salvaged across a membership change (they are
-inside its accumulator); across regions (``tiers``) the integers go in one exchange after
-the last slot, as the two-tier reduction is not bucketed.
+Limits: the first step costs a second compute pass; a member's finished slots are not
+salvaged across a membership change (they are inside its accumulator); across regions
+(``tiers``) the integers go in one exchange after the last slot, as the two-tier
+reduction is not bucketed.
 """
 
 from __future__ import annotations
@@ -68,10 +76,7 @@ from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 
 MARGIN = 2
 """Bits a block's prediction sits above the previous step's maximum: a block may grow 4x
-from one step to the next before its step is computed twice."""
-SLACK = {32: 4, 64: 8}
-"""Bits a prediction may sit above the block's true maximum and still be accepted, by
-integer width (the precision guard: 16x shrink at 32 bits, 256x at 64)."""
+from one step to the next before it takes the outlier lane."""
 ZERO = -(1 << 20)
 """A block's maximum when its values are all zero; as a prediction: never seen non-zero."""
 
@@ -85,17 +90,6 @@ def used(pred: torch.Tensor) -> torch.Tensor:
     seen = pred != ZERO
     top = int(pred[seen].max()) if bool(seen.any()) else 0
     return torch.where(seen, pred, torch.full_like(pred, top))
-
-
-def accepts(pred: torch.Tensor, maxima: torch.Tensor, slack: int) -> bool:
-    """Whether a sum rounded against ``used(pred)`` stands, given the step's true maxima
-    (the module doc): no block above its exponent, none with a prediction of its own more
-    than ``slack`` bits above a non-zero maximum."""
-    u = used(pred)
-    if bool((maxima > u).any()):
-        return False
-    loose = (u - maxima > slack) & (maxima != ZERO) & (pred != ZERO)
-    return not bool(loose.any())
 
 
 def fitted(maxima: torch.Tensor) -> torch.Tensor:
@@ -116,6 +110,44 @@ def maxima_of(peaks: torch.Tensor) -> torch.Tensor:
     bits (int32 storage, finite), ``ZERO`` for an all-zero block."""
     exps = torch.frexp(peaks.view(torch.float32))[1].to(torch.int32)
     return torch.where(peaks == 0, torch.full_like(exps, ZERO), exps)
+
+
+CAP_FRACTION = 64
+"""A member keeps at most ``1/CAP_FRACTION`` of the buffer's values as outliers (1.6 %, as
+floats), or ``CAP_FLOOR`` for a small buffer; past that every member computes the pass
+again against the true maxima."""
+CAP_FLOOR = 1 << 16
+
+
+class Outliers:
+    """A member's slot blocks that exceeded their exponent, kept as floats until the step's
+    true maxima say what grid they are rounded onto (the outlier lane)."""
+
+    def __init__(self, block: int, cap: int) -> None:
+        self.block, self.cap = block, cap
+        self.kept: list[tuple[int, torch.Tensor]] = []
+        self.count = 0
+        self.full = False
+
+    def keep(self, j: int, values: torch.Tensor) -> None:
+        """Block ``j`` of one slot (a copy is kept; past the cap only the flag is)."""
+        if self.count + values.numel() > self.cap:
+            self.full = True
+            return
+        self.kept.append((j, values.clone()))
+        self.count += values.numel()
+
+    def lane(self, over: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``[len(over), block]`` int64: per block of ``over``, this member's kept values
+        rounded against ``2**k`` of that block (half to even, exact in float32: a
+        power-of-two scaling) and summed."""
+        row = {j: r for r, j in enumerate(over.tolist())}
+        lane = torch.zeros(len(row), self.block, dtype=torch.int64)
+        scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
+        for j, values in self.kept:
+            r = row[j]
+            lane[r, : values.numel()] += (values * scale[r]).round_().to(torch.int64)
+        return lane
 
 
 # -- one member's side ---------------------------------------------------------------------
@@ -142,11 +174,12 @@ class StreamedReducer:
     ) -> None:
         self.exact = ExactReducer(rank, size, slots=slots, bits=bits, block=block, fused=fused)
         self.size, self.block, self.bits, self.scatter = size, block, bits, scatter
-        self.slack = SLACK[bits]
         self.start = self.exact.start
         self.n, self.added, self.summing = 0, 0, False
         self.peaks = torch.zeros(0, dtype=torch.int32)
         self.ints = torch.zeros(0, dtype=self.exact.dtype)
+        self.exps = torch.zeros(0, dtype=torch.int32)
+        self.outliers = Outliers(block, cap=block)
 
     # -- the step's calls --------------------------------------------------------------
 
@@ -165,8 +198,10 @@ class StreamedReducer:
         self.peaks = torch.zeros(nblocks, dtype=torch.int32)
         if self.ints.numel() != n:
             self.ints = torch.empty(n, dtype=self.exact.dtype, device=like.device)
+        self.outliers = Outliers(self.block, cap=max(CAP_FLOOR, n // CAP_FRACTION))
         if exps is None:
             return
+        self.exps = exps
         k = self.exact._shift(exps)
         self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
         self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
@@ -177,7 +212,9 @@ class StreamedReducer:
         return used(pred)
 
     def accepts(self, pred: torch.Tensor, maxima: torch.Tensor) -> bool:
-        return accepts(pred, maxima, self.slack)
+        """Always: a block above its prediction went through the outlier lane (a pass
+        whose outliers overflowed their cap returns no sum, and is computed again)."""
+        return True
 
     def fitted(self, maxima: torch.Tensor) -> torch.Tensor:
         return fitted(maxima)
@@ -251,6 +288,11 @@ class StreamedReducer:
         torch.maximum(peaks, mine, out=peaks)
         if not self.summing:
             return
+        over = torch.nonzero(maxima_of(mine) > self.exps[blo:bhi]).flatten()
+        for j in over.tolist():  # kept as floats for the outlier lane, zero in the integers
+            a, b = lo + j * self.block, min(hi, lo + (j + 1) * self.block)
+            self.outliers.keep(blo + j, buf[a:b])
+            buf[a:b] = 0.0
         add = self.added > 0
         if fused is not None:
             fused.accumulate(self.ints, [buf], self.scale, (lo, hi), self.block, add=add)
@@ -287,24 +329,57 @@ class StreamedReducer:
                 ex.send(*self.exact._values(self.n, i))
             elif streams:  # on the wire while the backward finishes the next bucket
                 pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
-        maxima = maxima_of(self.peaks)
+        full = torch.tensor([int(self.outliers.full)], dtype=torch.int32)
+        flagged = torch.cat([maxima_of(self.peaks), full])
         if pg is not None:
-            self._max(pg, tiers, maxima, timeout)
+            self._max(pg, tiers, flagged, timeout)
+        maxima, capped = flagged[:-1], bool(flagged[-1])
         if pg is not None and tiers is not None and self.summing:
             tiered_allreduce(tiers, self.ints, dist.ReduceOp.SUM, timeout)
         for work in pending:
             work.wait(timeout)
         if not self.summing:
             return None, maxima
-        if ex is not None:
-            back = self.exact._fused([out])
-            for lo, hi in ex.finish(timeout):
-                self.exact._convert_values(self.ints, self.inv, out, lo, hi, back)
-            return out, maxima
+        spans = ex.finish(timeout) if ex is not None else [(0, self.n)]
         back = self.exact._fused([out])
-        for i in self._buckets:
-            self.exact._convert_back(self.ints, self.inv, out, i, back)
+        for lo, hi in spans:
+            self.exact._convert_values(self.ints, self.inv, out, lo, hi, back)
+        over = torch.nonzero(maxima > self.exps).flatten()
+        if capped:
+            return None, maxima
+        if over.numel():
+            self._outlier_lane(pg, tiers, over, maxima, out, timeout)
         return out, maxima
+
+    def _outlier_lane(
+        self,
+        pg: Any,
+        tiers: Tiers | None,
+        over: torch.Tensor,
+        maxima: torch.Tensor,
+        out: torch.Tensor,
+        timeout: timedelta,
+    ) -> None:
+        """The blocks whose maximum exceeded the exponent they were rounded against: every
+        member sums its kept slot blocks of them as 64-bit integers against the block's
+        true maximum (one all-reduce of ``len(over) * block`` values), adds the integers
+        already summed for the block (every slot that stayed below the exponent), shifted
+        onto that grid, and converts once. With 32-bit integers the shift is to the left
+        (exact: the 64-bit grid is at least one bit finer); with 64-bit ones to the right
+        (a floor, by the block's growth in bits, below 62 - headroom bits of its maximum)."""
+        k = self.exact._shift(self.exps[over])
+        k_out = (62 - self.exact.headroom - maxima[over]).clamp_(max=126)
+        lane = self.outliers.lane(over, k_out)
+        if pg is not None and tiers is not None:
+            tiered_allreduce(tiers, lane, dist.ReduceOp.SUM, timeout)
+        elif pg is not None:
+            pg.allreduce([lane]).wait(timeout)
+        for row, j in enumerate(over.tolist()):
+            a, b = j * self.block, min(self.n, (j + 1) * self.block)
+            main = self.ints[a:b].to(torch.int64)
+            d = max(-63, int(k_out[row] - k[row]))
+            total = lane[row, : b - a] + (main << d if d >= 0 else main >> -d)
+            out[a:b] = total.to(torch.float32) * 2.0 ** -int(k_out[row])
 
     @staticmethod
     def _max(pg: Any, tiers: Tiers | None, maxima: torch.Tensor, timeout: timedelta) -> None:
