@@ -142,10 +142,10 @@ def inspect(path: str) -> None:
     ]
     table.add_row("optimizer groups", _short(groups, 200))
     rng = fields["rng"]
-    table.add_row(
-        "rng seeds",
-        f"seed {rng.get('seed')}; generators: {', '.join(k for k in rng if k != 'seed')}",
-    )
+    gens = ", ".join(k for k in rng if k not in ("seed", "slots"))
+    per_slot = rng.get("slots")
+    seeded = f"; each slot seeds {', '.join(per_slot['seeded'])}" if per_slot else ""
+    table.add_row("rng seeds", f"seed {rng.get('seed')}; generators: {gens}{seeded}")
     table.add_row("data offset", _short(fields["data"], 200))
     table.add_row("config hash", ctx["config_hash"])
     table.add_row("cluster topology", _short(fields["topology"], 200))
