@@ -12,7 +12,8 @@ from ``http.server`` or is dropped, and the coordinator's own loop is never invo
 path answers with the metrics (as ``prometheus_client`` does); ``/favicon.ico`` is 404.
 
 Metric names (all prefixed ``perdure_``): ``step``, ``steps_target``,
-``steps_committed_total``, ``loss``, ``learning_rate``, ``step_seconds``,
+``steps_committed_total``, ``loss``, ``learning_rate`` (the first param group's),
+``group_learning_rate{group}``, ``step_seconds``,
 ``tokens_per_second``, ``members``, ``membership_epoch``, ``membership_changes_total``,
 ``faults_injected_total{kind,class}``, ``failures_observed_total{kind,scheduled}``,
 ``goodput``, ``checkpoint_last_step``, ``checkpoints_saved_total``, ``run_ended``,
@@ -80,6 +81,15 @@ class RunCollector:
         )
         active.add_metric([self.role], 1.0 if self.active() else 0.0)
         yield active
+        groups = GaugeMetricFamily(
+            "perdure_group_learning_rate",
+            "Learning rate of each optimizer param group at the last committed step (the "
+            "task's scheduler's own value).",
+            labels=["group"],
+        )
+        for group, lr in sorted(s.lrs.items()):
+            groups.add_metric([group], lr)
+        yield groups
         yield from _counters(s, CounterMetricFamily)
 
 
