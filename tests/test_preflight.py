@@ -83,6 +83,7 @@ def test_a_missing_dataset_names_the_command_that_builds_it(tmp_path: Path) -> N
     cfg = small_config(tmp_path / "nothing")
     [(key, rule, _)] = _problems(cfg)
     assert key == "data.dataset" and f"perdure data build SOURCES --out {tmp_path}" in rule
+    assert f"perdure data import FILES --out {tmp_path}" in rule  # arrays: the other kind
 
 
 def test_the_shipped_default_dataset_is_built_by_run_and_only_noted_by_check(

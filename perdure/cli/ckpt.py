@@ -22,6 +22,9 @@ def _resolve(path: str) -> Path:
     from perdure.checkpoint.layout import MANIFEST
 
     p = Path(path)
+    if not p.exists():  # a mistyped path is not a corrupt checkpoint
+        click.echo(f"{p}: no such checkpoint or run directory (it does not exist)", err=True)
+        sys.exit(2)
     if (p / MANIFEST).exists() or not p.is_dir():
         return p
     found = list_checkpoints(p)
