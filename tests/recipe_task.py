@@ -74,3 +74,10 @@ def one_cycle(total_steps: int = 20) -> Task:
         opt, max_lr=[1e-2, 1e-3], total_steps=total_steps
     )
     return task
+
+
+def undeclared_vocab(vocab: int = 64) -> Task:
+    """A model of ``vocab`` token ids that does not declare ``vocab_size``."""
+    task = tiny(**SMALL, vocab=vocab)
+    task.vocab_size = None
+    return task

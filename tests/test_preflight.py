@@ -183,3 +183,13 @@ def _samples(dataset: Path) -> int:
 
     with Dataset.open(str(dataset)) as ds:
         return ds.num_samples
+
+
+def test_a_vocabulary_the_undeclared_embedding_cannot_read_is_named_by_both_sizes(
+    small_dataset: Path,
+) -> None:
+    task = {"entry": "tests.recipe_task:undeclared_vocab", "options": {"vocab": 64}}
+    problems = _problems(small_config(small_dataset, task=task))
+    rules = [rule for key, rule, _ in problems if key == "task.options"]
+    assert any("vocabulary is 256 token ids" in r and "embedding 'tok' has 64 rows" in r
+               for r in rules), problems  # fmt: skip

@@ -391,6 +391,15 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
             f"{vocab} (token ids up to {vocab - 1}, {ds.url}/manifest.json build.vocab_size)"
         )
         out.append(Problem("task.options", rule, config.task.options))
+    embedding = _first_embedding(task) if task.vocab_size is None else None
+    if embedding is not None and isinstance(vocab, int) and embedding[1] < vocab:
+        name, rows = embedding
+        rule = (
+            f"the dataset's vocabulary is {vocab} token ids ({ds.url}/manifest.json "
+            f"build.vocab_size) but the model's embedding {name!r} has {rows} rows (ids up to "
+            f"{rows - 1}); declare Task(vocab_size=...) to have this checked by name"
+        )
+        out.append(Problem("task.options", rule, config.task.options))
     if task.max_len is not None and task.max_len < ds.seq_len:
         rule = (
             f"the model's max_len {task.max_len} is shorter than the dataset's seq_len "
@@ -398,6 +407,17 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
         )
         out.append(Problem("task.options", rule, config.task.options))
     return out + _fields_fit(config, task, ds)
+
+
+def _first_embedding(task: Task) -> tuple[str, int] | None:
+    """The model's first ``nn.Embedding`` (name, rows): what reads token ids when the task
+    does not declare ``vocab_size``."""
+    from torch import nn
+
+    for name, module in task.model.named_modules():
+        if isinstance(module, nn.Embedding):
+            return name, int(module.num_embeddings)
+    return None
 
 
 def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
