@@ -23,6 +23,7 @@ _EXPORTS = {
     "load_checkpoint": "perdure.checkpoint",
     "state_digest": "perdure.checkpoint",
     "write_report": "perdure.report",
+    "slot_generator": "perdure.runtime.replica.user_rng",
 }
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "load_config",
     "provenance",
     "run",
+    "slot_generator",
     "state_digest",
     "write_report",
 ]
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from perdure.report import write_report
     from perdure.run_config import RunConfig, config_hash, load_config
     from perdure.runtime.replica.task import Task
+    from perdure.runtime.replica.user_rng import slot_generator
 
 
 def __getattr__(name: str) -> Any:

@@ -55,3 +55,29 @@ def compiled() -> Task:
     task = tiny(**SMALL)
     task.model = torch.compile(task.model, backend="eager")  # type: ignore[assignment]
     return task
+
+
+def one_cycle(total_steps: int = 20) -> Task:
+    """Two AdamW groups (``body``, ``embeddings``) under the task's own OneCycleLR."""
+    task = two_groups()
+    make = task.make_optimizer
+    assert make is not None
+
+    def make_optimizer(params: Any, cfg: Any) -> torch.optim.Optimizer:
+        opt = make(params, cfg)
+        for group, name in zip(opt.param_groups, ("body", "embeddings"), strict=True):
+            group["name"] = name
+        return opt
+
+    task.make_optimizer = make_optimizer
+    task.make_scheduler = lambda opt: torch.optim.lr_scheduler.OneCycleLR(
+        opt, max_lr=[1e-2, 1e-3], total_steps=total_steps
+    )
+    return task
+
+
+def undeclared_vocab(vocab: int = 64) -> Task:
+    """A model of ``vocab`` token ids that does not declare ``vocab_size``."""
+    task = tiny(**SMALL, vocab=vocab)
+    task.vocab_size = None
+    return task

@@ -91,3 +91,11 @@ def test_diff_reports_a_dtype_change(tmp_path: Path) -> None:
         "diff", str(save_checkpoint(tmp_path / "a", a)), str(save_checkpoint(tmp_path / "b", b))
     )
     assert code == 1 and "torch.float32 [16] vs torch.float64 [16]" in out
+
+
+def test_a_mistyped_checkpoint_path_is_said_not_to_exist_not_to_be_corrupt(
+    tmp_path: Path,
+) -> None:
+    for command in (["inspect"], ["verify"], ["hash"], ["diff", str(tmp_path)]):
+        code, out = _run(*command[:1], str(tmp_path / "step-00000001O"), *command[1:])
+        assert code == 2 and "does not exist" in out and "corrupt" not in out, (command, out)

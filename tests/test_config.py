@@ -152,3 +152,23 @@ def test_an_infinite_or_nan_optimizer_setting_is_refused_before_any_worker_start
             load_config(path)
         [problem] = info.value.problems
         assert problem.key == f"optim.{key}" and "finite number" in problem.rule
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_config_check_passes_for_every_shipped_config_from_the_root_and_elsewhere(
+    path: Path, tmp_path: Path
+) -> None:
+    """`perdure config check` as a user types it, from the repository root (a relative
+    path) and from an unrelated directory (an absolute one): the task's module and the
+    dataset are found from the config's ``run.base_dir`` either way."""
+    import subprocess
+    import sys
+
+    perdure = [sys.executable, "-c", "from perdure.cli import main; main()"]
+    for cwd, arg in ((ROOT, str(path.relative_to(ROOT))), (tmp_path, str(path))):
+        done = subprocess.run(
+            [*perdure, "config", "check", arg], cwd=cwd, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0, (cwd, done.stderr[-2000:])
+        assert "sha256:" in done.stdout

@@ -114,7 +114,8 @@ def test_a_taken_port_is_served_once_it_is_free(tmp_path: Path) -> None:
             assert time.monotonic() < end, "the endpoint never bound its port"
             time.sleep(0.05)
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read()
-        assert b"perdure_steps_target 7.0" in body
-        assert b"\nperdure_step " not in body  # no step committed: left out, not 0
+        run = f'{{run="{tmp_path.resolve()}"}}'.encode()
+        assert b"perdure_steps_target" + run + b" 7.0" in body  # the run label tells runs apart
+        assert b"\nperdure_step{" not in body  # no step committed: left out, not 0
     finally:
         service.close()

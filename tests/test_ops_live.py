@@ -58,12 +58,15 @@ class Live:
         port = self.ports()["metrics_port"]
         with urllib.request.urlopen(f"http://{HOST}:{port}{path}", timeout=5) as r:
             text = r.read().decode()
-        return {
-            name: float(value)
-            for line in text.splitlines()
-            if line.startswith("perdure_")
-            for name, _, value in [line.rpartition(" ")]
-        }
+        run = f'run="{self.run_dir.resolve()}"'
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("perdure_"):
+                name, _, value = line.rpartition(" ")
+                assert run in name, line  # every metric names its run
+                bare = name.replace(run + ",", "").replace("," + run, "")  # labels are sorted
+                out[bare.replace("{" + run + "}", "")] = float(value)
+        return out
 
     def steps(self) -> list[int]:
         return [m["step"] for m in read_jsonl(self.run_dir / "metrics.jsonl")]

@@ -83,6 +83,7 @@ def test_a_missing_dataset_names_the_command_that_builds_it(tmp_path: Path) -> N
     cfg = small_config(tmp_path / "nothing")
     [(key, rule, _)] = _problems(cfg)
     assert key == "data.dataset" and f"perdure data build SOURCES --out {tmp_path}" in rule
+    assert f"perdure data import FILES --out {tmp_path}" in rule  # arrays: the other kind
 
 
 def test_the_shipped_default_dataset_is_built_by_run_and_only_noted_by_check(
@@ -182,3 +183,13 @@ def _samples(dataset: Path) -> int:
 
     with Dataset.open(str(dataset)) as ds:
         return ds.num_samples
+
+
+def test_a_vocabulary_the_undeclared_embedding_cannot_read_is_named_by_both_sizes(
+    small_dataset: Path,
+) -> None:
+    task = {"entry": "tests.recipe_task:undeclared_vocab", "options": {"vocab": 64}}
+    problems = _problems(small_config(small_dataset, task=task))
+    rules = [rule for key, rule, _ in problems if key == "task.options"]
+    assert any("vocabulary is 256 token ids" in r and "embedding 'tok' has 64 rows" in r
+               for r in rules), problems  # fmt: skip

@@ -133,3 +133,41 @@ def test_the_preflight_computes_the_same_run_hash_as_every_worker(small_dataset:
     report = preflight(cfg)
     assert report.identity is not None
     assert config_hash(cfg, report.identity) == _hash(cfg) != config_hash(cfg)
+
+
+def test_the_logged_rate_of_each_group_is_the_task_schedulers_at_every_step(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """OneCycleLR over two named groups: ``lr/<group>`` in metrics.jsonl, TensorBoard's
+    points and the Prometheus snapshot are the rates the optimizer used, not optim.lr."""
+    from perdure.events import read_jsonl
+    from perdure.metrics.tensorboard import train_points
+    from perdure.metrics.view import snapshot
+    from tests.recipe_task import one_cycle
+
+    own = {"schedule": "constant", "warmup_steps": 0}
+    run_to_end(_cfg(small_dataset, "one_cycle", {"total_steps": STEPS}, optim=own), tmp_path)
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    task = one_cycle(STEPS)
+    assert task.make_optimizer is not None and task.make_scheduler is not None
+    opt = task.make_optimizer(task.model.parameters(), None)
+    sched = task.make_scheduler(opt)
+    expected = []
+    for _ in range(STEPS):  # the rates each step uses, then the scheduler's step
+        expected.append({f"lr/{g['name']}": g["lr"] for g in opt.param_groups})
+        opt.step()
+        sched.step()
+    got = [{k: v for k, v in m.items() if k.startswith("lr/")} for m in metrics]
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert got == expected  # exact: the same floats
+    assert [m["lr"] for m in metrics] == [e["lr/body"] for e in expected]
+    assert len({e["lr/body"] for e in expected}) == STEPS  # the schedule really moves
+    tags = {p.tag for p in train_points(metrics)}
+    assert {"train/lr/body", "train/lr/embeddings"} <= tags
+    snap = snapshot(metrics, [], [])
+    assert snap.lrs == {k[3:]: v for k, v in expected[-1].items()}
+    from perdure.metrics.prometheus import RunCollector
+
+    [family] = [f for f in RunCollector(lambda: snap, lambda: True, "primary", STEPS).collect()
+                if f.name == "perdure_group_learning_rate"]  # fmt: skip
+    assert {s.labels["group"]: s.value for s in family.samples} == snap.lrs

@@ -380,3 +380,15 @@ def test_config_shown_escaped(tmp_path: Path) -> None:
     (run / "config.json").write_text(json.dumps({"task": {"entry": "<x>"}}))
     page = render_html(load_run(run))
     assert "<summary>config.json</summary>" in page and "&lt;x&gt;" in page
+
+
+def test_the_report_is_readable_by_others_even_from_a_private_run(tmp_path: Path) -> None:
+    """A run writes its files under umask 077; its report is for sharing: 0644."""
+    import stat
+
+    from perdure.launch.api import private_files
+
+    run = make_run_dir(tmp_path / "run", torn=False)
+    with private_files():
+        out = write_report(run)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644

@@ -26,7 +26,12 @@ class FaultConfig:
     (``REGION-INDEX``, e.g. ``eu-1``), a region name, either of the two, or a shard
     index."""
     at_step: int | None = None
-    """Inject when the run reaches this step."""
+    """Inject once step ``at_step`` has committed (the launcher's chaos driver reads it in
+    metrics.jsonl every tick): the fault hits step ``at_step + 1`` or, when the run got
+    ahead of the poll, a later one. The ``fault_injected`` record's ``step`` (the report's
+    injected step) is the highest committed step at that moment: ``at_step``, or more by
+    the poll's lag. Worker-side kinds applied by every loader (``poison_shard``) hit
+    exactly ``at_step``."""
     at_s: float | None = None
     """Inject this many seconds after the run starts."""
     duration_s: float | None = None

@@ -1,4 +1,5 @@
-"""Generator states as JSON: the run seed, torch CPU (and CUDA), numpy's global, python's.
+"""Generator states as JSON: the run seed, torch CPU (and CUDA), numpy's global, python's,
+and how each slot seeds them (``slots``).
 
 Byte states (torch) are base64; numpy's MT19937 key is a list of ints; python's
 ``random.getstate()`` is a tuple of ints (tagged JSON keeps it a tuple). No pickle.
@@ -12,6 +13,14 @@ from typing import Any
 
 import numpy as np
 import torch
+
+SLOT_SEEDING = {
+    "derivation": "blake2b-64('{seed}:{step}:{slot}') >> 1",
+    "seeded": ["torch_cpu", "torch_cuda", "numpy_global", "python_random", "slot_generator"],
+}
+"""How every slot seeds the user's generators (``runtime.replica.user_rng``): from the
+slot's seed alone, restored after the slot, so the states saved beside it are the ones
+outside slots (a function of the run seed), whoever computed which slot."""
 
 
 def _b64(t: torch.Tensor) -> str:
@@ -36,6 +45,7 @@ def capture_rng(seed: int) -> dict[str, Any]:
             "cached_gaussian": float(gauss),
         },
         "python": random.getstate(),
+        "slots": SLOT_SEEDING,
     }
     if torch.cuda.is_available():
         out["torch_cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]

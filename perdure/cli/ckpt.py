@@ -22,8 +22,13 @@ def _resolve(path: str) -> Path:
     from perdure.checkpoint.layout import MANIFEST
 
     p = Path(path)
+    if not p.exists():  # a mistyped path is not a corrupt checkpoint
+        click.echo(f"{p}: no such checkpoint or run directory (it does not exist)", err=True)
+        sys.exit(2)
     if (p / MANIFEST).exists() or not p.is_dir():
         return p
+    if (p / "checkpoints").is_dir() and not list_checkpoints(p):
+        p = p / "checkpoints"  # a run directory: its checkpoints' root
     found = list_checkpoints(p)
     if not found:
         return p
@@ -142,10 +147,10 @@ def inspect(path: str) -> None:
     ]
     table.add_row("optimizer groups", _short(groups, 200))
     rng = fields["rng"]
-    table.add_row(
-        "rng seeds",
-        f"seed {rng.get('seed')}; generators: {', '.join(k for k in rng if k != 'seed')}",
-    )
+    gens = ", ".join(k for k in rng if k not in ("seed", "slots"))
+    per_slot = rng.get("slots")
+    seeded = f"; each slot seeds {', '.join(per_slot['seeded'])}" if per_slot else ""
+    table.add_row("rng seeds", f"seed {rng.get('seed')}; generators: {gens}{seeded}")
     table.add_row("data offset", _short(fields["data"], 200))
     table.add_row("config hash", ctx["config_hash"])
     table.add_row("cluster topology", _short(fields["topology"], 200))
@@ -227,3 +232,44 @@ def diff(a: str, b: str) -> None:
     for line in lines:
         click.echo(line)
     sys.exit(0 if equal else 1)
+
+
+@ckpt.command("export")
+@click.argument("path", type=click.Path())
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["safetensors", "torch", "hf"]),
+    default="safetensors",
+    show_default=True,
+    help="safetensors: model.safetensors (safetensors.torch.load_file); torch: model.pt "
+    "(torch.load(weights_only=True)); hf: the task's transformers model via save_pretrained "
+    "(from_pretrained).",
+)
+@click.option("--out", required=True, type=click.Path(), help="A new directory to write.")
+def export(path: str, fmt: str, out: str) -> None:
+    """Write the model weights of the checkpoint at PATH (or a run's newest) as plain
+    files, bit for bit; a sharded checkpoint too."""
+    from perdure.checkpoint import CheckpointError, load_checkpoint
+    from perdure.checkpoint.export import ExportError, export_weights
+
+    try:
+        loaded = load_checkpoint(_resolve(path))
+    except CheckpointError as e:
+        _fail(e)
+    build = (lambda: _build_model(loaded.canonical_config)) if fmt == "hf" else None
+    try:
+        files = export_weights(loaded.model, out, fmt, build_model=build)
+    except (ExportError, ValueError) as e:
+        click.echo(f"export: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"{out}: {', '.join(f.name for f in files)} ({len(loaded.model)} tensors)")
+
+
+def _build_model(canonical: dict[str, Any]) -> Any:
+    """The task's model, from the checkpoint's own config (its entry and options)."""
+    from perdure.run_config import config_from_dict
+    from perdure.runtime.replica.task import build_task, plain_module
+
+    cfg = config_from_dict({k: v for k, v in canonical.items() if k in ("task", "run")})
+    return plain_module(build_task(cfg.task, 0, cfg.run.base_dir).model)

@@ -303,19 +303,20 @@ def _dataset(
 
     url = dataset_path(config)
     if _missing(url):
-        if config.data.dataset != DEFAULT_DATASET:
+        demo = _is_demo(url)
+        if config.data.dataset != DEFAULT_DATASET and not demo:
             problems.append(Problem("data.dataset", _how_to_build(url), url))
             return None
+        how = "`perdure demo`" if demo else stdlib_build_command(url)
         if not build_default:
             report.notes.append(
-                f"data.dataset: {url} is not built yet; `perdure run` builds it, or now: "
-                f"{stdlib_build_command(url)}"
+                f"data.dataset: {url} is not built yet; `perdure run` builds it, or now: {how}"
             )
             return None
         if say is not None:
-            say(f"building the stdlib dataset at {url} (once): {stdlib_build_command(url)}")
+            say(f"building the stdlib dataset at {url} (once): {how}")
         try:
-            build_stdlib_dataset(url)
+            build_demo_dataset(url) if demo else build_stdlib_dataset(url)
         except (DataError, OSError) as e:
             problems.append(Problem("data.dataset", f"could not be built: {e}", url))
             return None
@@ -327,14 +328,30 @@ def _dataset(
         return None
 
 
-def _how_to_build(url: str) -> str:
+def _is_demo(url: str) -> bool:
+    """Whether ``url`` is the demo's dataset (``runs/datasets/demo-stdlib`` under the
+    config's base directory), which a run builds like the default one."""
     from perdure.launch.demo import DATASET as DEMO_DATASET
 
-    if Path(url) == DEMO_DATASET:
-        return "no dataset there (no manifest.json); `perdure demo` builds this one"
+    return "://" not in url and Path(url).as_posix().endswith("/" + DEMO_DATASET.as_posix())
+
+
+def build_demo_dataset(out: str) -> None:
+    """The demo's corpus (``launch.demo.ensure_dataset``'s recipe)."""
+    from rich.console import Console
+
+    from perdure.launch.demo import ensure_dataset
+
+    ensure_dataset(Path(out), Console(quiet=True))
+
+
+def _how_to_build(url: str) -> str:
+    """The commands that make each kind of dataset: text is built, arrays are imported."""
     return (
-        f"no dataset there (no manifest.json); build one with "
-        f"`perdure data build SOURCES --out {url}`"
+        f"no dataset there (no manifest.json); build one from text files with "
+        f"`perdure data build SOURCES --out {url}`, or import token or other arrays "
+        f"(.npy, nanoGPT's .bin) with `perdure data import FILES --out {url} "
+        "[--field NAME=PATH]`"
     )
 
 
@@ -374,6 +391,15 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
             f"{vocab} (token ids up to {vocab - 1}, {ds.url}/manifest.json build.vocab_size)"
         )
         out.append(Problem("task.options", rule, config.task.options))
+    embedding = _first_embedding(task) if task.vocab_size is None else None
+    if embedding is not None and isinstance(vocab, int) and embedding[1] < vocab:
+        name, rows = embedding
+        rule = (
+            f"the dataset's vocabulary is {vocab} token ids ({ds.url}/manifest.json "
+            f"build.vocab_size) but the model's embedding {name!r} has {rows} rows (ids up to "
+            f"{rows - 1}); declare Task(vocab_size=...) to have this checked by name"
+        )
+        out.append(Problem("task.options", rule, config.task.options))
     if task.max_len is not None and task.max_len < ds.seq_len:
         rule = (
             f"the model's max_len {task.max_len} is shorter than the dataset's seq_len "
@@ -381,6 +407,17 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
         )
         out.append(Problem("task.options", rule, config.task.options))
     return out + _fields_fit(config, task, ds)
+
+
+def _first_embedding(task: Task) -> tuple[str, int] | None:
+    """The model's first ``nn.Embedding`` (name, rows): what reads token ids when the task
+    does not declare ``vocab_size``."""
+    from torch import nn
+
+    for name, module in task.model.named_modules():
+        if isinstance(module, nn.Embedding):
+            return name, int(module.num_embeddings)
+    return None
 
 
 def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:

@@ -12,12 +12,14 @@ from ``http.server`` or is dropped, and the coordinator's own loop is never invo
 path answers with the metrics (as ``prometheus_client`` does); ``/favicon.ico`` is 404.
 
 Metric names (all prefixed ``perdure_``): ``step``, ``steps_target``,
-``steps_committed_total``, ``loss``, ``learning_rate``, ``step_seconds``,
+``steps_committed_total``, ``loss``, ``learning_rate`` (the first param group's),
+``group_learning_rate{group}``, ``step_seconds``,
 ``tokens_per_second``, ``members``, ``membership_epoch``, ``membership_changes_total``,
 ``faults_injected_total{kind,class}``, ``failures_observed_total{kind,scheduled}``,
 ``goodput``, ``checkpoint_last_step``, ``checkpoints_saved_total``, ``run_ended``,
-``coordinator_active{role}``. A value the run does not know yet (no step committed) is
-left out rather than reported as 0.
+``coordinator_active{role}``; every one carries a ``run`` label (the run directory's
+absolute path), so two runs on one host are told apart. A value the run does not know
+yet (no step committed) is left out rather than reported as 0.
 """
 
 from __future__ import annotations
@@ -39,9 +41,17 @@ class RunCollector:
     """A ``prometheus_client`` collector over the latest snapshot."""
 
     def __init__(
-        self, latest: Callable[[], Snapshot], active: Callable[[], bool], role: str, steps: int
+        self,
+        latest: Callable[[], Snapshot],
+        active: Callable[[], bool],
+        role: str,
+        steps: int,
+        run: str = "",
     ) -> None:
+        """``run``: the value of every metric's ``run`` label (the run directory), so
+        that two runs scraped on one host are told apart."""
         self.latest, self.active, self.role, self.steps = latest, active, role, steps
+        self.run = run
 
     def describe(self) -> list[Any]:
         return []  # collected at scrape time only
@@ -68,22 +78,32 @@ class RunCollector:
             ("checkpoint_last_step", "Step of the newest committed checkpoint.", s.checkpoint_step),
             ("run_ended", "1 once every member finished the last step.", int(s.run_ended)),
         ]
+        run = self.run
         for name, doc, value in gauges:
-            g = GaugeMetricFamily(f"perdure_{name}", doc)
+            g = GaugeMetricFamily(f"perdure_{name}", doc, labels=["run"])
             if value is not None:
-                g.add_metric([], float(value))
+                g.add_metric([run], float(value))
             yield g
         active = GaugeMetricFamily(
             "perdure_coordinator_active",
             "1 for the coordinator in charge of the run (a standby: 0 until it takes over).",
-            labels=["role"],
+            labels=["run", "role"],
         )
-        active.add_metric([self.role], 1.0 if self.active() else 0.0)
+        active.add_metric([run, self.role], 1.0 if self.active() else 0.0)
         yield active
-        yield from _counters(s, CounterMetricFamily)
+        groups = GaugeMetricFamily(
+            "perdure_group_learning_rate",
+            "Learning rate of each optimizer param group at the last committed step (the "
+            "task's scheduler's own value).",
+            labels=["run", "group"],
+        )
+        for group, lr in sorted(s.lrs.items()):
+            groups.add_metric([run, group], lr)
+        yield groups
+        yield from _counters(s, CounterMetricFamily, run)
 
 
-def _counters(s: Snapshot, family: Any) -> Iterator[Any]:
+def _counters(s: Snapshot, family: Any, run: str) -> Iterator[Any]:
     for name, doc, value in (
         ("steps_committed", "Distinct steps committed in this launch.", s.steps_committed),
         (
@@ -93,22 +113,22 @@ def _counters(s: Snapshot, family: Any) -> Iterator[Any]:
         ),
         ("checkpoints_saved", "Checkpoints committed in this launch.", s.checkpoints_saved),
     ):
-        c = family(f"perdure_{name}", doc)
-        c.add_metric([], float(value))
+        c = family(f"perdure_{name}", doc, labels=["run"])
+        c.add_metric([run], float(value))
         yield c
     faults = family(
-        "perdure_faults_injected", "Faults the schedule injected.", labels=["kind", "class"]
+        "perdure_faults_injected", "Faults the schedule injected.", labels=["run", "kind", "class"]
     )
     for (kind, klass), n in sorted(s.faults.items()):
-        faults.add_metric([kind, klass], float(n))
+        faults.add_metric([run, kind, klass], float(n))
     yield faults
     failures = family(
         "perdure_failures_observed",
         "Failures the run's log shows (chaos/observed.py), scheduled by a fault or not.",
-        labels=["kind", "scheduled"],
+        labels=["run", "kind", "scheduled"],
     )
     for (kind, scheduled), n in sorted(s.failures.items()):
-        failures.add_metric([kind, "true" if scheduled else "false"], float(n))
+        failures.add_metric([run, kind, "true" if scheduled else "false"], float(n))
     yield failures
 
 

@@ -130,7 +130,13 @@ class MetricsService:
         try:
             from perdure.metrics.prometheus import MetricsServer, RunCollector
 
-            collector = RunCollector(lambda: self.latest, self.active, self.role, self._steps)
+            collector = RunCollector(
+                lambda: self.latest,
+                self.active,
+                self.role,
+                self._steps,
+                run=str(self.run_dir.resolve()),
+            )
             self._server = MetricsServer(self.host, self.cfg.port, collector)
         except ImportError as e:
             self._prom_off = True

@@ -64,6 +64,10 @@ def train_points(metrics: Iterable[dict[str, Any]]) -> list[Point]:
             v = m.get(name)
             if isinstance(v, int | float):
                 out.append(Point(tag, int(m["step"]), float(v), float(m["step"]), float(m["t"])))
+        for name, v in m.items():  # each param group's rate: train/lr/<group>
+            if name.startswith("lr/") and isinstance(v, int | float):
+                key = float(m["step"])
+                out.append(Point(f"train/{name}", int(m["step"]), float(v), key, float(m["t"])))
     return out
 
 

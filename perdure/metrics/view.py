@@ -39,6 +39,8 @@ class Snapshot:
     steps_committed: int = 0
     loss: float | None = None
     lr: float | None = None
+    lrs: dict[str, float] = field(default_factory=dict)
+    """Each param group's rate (``lr/<group>``) at the last committed step."""
     step_s: float | None = None
     tokens_per_s: float | None = None
     membership_epoch: int | None = None
@@ -145,6 +147,11 @@ def snapshot(metrics: list[Record], events: list[Record], failures: list[Failure
         steps_committed=len({m["step"] for m in metrics}),
         loss=_num(last, "loss"),
         lr=_num(last, "lr"),
+        lrs={
+            k[3:]: float(v)
+            for k, v in (last or {}).items()
+            if k.startswith("lr/") and isinstance(v, int | float)
+        },
         step_s=_num(last, "step_s"),
         tokens_per_s=_num(last, "tokens_per_s"),
         membership_epoch=int(epochs[-1]["epoch"]) if epochs else None,

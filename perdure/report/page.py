@@ -149,9 +149,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(page)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a report is for sharing
+        # mkstemp makes 0600, and a run writes its files under umask 077 (launch.api's
+        # private_files); a report is for sharing (another account, a web server): 0644.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

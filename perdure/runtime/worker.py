@@ -53,7 +53,6 @@ from perdure.runtime.control.store import AuthStore
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
-from perdure.runtime.replica.task import lr_at
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_group import Shards, optimizer_params
@@ -582,11 +581,13 @@ class Worker:
     def _metrics(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         assert self.trainer is not None
         tokens = self.trainer.tokens_per_step
+        lrs = self.trainer.recipe.lrs  # the rates the optimizer used: a scheduler's own
         self.metrics.write(
             {
                 "step": t,
                 "loss": loss,
-                "lr": lr_at(t, self.config.optim, self.config.train.steps),
+                "lr": next(iter(lrs.values()), None),
+                **{f"lr/{group}": lr for group, lr in lrs.items()},
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 else None,
                 "membership_epoch": ep.number,

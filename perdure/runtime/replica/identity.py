@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from perdure.runtime.replica.task import Task
+from perdure.runtime.replica.user_rng import SlotRng
 
 REL_TOL = 1e-3
 
@@ -29,17 +30,25 @@ def measured_reduction(task: Task, batch: dict[str, torch.Tensor]) -> str | None
     The loss of the whole batch is compared with the losses of its samples one at a time,
     with the model in eval mode (no dropout; BatchNorm on its running statistics), so each
     sample's loss does not depend on the others. Nothing is changed: no gradient, no buffer
-    update, and the model's mode is restored.
+    update, and the model's mode is restored. The user's generators are seeded as in a
+    slot (``user_rng``), so a loss that draws still runs (its draws differ between the
+    whole batch and one sample, so it may not be told) and one that draws from a generator
+    perdure cannot seed is refused here, before any worker starts.
     """
     n = int(batch["weight"].shape[0])
     if n < 2:
         return None
     model, was = task.model, task.model.training
     model.eval()
+    rng = SlotRng(task.loss_fn, model)
+
+    def loss(rows: dict[str, torch.Tensor]) -> float:
+        with rng.slot(0, 0, 0), torch.no_grad():  # the user's generators as in a slot
+            return float(task.loss_fn(model, rows))
+
     try:
-        with torch.no_grad():
-            whole = float(task.loss_fn(model, batch))
-            parts = [float(task.loss_fn(model, _rows(batch, i))) for i in range(n)]
+        whole = loss(batch)
+        parts = [loss(_rows(batch, i)) for i in range(n)]
     finally:
         model.train(was)
     total = sum(parts)

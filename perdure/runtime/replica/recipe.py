@@ -44,15 +44,19 @@ class Recipe:
         self.cfg, self.total_steps = cfg, total_steps
         self.optimizer = build_optimizer(task, cfg)
         self.base_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self.lrs: dict[str, float] = group_lrs(self.optimizer)
+        """Each group's rate at the last ``set_lr`` (see :func:`group_lrs`)."""
         self.scheduler = task.make_scheduler(self.optimizer) if task.make_scheduler else None
         self.initial = identity_of(self.optimizer, self.scheduler, self.base_lrs)
 
     def set_lr(self, step: int) -> float:
         """Set each group's rate for ``step`` (unless the task's scheduler owns them);
-        returns the first group's rate, for the metrics."""
+        returns the first group's rate. ``lrs`` then holds every group's rate as the
+        optimizer will use it at ``step`` (the scheduler's true value): the metrics'."""
         if self.scheduler is None:
             for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
                 group["lr"] = lr_at(step, self.cfg, self.total_steps, base)
+        self.lrs = group_lrs(self.optimizer)
         return float(self.optimizer.param_groups[0]["lr"])
 
     def step(self) -> None:
@@ -132,3 +136,13 @@ def plain(value: Any) -> Any:
 def _qualname(obj: Any) -> str:
     kind = type(obj)
     return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def group_lrs(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Each param group's current rate, by the group's ``name`` (a key torch lets a group
+    carry) or else its index: the ``lr/<group>`` metrics."""
+    out = {}
+    for i, group in enumerate(optimizer.param_groups):
+        name = group.get("name")
+        out[str(name) if isinstance(name, str) and name else str(i)] = float(group["lr"])
+    return out

@@ -20,6 +20,7 @@ from torch import nn
 from perdure.runtime.replica.buffers import BufferRule
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.task import LossFn
+from perdure.runtime.replica.user_rng import SlotRng
 
 
 def slot_seed(seed: int, step: int, slot: int) -> int:
@@ -61,6 +62,8 @@ class SlotEngine:
         self.mean_loss = mean_loss
         """The task's loss is a mean over the slot's samples: scaled to a sum here."""
         self.buffers = BufferRule(model)
+        self.rng = SlotRng(loss_fn, model)
+        """The user's generators around each slot (``user_rng``)."""
         self.autocast = _autocast(model, precision)
         # Reversed: backward produces the last layers' gradients first, so the reduction can
         # stream the front of the buffer while the rest of the backward runs.
@@ -95,7 +98,15 @@ class SlotEngine:
         accumulated it, and ``ready`` learns how much of ``out`` is final: the reduction
         streams behind the backward instead of after it (the values are the same bits).
         """
-        (seed_rng or _seed_all)(slot_seed(self.seed, step, slot))
+        seed = slot_seed(self.seed, step, slot)
+        with self.rng.slot(seed, step, slot):  # every generator the task reaches
+            if seed_rng is not None:
+                seed_rng(seed)
+            return self._compute(slot, batch, out, ready)
+
+    def _compute(
+        self, slot: int, batch: dict[str, torch.Tensor], out: torch.Tensor, ready: Progress | None
+    ) -> float:
         self.model.train()
         for p in self.params:
             p.grad = None
@@ -216,7 +227,3 @@ def _autocast(model: nn.Module, precision: str) -> Callable[[], Any]:
     first = next(model.parameters(), None)
     kind = first.device.type if first is not None else "cpu"
     return lambda: torch.autocast(device_type=kind, dtype=torch.bfloat16)
-
-
-def _seed_all(seed: int) -> None:
-    torch.manual_seed(seed)  # seeds the CPU generator and, where present, every CUDA one

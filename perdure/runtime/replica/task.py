@@ -21,6 +21,7 @@ from torch import nn
 from perdure.data.fields import FieldSpec
 from perdure.runtime.config import OptimConfig, TaskConfig
 from perdure.runtime.replica.deferred import Init, build_deferred
+from perdure.runtime.replica.user_rng import seed_globals
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter], OptimConfig], torch.optim.Optimizer]
@@ -109,7 +110,7 @@ def build_task(cfg: TaskConfig, seed: int, base_dir: str | None = None) -> Task:
     """Build the task with the generator seeded by ``seed`` (identical on every replica).
     With ``task.init = "per_module"`` its parameters are on ``meta``: the caller gives
     them their bytes (``deferred.SeedInit``)."""
-    torch.manual_seed(seed)
+    seed_globals(seed)  # numpy's and Python's too: their states outside slots follow the seed
     factory = resolve(cfg.entry, base_dir)
     if cfg.init == "per_module":
         task = build_deferred(lambda: factory(**cfg.options))
