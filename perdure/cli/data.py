@@ -58,6 +58,34 @@ def data() -> None:
     help="Token id appended after every source file. Default: the tokenizer's "
     "eos_id if it reports one, else 0 (the NUL byte for bytes).",
 )
+@click.option(
+    "--text-field",
+    default=None,
+    metavar="NAME",
+    help="SOURCES are records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, a datasets "
+    "save_to_disk directory; directories searched for them) and this string field "
+    "of each is one document. Default: each file is one document.",
+)
+@click.option(
+    "--skip-bad-records",
+    is_flag=True,
+    help="With --text-field: skip a record whose field is missing or not a string "
+    "(counted in the manifest) instead of failing naming it.",
+)
+@click.option(
+    "--processes",
+    type=int,
+    default=None,
+    help="Worker processes that tokenize (default: the cores). The shards are "
+    "byte-identical for every count.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted build of the same SOURCES and flags from its last "
+    "finished chunk (same bytes as an uninterrupted build).",
+)
+@click.option("--quiet", is_flag=True, help="No progress line.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def build(
     sources: tuple[str, ...],
@@ -70,28 +98,50 @@ def build(
     tokenizer_file: str | None,
     vocab_size: int | None,
     separator: int | None,
+    text_field: str | None,
+    skip_bad_records: bool,
+    processes: int | None,
+    resume: bool,
+    quiet: bool,
     force: bool,
 ) -> None:
-    """Tokenize SOURCES (files, directories, globs) into a dataset at OUT (byte-level
-    unless --tokenizer)."""
+    """Tokenize SOURCES (files, directories, globs; or records with --text-field) into a
+    dataset at OUT (byte-level unless --tokenizer)."""
     from perdure.data import DataError, build_dataset
 
     if tokenizer is None and tokenizer_file is not None:
         _fail("--tokenizer-file: needs --tokenizer (the factory to hand the file to)")
     if tokenizer is None and vocab_size is not None:
         _fail("--vocab-size: the byte tokenizer's vocabulary is 256; pass --tokenizer too")
+    if skip_bad_records and text_field is None:
+        _fail("--skip-bad-records: needs --text-field (only records can be bad)")
+    from perdure.cli.progress import ProgressLine
+
+    procs = processes if processes is not None else default_processes()
     start = time.perf_counter()
+    line = ProgressLine(enabled=not quiet)
     try:
         m = build_dataset(list(sources), out, seq_len=seq_len, shard_mb=shard_mb,
                           include=include, max_mb=max_mb, overwrite=force,
                           tokenizer=tokenizer, tokenizer_file=tokenizer_file,
-                          vocab_size=vocab_size, separator=separator)  # fmt: skip
+                          vocab_size=vocab_size, separator=separator, text_field=text_field,
+                          skip_bad_records=skip_bad_records, processes=procs, resume=resume,
+                          progress=line.update, say=line.say)  # fmt: skip
     except DataError as e:
+        line.close()
         _fail(str(e))
+    except KeyboardInterrupt:
+        line.close()
+        _fail("interrupted: pass --resume to continue this build from its last chunk")
+    line.close()
     took = time.perf_counter() - start
+    docs = f"{m.sources['documents']} records of " if "documents" in m.sources else ""
     click.echo(f"{out}: {m.num_samples} samples of {seq_len + 1} tokens in {len(m.shards)} "
-               f"shards from {m.sources['files']} files ({m.sources['bytes']} bytes) in "
-               f"{took:.2f} s")  # fmt: skip
+               f"shards from {docs}{m.sources['files']} files ({m.sources['bytes']} bytes) in "
+               f"{took:.2f} s on {procs} process{'es' if procs != 1 else ''}")  # fmt: skip
+    skipped = m.sources.get("skipped_records")
+    if skipped:
+        click.echo(f"skipped {skipped['count']} bad records (listed in the manifest)")
     _say_vocab(m)
     click.echo(f"version id: {m.version_id}")
 
@@ -177,6 +227,16 @@ def import_(
             click.echo(f"dropped the last {n} values of {name}: fewer than one sample")
     _say_vocab(m)
     click.echo(f"version id: {m.version_id}")
+
+
+def default_processes() -> int:
+    """The cores this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _field_spec(spec: str) -> tuple[str, str, str | None]:
