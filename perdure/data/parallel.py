@@ -18,6 +18,7 @@ worker is re-raised as it is (it names the source file).
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -29,7 +30,7 @@ import numpy as np
 
 from perdure.data.errors import DataError
 from perdure.data.tokenize import byte_tokenizer, check_tokens
-from perdure.data.tokenizer_entry import EntryTokenizer, load_tokenizer
+from perdure.data.tokenizer_entry import EntryTokenizer, as_ids, load_tokenizer
 
 CHUNK_BYTES = 1 << 20
 CHUNK_DOCS = 4096
@@ -70,6 +71,9 @@ class WorkerDied(DataError):
 
 def _init(spec: Spec) -> None:
     global _TOKENIZER
+    # One thread per worker: the process count is the parallelism (a tokenizers
+    # encode_batch would otherwise start a thread per core in every worker).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     _TOKENIZER = _load(spec)
 
 
@@ -85,11 +89,37 @@ def tokenize_chunk(spec: Spec, items: list[Item], tok: Any = None) -> np.ndarray
     tok = _TOKENIZER if tok is None else tok
     sep = np.array([spec.separator], dtype=np.int64)
     parts: list[np.ndarray] = []
-    for it in items:
-        parts.append(_ids(spec, tok, it))
+    for ids in _batch(spec, tok, items) or (_ids(spec, tok, it) for it in items):
+        parts.append(ids)
         parts.append(sep)
     out = np.concatenate(parts) if parts else np.empty(0, np.int64)
     return out.astype(np.dtype(spec.dtype).newbyteorder("<"), copy=False)
+
+
+def _batch(spec: Spec, tok: Any, items: list[Item]) -> list[np.ndarray] | None:
+    """A chunk of records through the tokenizer's ``encode_batch`` when it has one (as
+    :class:`perdure.data.hf.TokenizerJson` does), each document's ids checked as one by
+    one; None: tokenize one by one."""
+    batch = getattr(getattr(tok, "fn", None), "encode_batch", None)
+    if spec.kind != "entry" or batch is None or not all(isinstance(i.payload, str) for i in items):
+        return None
+    try:
+        out = batch([i.payload for i in items])
+    except Exception as e:
+        raise DataError(f"{items[0].source} and after: --tokenizer {tok.entry} raised "
+                        f"{type(e).__name__}: {e}") from None  # fmt: skip
+    if len(out) != len(items):
+        raise DataError(f"--tokenizer {tok.entry}: encode_batch returned {len(out)} results "
+                        f"for {len(items)} documents")  # fmt: skip
+    return [_checked(spec, tok, it, as_ids(ids, f"{it.source}: --tokenizer {tok.entry}"))
+            for it, ids in zip(items, out, strict=True)]  # fmt: skip
+
+
+def _checked(spec: Spec, tok: Any, it: Item, ids: np.ndarray) -> np.ndarray:
+    if spec.vocab is not None and ids.size and int(ids.max()) >= spec.vocab:
+        raise DataError(f"{it.source}: --tokenizer {tok.entry} returned id {int(ids.max())}, "
+                        f"outside the vocabulary [0, {spec.vocab})")  # fmt: skip
+    return ids
 
 
 def _ids(spec: Spec, tok: Any, it: Item) -> np.ndarray:
@@ -104,10 +134,7 @@ def _ids(spec: Spec, tok: Any, it: Item) -> np.ndarray:
         ids = tok.encode_text(it.payload, it.source)
     else:
         ids = tok.encode(it.payload, it.source, final=it.final)
-    if spec.vocab is not None and ids.size and int(ids.max()) >= spec.vocab:
-        raise DataError(f"{it.source}: --tokenizer {tok.entry} returned id {int(ids.max())}, "
-                        f"outside the vocabulary [0, {spec.vocab})")  # fmt: skip
-    return ids
+    return _checked(spec, tok, it, ids)
 
 
 def run_chunks(
