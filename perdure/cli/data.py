@@ -185,6 +185,22 @@ def build(
     help="What produced the tokens (e.g. gpt2): enters the version id.",
 )
 @click.option("--shard-mb", default=64.0, show_default=True, help="Target shard size in MiB.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["arrays", "megatron", "mds"]),
+    default="arrays",
+    show_default=True,
+    help="arrays: FILES are .npy or raw token files; megatron: FILES are Megatron-LM "
+    "indexed dataset PREFIXes (PREFIX.idx + PREFIX.bin, any dtype); mds: FILES are "
+    "MosaicML Streaming (MDS) directories whose --mds-column holds the tokens.",
+)
+@click.option(
+    "--mds-column",
+    default="tokens",
+    show_default=True,
+    help="With --format mds: the column holding the token ids.",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def import_(
     files: tuple[str, ...],
@@ -195,6 +211,8 @@ def import_(
     vocab_size: int | None,
     tokenizer_name: str,
     shard_mb: float,
+    fmt: str,
+    mds_column: str,
     force: bool,
 ) -> None:
     """Import pre-tokenized FILES (.npy, or raw little-endian token files) as the tokens of
@@ -202,6 +220,12 @@ def import_(
     from perdure.data import DataError
     from perdure.data.importer import import_arrays
 
+    if fmt != "arrays":
+        if extra:
+            _fail(f"--field: not with --format {fmt} (the format holds the tokens only)")
+        _import_format(fmt, list(files), out, seq_len, dtype, vocab_size, tokenizer_name,
+                       shard_mb, mds_column, force)  # fmt: skip
+        return
     fields: dict[str, list[str]] = {"tokens": list(files)} if files else {}
     dtypes: dict[str, str] = {}
     for spec in extra:
@@ -237,6 +261,35 @@ def default_processes() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _import_format(fmt: str, paths: list[str], out: str, seq_len: int | None,
+                   dtype: str | None, vocab: int | None, tokenizer: str, shard_mb: float,
+                   column: str, force: bool) -> None:  # fmt: skip
+    from perdure.data import DataError
+    from perdure.data.formats import import_mds, import_megatron
+
+    kw: dict[str, Any] = {"seq_len": seq_len, "vocab_size": vocab, "tokenizer": tokenizer,
+                          "shard_mb": shard_mb, "overwrite": force}  # fmt: skip
+    start = time.perf_counter()
+    try:
+        if fmt == "megatron":
+            if dtype is not None:
+                _fail("--dtype: not with --format megatron (the .idx names the dtype)")
+            m = import_megatron(paths, out, **kw)
+        else:
+            m = import_mds(paths, out, column=column, dtype=dtype, **kw)
+    except DataError as e:
+        _fail(str(e))
+    took = time.perf_counter() - start
+    click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens in {len(m.shards)} "
+               f"shards from {len(paths)} {fmt} sources ({m.sources['documents']} documents) "
+               f"in {took:.2f} s")  # fmt: skip
+    for n in m.sources.get("dropped_tail", {}).values():
+        if n:
+            click.echo(f"dropped the last {n} tokens: fewer than one sample")
+    _say_vocab(m)
+    click.echo(f"version id: {m.version_id}")
 
 
 def _field_spec(spec: str) -> tuple[str, str, str | None]:

@@ -98,6 +98,7 @@ def import_arrays(
     tokenizer: str = PRETOKENIZED,
     shard_mb: float = 64.0,
     overwrite: bool = False,
+    note: dict[str, Any] | None = None,
 ) -> Manifest:
     """Import ``fields`` (name -> files; ``tokens`` required) into a dataset at ``out``.
 
@@ -150,7 +151,7 @@ def import_arrays(
             layout[0].dtype,
             tuple(shards),
             build,
-            _sources(ins, vocab_size),
+            {**_sources(ins, vocab_size), **(note or {})},
             "",
             layout[1:],
         ).with_version_id()
