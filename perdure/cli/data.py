@@ -201,6 +201,14 @@ def build(
     show_default=True,
     help="With --format mds: the column holding the token ids.",
 )
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Reference the token files where they lie (a local path or fsspec URL) instead "
+    "of copying them: the manifest records each file's size and SHA-256, and a file "
+    "changed since is refused by name. Tokens only (no --field); --format arrays or "
+    "megatron; each file is cut into samples on its own.",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def import_(
     files: tuple[str, ...],
@@ -213,6 +221,7 @@ def import_(
     shard_mb: float,
     fmt: str,
     mds_column: str,
+    in_place: bool,
     force: bool,
 ) -> None:
     """Import pre-tokenized FILES (.npy, or raw little-endian token files) as the tokens of
@@ -220,6 +229,10 @@ def import_(
     from perdure.data import DataError
     from perdure.data.importer import import_arrays
 
+    if in_place:
+        _import_in_place(fmt, list(files), out, seq_len, dtype, vocab_size, tokenizer_name,
+                         bool(extra), force)  # fmt: skip
+        return
     if fmt != "arrays":
         if extra:
             _fail(f"--field: not with --format {fmt} (the format holds the tokens only)")
@@ -261,6 +274,39 @@ def default_processes() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _import_in_place(fmt: str, paths: list[str], out: str, seq_len: int | None,
+                     dtype: str | None, vocab: int | None, tokenizer: str, extra: bool,
+                     force: bool) -> None:  # fmt: skip
+    from perdure.data import DataError
+    from perdure.data.formats import read_megatron
+    from perdure.data.inplace import import_in_place
+
+    if extra:
+        _fail("--in-place: tokens only (no --field)")
+    if fmt == "mds":
+        _fail("--in-place: MDS shards interleave sample headers with the tokens; import "
+              "them without --in-place (a copy)")  # fmt: skip
+    if seq_len is None:
+        _fail("--in-place: needs --seq-len")
+    start = time.perf_counter()
+    try:
+        note: dict[str, Any] = {}
+        if fmt == "megatron":
+            idx = [read_megatron(p) for p in paths]
+            paths, dtype = [str(i.bin_path) for i in idx], idx[0].dtype
+            note = {"format": "megatron", "documents": sum(i.doc_starts.size for i in idx)}
+        m = import_in_place(paths, out, seq_len=seq_len, dtype=dtype, vocab_size=vocab,
+                            tokenizer=tokenizer, overwrite=force, note=note)  # fmt: skip
+    except DataError as e:
+        _fail(str(e))
+    took = time.perf_counter() - start
+    size = m.sources["bytes"]
+    click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens referencing "
+               f"{len(m.shards)} files in place ({size} bytes) in {took:.2f} s")  # fmt: skip
+    _say_vocab(m)
+    click.echo(f"version id: {m.version_id}")
 
 
 def _import_format(fmt: str, paths: list[str], out: str, seq_len: int | None,

@@ -199,6 +199,9 @@ def _check_files(fs: object, root: str, url: str, manifest: Manifest) -> None:
     sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
     base = url.rstrip("/")
     for info in manifest.shards:
+        if info.source is not None:
+            _check_source(info.source.url, info.source.size)
+            continue
         if info.file not in sizes:
             raise DataError(f"{base}/{info.file}: shard file missing (listed in manifest.json)")
         size = sizes[info.file]
@@ -207,3 +210,17 @@ def _check_files(fs: object, root: str, url: str, manifest: Manifest) -> None:
                 f"{base}/{info.file}: size must be {info.bytes} bytes as manifest.json says "
                 f"(got {size}; truncated, or written with another dtype or seq_len?)"
             )
+
+
+def _check_source(url: str, size: int) -> None:
+    """An in-place shard's file: present, and the size it had when imported."""
+    fs, path = open_fs(url)
+    try:
+        got = fs.size(path)
+    except FileNotFoundError:
+        raise DataError(
+            f"{url}: missing (imported in place; manifest.json references it)"
+        ) from None
+    if got != size:
+        raise DataError(f"{url}: changed since it was imported in place (size {got} bytes, "
+                        f"recorded {size}); import it again")  # fmt: skip
