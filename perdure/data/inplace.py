@@ -126,16 +126,38 @@ def _source(f: str, dtype: str | None) -> tuple[str, int, str, int]:
 def _sha256(url: str) -> str:
     fs, path = open_fs(url)
     h = hashlib.sha256()
+    if is_local(fs.protocol):  # mapped: no copy into Python bytes
+        whole = _mapped(path)
+        for a in range(0, whole.size, 1 << 24):
+            h.update(whole[a : a + (1 << 24)])
+        return h.hexdigest()
     with fs.open(path, "rb") as f:
         while chunk := f.read(1 << 24):
             h.update(chunk)
     return h.hexdigest()
 
 
+def _mapped(path: str) -> np.ndarray:
+    if Path(path).stat().st_size == 0:
+        return np.empty(0, np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
 def _range(url: str, offset: int, kind: str, size: int) -> tuple[int, int]:
+    """(smallest, largest) id; unsigned ids are never below 0, so only the largest is
+    scanned for them (one pass over the file, not two)."""
     fs, path = open_fs(url)
     dt = np.dtype(kind).newbyteorder("<")
     lo, hi = 0, -1
+    signed = dt.kind == "i"
+    if is_local(fs.protocol):
+        whole = _mapped(path)[offset:]
+        ids = whole[: whole.size // dt.itemsize * dt.itemsize].view(dt)
+        for a in range(0, ids.size, SCAN):
+            part = ids[a : a + SCAN]
+            hi = max(hi, int(part.max()))
+            lo = min(lo, int(part.min())) if signed else lo
+        return lo, hi
     with fs.open(path, "rb") as f:
         f.seek(offset)
         while chunk := f.read(SCAN * dt.itemsize):
