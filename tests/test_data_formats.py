@@ -109,3 +109,32 @@ def test_the_cli_imports_a_megatron_prefix(tmp_path: Path) -> None:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     assert "from 1 megatron sources (1 documents)" in res.stdout
+
+
+def test_document_boundaries_are_kept_and_give_doc_ids_and_position_ids(tmp_path: Path) -> None:
+    from perdure.data import SlotLoader
+
+    docs = [np.full(n, i + 1) for i, n in enumerate([5, 12, 3, 20])]  # 40 tokens, seq_len 9
+    write_megatron(tmp_path / "p", docs, np.uint16)
+    import_megatron([str(tmp_path / "p")], str(tmp_path / "o"), seq_len=9)
+    ds = Dataset.open(str(tmp_path / "o"))
+    assert ds.documents().tolist() == [0, 5, 17, 20]
+    f = ds.doc_fields(np.array([0, 1, 3]))
+    tokens = ds.read(np.array([0, 1, 3]))
+    for r in range(3):  # a boundary exactly where the token value changes
+        change = np.concatenate([[0], np.cumsum(np.diff(tokens[r].astype(int)) != 0)])
+        assert f["doc_ids"][r].tolist() == change.tolist()
+    assert f["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4]
+    assert f["position_ids"][1].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1, 2]  # from its start
+    with SlotLoader(ds, seed=0, global_batch=2, slots=1, document_fields=True) as ld:
+        b = ld.batch(0, 0)
+    assert set(b.fields) >= {"doc_ids", "position_ids"} and b.fields["doc_ids"].shape == (2, 10)
+    ds.close()
+    npy = tmp_path / "t.npy"
+    np.save(npy, np.concatenate(docs))
+    import_arrays({"tokens": [str(npy)]}, str(tmp_path / "plain"), seq_len=9)
+    with (
+        Dataset.open(str(tmp_path / "plain")) as plain,
+        pytest.raises(DataError, match="no document"),
+    ):
+        plain.documents()

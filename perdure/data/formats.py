@@ -210,8 +210,10 @@ def import_megatron(prefixes: list[str], out: str, **kw: Any) -> Manifest:
         raise DataError(f"import --format megatron: the prefixes mix dtypes {sorted(kinds)}")
     note = {"format": "megatron", "documents": sum(i.doc_starts.size for i in idx),
             "sequences": sum(i.sizes.size for i in idx)}  # fmt: skip
+    shift = np.cumsum([0] + [int(i.sizes.sum()) for i in idx])
+    docs = np.concatenate([i.doc_starts + shift[k] for k, i in enumerate(idx)])
     return import_arrays({"tokens": [str(i.bin_path) for i in idx]}, out, dtype=idx[0].dtype,
-                         note=note, **kw)  # fmt: skip
+                         note=note, documents=docs, **kw)  # fmt: skip
 
 
 def import_mds(dirs: list[str], out: str, column: str = "tokens", dtype: str | None = None,
@@ -225,18 +227,23 @@ def import_mds(dirs: list[str], out: str, column: str = "tokens", dtype: str | N
     parent = Path(out).resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     streams, docs, kind = [], 0, None
+    starts: list[np.ndarray] = []
+    shift = 0
     try:
         for d in dirs:
             fd, tmp = tempfile.mkstemp(prefix=".mds-stream-", dir=parent)
             os.close(fd)
             streams.append(tmp)
-            k, starts = read_mds(d, column, dtype, Path(tmp))
+            k, first = read_mds(d, column, dtype, Path(tmp))
             if kind not in (None, k):
                 raise DataError(f"import --format mds: {d} holds {k} tokens, the others {kind}")
-            kind, docs = k, docs + starts.size
+            kind, docs = k, docs + first.size
+            starts.append(first + shift)
+            shift += Path(tmp).stat().st_size // np.dtype(k).itemsize
         assert kind is not None
         note = {"format": "mds", "documents": docs, "mds_column": column}
-        return import_arrays({"tokens": streams}, out, dtype=kind, note=note, **kw)
+        return import_arrays({"tokens": streams}, out, dtype=kind, note=note,
+                             documents=np.concatenate(starts), **kw)  # fmt: skip
     finally:
         for t in streams:
             Path(t).unlink(missing_ok=True)

@@ -129,7 +129,7 @@ def _sha256(url: str) -> str:
     if is_local(fs.protocol):  # mapped: no copy into Python bytes
         whole = _mapped(path)
         for a in range(0, whole.size, 1 << 24):
-            h.update(whole[a : a + (1 << 24)])
+            h.update(whole[a : a + (1 << 24)].data)
         return h.hexdigest()
     with fs.open(path, "rb") as f:
         while chunk := f.read(1 << 24):
@@ -161,7 +161,7 @@ def _range(url: str, offset: int, kind: str, size: int) -> tuple[int, int]:
     with fs.open(path, "rb") as f:
         f.seek(offset)
         while chunk := f.read(SCAN * dt.itemsize):
-            a = np.frombuffer(chunk[: len(chunk) // dt.itemsize * dt.itemsize], dtype=dt)
-            if a.size:
-                lo, hi = min(lo, int(a.min())), max(hi, int(a.max()))
+            vals = np.frombuffer(chunk[: len(chunk) // dt.itemsize * dt.itemsize], dtype=dt)
+            if vals.size:
+                lo, hi = min(lo, int(vals.min())), max(hi, int(vals.max()))
     return lo, hi
