@@ -67,3 +67,14 @@ def wide(text: str) -> list[int]:
 
 
 wide.vocab_size = 10  # type: ignore[attr-defined]
+
+
+def slow_bytes(text: str) -> list[int]:
+    """UTF-8 bytes, slowly (1 ms a document): a build long enough to be killed midway."""
+    import time
+
+    time.sleep(0.001)
+    return list(text.encode())
+
+
+slow_bytes.vocab_size = 256  # type: ignore[attr-defined]

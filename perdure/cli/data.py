@@ -58,6 +58,34 @@ def data() -> None:
     help="Token id appended after every source file. Default: the tokenizer's "
     "eos_id if it reports one, else 0 (the NUL byte for bytes).",
 )
+@click.option(
+    "--text-field",
+    default=None,
+    metavar="NAME",
+    help="SOURCES are records (.jsonl, .jsonl.gz, .jsonl.zst, .parquet, a datasets "
+    "save_to_disk directory; directories searched for them) and this string field "
+    "of each is one document. Default: each file is one document.",
+)
+@click.option(
+    "--skip-bad-records",
+    is_flag=True,
+    help="With --text-field: skip a record whose field is missing or not a string "
+    "(counted in the manifest) instead of failing naming it.",
+)
+@click.option(
+    "--processes",
+    type=int,
+    default=None,
+    help="Worker processes that tokenize (default: the cores). The shards are "
+    "byte-identical for every count.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue an interrupted build of the same SOURCES and flags from its last "
+    "finished chunk (same bytes as an uninterrupted build).",
+)
+@click.option("--quiet", is_flag=True, help="No progress line.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def build(
     sources: tuple[str, ...],
@@ -70,28 +98,50 @@ def build(
     tokenizer_file: str | None,
     vocab_size: int | None,
     separator: int | None,
+    text_field: str | None,
+    skip_bad_records: bool,
+    processes: int | None,
+    resume: bool,
+    quiet: bool,
     force: bool,
 ) -> None:
-    """Tokenize SOURCES (files, directories, globs) into a dataset at OUT (byte-level
-    unless --tokenizer)."""
+    """Tokenize SOURCES (files, directories, globs; or records with --text-field) into a
+    dataset at OUT (byte-level unless --tokenizer)."""
     from perdure.data import DataError, build_dataset
 
     if tokenizer is None and tokenizer_file is not None:
         _fail("--tokenizer-file: needs --tokenizer (the factory to hand the file to)")
     if tokenizer is None and vocab_size is not None:
         _fail("--vocab-size: the byte tokenizer's vocabulary is 256; pass --tokenizer too")
+    if skip_bad_records and text_field is None:
+        _fail("--skip-bad-records: needs --text-field (only records can be bad)")
+    from perdure.cli.progress import ProgressLine
+
+    procs = processes if processes is not None else default_processes()
     start = time.perf_counter()
+    line = ProgressLine(enabled=not quiet)
     try:
         m = build_dataset(list(sources), out, seq_len=seq_len, shard_mb=shard_mb,
                           include=include, max_mb=max_mb, overwrite=force,
                           tokenizer=tokenizer, tokenizer_file=tokenizer_file,
-                          vocab_size=vocab_size, separator=separator)  # fmt: skip
+                          vocab_size=vocab_size, separator=separator, text_field=text_field,
+                          skip_bad_records=skip_bad_records, processes=procs, resume=resume,
+                          progress=line.update, say=line.say)  # fmt: skip
     except DataError as e:
+        line.close()
         _fail(str(e))
+    except KeyboardInterrupt:
+        line.close()
+        _fail("interrupted: pass --resume to continue this build from its last chunk")
+    line.close()
     took = time.perf_counter() - start
+    docs = f"{m.sources['documents']} records of " if "documents" in m.sources else ""
     click.echo(f"{out}: {m.num_samples} samples of {seq_len + 1} tokens in {len(m.shards)} "
-               f"shards from {m.sources['files']} files ({m.sources['bytes']} bytes) in "
-               f"{took:.2f} s")  # fmt: skip
+               f"shards from {docs}{m.sources['files']} files ({m.sources['bytes']} bytes) in "
+               f"{took:.2f} s on {procs} process{'es' if procs != 1 else ''}")  # fmt: skip
+    skipped = m.sources.get("skipped_records")
+    if skipped:
+        click.echo(f"skipped {skipped['count']} bad records (listed in the manifest)")
     _say_vocab(m)
     click.echo(f"version id: {m.version_id}")
 
@@ -135,6 +185,30 @@ def build(
     help="What produced the tokens (e.g. gpt2): enters the version id.",
 )
 @click.option("--shard-mb", default=64.0, show_default=True, help="Target shard size in MiB.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["arrays", "megatron", "mds"]),
+    default="arrays",
+    show_default=True,
+    help="arrays: FILES are .npy or raw token files; megatron: FILES are Megatron-LM "
+    "indexed dataset PREFIXes (PREFIX.idx + PREFIX.bin, any dtype); mds: FILES are "
+    "MosaicML Streaming (MDS) directories whose --mds-column holds the tokens.",
+)
+@click.option(
+    "--mds-column",
+    default="tokens",
+    show_default=True,
+    help="With --format mds: the column holding the token ids.",
+)
+@click.option(
+    "--in-place",
+    is_flag=True,
+    help="Reference the token files where they lie (a local path or fsspec URL) instead "
+    "of copying them: the manifest records each file's size and SHA-256, and a file "
+    "changed since is refused by name. Tokens only (no --field); --format arrays or "
+    "megatron; each file is cut into samples on its own.",
+)
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 def import_(
     files: tuple[str, ...],
@@ -145,6 +219,9 @@ def import_(
     vocab_size: int | None,
     tokenizer_name: str,
     shard_mb: float,
+    fmt: str,
+    mds_column: str,
+    in_place: bool,
     force: bool,
 ) -> None:
     """Import pre-tokenized FILES (.npy, or raw little-endian token files) as the tokens of
@@ -152,6 +229,16 @@ def import_(
     from perdure.data import DataError
     from perdure.data.importer import import_arrays
 
+    if in_place:
+        _import_in_place(fmt, list(files), out, seq_len, dtype, vocab_size, tokenizer_name,
+                         bool(extra), force)  # fmt: skip
+        return
+    if fmt != "arrays":
+        if extra:
+            _fail(f"--field: not with --format {fmt} (the format holds the tokens only)")
+        _import_format(fmt, list(files), out, seq_len, dtype, vocab_size, tokenizer_name,
+                       shard_mb, mds_column, force)  # fmt: skip
+        return
     fields: dict[str, list[str]] = {"tokens": list(files)} if files else {}
     dtypes: dict[str, str] = {}
     for spec in extra:
@@ -175,6 +262,78 @@ def import_(
     for name, n in m.sources.get("dropped_tail", {}).items():
         if n:
             click.echo(f"dropped the last {n} values of {name}: fewer than one sample")
+    _say_vocab(m)
+    click.echo(f"version id: {m.version_id}")
+
+
+def default_processes() -> int:
+    """The cores this process may run on."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _import_in_place(fmt: str, paths: list[str], out: str, seq_len: int | None,
+                     dtype: str | None, vocab: int | None, tokenizer: str, extra: bool,
+                     force: bool) -> None:  # fmt: skip
+    from perdure.data import DataError
+    from perdure.data.formats import read_megatron
+    from perdure.data.inplace import import_in_place
+
+    if extra:
+        _fail("--in-place: tokens only (no --field)")
+    if fmt == "mds":
+        _fail("--in-place: MDS shards interleave sample headers with the tokens; import "
+              "them without --in-place (a copy)")  # fmt: skip
+    if seq_len is None:
+        _fail("--in-place: needs --seq-len")
+    start = time.perf_counter()
+    try:
+        note: dict[str, Any] = {}
+        if fmt == "megatron":
+            idx = [read_megatron(p) for p in paths]
+            paths, dtype = [str(i.bin_path) for i in idx], idx[0].dtype
+            note = {"format": "megatron", "documents": sum(i.doc_starts.size for i in idx)}
+        m = import_in_place(paths, out, seq_len=seq_len, dtype=dtype, vocab_size=vocab,
+                            tokenizer=tokenizer, overwrite=force, note=note)  # fmt: skip
+    except DataError as e:
+        _fail(str(e))
+    took = time.perf_counter() - start
+    size = m.sources["bytes"]
+    click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens referencing "
+               f"{len(m.shards)} files in place ({size} bytes) in {took:.2f} s")  # fmt: skip
+    _say_vocab(m)
+    click.echo(f"version id: {m.version_id}")
+
+
+def _import_format(fmt: str, paths: list[str], out: str, seq_len: int | None,
+                   dtype: str | None, vocab: int | None, tokenizer: str, shard_mb: float,
+                   column: str, force: bool) -> None:  # fmt: skip
+    from perdure.data import DataError
+    from perdure.data.formats import import_mds, import_megatron
+
+    kw: dict[str, Any] = {"seq_len": seq_len, "vocab_size": vocab, "tokenizer": tokenizer,
+                          "shard_mb": shard_mb, "overwrite": force}  # fmt: skip
+    start = time.perf_counter()
+    try:
+        if fmt == "megatron":
+            if dtype is not None:
+                _fail("--dtype: not with --format megatron (the .idx names the dtype)")
+            m = import_megatron(paths, out, **kw)
+        else:
+            m = import_mds(paths, out, column=column, dtype=dtype, **kw)
+    except DataError as e:
+        _fail(str(e))
+    took = time.perf_counter() - start
+    click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens in {len(m.shards)} "
+               f"shards from {len(paths)} {fmt} sources ({m.sources['documents']} documents) "
+               f"in {took:.2f} s")  # fmt: skip
+    for n in m.sources.get("dropped_tail", {}).values():
+        if n:
+            click.echo(f"dropped the last {n} tokens: fewer than one sample")
     _say_vocab(m)
     click.echo(f"version id: {m.version_id}")
 

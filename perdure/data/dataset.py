@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import numpy as np
 
 from perdure.data.errors import DataError, ShardError
@@ -27,6 +29,7 @@ class Dataset:
         counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._ends = self.starts + counts
+        self._documents: np.ndarray | None = None
 
     @classmethod
     def open(
@@ -181,6 +184,39 @@ class Dataset:
                 f"{self.url}: sample ids must be in [0, {self.num_samples}) (got [{lo}, {hi}])"
             )
 
+    def documents(self) -> np.ndarray:
+        """Where documents start, as token offsets into the stream of samples (sample ``i``
+        is stream ``[i * (seq_len + 1), (i + 1) * (seq_len + 1))``); from ``documents.bin``
+        of a Megatron or MDS import, checked against its SHA-256 on first use."""
+        if self._documents is None:
+            entry = self.manifest.build.get("documents")
+            if not isinstance(entry, dict):
+                raise DataError(f"{self.url}: holds no document boundaries (only Megatron and "
+                                "MDS imports record them)")  # fmt: skip
+            fs, root = open_fs(self.url)
+            where = f"{self.url.rstrip('/')}/{entry['file']}"
+            try:
+                data = fs.cat_file(f"{root.rstrip('/')}/{entry['file']}")
+            except (OSError, FileNotFoundError) as e:
+                raise DataError(f"{where}: cannot be read ({e})") from None
+            if hashlib.sha256(data).hexdigest() != entry.get("sha256"):
+                raise DataError(f"{where}: checksum does not match manifest.json")
+            self._documents = np.frombuffer(data, dtype="<i8").astype(np.int64)
+        return self._documents
+
+    def doc_fields(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        """Per token of each sample of ``ids``: ``doc_ids`` (0 for the document the sample
+        starts in, +1 at each boundary inside it) and ``position_ids`` (counting from the
+        document's start, or from the sample's start for a document begun before it), both
+        int64 ``[n, seq_len + 1]``: what intra-document attention masks are made from."""
+        starts = self.documents()
+        row = self.seq_len + 1
+        first = np.asarray(ids, dtype=np.int64)[:, None] * row
+        pos = first + np.arange(row, dtype=np.int64)
+        d = np.searchsorted(starts, pos, side="right") - 1
+        begin = np.where(d >= 0, starts[np.maximum(d, 0)] if starts.size else 0, 0)
+        return {"doc_ids": d - d[:, :1], "position_ids": pos - np.maximum(begin, first)}
+
     def close(self) -> None:
         self.store.close()
 
@@ -199,6 +235,9 @@ def _check_files(fs: object, root: str, url: str, manifest: Manifest) -> None:
     sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
     base = url.rstrip("/")
     for info in manifest.shards:
+        if info.source is not None:
+            _check_source(info.source.url, info.source.size)
+            continue
         if info.file not in sizes:
             raise DataError(f"{base}/{info.file}: shard file missing (listed in manifest.json)")
         size = sizes[info.file]
@@ -207,3 +246,17 @@ def _check_files(fs: object, root: str, url: str, manifest: Manifest) -> None:
                 f"{base}/{info.file}: size must be {info.bytes} bytes as manifest.json says "
                 f"(got {size}; truncated, or written with another dtype or seq_len?)"
             )
+
+
+def _check_source(url: str, size: int) -> None:
+    """An in-place shard's file: present, and the size it had when imported."""
+    fs, path = open_fs(url)
+    try:
+        got = fs.size(path)
+    except FileNotFoundError:
+        raise DataError(
+            f"{url}: missing (imported in place; manifest.json references it)"
+        ) from None
+    if got != size:
+        raise DataError(f"{url}: changed since it was imported in place (size {got} bytes, "
+                        f"recorded {size}); import it again")  # fmt: skip

@@ -44,6 +44,11 @@ class TokenizerJson:
     def __call__(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Many documents in one call (the build hands it a chunk's records): the same ids
+        as calling it on each, with less overhead per document."""
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
 
 def tokenizer_json(path: str) -> TokenizerJson:
     """Factory for ``--tokenizer-file tokenizer.json``."""

@@ -98,6 +98,8 @@ def import_arrays(
     tokenizer: str = PRETOKENIZED,
     shard_mb: float = 64.0,
     overwrite: bool = False,
+    note: dict[str, Any] | None = None,
+    documents: np.ndarray | None = None,
 ) -> Manifest:
     """Import ``fields`` (name -> files; ``tokens`` required) into a dataset at ``out``.
 
@@ -139,18 +141,20 @@ def import_arrays(
     )
     with staged(out, overwrite, "import") as tmp:
         per_shard, shards = _write_shards(tmp, ins, layout, shard_mb)
-        build = {
+        build: dict[str, Any] = {
             "seq_len": tokens.shape[0] - 1,
             "samples_per_shard": per_shard,
             "tokenizer": tokenizer,
             "vocab_size": vocab,
         }
+        if documents is not None:
+            build["documents"] = _write_documents(tmp, documents, tokens.samples * tokens.shape[0])
         m = Manifest(
             tokens.shape[0] - 1,
             layout[0].dtype,
             tuple(shards),
             build,
-            _sources(ins, vocab_size),
+            {**_sources(ins, vocab_size), **(note or {})},
             "",
             layout[1:],
         ).with_version_id()
@@ -335,3 +339,17 @@ def _sources(ins: list[_FieldIn], vocab_size: int | None) -> dict[str, Any]:
     if dropped:
         out["dropped_tail"] = dropped
     return out
+
+
+DOCUMENTS = "documents.bin"
+
+
+def _write_documents(tmp: Path, starts: np.ndarray, used: int) -> dict[str, Any]:
+    """Document starts (token offsets into the dataset's stream of samples, int64
+    little-endian) in ``documents.bin``; its entry in the build parameters names the file,
+    the count and the SHA-256, so the boundaries are part of the version id."""
+    kept = np.unique(np.asarray(starts, dtype=np.int64))
+    kept = kept[(kept >= 0) & (kept < used)].astype("<i8")
+    data = kept.tobytes()
+    write_file(tmp / DOCUMENTS, data)
+    return {"file": DOCUMENTS, "count": int(kept.size), "sha256": sha256_hex(data)}

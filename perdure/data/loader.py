@@ -55,8 +55,14 @@ class SlotLoader:
         on_bad_shard: BadShardCallback | None = None,
         auto_quarantine: bool = False,
         wait_timeout_s: float = 60.0,
+        document_fields: bool = False,
     ) -> None:
         self.per_slot = check_slots(global_batch, slots)
+        self.document_fields = document_fields
+        """Add ``doc_ids`` and ``position_ids`` to every batch's fields (a dataset with
+        document boundaries: a Megatron or MDS import; see ``Dataset.doc_fields``)."""
+        if document_fields:
+            dataset.documents()  # fails now, naming the dataset, if it has none
         if prefetch_steps < 0:
             raise DataError(f"loader: prefetch_steps must be >= 0 (got {prefetch_steps})")
         self.dataset, self.seed = dataset, seed
@@ -184,6 +190,8 @@ class SlotLoader:
         pos, ids = self._samples(step, slot, q)
         shards = self._shard_of(ids)
         values, bad = self.dataset.read_fields(ids, shards)
+        if self.document_fields:
+            values.update(self.dataset.doc_fields(ids))
         tokens = values.pop(TOKENS)
         weight = np.ones(ids.size, dtype=np.float32)
         hit = poisoned | bad.keys()

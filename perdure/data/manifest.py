@@ -37,6 +37,9 @@ FORMAT_VERSION = 1
 """The version of a tokens-only dataset (one row of tokens per sample)."""
 FIELDS_FORMAT_VERSION = 2
 """The version of a dataset with fields besides ``tokens``."""
+IN_PLACE_FORMAT_VERSION = 3
+"""The version of a tokens-only dataset whose shards reference files where they lie
+(``perdure data import --in-place``): version 1's layout plus each shard's ``source``."""
 MANIFEST_NAME = "manifest.json"
 DTYPES = TOKEN_DTYPES
 """Allowed token dtypes, always stored little-endian."""
@@ -50,10 +53,36 @@ class ShardInfo:
     samples: int
     bytes: int
     sha256: str
+    source: SourceRef | None = None
+    """An in-place shard (format version 3): the rows are bytes ``[offset, offset + bytes)``
+    of a file outside the dataset directory, and ``sha256`` is that whole file's."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"file": self.file, "samples": self.samples, "bytes": self.bytes,
-                "sha256": self.sha256}  # fmt: skip
+        out: dict[str, Any] = {"file": self.file, "samples": self.samples, "bytes": self.bytes,
+                               "sha256": self.sha256}  # fmt: skip
+        if self.source is not None:
+            out["source"] = self.source.to_dict()
+        return out
+
+    def id_entry(self) -> list[Any]:
+        """What the version id hashes of this shard (not where its source lies)."""
+        entry: list[Any] = [self.file, self.samples, self.bytes, self.sha256]
+        if self.source is not None:
+            entry += [self.source.offset, self.source.size]
+        return entry
+
+
+@dataclass(frozen=True)
+class SourceRef:
+    """Where an in-place shard's bytes lie: a local path or an fsspec URL, the byte offset
+    of its first row, and the file's whole size (checked before every read)."""
+
+    url: str
+    offset: int
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"url": self.url, "offset": self.offset, "size": self.size}
 
 
 @dataclass(frozen=True)
@@ -82,7 +111,13 @@ class Manifest:
         return (Field(TOKENS, self.dtype, self.sample_shape), *self.extra_fields)
 
     @property
+    def in_place(self) -> bool:
+        return any(s.source is not None for s in self.shards)
+
+    @property
     def format_version(self) -> int:
+        if self.in_place:
+            return IN_PLACE_FORMAT_VERSION
         return FIELDS_FORMAT_VERSION if self.extra_fields else FORMAT_VERSION
 
     @property
@@ -145,7 +180,7 @@ def version_id(m: Manifest) -> str:
         "format_version": m.format_version,
         "sample": sample,
         "build": m.build,
-        "shards": [[s.file, s.samples, s.bytes, s.sha256] for s in m.shards],
+        "shards": [s.id_entry() for s in m.shards],
     })  # fmt: skip
 
 
@@ -160,7 +195,7 @@ def parse_manifest(text: str, source: str) -> Manifest:
         p.done()
     p.check(data.get("format") == FORMAT, "format", f"must be {FORMAT!r}", data.get("format"))
     fv = data.get("format_version")
-    known = (FORMAT_VERSION, FIELDS_FORMAT_VERSION)
+    known = (FORMAT_VERSION, FIELDS_FORMAT_VERSION, IN_PLACE_FORMAT_VERSION)
     p.check(fv in known, "format_version", f"must be one of {list(known)}", fv)
     if fv == FIELDS_FORMAT_VERSION:
         seq_len, dtype, extra = _sample_fields(data, p)
@@ -168,6 +203,11 @@ def parse_manifest(text: str, source: str) -> Manifest:
         (seq_len, dtype), extra = _sample(data, p), ()
     row = sum(f.nbytes for f in (Field(TOKENS, dtype, (seq_len + 1,)), *extra))
     shards = _shards(data.get("shards"), row, p)
+    in_place = [s.source is not None for s in shards]
+    if fv == IN_PLACE_FORMAT_VERSION:
+        p.check(all(in_place), "shards", "every shard of format version 3 needs a source", "")
+    else:
+        p.check(not any(in_place), "shards", "a source needs format_version 3", fv)
     build, sources = data.get("build", {}), data.get("sources", {})
     p.check(isinstance(build, dict), "build", "must be an object", build)
     p.check(isinstance(sources, dict), "sources", "must be an object", sources)
@@ -280,7 +320,18 @@ def _shard(s: dict[str, Any], key: str, row: int, p: Problems) -> ShardInfo | No
         ok &= p.check(size == n * row, f"{key}.bytes",
                       f"must equal samples x row bytes = {n} x {row} (wrong dtype or seq_len?)",
                       size)  # fmt: skip
-    return ShardInfo(file, n, size, digest) if ok else None
+    if not ok:
+        return None
+    src = s.get("source")
+    if src is None:
+        return ShardInfo(file, n, size, digest)
+    okay = isinstance(src, dict) and isinstance(src.get("url"), str) and bool(src.get("url"))
+    okay = okay and _is_count(src.get("offset")) and _is_count(src.get("size"))
+    okay = okay and src["offset"] + size <= src["size"]
+    if not p.check(okay, f"{key}.source", "must be {url, offset, size} with offset + bytes "
+                   "<= size", src):  # fmt: skip
+        return None
+    return ShardInfo(file, n, size, digest, SourceRef(src["url"], src["offset"], src["size"]))
 
 
 def _is_count(v: object) -> bool:

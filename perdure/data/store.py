@@ -79,7 +79,8 @@ class ShardStore:
         return root
 
     def url(self, shard: int) -> str:
-        return f"{self.root}/{self.manifest.shards[shard].file}"
+        info = self.manifest.shards[shard]
+        return info.source.url if info.source is not None else f"{self.root}/{info.file}"
 
     def rows(self, shard: int) -> np.ndarray:
         """The shard as a read-only array, ``[samples, seq_len + 1]`` tokens (a tokens-only
@@ -113,6 +114,8 @@ class ShardStore:
 
     def _open(self, shard: int) -> np.ndarray:
         info = self.manifest.shards[shard]
+        if info.source is not None:
+            return self._open_in_place(shard)
         path = self.root + "/" + info.file if self.local else self._fetch(shard)
         path = path.removeprefix("file://")
         m = self.manifest
@@ -131,15 +134,47 @@ class ShardStore:
             self._verified.add(shard)
         return arr
 
-    def _fetch(self, shard: int) -> str:
+    def _open_in_place(self, shard: int) -> np.ndarray:
+        """An in-place shard: its source file where it lies (a remote one fetched whole into
+        the cache), checked whole against the size and SHA-256 recorded at import, so a
+        file changed since is refused with its name."""
+        info = self.manifest.shards[shard]
+        src = info.source
+        assert src is not None
+        fs, path = open_fs(src.url)
+        if not is_local(fs.protocol):
+            if self.cache_root is None:
+                self.cache_root = self._cache_root(None)
+            path = self._fetch(shard, fs, src.url)
+        m = self.manifest
+        try:
+            whole = _map(path.removeprefix("file://"), np.dtype(np.uint8), (src.size,))
+        except FileNotFoundError:
+            raise ShardError(shard, src.url, "missing (imported in place from there)") from None
+        except (OSError, ValueError) as e:
+            raise ShardError(
+                shard, src.url, f"changed since it was imported in place ({e})"
+            ) from None
+        if shard not in self._verified:
+            digest = hashlib.sha256(whole.data).hexdigest()
+            if digest != info.sha256:
+                why = f"SHA-256 {digest[:12]}..., recorded {info.sha256[:12]}..."
+                raise ShardError(shard, src.url, f"changed since it was imported in place ({why})")
+            self._verified.add(shard)
+        rows = whole[src.offset : src.offset + info.bytes]
+        return rows.view(m.np_dtype()).reshape(info.samples, m.seq_len + 1)
+
+    def _fetch(self, shard: int, fs: Any = None, url: str | None = None) -> str:
         assert self.cache_root is not None
         info = self.manifest.shards[shard]
         dest = self.cache_root / info.file
-        if dest.exists() and dest.stat().st_size == info.bytes:
+        want = info.source.size if info.source is not None else info.bytes
+        if dest.exists() and dest.stat().st_size == want:
             return str(dest)
+        src_fs, src_url = (self.fs, self.url(shard)) if fs is None else (fs, url)
         fd, tmp = tempfile.mkstemp(prefix=f".{info.file}.", dir=self.cache_root)
         try:
-            with os.fdopen(fd, "wb") as out, self.fs.open(self.url(shard), "rb") as src:
+            with os.fdopen(fd, "wb") as out, src_fs.open(src_url, "rb") as src:
                 shutil.copyfileobj(src, out, CHUNK)
             os.replace(tmp, dest)
         except FileNotFoundError:

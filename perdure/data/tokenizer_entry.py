@@ -66,6 +66,10 @@ class EntryTokenizer:
             raise DataError(
                 f"{source}: not UTF-8 text at byte {e.start} ({e.reason}); --tokenizer reads text"
             ) from None
+        return self.encode_text(text, source)
+
+    def encode_text(self, text: str, source: str) -> np.ndarray:
+        """The ids of one document given as text (a record's field), as :meth:`encode`."""
         try:
             ids = self.fn(text)
         except Exception as e:
