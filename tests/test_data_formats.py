@@ -138,3 +138,30 @@ def test_document_boundaries_are_kept_and_give_doc_ids_and_position_ids(tmp_path
         pytest.raises(DataError, match="no document"),
     ):
         plain.documents()
+
+
+def test_a_run_with_document_fields_hands_them_to_the_task_and_they_are_math(
+    imported: dict[str, Path], tmp_path: Path
+) -> None:
+    """``data.document_fields``: the task's loss reads ``doc_ids`` and ``position_ids``
+    (tests/document_task.py); one worker and three give the same bits, a plain ``.npy``
+    import (no boundaries) is refused naming the dataset, and the field is in the hash."""
+    task = {"entry": "tests.document_task:make_task", "options": {}}
+    on = {"document_fields": True}
+    one = run_to_end(
+        small_config(imported["megatron"], workers=1, steps=6, task=task, data=on), tmp_path / "1"
+    )
+    three = run_to_end(
+        small_config(imported["megatron"], workers=3, steps=6, task=task, data=on), tmp_path / "3"
+    )
+    assert one["final_hash"] == three["final_hash"] is not None
+    from perdure.run_config import config_hash
+
+    plain = small_config(imported["megatron"], steps=6, task=task)
+    assert config_hash(plain) != config_hash(
+        small_config(imported["megatron"], steps=6, task=task, data=on)
+    )
+    with pytest.raises(Exception, match=r"data.document_fields: .*npy holds none"):
+        run_to_end(
+            small_config(imported["npy"], workers=1, steps=2, task=task, data=on), tmp_path / "n"
+        )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from perdure.config import Checker
+from perdure.config import MATH_ADDED, Checker
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -20,6 +20,12 @@ class DataConfig:
     """Size bound of the local shard cache; least recently used shards are evicted."""
     prefetch_steps: int = 1
     """Steps of samples read ahead in the background (0 disables prefetch)."""
+    document_fields: bool = field(default=False, metadata=MATH_ADDED)
+    """Hand the task ``doc_ids`` and ``position_ids`` beside ``tokens`` (each sample's
+    document of every token and its position in it, for intra-document attention), from
+    the document boundaries a Megatron or MDS import keeps (``docs/data.md``). A dataset
+    without boundaries is refused at start-up, naming it. What the task sees, so part of
+    the math (left out of the config hash when off: runs before it hash as they did)."""
 
     def __post_init__(self) -> None:
         c = Checker()

@@ -281,7 +281,12 @@ def _first_slot(config: RunConfig, ds: Dataset) -> dict[str, Any]:
 
     train = config.train
     loader = SlotLoader(
-        ds, seed=train.seed, global_batch=train.global_batch, slots=train.slots, prefetch_steps=0
+        ds,
+        seed=train.seed,
+        global_batch=train.global_batch,
+        slots=train.slots,
+        prefetch_steps=0,
+        document_fields=config.data.document_fields and _has_documents(ds),
     )
     try:
         return to_tensors(loader.batch(0, 0))
@@ -406,7 +411,28 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
             f"{ds.seq_len} (the model reads seq_len tokens a sample)"
         )
         out.append(Problem("task.options", rule, config.task.options))
-    return out + _fields_fit(config, task, ds)
+    return out + _fields_fit(config, task, ds) + _documents_fit(config, ds)
+
+
+def _has_documents(ds: Dataset) -> bool:
+    from perdure.data import DataError
+
+    try:
+        ds.documents()
+    except DataError:
+        return False
+    return True
+
+
+def _documents_fit(config: RunConfig, ds: Dataset) -> list[Problem]:
+    """``data.document_fields`` needs a dataset that kept its document boundaries."""
+    if not config.data.document_fields or _has_documents(ds):
+        return []
+    rule = (
+        f"needs a dataset with document boundaries, and {ds.url} holds none (only Megatron "
+        "and MDS imports record them: perdure data import --format megatron|mds)"
+    )
+    return [Problem("data.document_fields", rule, True)]
 
 
 def _first_embedding(task: Task) -> tuple[str, int] | None:

@@ -144,6 +144,7 @@ class Trainer:
             global_batch=train.global_batch,
             slots=train.slots,
             prefetch_steps=config.data.prefetch_steps,
+            document_fields=config.data.document_fields,
         )
         self.poison = sorted(poison)
         for shard, _ in self.poison:
