@@ -119,3 +119,21 @@ def test_a_run_directory_on_a_full_disk_completes_with_the_clean_hash_and_resume
     before = list_checkpoints(rd / "checkpoints")[-2]
     again = run_to_end(cfg, tmp_path / "resumed", resume=str(before), timeout_s=240)
     assert again["final_hash"] == ref["final_hash"]
+
+
+def test_the_lease_renews_on_a_full_disk_in_the_space_it_reserved(disk_40m: Path) -> None:
+    from perdure.runtime.control.lease import FileLease, Granted, LeaseView
+
+    lease = FileLease(disk_40m, ttl_s=2.0)
+    got = lease.acquire(LeaseView(), 0, {"instance": "a"})
+    assert isinstance(got, Granted)
+    filler = open(disk_40m / "filler", "wb")  # noqa: SIM115 (fill to the last block)
+    with filler as f, pytest.raises(OSError, match="No space left on device"):
+        while True:
+            f.write(b"\0" * (1 << 20))
+            f.flush()
+    for _ in range(20):
+        assert isinstance(lease.renew(got.generation), Granted)
+    assert lease.observe().version == 20
+    lease.end(got.generation)
+    assert lease.observe().state == "ended"
