@@ -25,6 +25,7 @@ from perdure import events as ev
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.checkpoint.errors import CheckpointSaveError
 from perdure.checkpoint.snapshot import SnapshotBuffers, copy_into
+from perdure.checkpoint.space import is_no_space, make_room, needed_bytes, space_of
 from perdure.checkpoint.state import CheckpointState
 from perdure.checkpoint.tensors import flatten
 from perdure.checkpoint.writer import Exchange, Prepared, context_of, write_checkpoint
@@ -76,6 +77,10 @@ class AsyncCheckpointer:
         self._error: BaseException | None = None
         self._error_step = -1
         self._closed = False
+        self.failures = 0
+        self._space: dict[str, Any] | None = None
+        self._tried: dict[int, int] = {}
+        """Consecutive failed saves (the current episode; 0 after a save commits)."""
 
     def save(
         self, state: CheckpointState, holders: dict[str, tuple[int, ...]] | None = None
@@ -156,6 +161,8 @@ class AsyncCheckpointer:
                 exchange=self.exchange,
                 retention=retention,
                 before_commit=self._before_commit,
+                after_failure=lambda errors: self._make_room(prep, errors),
+                attempt=self._attempt(job.step),
             )
             self._log(
                 {
@@ -164,20 +171,57 @@ class AsyncCheckpointer:
                     "path": str(path),
                     "seconds": time.perf_counter() - t0,
                     "snapshot_seconds": job.snapshot_seconds,
-                    "bytes": sum(t.numel() * t.element_size() for t in prep.tensors.values()),
+                    "bytes": _tensor_bytes(prep),
+                    **self._recovered(),
                 }
             )
         except BaseException as e:
             self._error, self._error_step = e, job.step
-            self._log(
-                {
-                    "event": ev.CHECKPOINT_FAILED,
-                    "step": job.step,
-                    "error": f"{type(e).__name__}: {e}",
-                }
-            )
+            self._failed(job.step, prep, e)
         finally:
             job.done.set()
+
+    def _attempt(self, step: int) -> int:
+        """Saves of ``step`` tried before by this saver (the final one is retried)."""
+        n = self._tried.get(step, 0)
+        self._tried = {step: n + 1}
+        return n
+
+    def _make_room(self, prep: Prepared, errors: str) -> None:
+        """Rank 0, inside a failed save: on a full file system, note its numbers and make
+        room for the next due save (``space.make_room``), before any rank retries."""
+        if not is_no_space(RuntimeError(errors)):
+            return
+        try:
+            space = space_of(self.root)
+            needed = needed_bytes(_tensor_bytes(prep))
+            record: dict[str, Any] = {**space.to_dict(), "needed_bytes": needed}
+            record["pruned"] = [p.name for p in make_room(self.root, needed)]
+            record["free_bytes_after"] = space_of(self.root).free_bytes
+        except Exception as why:  # the episode is logged even if no room is made
+            record = {"make_room_error": f"{type(why).__name__}: {why}"}
+        self._space = record
+
+    def _failed(self, step: int, prep: Prepared, e: BaseException) -> None:
+        """The event, once per episode of consecutive failures: on a full file system with
+        the file system, its free bytes, the bytes the save needed and what was pruned."""
+        record: dict[str, Any] = {"event": ev.CHECKPOINT_FAILED, "step": step,
+                                  "error": f"{type(e).__name__}: {e}"}  # fmt: skip
+        space, self._space = self._space, None
+        if space is not None:
+            record.update(space)
+            if "file_system" in space:
+                record["error"] = (
+                    f"the file system of {space['file_system']} is full: " + (record["error"])
+                )
+        self.failures += 1
+        if self.failures == 1:
+            self._log(record)
+
+    def _recovered(self) -> dict[str, Any]:
+        """The end of a failure episode, as fields of the ``checkpoint_saved`` event."""
+        n, self.failures = self.failures, 0
+        return {"after_failures": n} if n else {}
 
     def wait_snapshot(self) -> None:
         """Block until the in-flight save's copy is complete: after this the caller may
@@ -216,3 +260,8 @@ class AsyncCheckpointer:
             self.wait()
         finally:
             self._buffers = SnapshotBuffers()
+
+
+def _tensor_bytes(prep: Prepared) -> int:
+    """The whole state's tensor bytes (every rank's part, held here or not)."""
+    return sum(t.numel() * t.element_size() for t in prep.tensors.values())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from perdure.config import Checker
@@ -12,6 +13,11 @@ from perdure.config import Checker
 class CheckpointConfig:
     """When checkpoints are taken, what is kept, and how saves overlap training."""
 
+    dir: str | None = None
+    """Where the checkpoints are written; default ``RUN_DIR/checkpoints``. A relative path
+    is under the run directory. Put them on another file system than the run's logs and
+    control files when that one is small or slow: a full checkpoint disk then costs
+    saves only (which are retried, see ``docs/deployment.md``, "Storage")."""
     every_steps: int = 50
     """Save every this many steps (0 disables periodic saves; the final one is always
     written)."""
@@ -36,4 +42,13 @@ class CheckpointConfig:
         c.non_negative("every_steps", self.every_steps)
         c.positive("keep_last", self.keep_last)
         c.non_negative("keep_every", self.keep_every)
+        c.check(self.dir is None or bool(self.dir.strip()), "dir", "must not be empty",
+                self.dir)  # fmt: skip
         c.done()
+
+
+def checkpoint_root(config: CheckpointConfig, run_dir: str | Path) -> Path:
+    """The directory a run's checkpoints go to (``dir``, relative to ``run_dir``)."""
+    if config.dir is None:
+        return Path(run_dir) / "checkpoints"
+    return Path(run_dir) / config.dir  # an absolute ``dir`` replaces ``run_dir``

@@ -13,11 +13,13 @@ sharded state, each shard on some of them: ``plan``'s holders):
    and fsyncs the root. A last all-gather tells the other ranks that the commit happened.
 
 A crash before the rename leaves only a ``.tmp-`` directory, which readers ignore and
-retention removes; the older checkpoints are never touched before the commit.
+retention removes; a save that fails (a full disk, a refused commit) removes its own at
+once. The older checkpoints are never touched before the commit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -126,9 +128,15 @@ def write_checkpoint(
     exchange: Exchange | None = None,
     retention: CheckpointConfig | None = None,
     before_commit: Callable[[], None] | None = None,
+    after_failure: Callable[[str], None] | None = None,
+    attempt: int = 0,
 ) -> Path:
     """``before_commit`` runs on rank 0 right before the rename that commits; an
-    exception from it fails the save on every rank, leaving only the temporary directory."""
+    exception from it fails the save on every rank, leaving nothing
+    (the temporary directory is removed). ``after_failure`` runs on rank 0 once a failed
+    save's files are gone, with the ranks' errors, before any rank returns (the saver
+    makes room there when the disk was full). ``attempt``: how many saves of this step
+    the same writers tried before (their exchange rounds must not meet this one's)."""
     if world > 1 and exchange is None:
         raise ValueError(f"save of step {prep.step}: world={world} needs an exchange")
     if not 0 <= rank < world:
@@ -137,7 +145,8 @@ def write_checkpoint(
     def gather(phase: str, payload: dict[str, Any]) -> list[dict[str, Any]]:
         if exchange is None or world == 1:
             return [payload]
-        return exchange({"round": f"step-{prep.step}/{phase}", **payload})
+        tag = f"step-{prep.step}" + (f".{attempt}" if attempt else "")
+        return exchange({"round": f"{tag}/{phase}", **payload})
 
     root.mkdir(parents=True, exist_ok=True)
     token = gather("token", {"rank": rank, "token": secrets.token_hex(6)})[0]["token"]
@@ -158,6 +167,11 @@ def write_checkpoint(
         own_error = e
         payload = {"rank": rank, "files": [], "error": f"{type(e).__name__}: {e}"}
     gathered = gather("parts", payload)
+    if any(g.get("error") for g in gathered):
+        _discard(tmp, layout.part_file_name(rank, world), rank)
+        if rank == 0 and after_failure is not None:
+            after_failure(_error_text(gathered))
+        gather("discarded", {"rank": rank})  # nobody retries before rank 0 made room
     _raise_errors(gathered, prep.step, own_error, "writing its part")
     final = root / layout.step_dir_name(prep.step)
     status: dict[str, Any] = {"rank": rank, "error": None}
@@ -167,12 +181,25 @@ def write_checkpoint(
         except Exception as e:
             own_error = e
             status["error"] = f"{type(e).__name__}: {e}"
+            _discard(tmp, layout.part_file_name(rank, world), rank)
+            if after_failure is not None:
+                after_failure(str(status["error"]))
     _raise_errors(gather("commit", status), prep.step, own_error, "committing")
     if rank == 0 and retention is not None:
         from perdure.checkpoint.discovery import apply_retention
 
         apply_retention(root, retention, newest_intact=final)
     return final
+
+
+def _discard(tmp: Path, part: str, rank: int) -> None:
+    """A failed save's files: each rank deletes its own part, rank 0 the directory (every
+    rank has stopped writing into it once the failure is gathered). A full disk gets its
+    bytes back at once, instead of at the next retention."""
+    with contextlib.suppress(OSError):
+        os.unlink(tmp / part)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_held(chunks: list[Chunk], prep: Prepared, rank: int) -> None:
@@ -183,6 +210,10 @@ def _check_held(chunks: list[Chunk], prep: Prepared, rank: int) -> None:
             f"rank {rank} must write {', '.join(missing[:4])} but does not hold "
             f"{'them' if len(missing) > 1 else 'it'} (the holders passed to the save are wrong)"
         )
+
+
+def _error_text(gathered: list[dict[str, Any]]) -> str:
+    return "; ".join(f"rank {g['rank']}: {g['error']}" for g in gathered if g.get("error"))
 
 
 def _raise_errors(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure import events as ev
+from perdure.checkpoint.config import CheckpointConfig, checkpoint_root
 from perdure.config.errors import ConfigError, Problem
 from perdure.launch.local import LocalLauncher
 from perdure.launch.lock import RunDirLock
@@ -33,22 +34,25 @@ def default_run_dir(config: RunConfig) -> Path:
     return Path("runs") / f"{stamp}-{config_hash(config)[7:15]}"
 
 
-def resolve_resume(resume: str | None, run_dir: Path) -> str | None:
-    """``latest`` (in this run dir), a run directory, or a checkpoint directory."""
+def resolve_resume(
+    resume: str | None, run_dir: Path, checkpoints: CheckpointConfig | None = None
+) -> str | None:
+    """``latest`` (in this run dir), a run directory, or a checkpoint directory; a run
+    directory's checkpoints are where ``checkpoints.dir`` puts them."""
     if resume is None:
         return None
     from perdure.checkpoint import latest_checkpoint
 
+    cc = checkpoints or CheckpointConfig()
     if resume == "latest":
-        found = latest_checkpoint(run_dir / "checkpoints")
+        root = checkpoint_root(cc, run_dir)
+        found = latest_checkpoint(root)
         if found is None:
-            raise FileNotFoundError(
-                f"--resume latest: no intact checkpoint under {run_dir}/checkpoints"
-            )
+            raise FileNotFoundError(f"--resume latest: no intact checkpoint under {root}")
         return str(found)
     p = Path(resume)
-    if (p / "checkpoints").is_dir():
-        found = latest_checkpoint(p / "checkpoints")
+    if checkpoint_root(cc, p).is_dir():
+        found = latest_checkpoint(checkpoint_root(cc, p))
         if found is None:
             raise FileNotFoundError(f"--resume {resume}: no intact checkpoint in it")
         return str(found)
@@ -156,7 +160,7 @@ def run(
                 f"--run-dir {rd}: already holds a run (events.jsonl); a new run needs a new "
                 "directory, and --resume latest continues this one from its newest checkpoint"
             )
-        ckpt = resolve_resume(resume, rd)
+        ckpt = resolve_resume(resume, rd, config.checkpoint)
         checked = preflight(
             config, source=source, resume=ckpt, allow_config_change=allow_config_change,
             build_default=True, say=lambda line: print(line, file=sys.stderr), launcher=name,

@@ -36,6 +36,7 @@ from perdure.checkpoint import (
     config_override_entry,
     load_checkpoint,
 )
+from perdure.checkpoint.config import checkpoint_root
 from perdure.events import Tail
 from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict
@@ -59,6 +60,10 @@ from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import NONE, group_of, shard_of
 from perdure.runtime.step import Seams, SlotTimer, StepRunner
 from perdure.runtime.wchaos import ChaosState, DelayedLink
+
+FINAL_SAVE_ATTEMPTS = 2
+"""The final save is tried again once when it fails: a failure on a full disk makes room
+(``checkpoint.space``), and no later due step would retry it."""
 
 log = logging.getLogger("perdure.worker")
 
@@ -482,7 +487,7 @@ class Worker:
             lambda: self._should_stop(self.inflight),
         )
         return AsyncCheckpointer(
-            self.run_dir / "checkpoints",
+            checkpoint_root(self.config.checkpoint, self.run_dir),
             self.config.checkpoint,
             rank=ep.rank,
             world=ep.size,
@@ -569,14 +574,18 @@ class Worker:
             except CheckpointSaveError as e:  # the previous save failed while we waited
                 log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
 
-    def _check_saves(self, ckpt: AsyncCheckpointer) -> None:
+    def _check_saves(self, ckpt: AsyncCheckpointer) -> bool:
         """A failed background save (disk full, storage gone) costs that checkpoint, not
-        the run: the previous ones are intact (a save commits by its last rename), the
-        failure is in the event log where it could be written, and training goes on."""
+        the run: the previous ones are intact (a save commits by its last rename), its
+        partial files are gone, retention made room if the disk was full, the failure is
+        in the event log (once per episode) and training goes on; the next due save
+        retries. True when a save had failed."""
         try:
             ckpt.check()
         except CheckpointSaveError as e:
             log.error("%s: %s; training goes on, the last good checkpoint is kept", self.name, e)
+            return True
+        return False
 
     def _metrics(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         assert self.trainer is not None
@@ -624,9 +633,11 @@ class Worker:
         if ep.runner.any_member(self.final_saved != tr.next_step):
             ep.ckpt.wait_for_save()
             self._check_saves(ep.ckpt)
-            self._save(ep, state)
-            ep.ckpt.wait_for_save()
-            self._check_saves(ep.ckpt)
+            for _attempt in range(FINAL_SAVE_ATTEMPTS):
+                self._save(ep, state)
+                ep.ckpt.wait_for_save()
+                if not self._check_saves(ep.ckpt):
+                    break  # a failure made room (a full disk) or was logged: try once more
             self.final_saved = tr.next_step
         self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest(state.optimizer)))
 

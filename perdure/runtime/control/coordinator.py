@@ -274,8 +274,10 @@ class Coordinator:
         """Where a run whose every replica is lost starts again: the newest intact
         checkpoint (or the resume point, or step 0, rebuilt from the seed)."""
         from perdure.checkpoint import latest_checkpoint, read_manifest
+        from perdure.checkpoint.config import checkpoint_root
 
-        found = latest_checkpoint(f"{self.run_dir}/checkpoints") or self.policy.s.resume
+        root = checkpoint_root(self.config.checkpoint, self.run_dir)
+        found = latest_checkpoint(root) or self.policy.s.resume
         step = int(read_manifest(found)["step"]) if found is not None else 0
         path = str(found) if found is not None else None
         return pol.CheckpointFound(epoch, path, step, time.monotonic())

@@ -8,7 +8,9 @@ directory checks it. Two backends, one interface (:class:`LeaseStore`):
 
 - ``embedded`` (:class:`FileLease`, the default): a record in ``RUN_DIR/control/lease.json``,
   changed only under an ``flock`` of ``lease.lock`` (compare-and-swap on the generation
-  and the renewal counter), replaced whole by rename. No clock is shared: a holder renews
+  and the renewal counter), replaced whole by an atomic swap with a spare allocated when
+  the lease is first taken (``reserved.py``): a renewal needs no free space, so a disk
+  filled by checkpoints does not stop the control plane. No clock is shared: a holder renews
   by bumping a counter, and an observer calls the lease expired once the counter has not
   moved for a whole TTL *on its own monotonic clock*. Sound on one host, and across hosts
   whose run directory is a file system with working ``flock`` and atomic rename (NFSv4:
@@ -30,6 +32,7 @@ The decisions (when to renew, when a standby may take over) are the policy's
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
@@ -43,8 +46,8 @@ from perdure.runtime.control.fence import (
     current_generation,
     install_fence,
     lock_file,
-    write_replace,
 )
+from perdure.runtime.control.reserved import ReservedRecord
 
 SAFETY = 0.9
 """A holder's grant is valid for this fraction of the TTL after its renewal was sent."""
@@ -164,6 +167,7 @@ class FileLease:
     ) -> None:
         self.path = Path(run_dir) / LEASE
         self.lock = Path(run_dir) / LEASE_LOCK
+        self._record = ReservedRecord(self.path)
         self.ttl_s = ttl_s
         self.clock = clock
         self._seen: tuple[int, int, str] | None = None
@@ -254,8 +258,12 @@ class FileLease:
     def _write(self, rec: dict[str, Any]) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            write_replace(self.path, json.dumps(rec, separators=(",", ":")).encode() + b"\n")
+            self._record.write(json.dumps(rec, separators=(",", ":")).encode() + b"\n")
         except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise LeaseStoreError(
+                    f"the file system of {self.path.parent} is full ({self.path}: {e})"
+                ) from e
             raise LeaseStoreError(f"{self.path}: {e}") from e
 
 
