@@ -60,6 +60,40 @@ class Seams:
     """Finished slots of the step in flight, kept across epochs (``runtime/salvage.py``)."""
 
 
+@dataclass(frozen=True)
+class StepEnd:
+    """The worker's side of a step's end, which the step itself does not know about."""
+
+    before_update: Callable[[], None]
+    """Called before the optimizer touches the state (the checkpoint snapshot in flight
+    must have copied it)."""
+    after_update: Callable[[int, float, float], None]
+    """``(step, loss, step_s)`` once the update is in: the commit (metrics, fingerprints,
+    a due checkpoint)."""
+
+
+def train_step(run: StepRunner, t: int, end: StepEnd) -> float:
+    """One optimizer step of this member, top to bottom (torchtitan's ``train_step``):
+
+    1. plan: this member's slots of step ``t``;
+    2. slots: forward and backward of each, the reducer taking each as it finishes and
+       the last one's buckets on the wire behind its backward;
+    3. wait for the buckets: the exact sum of every member's slots;
+    4. non-finite check: bad slots re-run elsewhere, quarantined or blamed, recomputed;
+    5. the optimizer on this rank's shard (clipped, the LR of step ``t``);
+    6. commit: metrics, fingerprints, a due checkpoint (``end.after_update``).
+
+    Steps 1-4 are :meth:`StepRunner.gradient`; every decision in them is a function of
+    the slots, so the result is the same bits on every membership. Returns the loss."""
+    tr, t0 = run.tr, time.monotonic()
+    tr.poison_due(t)  # a scheduled data fault (chaos): identical on every member
+    total = run.gradient(t, t0)  # 1-4
+    end.before_update()
+    loss = tr.apply(t, total)  # 5
+    end.after_update(t, loss, time.monotonic() - t0)  # 6
+    return loss
+
+
 class StepRunner:
     """Computes, reduces and checks the gradient of each step this member takes part in."""
 
@@ -105,16 +139,20 @@ class StepRunner:
         return self.first[1] if self.first is not None and self.first[0] == t else self.plan
 
     def gradient(self, t: int, t0: float) -> torch.Tensor:
-        """Compute, reduce, and handle non-finite slots until step ``t`` has a clean sum.
-
-        The reduction starts once every slot but the last is computed, and streams behind
-        the last slot's backward (as DDP overlaps its buckets): a chunk is added as soon as
-        every gradient laid out in it is final.
-        """
+        """Steps 1-4 of :func:`train_step`: step ``t``'s exact sum, clean of non-finite
+        slots (on its own: what the tests and benchmarks drive)."""
+        # 1. The plan: this member's slots of step t (an epoch that redoes a step after a
+        #    loss has a plan of its own for it), and the next step's samples read ahead.
         self.slots = self.plan_at(t).slots_of(self.rank)
         self.tr.prefetch(t + 1, self.plan_at(t + 1).slots_of(self.rank))
         while True:
+            # 2. Forward and backward of each slot (per-slot seeds); the reducer takes each
+            #    finished slot, and the last slot's buckets go on the wire as its backward
+            #    finishes them (DDP's overlap). 3. Wait for every bucket: the exact sum,
+            #    the same bits on every member whoever computed which slot.
             total = self._attempt(t, t0)
+            # 4. The non-finite check: the sum's flags name the slots; each is re-run on
+            #    another member to tell bad data (quarantine) from a bad worker (suspect).
             bad = self.tr.layout.bad_slots(total)
             if not bad:
                 return total

@@ -58,7 +58,7 @@ from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import NONE, group_of, shard_of
-from perdure.runtime.step import Seams, SlotTimer, StepRunner
+from perdure.runtime.step import Seams, SlotTimer, StepEnd, StepRunner, train_step
 from perdure.runtime.wchaos import ChaosState, DelayedLink
 
 FINAL_SAVE_ATTEMPTS = 2
@@ -547,15 +547,21 @@ class Worker:
         self._finish(ep)
 
     def _step(self, ep: Epoch, t: int) -> None:
-        tr = self.trainer
-        assert tr is not None and ep.ckpt is not None
+        """One step: ``step.train_step`` (the flow, top to bottom), with this worker's
+        side of its end (the checkpoint snapshot before the update, then the commit)."""
+        assert ep.ckpt is not None
         self._check_saves(ep.ckpt)
-        t0 = time.monotonic()
-        tr.poison_due(t)
-        total = ep.runner.gradient(t, t0)
-        ep.ckpt.wait_snapshot()
-        loss = tr.apply(t, total)
-        step_s = time.monotonic() - t0
+        end = StepEnd(
+            before_update=ep.ckpt.wait_snapshot,
+            after_update=lambda t, loss, step_s: self._commit(ep, t, loss, step_s),
+        )
+        train_step(ep.runner, t, end)
+
+    def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
+        """After step ``t``'s update: its metrics line, the replicas' fingerprints every
+        ``fingerprint_every`` steps, and a due checkpoint's background save."""
+        tr = self.trainer
+        assert tr is not None
         # Every member logs the step it committed (the merger keeps one line per step):
         # rank 0 alone would leave no line for a step it abandoned and the others kept.
         self._metrics(ep, t, loss, step_s)
