@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -95,3 +96,23 @@ def test_a_second_worker_is_told_to_retry_while_the_name_holder_heartbeats(
 def test_the_answer_depends_on_the_nonce_so_a_replayed_answer_fails() -> None:
     assert verify(TOKEN, "nonce-a", mac(TOKEN, "nonce-a"))
     assert not verify(TOKEN, "nonce-b", mac(TOKEN, "nonce-a"))
+
+
+def test_a_silent_squatter_on_a_name_gives_it_up_to_the_real_worker(
+    coordinator: Coordinator,
+) -> None:
+    from perdure.runtime.control.client import Identity, MembershipClient
+
+    squatter, _ = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    real = MembershipClient(
+        Identity("local-0", "local", "worker"),
+        [("127.0.0.1", coordinator.channel_port)],
+        TOKEN,
+        timeout_s=20.0,
+        progress=lambda: (0, False),
+    )
+    welcome = real.connect()  # told to retry while the squatter is fresh, then admitted
+    assert isinstance(welcome, p.Welcome)
+    assert coordinator.workers["local-0"].pid == os.getpid()
+    squatter.close()
+    real.line.close()  # type: ignore[union-attr]
