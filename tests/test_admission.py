@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -67,23 +68,51 @@ def test_a_channel_whose_bytes_go_unacknowledged_for_15_s_counts_as_lost(
     assert ms == UNACKED_S * 1000 == 15000
 
 
-def test_unauthorised_worker_is_refused_and_logged(
+def test_unauthorised_worker_is_refused_and_counted(
     coordinator: Coordinator, tmp_path: Path
 ) -> None:
     with pytest.raises(AdmissionRefused, match="bad run token"):
         connect("127.0.0.1", coordinator.channel_port, "wrong", _hello("intruder"), 5.0)
     refused = logged(tmp_path / "events.jsonl", "refused")
-    assert refused == [{**refused[0], "worker": "intruder", "reason": "bad run token"}]
+    # A stranger's claimed name is not trusted: counted under its reason, by door.
+    assert refused == [
+        {**refused[0], "worker": None, "door": "channel", "count": 1, "reason": "bad run token"}
+    ]
+    assert refused[0]["reasons"] == {"bad run token": 1}
     assert "intruder" not in coordinator.workers
 
 
-def test_a_second_live_worker_with_the_same_name_is_refused(coordinator: Coordinator) -> None:
+def test_a_second_worker_is_told_to_retry_while_the_name_holder_heartbeats(
+    coordinator: Coordinator,
+) -> None:
     line, _ = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
-    with pytest.raises(AdmissionRefused, match="already in use"):
+    line.send(p.Heartbeat(next_step=0, prepared=False))
+    with pytest.raises(AdmissionRefused, match="in use by pid 1, which heartbeats") as e:
         connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    assert e.value.retry
     line.close()
 
 
 def test_the_answer_depends_on_the_nonce_so_a_replayed_answer_fails() -> None:
     assert verify(TOKEN, "nonce-a", mac(TOKEN, "nonce-a"))
     assert not verify(TOKEN, "nonce-b", mac(TOKEN, "nonce-a"))
+
+
+def test_a_silent_squatter_on_a_name_gives_it_up_to_the_real_worker(
+    coordinator: Coordinator,
+) -> None:
+    from perdure.runtime.control.client import Identity, MembershipClient
+
+    squatter, _ = connect("127.0.0.1", coordinator.channel_port, TOKEN, _hello("local-0"), 5.0)
+    real = MembershipClient(
+        Identity("local-0", "local", "worker"),
+        [("127.0.0.1", coordinator.channel_port)],
+        TOKEN,
+        timeout_s=20.0,
+        progress=lambda: (0, False),
+    )
+    welcome = real.connect()  # told to retry while the squatter is fresh, then admitted
+    assert isinstance(welcome, p.Welcome)
+    assert coordinator.workers["local-0"].pid == os.getpid()
+    squatter.close()
+    real.line.close()  # type: ignore[union-attr]

@@ -163,7 +163,7 @@ def test_a_hello_of_a_newer_generation_fences_the_old_primary_but_only_if_authen
     d = make()
     start_epoch(d, "w0", "w1")
     out = knock(d, "w9", generation=7, authentic=False)
-    assert "bad run token" in of(out, pol.Reject)[0].reason and not d.policy.fenced
+    assert "bad run token" in of(out, pol.CountRefusal)[0].reason and not d.policy.fenced
     out = knock(d, "w9", generation=2)
     assert d.policy.fenced and pol.Finish() in out
     assert d.logged(ev.COORDINATOR_FENCED)[0]["reason"] == "worker w9 follows generation 2"

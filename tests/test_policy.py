@@ -32,13 +32,18 @@ def make_policy(workers: int = 3, slots: int = 6, **cluster: Any) -> pol.Policy:
 
 
 def hello(
-    name: str, *, version: int = p.PROTOCOL_VERSION, epoch: int = -1, region: str = "r0"
+    name: str,
+    *,
+    version: int = p.PROTOCOL_VERSION,
+    epoch: int = -1,
+    region: str = "r0",
+    pid: int = 1,
 ) -> p.Hello:
     return p.Hello(
         name=name,
         region=region,
         role="worker",
-        pid=1,
+        pid=pid,
         next_step=0,
         has_state=True,
         epoch=epoch,
@@ -268,7 +273,6 @@ def test_the_run_ends_when_every_member_is_done() -> None:
 @pytest.mark.parametrize(
     ("event", "reason"),
     [
-        (pol.Joined(1, hello("w0"), False, 0.0), "bad run token"),
         (pol.Joined(1, hello("w0", version=99), True, 0.0), "protocol version 99"),
         (pol.Joined(1, hello("../etc"), True, 0.0), "must match"),
     ],
@@ -282,15 +286,52 @@ def test_admission_refusals_name_the_rule(event: pol.Joined, reason: str) -> Non
     assert reason in str(d.logged(ev.REFUSED)[0]["reason"])
 
 
-def test_a_live_name_cannot_be_taken_but_a_dead_one_can() -> None:
+def test_a_heartbeating_name_cannot_be_taken_but_a_dead_one_can() -> None:
     d = Driver(make_policy(2))
     d.admit("w0")
-    out = d.feed(pol.Joined(9, hello("w0"), True, 0.0))
-    assert [e.reason for e in out if isinstance(e, pol.Reject)] == [
-        "worker name 'w0' is already in use"
+    out = d.feed(pol.Joined(9, hello("w0", pid=2), True, 0.0))
+    rejects = [e for e in out if isinstance(e, pol.Reject)]
+    assert [(e.reason, e.retry) for e in rejects] == [
+        ("worker name 'w0' is in use by pid 1, which heartbeats", True)
     ]
     d.feed(pol.Closed("w0", "gone", 0.0))
     assert any(isinstance(e, pol.Accept) for e in d.feed(pol.Joined(10, hello("w0"), True, 0.0)))
+
+
+def test_a_name_held_by_a_member_that_does_not_heartbeat_goes_to_the_newcomer() -> None:
+    d = Driver(make_policy(2, heartbeat_ms=100))
+    d.admit("w0")  # a stale process with the token: admitted, then silent
+    d.now = pol.CLAIM_SILENCE_BEATS * 0.1 + 0.05
+    out = d.feed(pol.Joined(9, hello("w0", pid=2), True, d.now))
+    assert any(isinstance(e, pol.Accept) and e.worker == "w0" for e in out)
+    (leave,) = d.logged(ev.LEAVE)
+    assert leave["reason"] == "its name was claimed by pid 2: no heartbeat for 0.6 s"
+    assert d.policy.workers["w0"].pid == 2 and d.policy.workers["w0"].alive
+
+
+def test_the_launchers_pid_settles_a_contested_name_either_way() -> None:
+    d = Driver(make_policy(2))
+    d.admit("w0")  # pid 1 holds the name and beats, but the launcher started pid 7
+    out = d.feed(pol.Joined(9, hello("w0", pid=7), True, d.now, launched_pid=7))
+    assert any(isinstance(e, pol.Accept) for e in out)
+    assert "not the one the launcher started (7)" in str(d.logged(ev.LEAVE)[0]["reason"])
+    out = d.feed(pol.Joined(10, hello("w0", pid=8), True, d.now, launched_pid=7))
+    rejects = [e for e in out if isinstance(e, pol.Reject)]
+    assert [(e.reason, e.retry) for e in rejects] == [
+        (
+            "worker name 'w0' belongs to pid 7, the one the launcher started; "
+            "this process (pid 8) is not it",
+            False,
+        )
+    ]
+    assert d.policy.workers["w0"].pid == 7 and d.policy.workers["w0"].alive
+
+
+def test_a_stranger_is_counted_not_logged() -> None:
+    d = Driver(make_policy(2))
+    out = d.feed(pol.Joined(1, hello("w0"), False, 0.0))
+    assert out == [pol.CountRefusal(1, "bad run token")]
+    assert d.logged(ev.REFUSED) == []
 
 
 def test_a_hung_worker_is_declared_dead_by_phi_and_nobody_else_is() -> None:

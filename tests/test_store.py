@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import socket
 import struct
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -92,3 +94,61 @@ def test_a_gloo_group_forms_through_it(server: StoreServer) -> None:
     for p in procs:
         p.join(30)
     assert results == {r: [6.0] * 4 for r in range(3)}
+
+
+def test_a_64_mib_frame_before_the_token_is_refused_after_a_few_bytes(
+    server: StoreServer,
+) -> None:
+    from perdure.runtime.control import store as st
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        raw.recv(4096)
+        body = struct.pack(">I", 64 << 20) + b"\0" * (64 << 20)
+        with contextlib.suppress(OSError):  # the server closes it mid-send: the point
+            raw.sendall(body)
+    assert server.unauthenticated_bytes <= st.AUTH_BYTES <= 4096
+    assert server.refusals.total == 1
+    assert _client(server).num_keys() == 0
+
+
+def test_a_dribbling_connection_is_closed_at_the_admission_deadline(
+    server: StoreServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from perdure.runtime.control import store as st
+
+    monkeypatch.setattr(st, "ADMISSION_S", 1.0)
+    with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
+        raw.recv(4096)
+        end = time.monotonic() + 10
+        closed, answer = False, st.AUTH_MAGIC + b"0" * 64
+        while time.monotonic() < end and not closed:
+            try:
+                raw.sendall(answer[:1])  # a valid prefix, one byte at a time
+                answer = answer[1:]
+                raw.settimeout(0.3)
+                closed = b"no answer within" in raw.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+    assert closed and time.monotonic() < end
+    assert server.refusals.take(time.monotonic(), final=True)["reason"].startswith("no answer")
+
+
+def test_a_flood_of_unauthenticated_connections_does_not_keep_a_client_out(
+    server: StoreServer,
+) -> None:
+    from perdure.runtime.control import store as st
+
+    flood = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(300)]
+    try:
+        time.sleep(0.3)
+        assert server.pending <= st.MAX_PENDING
+        s = _client(server)
+        s.set("k", "v")
+        assert s.get("k") == b"v"
+    finally:
+        for f in flood:
+            f.close()
+    record = server.refusals.take(time.monotonic(), final=True)
+    assert record is not None and record["reasons"]["too many unauthenticated connections"] > 0

@@ -32,6 +32,7 @@ from perdure.launch.zygote import Zygote
 from perdure.run_config import RunConfig, anchored, to_dict
 from perdure.runlog import merge_all, part, writer_id
 from perdure.runtime.control.address import host_port
+from perdure.runtime.control.launched import record_launched
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -214,6 +215,10 @@ class LocalLauncher:
             device_index=index,
         )
         self.procs[name] = Proc(name, region, role, popen, generation=gen)
+        try:  # settles a contested name in the coordinator's admission (control/launched.py)
+            record_launched(self.run_dir, name, popen.pid)
+        except OSError as e:
+            logging.getLogger(__name__).warning("cannot record %s pid: %s", name, e)
 
     def _start_workers(self) -> None:
         for region in self.config.cluster.regions:

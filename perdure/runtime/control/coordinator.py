@@ -8,8 +8,11 @@ nothing the server does re-enters the policy.
 
 Nothing a peer sends can stop it: a line that is not a valid message disconnects that
 peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), a
-connection that has not answered its challenge within ``ADMISSION_S`` is dropped, and at
-most ``MAX_UNADMITTED`` connections may wait for admission at once.
+connection that has not answered its challenge within ``ADMISSION_S`` of its accept is
+dropped, and at most ``MAX_UNADMITTED`` connections may wait for admission at once (a new
+one drops the oldest: a flood cannot keep a worker out, whose hello takes one round trip).
+What is refused before authentication, here and at the store, is counted and logged once
+per interval (``control/refusals.py``), so no flood grows the event log by more.
 
 The run's lease (``control/lease.py``) is set up here: a primary acquires it before it
 serves (a new generation, installed in the run directory's fence), a standby starts
@@ -38,8 +41,10 @@ from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import Endpoints, coordinator_endpoints, host_port
 from perdure.runtime.control.channel import LineSocket, verify
+from perdure.runtime.control.launched import launched_pid
 from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
 from perdure.runtime.control.lease_agent import LeaseAgent
+from perdure.runtime.control.refusals import Refusals
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
@@ -98,6 +103,7 @@ class Coordinator:
         self._ended = Tail(f"{run_dir}/events.jsonl", from_end=True)
         self._ended_check = 0.0
         self.store = StoreServer(bind, self.endpoints.store_port, token)
+        self.refusals = Refusals("channel")
         self.server = _listen(bind, self.endpoints.channel_port, "--channel-port")
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
@@ -182,6 +188,7 @@ class Coordinator:
                     self._on_readable(key)
                 now = time.monotonic()
                 self._expire_admissions(now)
+                self._log_refusals(now)
                 self.queue.append(pol.Tick(now))
                 self._drain()
                 if self.active:
@@ -232,6 +239,10 @@ class Coordinator:
             self._accept_worker(effect)
         elif isinstance(effect, pol.Reject):
             self._reject(effect)
+        elif isinstance(effect, pol.CountRefusal):
+            conn = self.unadmitted.get(effect.conn)
+            if conn is not None:
+                self._drop(conn, effect.reason)
         elif isinstance(effect, pol.Disconnect):
             self._disconnect(effect.worker)
         elif isinstance(effect, pol.FindCheckpoint):
@@ -326,9 +337,8 @@ class Coordinator:
             sock, _ = self.server.accept()
         except OSError:
             return
-        if len(self.unadmitted) >= MAX_UNADMITTED:
-            sock.close()  # a flood of idle connections; admitted workers are unaffected
-            return
+        if len(self.unadmitted) >= MAX_UNADMITTED:  # a flood: the oldest goes
+            self._drop(next(iter(self.unadmitted.values())), "too many unadmitted connections")
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(SEND_TIMEOUT_S)
         line = LineSocket(sock)
@@ -368,18 +378,32 @@ class Coordinator:
             return
         conn.line.queued = []
         authentic = verify(self.token, conn.nonce, hello.mac)
-        self.queue.append(pol.Joined(conn.id, hello, authentic, time.monotonic()))
+        pid = self._launched(hello.name) if authentic else None
+        self.queue.append(pol.Joined(conn.id, hello, authentic, time.monotonic(), pid))
         self._drain()
+
+    def _launched(self, name: str) -> int | None:
+        """The launcher's pid for ``name``, read only when a live member holds the name."""
+        held = self.policy.workers.get(name)
+        return launched_pid(self.run_dir, name) if held is not None and held.alive else None
+
+    def _log_refusals(self, now: float, final: bool = False) -> None:
+        """One record per door and interval for what was refused before authentication."""
+        for door in (self.refusals, self.store.refusals):
+            record = door.take(now, final=final)
+            if record is not None:
+                self.events.write(record)
 
     def _expire_admissions(self, now: float) -> None:
         for conn in [c for c in self.unadmitted.values() if now - c.since > ADMISSION_S]:
             self._drop(conn, f"no hello within {ADMISSION_S:g} s")
 
     def _drop(self, conn: _Conn, reason: str | None) -> None:
-        """Close a connection that was never admitted; log why, unless it just closed."""
+        """Close a connection that was never admitted; count why (logged once per
+        interval with the others), unless it just closed."""
         self.unadmitted.pop(conn.id, None)
         if reason is not None:
-            self.events.write({"event": ev.REFUSED, "worker": None, "reason": reason})
+            self.refusals.note(reason, time.monotonic())
             with contextlib.suppress(OSError):
                 conn.line.send(p.Refused(reason=reason))
         self._close(conn.line)
@@ -398,6 +422,7 @@ class Coordinator:
         self.server.close()
         self.sel.close()
         self.store.close()
+        self._log_refusals(time.monotonic(), final=True)
         if self.active:
             self.logs.tick(time.monotonic(), final=True, generation=self.policy.generation)
         self.metrics.close()  # a last pass: the final steps reach TensorBoard

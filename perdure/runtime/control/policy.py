@@ -76,10 +76,19 @@ from perdure.runtime.shard_plan import complete as shards_complete
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A worker name: it becomes a log file name and a store key, so plain characters only."""
 
+CLAIM_SILENCE_BEATS = 5
+"""A member silent for this many heartbeat intervals gives its name up to a new process
+that claims it (``Policy._claim``)."""
+
 FAIL_SETTLE_S = 0.05
 """After a collective failure, how long to wait for a death that explains it before
 re-forming the same members (a dropped link): ``cluster.reform_backoff_ms``'s default,
 doubled per failure in a row (see ``Policy._reform_wait_s``)."""
+
+
+def _flag(retry: bool) -> dict[str, bool]:
+    return {"retry": True} if retry else {}
+
 
 # -- events in -------------------------------------------------------------------------------
 
@@ -92,6 +101,9 @@ class Joined:
     hello: p.Hello
     authentic: bool
     now: float
+    launched_pid: int | None = None
+    """The pid the launcher started under the hello's name (``control/launched.py``), where
+    one recorded it: a name's claim is settled by it (see ``Policy._claim``)."""
 
 
 @dataclass(frozen=True)
@@ -234,6 +246,15 @@ class Disconnect:
 
 
 @dataclass(frozen=True)
+class CountRefusal:
+    """A peer that did not prove the run token was refused: counted, logged once per
+    interval with the others (``control/refusals.py``), never a line of its own."""
+
+    conn: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class FindCheckpoint:
     """Every replica is lost: where does epoch ``epoch`` start from?"""
 
@@ -281,7 +302,9 @@ class EndLease:
 
 LeaseEffect = HoldLease | WatchLease | AcquireLease | ProbePrimary | EndLease
 
-Effect = Send | Log | Accept | Reject | Disconnect | FindCheckpoint | Finish | LeaseEffect
+Effect = (
+    Send | Log | Accept | Reject | CountRefusal | Disconnect | FindCheckpoint | Finish | LeaseEffect
+)
 
 # -- state -----------------------------------------------------------------------------------
 
@@ -454,6 +477,9 @@ class Policy:
     def _on_joined(self, e: Joined) -> None:
         h = e.hello
         reason = self._malformed(e)
+        if not e.authentic:  # a stranger: counted, not logged line by line
+            self.out.append(CountRefusal(e.conn, reason or "bad run token"))
+            return
         if reason is None and self.generation > 0 and h.generation > self.generation:
             # Only an authentic hello may fence: a stranger's number must not stop us.
             self._fence(h.generation, f"worker {h.name} follows generation {h.generation}")
@@ -461,13 +487,52 @@ class Policy:
             self._tell_to_wait(e)
             return
         reason = reason or self._refusal(e)
+        claim = self._claim(e) if reason is None else None
+        retry = claim is not None and claim[1]
+        reason = reason or (claim[0] if claim else None)
         if reason:
-            # Logged before the answer: whoever is refused can read why at once.
-            self._log(ev.REFUSED, worker=h.name[:64], reason=reason)
-            self.out.append(Reject(e.conn, reason))
+            # Logged before the answer: whoever is refused can read why at once (a
+            # retried claim once per name, not once per retry).
+            if not retry or h.name not in self.waiting:
+                self._log(ev.REFUSED, worker=h.name[:64], reason=reason, **_flag(retry))
+            if retry:
+                self.waiting.add(h.name)
+            self.out.append(Reject(e.conn, reason, retry=retry))
             return
         self.waiting.discard(h.name)
         self._admit(e)
+
+    def _claim(self, e: Joined) -> tuple[str, bool] | None:
+        """A name held by a live member: which process keeps it (see docs/deployment.md).
+
+        The launcher's pid settles it where the launcher recorded one: the process it
+        started under the name wins, any other is refused. Otherwise a member that has
+        sent nothing for ``CLAIM_SILENCE_BEATS`` heartbeat intervals (a stale process that
+        took the name and does not beat, a worker whose old channel hangs) gives way, and
+        one that beats keeps it: the newcomer is told to retry (within its join timeout).
+        Returns the refusal and whether to retry, or None (the name is free, or freed).
+
+        Limit: a peer holding the run token can lie about its pid and beat; only the
+        launcher's record tells such a process from the real worker."""
+        h, old = e.hello, self.workers.get(e.hello.name)
+        if old is None or not old.alive:
+            return None
+        silent = e.now - (old.detector.last if old.detector.last is not None else -math.inf)
+        limit = CLAIM_SILENCE_BEATS * self.cluster.heartbeat_ms / 1000
+        if e.launched_pid is not None and h.pid == e.launched_pid != old.pid:
+            why = f"pid {old.pid} is not the one the launcher started ({e.launched_pid})"
+        elif e.launched_pid is not None and old.pid == e.launched_pid != h.pid:
+            return (
+                f"worker name {h.name!r} belongs to pid {old.pid}, the one the launcher "
+                f"started; this process (pid {h.pid}) is not it",
+                False,
+            )
+        elif silent > limit:
+            why = f"no heartbeat for {silent:.1f} s"
+        else:
+            return f"worker name {h.name!r} is in use by pid {old.pid}, which heartbeats", True
+        self._declare_dead(old, f"its name was claimed by pid {h.pid}: {why}")
+        return None
 
     def _malformed(self, e: Joined) -> str | None:
         h = e.hello
@@ -499,9 +564,6 @@ class Policy:
 
     def _refusal(self, e: Joined) -> str | None:
         h = e.hello
-        old = self.workers.get(h.name)
-        if old is not None and old.alive:
-            return f"worker name {h.name!r} is already in use"
         if self.finished:
             return p.RUN_OVER
         return self._unroutable(h)

@@ -10,7 +10,13 @@ through :class:`AuthStore`, a ``torch.distributed.Store`` subclass, so ``PrefixS
 ``ProcessGroupGloo`` and ``ProcessGroupNCCL`` use it as they would a ``TCPStore``.
 
 Wire format (owned by this module): frames of a 4-byte big-endian length and a body; a
-body is a JSON header line and then raw bytes (the values). A request header is
+body is a JSON header line and then raw bytes (the values). Admission: the server sends a
+frame ``{"nonce"}``, the client answers with exactly ``AUTH_BYTES`` raw bytes
+(``AUTH_MAGIC`` and the hex HMAC of the nonce; a fixed size, so that nothing larger is
+read before the token is proved), the server replies ``{"ok": true}`` or ``{"ok": false,
+"error"}``. Admission has a deadline (``ADMISSION_S`` from accept), a cap of its own
+(``MAX_PENDING``, well below ``MAX_CLIENTS``) and costs no thread; see
+:class:`StoreServer`. After it, a request header is
 ``{"op", "keys", "sizes", "timeout_ms", "n"}``; a reply header ``{"ok", "sizes", "n"}``
 or ``{"ok": false, "error", "timeout": bool}``. Frames are bounded (``MAX_FRAME``), every
 socket operation has a timeout, and a client that breaks the format is disconnected.
@@ -25,15 +31,19 @@ import contextlib
 import json
 import logging
 import secrets
+import selectors
 import socket
 import struct
 import threading
+import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
 from perdure.runtime.control.channel import mac, verify
+from perdure.runtime.control.refusals import Refusals
 
 log = logging.getLogger("perdure.store")
 
@@ -41,7 +51,28 @@ MAX_FRAME = 64 << 20
 """Bytes in one frame (the checkpoint commit's payloads are the largest values)."""
 MAX_KEYS = 4096
 MAX_CLIENTS = 1024
-ADMISSION_S = 10.0
+"""Authenticated clients at once (a thread each)."""
+MAX_PENDING = 64
+"""Connections that have not proved the token yet, at once; a new one drops the oldest. A
+worker's answer takes one round trip, so a flood that turns this many over in less than
+that is needed to keep one out (and its client retries, ``RETRY_S``)."""
+ADMISSION_S = 5.0
+"""From accept to a checked answer, whatever the peer sends meanwhile (a deadline, not a
+per-read timeout: dribbling one byte at a time does not extend it)."""
+AUTH_MAGIC = b"PDS1"
+"""The answer's first bytes: this format's version (a TCPStore's bytes fail here)."""
+AUTH_BYTES = len(AUTH_MAGIC) + 64
+"""The client's answer to the challenge: ``AUTH_MAGIC`` and the hex HMAC of the nonce.
+Fixed size: the server reads no more than this from a peer before checking it."""
+MAX_HANDSHAKE_FRAME = 4096
+"""The client's bound on the server's challenge and verdict frames."""
+BACKLOG = 1024
+SELECT_S = 0.1
+ACCEPT_BATCH = 256
+RETRY_S = 10.0
+"""How long a client keeps trying when the server accepted its connection and then closed
+it before its verdict (dropped as the oldest pending one under a flood): at most its own
+timeout. A refusal or a closed port fails at once."""
 IDLE_S = 3600.0
 """A connection that sends nothing for this long is closed (workers reconnect)."""
 _OPS = ("set", "get", "add", "check", "wait", "delete_key", "compare_set", "num_keys")
@@ -54,10 +85,14 @@ class StoreProtocolError(ValueError):
 # -- frames ----------------------------------------------------------------------------------
 
 
-def _send_frame(sock: socket.socket, header: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
+def _frame(header: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> bytes:
     head = json.dumps({**header, "sizes": [len(b) for b in blobs]}).encode() + b"\n"
     body = head + b"".join(blobs)
-    sock.sendall(struct.pack(">I", len(body)) + body)
+    return struct.pack(">I", len(body)) + body
+
+
+def _send_frame(sock: socket.socket, header: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
+    sock.sendall(_frame(header, blobs))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -71,10 +106,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _recv_frame(sock: socket.socket) -> tuple[dict[str, Any], list[bytes]]:
+def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[dict[str, Any], list[bytes]]:
     (size,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if size > MAX_FRAME:
-        raise StoreProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME}")
+    if size > limit:
+        raise StoreProtocolError(f"frame of {size} bytes exceeds {limit}")
     body = _recv_exact(sock, size)
     head, sep, rest = body.partition(b"\n")
     try:
@@ -101,62 +136,183 @@ def _recv_frame(sock: socket.socket) -> tuple[dict[str, Any], list[bytes]]:
 # -- the server ------------------------------------------------------------------------------
 
 
+@dataclass
+class _Pending:
+    """A connection that has not proved the token yet."""
+
+    sock: socket.socket
+    nonce: str
+    since: float
+    got: bytearray = field(default_factory=bytearray)
+
+
 class StoreServer:
-    """Serves a ``HashStore`` to clients that prove the run token; one thread a client."""
+    """Serves a ``HashStore`` to clients that prove the run token.
+
+    Admission runs on one thread over non-blocking sockets (a selector), so a connection
+    that has not proved the token costs a socket and a few bytes, never a thread: at most
+    ``MAX_PENDING`` of them at once (the oldest is dropped for a new one: a flood cannot
+    keep a worker's connection out, whose answer takes one round trip), each closed
+    ``ADMISSION_S`` after its accept whatever it sends, and none read beyond the
+    ``AUTH_BYTES`` of its answer before it is checked. An authenticated client gets a
+    thread of its own (at most ``MAX_CLIENTS``). Refusals are counted in ``refusals``
+    (the coordinator logs them, one record per interval).
+    """
 
     def __init__(self, host: str, port: int, token: str) -> None:
         self.token = token
         self.backend = dist.HashStore()
         try:
-            self.listener = socket.create_server((host, port))
+            self.listener = socket.create_server((host, port), backlog=BACKLOG)
         except OSError as e:
             raise OSError(
                 e.errno, f"cannot listen on {host}:{port} (--store-port / --host): {e.strerror}"
             ) from None
-        self.listener.settimeout(0.2)
+        self.listener.setblocking(False)
+        self.refusals = Refusals("store")
+        self.unauthenticated_bytes = 0
+        """Bytes read from connections before they proved the token (a bound's evidence)."""
+        self._pending: dict[socket.socket, _Pending] = {}  # in accept order: oldest first
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.listener, selectors.EVENT_READ, None)
         self._clients: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._accept_loop, name="store-accept", daemon=True)
+        self._thread = threading.Thread(target=self._admit_loop, name="store-admit", daemon=True)
         self._thread.start()
 
     @property
     def port(self) -> int:
         return int(self.listener.getsockname()[1])
 
+    @property
+    def pending(self) -> int:
+        """Connections waiting to prove the token now."""
+        return len(self._pending)
+
     def close(self) -> None:
         self._closed.set()
+        self._thread.join(5)
         with contextlib.suppress(OSError):
             self.listener.close()
+        for pend in list(self._pending.values()):
+            pend.sock.close()
         with self._lock:
             for s in list(self._clients):
                 with contextlib.suppress(OSError):
                     s.close()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
+    # -- admission (one thread, non-blocking) ----------------------------------------------
+
+    def _admit_loop(self) -> None:
+        try:
+            while not self._closed.is_set():
+                for key, _ in self._sel.select(timeout=SELECT_S):
+                    if key.data is None:
+                        self._accept_some()
+                    else:
+                        self._on_answer(key.data)
+                self._expire(time.monotonic())
+        finally:
+            self._sel.close()
+
+    def _accept_some(self) -> None:
+        for _ in range(ACCEPT_BATCH):  # then expire and read answers: no starvation
             try:
                 sock, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
+            except (BlockingIOError, InterruptedError):
                 return
-            with self._lock:
-                if len(self._clients) >= MAX_CLIENTS:
-                    sock.close()
-                    continue
-                self._clients.add(sock)
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            except OSError as e:  # out of descriptors, a reset in the queue: next turn
+                log.debug("store accept: %s", e)
+                return
+            now = time.monotonic()
+            if len(self._pending) >= MAX_PENDING:
+                oldest = next(iter(self._pending.values()))
+                self._refuse(oldest, "too many unauthenticated connections", now)
+            self._greet(sock, now)
+
+    def _greet(self, sock: socket.socket, now: float) -> None:
+        nonce = secrets.token_hex(16)
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.send(_frame({"nonce": nonce}))  # a few dozen bytes: an empty buffer takes it
+        except OSError:
+            sock.close()
+            return
+        pend = _Pending(sock, nonce, now)
+        self._pending[sock] = pend
+        self._sel.register(sock, selectors.EVENT_READ, pend)
+
+    def _on_answer(self, pend: _Pending) -> None:
+        now = time.monotonic()
+        try:
+            data = pend.sock.recv(AUTH_BYTES - len(pend.got))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # it left (a port probe): nothing to refuse
+            self._forget(pend)
+            pend.sock.close()
+            return
+        self.unauthenticated_bytes += len(data)
+        pend.got += data
+        if not AUTH_MAGIC.startswith(bytes(pend.got[: len(AUTH_MAGIC)])):
+            self._refuse(pend, "not a store client's answer", now)
+        elif len(pend.got) == AUTH_BYTES:
+            answer = bytes(pend.got[len(AUTH_MAGIC) :]).decode("ascii", "replace")
+            if verify(self.token, pend.nonce, answer):
+                self._hand_over(pend, now)
+            else:
+                self._refuse(pend, "bad run token", now)
+
+    def _expire(self, now: float) -> None:
+        for pend in list(self._pending.values()):  # oldest first: stop at the first young one
+            if now - pend.since <= ADMISSION_S:
+                return
+            self._refuse(pend, f"no answer within {ADMISSION_S:g} s", now)
+
+    def _forget(self, pend: _Pending) -> None:
+        self._pending.pop(pend.sock, None)
+        with contextlib.suppress(KeyError, ValueError, OSError):
+            self._sel.unregister(pend.sock)
+
+    def _refuse(self, pend: _Pending, reason: str, now: float) -> None:
+        """Count, tell the peer (best effort, never blocking) and close."""
+        self._forget(pend)
+        self.refusals.note(reason, now)
+        with contextlib.suppress(OSError):
+            error = reason if reason == "bad run token" else f"bad run token ({reason})"
+            pend.sock.send(_frame({"ok": False, "error": error}))
+        pend.sock.close()
+
+    def _hand_over(self, pend: _Pending, now: float) -> None:
+        self._forget(pend)
+        with self._lock:
+            full = len(self._clients) >= MAX_CLIENTS
+            if not full:
+                self._clients.add(pend.sock)
+        if full:
+            self.refusals.note(f"{MAX_CLIENTS} clients already connected", now)
+            with contextlib.suppress(OSError):
+                error = f"the store serves {MAX_CLIENTS} clients already"
+                pend.sock.send(_frame({"ok": False, "error": error}))
+            pend.sock.close()
+            return
+        threading.Thread(target=self._serve, args=(pend.sock,), daemon=True).start()
+
+    # -- an authenticated client (a thread each) -------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if self._admit(sock):
-                sock.settimeout(IDLE_S)
-                while not self._closed.is_set():
-                    header, blobs = _recv_frame(sock)
-                    reply, out = self._execute(header, blobs)
-                    _send_frame(sock, reply, tuple(out))
+            sock.setblocking(True)
+            sock.settimeout(IDLE_S)
+            _send_frame(sock, {"ok": True})
+            while not self._closed.is_set():
+                header, blobs = _recv_frame(sock)
+                reply, out = self._execute(header, blobs)
+                _send_frame(sock, reply, tuple(out))
         except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
             log.debug("store client closed: %s", e)
         finally:
@@ -164,16 +320,6 @@ class StoreServer:
                 self._clients.discard(sock)
             with contextlib.suppress(OSError):
                 sock.close()
-
-    def _admit(self, sock: socket.socket) -> bool:
-        sock.settimeout(ADMISSION_S)
-        nonce = secrets.token_hex(16)
-        _send_frame(sock, {"nonce": nonce})
-        header, _ = _recv_frame(sock)
-        answer = header.get("mac")
-        ok = isinstance(answer, str) and verify(self.token, nonce, answer)
-        _send_frame(sock, {"ok": ok} if ok else {"ok": False, "error": "bad run token"})
-        return ok
 
     def _execute(
         self, header: dict[str, Any], blobs: list[bytes]
@@ -256,17 +402,35 @@ class AuthStore(dist.Store):
         super().__init__()
         self.host, self.port, self._timeout = host, port, timeout
         self._lock = threading.Lock()
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout.total_seconds())
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            header, _ = _recv_frame(self._sock)
-            _send_frame(self._sock, {"mac": mac(token, str(header.get("nonce", "")))})
-            reply, _ = _recv_frame(self._sock)
-        except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
-            raise dist.DistNetworkError(f"store {host}:{port} unreachable: {e}") from e
-        if not reply.get("ok"):
-            self._sock.close()
-            raise dist.DistNetworkError(f"store {host}:{port} refused: {reply.get('error')}")
+        self._sock = self._admitted(token)
+
+    def _admitted(self, token: str) -> socket.socket:
+        """A connection that proved the token; retried (up to ``RETRY_S``) only when the
+        server accepted it and closed it before its verdict, as it does under a flood."""
+        limit = self._timeout.total_seconds()
+        end = time.monotonic() + min(limit, RETRY_S)
+        pause = 0.02
+        while True:
+            try:
+                sock = socket.create_connection((self.host, self.port), timeout=limit)
+            except OSError as e:
+                msg = f"store {self.host}:{self.port} unreachable: {e}"
+                raise dist.DistNetworkError(msg) from e
+            try:
+                reply = _handshake(sock, token)
+            except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
+                sock.close()
+                if time.monotonic() + pause >= end:
+                    msg = f"store {self.host}:{self.port} unreachable: {e}"
+                    raise dist.DistNetworkError(msg) from e
+                time.sleep(pause)
+                pause = min(0.5, pause * 2)
+                continue
+            if not reply.get("ok"):
+                sock.close()
+                msg = f"store {self.host}:{self.port} refused: {reply.get('error')}"
+                raise dist.DistNetworkError(msg)
+            return sock
 
     # -- the Store interface ---------------------------------------------------------------
 
@@ -331,6 +495,18 @@ class AuthStore(dist.Store):
         if not reply.get("ok"):
             raise dist.DistStoreError(str(reply.get("error")))
         return reply, out
+
+
+def _handshake(sock: socket.socket, token: str) -> dict[str, Any]:
+    """Answer the server's challenge; its verdict's header."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    header, _ = _recv_frame(sock, MAX_HANDSHAKE_FRAME)
+    nonce = header.get("nonce")
+    if not isinstance(nonce, str):
+        raise StoreProtocolError("the server's first frame is not a challenge")
+    sock.sendall(AUTH_MAGIC + mac(token, nonce).encode())
+    reply, _ = _recv_frame(sock, MAX_HANDSHAKE_FRAME)
+    return reply
 
 
 def _bytes(value: Any) -> bytes:
