@@ -73,9 +73,9 @@ def test_counters_are_interpolated_between_samples_and_clamped_outside() -> None
 
 def test_ratios_are_to_ddp_at_the_same_micro_batching() -> None:
     rows = [
-        {"method": "ddp", "micro": 1, "step_s": {"median": 0.5}, "wire_mb_per_step": 20.0},
-        {"method": "ddp", "micro": 4, "step_s": {"median": 0.6}, "wire_mb_per_step": 20.0},
-        {"method": "perdure", "micro": 4, "step_s": {"median": 0.9}, "wire_mb_per_step": 40.0},
+        {"method": "ddp", "micro": 1, "step_s": bw.step_stats([0.5]), "wire_mb_per_step": 20.0},
+        {"method": "ddp", "micro": 4, "step_s": bw.step_stats([0.6]), "wire_mb_per_step": 20.0},
+        {"method": "perdure", "micro": 4, "step_s": bw.step_stats([0.9]), "wire_mb_per_step": 40.0},
         {"method": "perdure", "micro": 1, "error": "run failed", "label": "perdure x"},
     ]
     for r in rows:
