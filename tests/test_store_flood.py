@@ -74,7 +74,9 @@ def test_a_store_flood_during_a_worker_kill_changes_no_bit(
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
     cfg = dict(steps=STEPS, workers=3, checkpoint={"every_steps": 25, "keep_last": 3})
     ref = run_to_end(small_config(small_dataset, **cfg), tmp_path / "ref")  # type: ignore[arg-type]
-    kill = {"faults": [{"kind": "kill", "target": "r0-1", "at_step": STEPS // 2}]}
+    # Killed between two saves (every 25 steps): a save in flight when a member dies is
+    # abandoned by design ("membership changed"), which is not what this test is about.
+    kill = {"faults": [{"kind": "kill", "target": "r0-1", "at_step": STEPS // 2 + 12}]}
     rd = tmp_path / "run"
     stop, report = threading.Event(), {"opened": 0, "rounds": 0}
     flooder = threading.Thread(target=_flood, args=(rd, stop, report), daemon=True)
