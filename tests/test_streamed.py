@@ -188,12 +188,12 @@ def test_an_abandoned_backward_ends_the_streaming_pass() -> None:
 def test_an_accepted_prediction_is_within_the_folds_error_of_each_blocks_maximum(
     bits: int,
 ) -> None:
-    """Rounded MARGIN bits above each block's maximum, a 32-bit sum of 8 slots keeps 25
-    bits at the block's maximum: its error, measured against the block's largest value, is
-    below 2**-21 (8 roundings of half a quantum, 2**-23 of the block's maximum each, and
-    one to float32) and within 1.5x float32's left fold's worst case (measured: 1.1x; a
-    value far below its block's maximum keeps fewer bits of its own, as in the step
-    form); 64 bits are as accurate as the fold value by value."""
+    """Rounded MARGIN (3) bits above each block's maximum, a 32-bit sum of 8 slots keeps
+    24 bits at the block's maximum: its error, measured against the block's largest value,
+    is below 2**-20 (8 roundings of half a quantum, 2**-24 of the block's maximum each, and
+    one to float32) and within 2.5x float32's left fold's worst case (a value far below
+    its block's maximum keeps fewer bits of its own, as in the step form); 64 bits are as
+    accurate as the fold value by value."""
     bufs = _slots(2)
     red = StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK)
     _, maxima = _pass(red, bufs, None)
@@ -206,7 +206,7 @@ def test_an_accepted_prediction_is_within_the_folds_error_of_each_blocks_maximum
     def by_block(x: torch.Tensor) -> float:
         return float(((x[:full].double() - exact[:full]).abs().view(-1, BLOCK) / top).max())
 
-    assert by_block(out) <= min(2**-21, 1.5 * by_block(fold))
+    assert by_block(out) <= min(2**-20, 2.5 * by_block(fold))
     if bits == 64:
         rel = (out.double() - exact).abs() / exact.abs()
         rel_fold = (fold.double() - exact).abs() / exact.abs()

@@ -228,7 +228,7 @@ class StoreServer:
             now = time.monotonic()
             if len(self._pending) >= MAX_PENDING:
                 oldest = next(iter(self._pending.values()))
-                self._refuse(oldest, "too many unauthenticated connections", now)
+                self._refuse(oldest, "too many unauthenticated connections", now, crowded=True)
             self._greet(sock, now)
 
     def _greet(self, sock: socket.socket, now: float) -> None:
@@ -271,20 +271,25 @@ class StoreServer:
         for pend in list(self._pending.values()):  # oldest first: stop at the first young one
             if now - pend.since <= ADMISSION_S:
                 return
-            self._refuse(pend, f"no answer within {ADMISSION_S:g} s", now)
+            self._refuse(pend, f"no answer within {ADMISSION_S:g} s", now, crowded=True)
 
     def _forget(self, pend: _Pending) -> None:
         self._pending.pop(pend.sock, None)
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(pend.sock)
 
-    def _refuse(self, pend: _Pending, reason: str, now: float) -> None:
-        """Count, tell the peer (best effort, never blocking) and close."""
+    def _refuse(self, pend: _Pending, reason: str, now: float, *, crowded: bool = False) -> None:
+        """Count, tell the peer (best effort, never blocking) and close. ``crowded``: the
+        door's cap or deadline, not the peer's answer, refused it (it may try again)."""
         self._forget(pend)
         self.refusals.note(reason, now)
         with contextlib.suppress(OSError):
-            error = reason if reason == "bad run token" else f"bad run token ({reason})"
-            pend.sock.send(_frame({"ok": False, "error": error}))
+            if crowded:  # the door was crowded, not the answer wrong: it may try again
+                error = f"not admitted ({reason})"
+                pend.sock.send(_frame({"ok": False, "error": error, "retry": True}))
+            else:
+                error = reason if reason == "bad run token" else f"bad run token ({reason})"
+                pend.sock.send(_frame({"ok": False, "error": error}))
         pend.sock.close()
 
     def _hand_over(self, pend: _Pending, now: float) -> None:
@@ -406,7 +411,8 @@ class AuthStore(dist.Store):
 
     def _admitted(self, token: str) -> socket.socket:
         """A connection that proved the token; retried (up to ``RETRY_S``) only when the
-        server accepted it and closed it before its verdict, as it does under a flood."""
+        server accepted it and closed it before its verdict, or said it was crowded out
+        (``retry``: its cap or deadline, as under a flood); a wrong token is final."""
         limit = self._timeout.total_seconds()
         end = time.monotonic() + min(limit, RETRY_S)
         pause = 0.02
@@ -419,10 +425,12 @@ class AuthStore(dist.Store):
             try:
                 reply = _handshake(sock, token)
             except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
+                reply = {"ok": False, "error": f"unreachable: {e}", "retry": True}
+            if not reply.get("ok") and reply.get("retry") is True:  # a crowded door
                 sock.close()
                 if time.monotonic() + pause >= end:
-                    msg = f"store {self.host}:{self.port} unreachable: {e}"
-                    raise dist.DistNetworkError(msg) from e
+                    msg = f"store {self.host}:{self.port} {reply.get('error')}"
+                    raise dist.DistNetworkError(msg)
                 time.sleep(pause)
                 pause = min(0.5, pause * 2)
                 continue
