@@ -122,7 +122,8 @@ class MetricsService:
                             "perdure[metrics], or set metrics.tensorboard = false)", e)  # fmt: skip
                 return
             new_metrics = self.view.metrics  # all of this launch, once (the keys dedupe)
-        self._sink.write([*tb.train_points(new_metrics), *tb.event_points(self.view)])
+        evals = tb.eval_points(self.view.evals)  # all: the keys keep each point once
+        self._sink.write([*tb.train_points(new_metrics), *evals, *tb.event_points(self.view)])
 
     def _bind(self) -> None:
         if self._prom_off:
