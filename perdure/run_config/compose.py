@@ -95,8 +95,8 @@ class RunConfig:
         c.check(
             not (self.eval.every_steps and self.train.shard_params),
             "eval.every_steps",
-            "cannot be set with train.shard_params: one member evaluates, and with its "
-            "parameters sharded at rest it holds only its shard",
+            "cannot be set with train.shard_params: a member evaluates the whole model, and "
+            "with its parameters sharded at rest it holds only its shard",
             self.eval.every_steps,
         )
         c.done()

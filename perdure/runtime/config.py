@@ -458,8 +458,8 @@ def _http_url(url: str) -> bool:
 class EvalConfig:
     """Evaluation during a run (``runtime/evaluate.py``): the task's ``eval_fn`` (or its
     ``loss_fn``) over fixed samples of a held-out dataset, every ``every_steps`` steps.
-    None of it changes the math: the evaluation runs on one member after the step has
-    committed, under no gradient, with every generator saved and restored around it, so
+    None of it changes the math: the evaluation runs on every member (rank 0 logs it) after
+    the step has committed, under no gradient, with every generator saved and restored around it, so
     a run's bits are the same with it on or off (not in the config hash)."""
 
     every_steps: int = 0

@@ -1,13 +1,15 @@
 """Evaluation during a run: the task's ``eval_fn`` over fixed held-out samples, every
 ``eval.every_steps`` steps, on one member, never changing the math.
 
-Who and when: the member of rank 0 of the running epoch, after a step whose count of
-committed steps is a multiple of ``eval.every_steps`` has committed (its update applied,
-its metrics line written), before it begins the next step. The others go on to that step
-and wait for it at its first collective, so an evaluation costs the run its length once
-per ``every_steps`` steps; it is not spread over slots (an evaluation of a few hundred
-samples is short next to the steps between two of them). Rank 0 changes with the
-membership; the samples and the weights do not, so the numbers do not either.
+Who and when: every member of the running epoch, after a step whose count of committed
+steps is a multiple of ``eval.every_steps`` has committed (its update applied, its metrics
+line written), before it begins the next step; the member of rank 0 writes the line.
+Every member evaluates, not rank 0 alone, because the others would only wait for it at
+the next step's first collective, and an evaluation longer than the collective timeout
+(a backstop of ten step times or so) would fail the epoch: the wall time is the same, the
+others' work is redundant. The evaluation is not spread over slots (an evaluation of a
+few hundred samples is short next to the steps between two of them). Rank 0 changes with
+the membership; the samples and the weights do not, so the numbers do not either.
 
 Why it cannot change a bit of the training: it runs under ``torch.no_grad()`` (no
 gradient is touched) with the model in ``eval()`` mode (BatchNorm does not update its
@@ -23,8 +25,8 @@ the batches' results are averaged weighted by their sample counts in that order.
 evaluations of the same weights give the same numbers, whoever runs them.
 
 Limits: with ``train.shard_params`` no member holds the whole parameters, so evaluation
-is refused there (the config says so). A member that dies during an evaluation takes it
-with it: that step's evaluation is missing from the logs (the step itself is not lost).
+is refused there (the config says so). A rank 0 that dies during an evaluation takes its
+line with it: that step's evaluation is missing from the logs (the step is not lost).
 An error raised by ``eval_fn`` stops the run like an error of ``loss_fn`` (a
 ``MathError``), at the first evaluation.
 """

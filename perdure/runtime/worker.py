@@ -606,16 +606,19 @@ class Worker:
         )
 
     def _evaluate(self, ep: Epoch, t: int) -> None:
-        """After step ``t`` committed: the held-out evaluation, on rank 0, when due
-        (``runtime/evaluate.py``); its line goes to metrics.jsonl beside the steps'."""
+        """After step ``t`` committed: the held-out evaluation, when due
+        (``runtime/evaluate.py``). Every member runs it, so that none waits for another
+        at the next step's first collective (whose timeout a long evaluation would hit);
+        rank 0 writes its line to metrics.jsonl beside the steps'."""
         tr = self.trainer
         assert tr is not None
-        if ep.rank != 0 or not due(self.config.eval, tr.next_step):
+        if not due(self.config.eval, tr.next_step):
             return
+        write = self.metrics.write if ep.rank == 0 else lambda line: None
         try:
             if self.evaluator is None:
                 self.evaluator = self._evaluator()
-            evaluate_logged(self.evaluator, t, self.metrics.write, self.name)
+            evaluate_logged(self.evaluator, t, write, self.name)
         except EvalError as e:
             raise MathError(str(e)) from None
         except Exception as e:  # the held-out data or the user's eval_fn: stop, naming it
