@@ -19,7 +19,7 @@ from perdure.run_config import config_from_dict, config_hash
 from perdure.runtime.config import EvalConfig, TaskConfig
 from perdure.runtime.evaluate import EvalError, Evaluator, due, eval_ids
 from perdure.runtime.replica.task import build_task
-from tests.runtime_support import run_to_end, small_config
+from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 20
 EVERY = 10
@@ -43,12 +43,17 @@ def _cfg(train: Path, held_out: Path | None, entry: str = "with_eval", **eval_: 
     return small_config(train, workers=2, steps=STEPS, **sections)
 
 
+@pytest.fixture(scope="module")
+def plain(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The run without evaluation: the reference hash."""
+    return run_to_end(_cfg(small_dataset, None), tmp_path_factory.mktemp("eval-off"))
+
+
 def test_an_eval_every_10_steps_reaches_every_sink_and_leaves_the_hash_alone(
-    small_dataset: Path, held_out: Path, tmp_path: Path
+    small_dataset: Path, held_out: Path, plain: dict[str, Any], tmp_path: Path
 ) -> None:
     with_eval = run_to_end(_cfg(small_dataset, held_out), tmp_path / "on")
-    without = run_to_end(_cfg(small_dataset, None), tmp_path / "off")
-    assert with_eval["final_hash"] == without["final_hash"]
+    assert with_eval["final_hash"] == plain["final_hash"]
 
     rows = read_jsonl(tmp_path / "on" / "metrics.jsonl")
     evals = [r for r in rows if "eval_step" in r]
@@ -58,7 +63,6 @@ def test_an_eval_every_10_steps_reaches_every_sink_and_leaves_the_hash_alone(
         assert e["eval_samples"] == 48 and 0 <= e["eval/accuracy"] <= 1
     assert evals[1]["eval/loss"] < evals[0]["eval/loss"]  # it learns, and eval sees it
     assert [r["step"] for r in rows if "step" in r] == list(range(STEPS))
-    assert not [r for r in read_jsonl(tmp_path / "off" / "metrics.jsonl") if "eval_step" in r]
 
     # TensorBoard: eval/<name> at the steps evaluated
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -169,3 +173,24 @@ def test_preflight_refuses_a_missing_held_out_set_and_a_broken_eval_fn_by_name(
     with pytest.raises(PreflightError, match=r"task\.eval_fn raised EvalError.*'loss'"):
         preflight(_cfg(small_dataset, held_out, "broken_eval"))
     preflight(_cfg(small_dataset, held_out))  # the good one passes
+
+
+def test_a_killed_rank_0_changes_neither_the_hash_nor_the_evaluations_numbers(
+    small_dataset: Path, held_out: Path, plain: dict[str, Any], tmp_path: Path
+) -> None:
+    calm = _cfg(small_dataset, held_out)
+    run_to_end(calm, tmp_path / "calm")
+    faults = [{"kind": "kill", "target": "r0-0", "at_step": 12}]  # rank 0, between evaluations
+    cfg = small_config(small_dataset, workers=3, regions=2, steps=STEPS, cluster={"spares": 1},
+                       chaos={"faults": faults}, task=calm.task.__dict__ | {},
+                       eval=calm.eval.__dict__ | {})  # fmt: skip
+    s = run_to_end(cfg, tmp_path / "killed")
+    assert [e["worker"] for e in events(tmp_path / "killed", "leave")] == ["r0-0"]
+    assert s["final_hash"] == plain["final_hash"]
+
+    def evals(run: str) -> list[dict[str, Any]]:
+        rows = read_jsonl(tmp_path / run / "metrics.jsonl")
+        return [{k: v for k, v in r.items() if k.startswith("eval")  and k != "eval_s"}
+                for r in rows if "eval_step" in r]  # fmt: skip
+
+    assert evals("killed") == evals("calm") and len(evals("calm")) == 2  # bitwise the same
