@@ -155,3 +155,22 @@ def test_every_coordinator_gone_with_an_error_names_the_exit_codes(launcher: Any
     c.wait()
     with pytest.raises(RuntimeError, match=r"every coordinator is gone .*exit codes \[-9\]"):
         launcher._run_complete()
+
+
+def test_the_live_view_shows_the_last_evaluation_beside_the_last_step(tmp_path: Path) -> None:
+    import json
+
+    from rich.console import Console
+
+    from perdure.launch.view import LiveView
+
+    out = io.StringIO()
+    with LiveView(tmp_path, 10, _Roster(), console=Console(file=out, width=120)) as view:
+        lines = [{"step": 9, "t": 1.0, "loss": 2.5, "step_s": 0.1, "members": ["r0-0"]},
+                 {"eval_step": 9, "t": 1.1, "eval/loss": 2.75, "eval/accuracy": 0.5},
+                 {"step": 10, "t": 1.2, "loss": 2.25, "step_s": 0.1}]  # fmt: skip
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        view.tick()
+        text = "".join(s.text for s in Console(width=120).render(view.render()))
+    assert "loss 2.2500" in text  # the step's line, not the evaluation's
+    assert "after step 9: eval/accuracy 0.5000   eval/loss 2.7500" in text

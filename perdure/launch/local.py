@@ -463,6 +463,8 @@ class LocalLauncher:
 
     def progress(self) -> Progress:
         for rec in self._metrics.read():
+            if not isinstance(rec.get("step"), int):
+                continue  # an evaluation's line (``eval_step``)
             first = self._progress.first_step_t
             self._progress = Progress(
                 step=max(self._progress.step, int(rec["step"])),

@@ -112,6 +112,7 @@ def preflight(
     if dataset is not None:
         problems += _fit(config, task, dataset)
     identity = report.identity = _recipe(config, task, dataset, problems, report)
+    problems += _eval(config, task)
     if resume is not None:
         args = (task, dataset, allow_config_change, report, identity)
         problems += _resume(config, resume, *args)
@@ -331,6 +332,39 @@ def _dataset(
     except DataError as e:
         problems.append(Problem("data.dataset", f"cannot be opened: {e}", url))
         return None
+
+
+def _eval(config: RunConfig, task: Task | None) -> list[Problem]:
+    """The held-out data set (``[eval]``) opens, and the task's evaluation runs on two of
+    its samples, so that a bad path or a broken ``eval_fn`` stops the run now, not at its
+    first evaluation."""
+    from perdure.data import DataError, Dataset
+    from perdure.run_config import resolve_path
+    from perdure.runtime.evaluate import Evaluator
+
+    cfg = config.eval
+    if not cfg.every_steps:
+        return []
+    url = resolve_path(config, cfg.dataset or "")
+    if _missing(url):
+        return [Problem("eval.dataset", _how_to_build(url), url)]
+    try:
+        ds = Dataset.open(url, cache_mb=config.data.cache_mb)
+    except DataError as e:
+        return [Problem("eval.dataset", f"cannot be opened: {e}", url)]
+    if task is None:
+        ds.close()
+        return []
+    probe = dataclasses.replace(cfg, samples=2, batch_size=2)
+    ev = Evaluator(task, probe, ds, seed=config.train.seed, precision=config.train.precision)
+    try:
+        ev.run(0)
+    except Exception as e:  # the user's eval_fn (or loss_fn) on held-out samples
+        fn = "eval_fn" if task.eval_fn is not None else "loss_fn"
+        return [Problem("eval.dataset", f"task.{fn} raised {type(e).__name__}: {e}", url)]
+    finally:
+        ev.close()
+    return []
 
 
 def _is_demo(url: str) -> bool:

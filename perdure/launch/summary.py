@@ -42,7 +42,11 @@ def write_summary(
         generation = int(ends[-1]["generation"]) if ends else None
     if generation is not None:
         Fence(run_dir).check(generation, "summary")
-    metrics = [m for m in read_jsonl(run_dir / "metrics.jsonl") if m.get("t", started) >= started]
+    metrics = [
+        m
+        for m in read_jsonl(run_dir / "metrics.jsonl")
+        if m.get("t", started) >= started and isinstance(m.get("step"), int)  # not evals
+    ]
     done = [e for e in events if e.get("event") == ev.WORKER_DONE]
     hashes = sorted({e["final_hash"] for e in done if "final_hash" in e})
     epochs = [e for e in events if e.get("event") == ev.EPOCH_STARTED]

@@ -68,6 +68,8 @@ class LiveView:
         self.events = Tail(run_dir / "events.jsonl", from_end=True)
         self.steps = steps
         self.last: dict[str, Any] = {}
+        self.last_eval: dict[str, Any] = {}
+        """The last evaluation's line (``eval_step``, ``eval/<name>``)."""
         self.log: deque[tuple[float, str, str]] = deque(maxlen=12)
         self.progress = Progress(
             TextColumn("step {task.completed}/{task.total}"),
@@ -90,7 +92,10 @@ class LiveView:
 
     def tick(self) -> None:
         for m in self.metrics.read():
-            self.last = m
+            if isinstance(m.get("step"), int):
+                self.last = m
+            elif isinstance(m.get("eval_step"), int):
+                self.last_eval = m
         for e in self.events.read():
             if e["event"] in _SHOWN:
                 self.log.append((e["t"], _SHOWN[e["event"]], describe(e)))
@@ -109,8 +114,14 @@ class LiveView:
             f"step time [bold]{1000 * m.get('step_s', 0):.0f} ms[/]",
             f"membership epoch [bold]{m.get('membership_epoch', '-')}[/]",
         )
+        parts: list[Any] = [self.progress, head]
+        if self.last_eval:
+            e = self.last_eval
+            shown = [f"{k} [bold]{v:.4f}[/]" for k, v in sorted(e.items())
+                     if k.startswith("eval/") and isinstance(v, int | float)]  # fmt: skip
+            parts.append(f"after step {e['eval_step']}: " + "   ".join(shown))
         return Panel(
-            Group(self.progress, head, self._regions(m), self._log()),
+            Group(*parts, self._regions(m), self._log()),
             title="perdure run",
             border_style="cyan",
         )

@@ -16,7 +16,8 @@ Metric names (all prefixed ``perdure_``): ``step``, ``steps_target``,
 ``group_learning_rate{group}``, ``step_seconds``,
 ``tokens_per_second``, ``members``, ``membership_epoch``, ``membership_changes_total``,
 ``faults_injected_total{kind,class}``, ``failures_observed_total{kind,scheduled}``,
-``goodput``, ``checkpoint_last_step``, ``checkpoints_saved_total``, ``run_ended``,
+``goodput``, ``eval_step``, ``eval{metric}`` (the last evaluation's metrics),
+``checkpoint_last_step``, ``checkpoints_saved_total``, ``run_ended``,
 ``coordinator_active{role}``; every one carries a ``run`` label (the run directory's
 absolute path), so two runs on one host are told apart. A value the run does not know
 yet (no step committed) is left out rather than reported as 0.
@@ -77,6 +78,7 @@ class RunCollector:
             ),
             ("checkpoint_last_step", "Step of the newest committed checkpoint.", s.checkpoint_step),
             ("run_ended", "1 once every member finished the last step.", int(s.run_ended)),
+            ("eval_step", "Step after which the last evaluation ran.", s.eval_step),
         ]
         run = self.run
         for name, doc, value in gauges:
@@ -100,6 +102,15 @@ class RunCollector:
         for group, lr in sorted(s.lrs.items()):
             groups.add_metric([run, group], lr)
         yield groups
+        evals = GaugeMetricFamily(
+            "perdure_eval",
+            "Each metric of the last evaluation on the held-out data set (eval/<metric> in "
+            "metrics.jsonl; the task's eval_fn's, or its loss).",
+            labels=["run", "metric"],
+        )
+        for metric, value in sorted(s.evals.items()):
+            evals.add_metric([run, metric], value)
+        yield evals
         yield from _counters(s, CounterMetricFamily, run)
 
 

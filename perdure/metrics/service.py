@@ -1,5 +1,5 @@
 """The coordinator's metric outputs: one thread that reads the run's logs into TensorBoard
-event files and the Prometheus endpoint's snapshot.
+event files, the Prometheus endpoint's snapshot and (``metrics.wandb``) a W&B run.
 
 Why the coordinator, from the logs, and not the rank-0 worker from its memory: rank 0 is
 whoever is first in the running epoch's chain, so it changes with every membership change,
@@ -35,6 +35,7 @@ from perdure.metrics.view import RunView, Snapshot
 if TYPE_CHECKING:
     from perdure.metrics.prometheus import MetricsServer
     from perdure.metrics.tensorboard import TensorBoardSink
+    from perdure.metrics.wandb_sink import WandbSink
 
 log = logging.getLogger("perdure.metrics")
 
@@ -64,7 +65,9 @@ class MetricsService:
         self._steps = steps
         self._server: MetricsServer | None = None
         self._sink: TensorBoardSink | None = None
+        self._wandb: WandbSink | None = None
         self._tb_off = not cfg.tensorboard
+        self._wandb_off = not cfg.wandb
         self._prom_off = not cfg.prometheus
         self._warned: set[str] = set()
         self._stop = threading.Event()
@@ -87,11 +90,11 @@ class MetricsService:
             return
         self._poll()
         with self._lock:
-            parts: list[Any] = [self._sink, self._server]
+            parts: list[Any] = [self._sink, self._server, self._wandb]
             for part in parts:
                 if part is not None:
                     self._guard("close", part.close)
-            self._sink = self._server = None
+            self._sink = self._server = self._wandb = None
 
     # -- the thread ------------------------------------------------------------------------
 
@@ -107,6 +110,8 @@ class MetricsService:
             self.latest = self.view.snapshot()
             if not self._tb_off and self.active():
                 self._guard("tensorboard", lambda: self._write_tb(new_metrics))
+            if not self._wandb_off and self.active():
+                self._guard("wandb", lambda: self._write_wandb(new_metrics))
 
     def _write_tb(self, new_metrics: list[dict[str, Any]]) -> None:
         from perdure.metrics import tensorboard as tb
@@ -122,7 +127,27 @@ class MetricsService:
                             "perdure[metrics], or set metrics.tensorboard = false)", e)  # fmt: skip
                 return
             new_metrics = self.view.metrics  # all of this launch, once (the keys dedupe)
-        self._sink.write([*tb.train_points(new_metrics), *tb.event_points(self.view)])
+        evals = tb.eval_points(self.view.evals)  # all: the keys keep each point once
+        self._sink.write([*tb.train_points(new_metrics), *evals, *tb.event_points(self.view)])
+
+    def _write_wandb(self, new_metrics: list[dict[str, Any]]) -> None:
+        from perdure.metrics import tensorboard as tb
+
+        if self._wandb is None:
+            from perdure.metrics.wandb_sink import WandbSink
+
+            try:
+                self._wandb = WandbSink(
+                    self.run_dir, mode=self.cfg.wandb_mode, project=self.cfg.wandb_project
+                )
+            except ImportError as e:
+                self._wandb_off = True
+                log.warning("metrics.wandb: %s; no W&B run (pip install perdure[wandb], or "
+                            "set metrics.wandb = false)", e)  # fmt: skip
+                return
+            new_metrics = self.view.metrics  # all of this launch, once (the keys dedupe)
+        evals = tb.eval_points(self.view.evals)  # all: the keys keep each point once
+        self._wandb.write([*tb.train_points(new_metrics), *evals])
 
     def _bind(self) -> None:
         if self._prom_off:

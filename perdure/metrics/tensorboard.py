@@ -4,6 +4,8 @@ Tags (x axis: the training step; wall time: when the record was logged):
 
 - ``train/loss``, ``train/lr``, ``train/step_s``, ``train/tokens_per_s``: one point per
   committed step, from ``metrics.jsonl``;
+- ``eval/<name>``: one point per evaluation (``runtime/evaluate.py``), at the step after
+  whose update it ran, from its ``metrics.jsonl`` line;
 - ``membership/members``, ``membership/epoch``: one point per membership epoch, at its
   start step;
 - ``faults/injected``: the running count of faults the schedule injected;
@@ -71,6 +73,17 @@ def train_points(metrics: Iterable[dict[str, Any]]) -> list[Point]:
     return out
 
 
+def eval_points(evals: Iterable[dict[str, Any]]) -> list[Point]:
+    """``eval/<name>`` points of the evaluation lines (key: their step)."""
+    out = []
+    for m in evals:
+        step = int(m["eval_step"])
+        for name, v in m.items():
+            if name.startswith("eval/") and isinstance(v, int | float):
+                out.append(Point(name, step, float(v), float(step), float(m["t"])))
+    return out
+
+
 def event_points(view: RunView) -> list[Point]:
     """Membership, fault and failure points from the events read so far. Pure but for
     the view's cached failure list."""
@@ -127,7 +140,7 @@ def written_keys(log_dir: Path) -> dict[str, float]:
         values = acc.Scalars(tag)
         if not values:
             continue
-        if tag.startswith("train/"):
+        if tag.startswith(("train/", "eval/")):
             last[tag] = float(max(v.step for v in values))
         else:  # counters: the count; membership: the epoch number, below
             last[tag] = float(max(v.value for v in values))

@@ -41,6 +41,10 @@ class Snapshot:
     lr: float | None = None
     lrs: dict[str, float] = field(default_factory=dict)
     """Each param group's rate (``lr/<group>``) at the last committed step."""
+    eval_step: int | None = None
+    """The step after which the last evaluation ran (None: none yet)."""
+    evals: dict[str, float] = field(default_factory=dict)
+    """That evaluation's metrics by name, less the ``eval/`` prefix (``loss``, ...)."""
     step_s: float | None = None
     tokens_per_s: float | None = None
     membership_epoch: int | None = None
@@ -85,6 +89,8 @@ class RunView:
         self._metrics_tail = Tail(run_dir / "metrics.jsonl", from_end=True)
         self._events_tail = Tail(run_dir / "events.jsonl", from_end=True)
         self.metrics: list[Record] = []
+        self.evals: list[Record] = []
+        """The evaluations' lines (``eval_step``: ``runtime/evaluate.py``)."""
         self.events: list[Record] = []
         self._failures: list[Failure] = []
         self._failures_at = -1
@@ -92,7 +98,9 @@ class RunView:
 
     def update(self) -> tuple[list[Record], list[Record]]:
         """Read new records; returns (new metrics lines, new events)."""
-        new_m = [m for m in self._metrics_tail.read() if _is_step(m)]
+        lines = self._metrics_tail.read()
+        new_m = [m for m in lines if _is_step(m)]
+        self.evals += [m for m in lines if is_eval(m)]
         new_e = [e for e in self._events_tail.read() if isinstance(e.get("t"), int | float)]
         self.metrics += new_m
         self.events += new_e
@@ -124,11 +132,17 @@ class RunView:
         return max(done) + 1 if done else 0
 
     def snapshot(self) -> Snapshot:
-        return snapshot(self.metrics, self.events, self.failures())
+        return snapshot(self.metrics, self.events, self.failures(), self.evals)
 
 
-def snapshot(metrics: list[Record], events: list[Record], failures: list[Failure]) -> Snapshot:
+def snapshot(
+    metrics: list[Record],
+    events: list[Record],
+    failures: list[Failure],
+    evals: list[Record] | None = None,
+) -> Snapshot:
     """The numbers of the run from its records. Pure."""
+    last_eval = max(evals, key=lambda m: (m["eval_step"], m["t"])) if evals else None
     last = max(metrics, key=lambda m: (m["step"], m["t"])) if metrics else None
     epochs = [e for e in events if e["event"] == ev.EPOCH_STARTED and _is_epoch(e)]
     saved = [e for e in events if e["event"] == ev.CHECKPOINT_SAVED and "step" in e]
@@ -152,6 +166,8 @@ def snapshot(metrics: list[Record], events: list[Record], failures: list[Failure
             for k, v in (last or {}).items()
             if k.startswith("lr/") and isinstance(v, int | float)
         },
+        eval_step=int(last_eval["eval_step"]) if last_eval else None,
+        evals=eval_metrics(last_eval),
         step_s=_num(last, "step_s"),
         tokens_per_s=_num(last, "tokens_per_s"),
         membership_epoch=int(epochs[-1]["epoch"]) if epochs else None,
@@ -176,6 +192,23 @@ def failure_class(kind: str) -> str:
 def _num(rec: Record | None, key: str) -> float | None:
     v = rec.get(key) if rec else None
     return float(v) if isinstance(v, int | float) else None
+
+
+def eval_metrics(rec: Record | None) -> dict[str, float]:
+    """An evaluation line's metrics by name, less the ``eval/`` prefix."""
+    return {
+        k[5:]: float(v)
+        for k, v in (rec or {}).items()
+        if k.startswith("eval/") and isinstance(v, int | float) and not isinstance(v, bool)
+    }
+
+
+def is_eval(m: Record) -> bool:
+    """An evaluation's line of metrics.jsonl (``runtime/evaluate.py``)."""
+    step = m.get("eval_step")
+    return (
+        isinstance(step, int) and not isinstance(step, bool) and isinstance(m.get("t"), int | float)
+    )
 
 
 def _is_step(m: Record) -> bool:

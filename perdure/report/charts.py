@@ -114,13 +114,15 @@ def series_chart(
     smooth: bool = False,
     css_class: str = "chart",
     height: int = 260,
+    gaps: bool = True,
 ) -> str:
     """A line of one value against step, with vertical markers.
 
     ``all_steps`` fixes the x domain (so charts align even if one series has gaps); the
     line is broken wherever steps are not consecutive. ``log_y`` suits step times, where
     a recovery step can be a hundred times the usual one. ``smooth`` adds a centred
-    moving average over about 2% of the steps on top of the faint raw line.
+    moving average over about 2% of the steps on top of the faint raw line. ``gaps``
+    false: a series sampled every few steps (evaluations) is one line through its points.
     """
     domain_steps = list(all_steps) or [s for s, _ in points] or [0]
     x = step_scale(domain_steps)
@@ -146,7 +148,7 @@ def series_chart(
             ticks = nice_ticks(lo, hi, 5)
         out.append(y_axis(y, ticks, x.r0, x.r1))
         pts = [(s, v) for s, v in points if v > 0 or not log_y]
-        breaks = {i for i in range(1, len(pts)) if pts[i][0] != pts[i - 1][0] + 1}
+        breaks = {i for i in range(1, len(pts)) if gaps and pts[i][0] != pts[i - 1][0] + 1}
         px = [(x(s), y(v)) for s, v in pts]
         raw_class = "series raw" if smooth else "series"
         out.append(f'<path class="{raw_class}" d="{polyline_path(px, breaks)}"/>')
@@ -177,6 +179,21 @@ def loss_chart(metrics: Sequence[StepPoint], faults: Sequence[FaultMark]) -> str
         all_steps=[p.step for p in metrics],
         smooth=True,
         css_class="chart loss",
+    )
+
+
+def eval_charts(evals: dict[str, list[tuple[int, float]]], all_steps: Sequence[int]) -> str:
+    """One chart per evaluation metric against the step after which it was evaluated."""
+    return "".join(
+        series_chart(
+            pts,
+            title=f"eval/{name} on the held-out data set",
+            y_label=name,
+            all_steps=all_steps,
+            css_class="chart eval",
+            gaps=False,
+        )
+        for name, pts in sorted(evals.items())
     )
 
 

@@ -66,6 +66,8 @@ class RunData:
 
     run_dir: Path
     metrics: list[StepPoint] = field(default_factory=list)
+    evals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """Each evaluation metric (``eval/<name>`` less the prefix) by step, in step order."""
     events: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
@@ -162,6 +164,21 @@ def parse_metrics(rows: list[dict[str, Any]]) -> list[StepPoint]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def parse_evals(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """The evaluation lines' (``eval_step``) metrics by name, sorted by step; a step
+    evaluated twice (a resumed run) keeps its last line."""
+    by_name: dict[str, dict[int, float]] = {}
+    for row in rows:
+        step = integer(row.get("eval_step"))
+        if step is None:
+            continue
+        for key, value in row.items():
+            v = num(value) if key.startswith("eval/") else None
+            if v is not None:
+                by_name.setdefault(key[5:], {})[step] = v
+    return {k: sorted(v.items()) for k, v in by_name.items()}
+
+
 def fault_marks(summary: dict[str, Any], events: list[dict[str, Any]]) -> list[FaultMark]:
     """Faults to mark on per-step plots.
 
@@ -221,6 +238,7 @@ def load_run(run_dir: str | Path) -> RunData:
     if skipped:
         data.skipped_lines[METRICS] = skipped
     data.metrics = parse_metrics(metric_rows)
+    data.evals = parse_evals(metric_rows)
     events, skipped = read_jsonl(root / EVENTS)
     if skipped:
         data.skipped_lines[EVENTS] = skipped

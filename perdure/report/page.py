@@ -13,7 +13,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from perdure.report.charts import loss_chart, slot_chart, step_time_chart
+from perdure.report.charts import eval_charts, loss_chart, slot_chart, step_time_chart
 from perdure.report.load import RunData, epoch_marks, fault_marks, load_run
 from perdure.report.svg import esc
 from perdure.report.tables import (
@@ -83,6 +83,21 @@ def config_html(data: RunData) -> str:
     return f"<details><summary>config.json</summary><pre>{esc(text)}</pre></details>"
 
 
+def _eval_section(data: RunData) -> list[str]:
+    """The evaluations on the held-out data set (none logged: no section)."""
+    if not data.evals:
+        return []
+    last = ", ".join(
+        f"eval/{name} = {pts[-1][1]:.6g} (after step {pts[-1][0]})"
+        for name, pts in sorted(data.evals.items())
+    )
+    return [
+        "<h2>Evaluation</h2>",
+        f'<p class="note">Last: {esc(last)}.</p>',
+        eval_charts(data.evals, [p.step for p in data.metrics]),
+    ]
+
+
 def render_html(data: RunData) -> str:
     """The whole report page for parsed run data; a pure function of ``data``."""
     faults = fault_marks(data.summary, data.events)
@@ -103,6 +118,7 @@ def render_html(data: RunData) -> str:
         warn_html,
         "<h2>Loss</h2>",
         loss_chart(data.metrics, faults),
+        *_eval_section(data),
         "<h2>Step time and membership</h2>",
         step_time_chart(data.metrics, epochs),
         '<p class="note">Markers: the first step of a new membership epoch, with its '

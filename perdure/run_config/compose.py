@@ -28,7 +28,13 @@ from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
 from perdure.metrics.config import MetricsConfig
 from perdure.run_config.launch import RayConfig
-from perdure.runtime.config import ClusterConfig, OptimConfig, TaskConfig, TrainConfig
+from perdure.runtime.config import (
+    ClusterConfig,
+    EvalConfig,
+    OptimConfig,
+    TaskConfig,
+    TrainConfig,
+)
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -63,6 +69,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     run: RunOptions = field(default_factory=RunOptions)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -84,6 +91,13 @@ class RunConfig:
             f"must be at most the cluster's worker count ({workers}): a replica group is "
             "that many workers",
             self.train.shard_degree,
+        )
+        c.check(
+            not (self.eval.every_steps and self.train.shard_params),
+            "eval.every_steps",
+            "cannot be set with train.shard_params: a member evaluates the whole model, and "
+            "with its parameters sharded at rest it holds only its shard",
+            self.eval.every_steps,
         )
         c.done()
 

@@ -452,3 +452,39 @@ def _http_url(url: str) -> bool:
         return u.scheme in ("http", "https") and bool(u.hostname) and u.port is not None
     except ValueError:
         return False
+
+
+@dataclass(kw_only=True, frozen=True)
+class EvalConfig:
+    """Evaluation during a run (``runtime/evaluate.py``): the task's ``eval_fn`` (or its
+    ``loss_fn``) over fixed samples of a held-out dataset, every ``every_steps`` steps.
+    None of it changes the math: the evaluation runs on every member (rank 0 logs it) after
+    the step has committed, under no gradient, with every generator saved and restored around it, so
+    a run's bits are the same with it on or off (not in the config hash)."""
+
+    every_steps: int = 0
+    """Evaluate after every this many committed steps (after step ``every_steps - 1``,
+    ``2 * every_steps - 1``, ...); 0: never."""
+    dataset: str | None = None
+    """The held-out data set (built by ``perdure data build`` or ``data import``, e.g. the
+    test split of an imported array), found like ``data.dataset``. Required with
+    ``every_steps``: samples held out of the training data set itself would change its
+    order, hence the training math, so a held-out split is a data set of its own."""
+    samples: int = 256
+    """How many of its samples each evaluation reads: evenly spaced sample ids over the
+    whole data set (the same ones every time, whatever the membership); 0: all of them."""
+    batch_size: int = 32
+    """Samples per call of the evaluation function."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.non_negative("every_steps", self.every_steps)
+        c.check(
+            not self.every_steps or bool(self.dataset),
+            "dataset",
+            "must name a held-out data set when eval.every_steps is set",
+            self.dataset,
+        )
+        c.non_negative("samples", self.samples)
+        c.positive("batch_size", self.batch_size)
+        c.done()

@@ -37,9 +37,10 @@ from perdure.checkpoint import (
     load_checkpoint,
 )
 from perdure.checkpoint.config import checkpoint_root
+from perdure.data import Dataset
 from perdure.events import Tail
 from perdure.proctitle import set_title
-from perdure.run_config import RunConfig, config_from_dict
+from perdure.run_config import RunConfig, config_from_dict, resolve_path
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.exchange import StoreExchange
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
@@ -51,6 +52,7 @@ from perdure.runtime.control.channel import UNACKED_S
 from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
+from perdure.runtime.evaluate import EvalError, Evaluator, due, evaluate_logged
 from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
 from perdure.runtime.priority import normal_priority
@@ -133,6 +135,8 @@ class Worker:
         self.leaving = False
         self.suspects: dict[str, int] = {}
         self.salvage = SlotSalvage()
+        self.evaluator: Evaluator | None = None
+        """The held-out evaluation (``[eval]``), opened at this member's first one."""
 
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
@@ -185,6 +189,8 @@ class Worker:
             self._loop()
         finally:
             self.trainer.close()
+            if self.evaluator is not None:
+                self.evaluator.close()
         return 0
 
     def _loop(self) -> None:
@@ -558,13 +564,14 @@ class Worker:
         train_step(ep.runner, t, end)
 
     def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
-        """After step ``t``'s update: its metrics line, the replicas' fingerprints every
-        ``fingerprint_every`` steps, and a due checkpoint's background save."""
+        """After step ``t``'s update: its metrics line, a due evaluation, the replicas'
+        fingerprints every ``fingerprint_every`` steps, and a due checkpoint's save."""
         tr = self.trainer
         assert tr is not None
         # Every member logs the step it committed (the merger keeps one line per step):
         # rank 0 alone would leave no line for a step it abandoned and the others kept.
         self._metrics(ep, t, loss, step_s)
+        self._evaluate(ep, t)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
             self.has_state = False  # receive a live peer's state in the next epoch
@@ -611,6 +618,42 @@ class Worker:
                 "members": list(ep.plan.members),
                 "worker": self.name,
             }
+        )
+
+    def _evaluate(self, ep: Epoch, t: int) -> None:
+        """After step ``t`` committed: the held-out evaluation, when due
+        (``runtime/evaluate.py``). Every member runs it, so that none waits for another
+        at the next step's first collective (whose timeout a long evaluation would hit);
+        rank 0 writes its line to metrics.jsonl beside the steps'."""
+        tr = self.trainer
+        assert tr is not None
+        if not due(self.config.eval, tr.next_step):
+            return
+        write = self.metrics.write if ep.rank == 0 else lambda line: None
+        try:
+            if self.evaluator is None:
+                self.evaluator = self._evaluator()
+            evaluate_logged(self.evaluator, t, write, self.name)
+        except EvalError as e:
+            raise MathError(str(e)) from None
+        except Exception as e:  # the held-out data or the user's eval_fn: stop, naming it
+            raise MathError(f"eval: {type(e).__name__}: {e}") from e
+
+    def _evaluator(self) -> Evaluator:
+        cfg, tr = self.config, self.trainer
+        assert tr is not None
+        dataset = Dataset.open(
+            resolve_path(cfg, cfg.eval.dataset or ""),
+            cache_dir=cfg.data.cache_dir or str(self.run_dir / "cache" / "eval"),
+            cache_mb=cfg.data.cache_mb,
+        )
+        return Evaluator(
+            tr.task,
+            cfg.eval,
+            dataset,
+            seed=cfg.train.seed,
+            precision=cfg.train.precision,
+            device=self.placement.device,
         )
 
     def _topology(self, ep: Epoch) -> dict[str, Any]:

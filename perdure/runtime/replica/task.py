@@ -24,6 +24,7 @@ from perdure.runtime.replica.deferred import Init, build_deferred
 from perdure.runtime.replica.user_rng import seed_globals
 
 LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+EvalFn = Callable[[nn.Module, dict[str, torch.Tensor]], "torch.Tensor | dict[str, Any]"]
 OptimizerFactory = Callable[[Iterable[nn.Parameter], OptimConfig], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
 LOSS_REDUCTIONS = ("sum", "mean")
@@ -76,6 +77,18 @@ class Task:
     ``reset_parameters()``. What a factory's own code does to parameters after building
     them (``nn.init.normal_(self.tok.weight, std=0.02)``) does nothing there: parameters
     are on ``meta`` while the factory runs. Unused with ``eager``."""
+    eval_fn: EvalFn | None = None
+    """``eval_fn(model, batch)``: the evaluation of one batch of the held-out data set
+    (``[eval]`` in the config, ``runtime/evaluate.py``), called under ``torch.no_grad()``
+    with the model in ``eval()`` mode (dropout off, BatchNorm on its running statistics).
+    It returns a dict of named numbers (floats or one-element tensors), each the *mean*
+    over the batch's samples (``{"loss": ..., "accuracy": ...}``), or one tensor, the mean
+    loss. perdure averages each over the batches weighted by their sample counts (the mean
+    over every evaluated sample) and logs them as ``eval/<name>`` to every sink. Unset:
+    ``loss_fn``'s loss (per sample, after ``loss_reduction``) is logged as ``eval/loss``.
+    The batch is the training batches' dict (``tokens``, ``weight`` all ones, the data
+    set's other fields). Its randomness, if any, is seeded from (seed, step, batch) and
+    the training generators are restored after it: evaluation never changes the math."""
 
 
 def default_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.Optimizer:

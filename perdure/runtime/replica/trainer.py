@@ -119,6 +119,7 @@ class Trainer:
         # the optimizer, built next, holds the moved parameters.
         task.model.to(self.placement.device)
         self.model = task.model
+        self.task = task  # its eval_fn: the worker's evaluation (runtime/evaluate.py)
         self.module = plain_module(task.model)
         """What checkpoints, state copies and fingerprints read: the plain module's keys."""
         self.recipe = Recipe(task, config.optim, train.steps)
