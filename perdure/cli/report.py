@@ -13,10 +13,16 @@ import click
     default=None,
     help="Where to write the report (default: RUN_DIR/report.html).",
 )
-def report(run_dir: str, out: str | None) -> None:
+@click.option(
+    "--private/--shared",
+    default=False,
+    help="--shared (the default) makes the file readable by others (0644), for passing "
+    "on; --private keeps it to its owner (0600), as the report a run writes at its end.",
+)
+def report(run_dir: str, out: str | None, private: bool) -> None:
     """Write RUN_DIR/report.html: loss with faults marked, step time with membership
     changes, slot assignment per worker, the fault table, the decision log and events.
     The file needs no network and no scripts."""
     from perdure.report import write_report
 
-    click.echo(str(write_report(run_dir, out)))
+    click.echo(str(write_report(run_dir, out, shared=not private)))
