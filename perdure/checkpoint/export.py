@@ -7,13 +7,16 @@ every export path shares one implementation of each format:
 - ``safetensors``: ``model.safetensors``, for ``safetensors.torch.load_file``;
 - ``torch``: ``model.pt``, a plain ``dict[str, Tensor]`` for ``torch.load(...,
   weights_only=True)``;
+- ``dcp``: a PyTorch Distributed Checkpoint (``checkpoint/dcp.py``), for
+  ``torch.distributed.checkpoint.load`` into a plain or FSDP2 model, with the optimizer
+  state by parameter name beside the weights when given;
 - ``hf``: ``save_pretrained`` of the task's own model (a ``transformers`` model), built
   from the checkpoint's config and given the checkpoint's tensors, for
   ``from_pretrained``: config.json and model.safetensors as transformers writes them
   (tied weights stored once).
 
-Every tensor is written as saved: same dtype, same bits. Limits: the optimizer state is
-not exported (a sharded checkpoint holds it split by owner); ``hf`` needs a task whose
+Every tensor is written as saved: same dtype, same bits. Limits: only ``dcp`` carries the
+optimizer state; ``hf`` needs a task whose
 model has ``save_pretrained`` and the task's code importable from here.
 """
 
@@ -28,14 +31,14 @@ from typing import Any
 
 import torch
 
-FORMATS = ("safetensors", "torch", "hf")
+FORMATS = ("safetensors", "torch", "dcp", "hf")
 
 
 class ExportError(ValueError):
     """The export cannot be made (an unknown format, a task without ``save_pretrained``)."""
 
 
-def _plain(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def plain_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors, each with its own storage (safetensors refuses shared
     storage, and a view would drag its base into a torch file)."""
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
@@ -45,13 +48,13 @@ def write_safetensors(tensors: Mapping[str, torch.Tensor], out: Path) -> list[Pa
     from safetensors.torch import save_file
 
     path = out / "model.safetensors"
-    save_file(_plain(tensors), str(path), metadata={"format": "pt"})
+    save_file(plain_tensors(tensors), str(path), metadata={"format": "pt"})
     return [path]
 
 
 def write_torch(tensors: Mapping[str, torch.Tensor], out: Path) -> list[Path]:
     path = out / "model.pt"
-    torch.save(_plain(tensors), path)
+    torch.save(plain_tensors(tensors), path)
     return [path]
 
 
@@ -75,8 +78,10 @@ def export_weights(
     fmt: str,
     *,
     build_model: Callable[[], Any] | None = None,
+    optimizer: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Write ``tensors`` to the directory ``out`` in ``fmt``; return the files written.
+    ``optimizer``: for ``dcp`` only, the optimizer state in DCP's layout (by name).
     The directory is filled under a temporary name and renamed into place: nothing
     half-written is left behind, and an existing ``out`` is refused."""
     if fmt not in FORMATS:
@@ -84,6 +89,8 @@ def export_weights(
     target = Path(out)
     if target.exists():
         raise ExportError(f"{target}: already exists; export into a new directory")
+    if optimizer is not None and fmt != "dcp":
+        raise ExportError(f"--format {fmt}: carries no optimizer state (only dcp does)")
     if fmt == "hf" and build_model is None:
         raise ExportError("--format hf: needs the task to build the model")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,6 +100,10 @@ def export_weights(
             write_safetensors(tensors, tmp)
         elif fmt == "torch":
             write_torch(tensors, tmp)
+        elif fmt == "dcp":
+            from perdure.checkpoint.dcp import write_dcp
+
+            write_dcp(tensors, tmp, optimizer)
         else:
             assert build_model is not None
             write_hf(tensors, tmp, build_model)

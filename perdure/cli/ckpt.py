@@ -56,7 +56,7 @@ def _short(value: Any, limit: int = 100) -> str:
 
 @click.group()
 def ckpt() -> None:
-    """Checkpoints: list, inspect, verify, diff and hash them."""
+    """Checkpoints: list, inspect, verify, diff and hash them; export and import."""
 
 
 @ckpt.command("ls")
@@ -239,18 +239,28 @@ def diff(a: str, b: str) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["safetensors", "torch", "hf"]),
+    type=click.Choice(["safetensors", "torch", "dcp", "hf"]),
     default="safetensors",
     show_default=True,
     help="safetensors: model.safetensors (safetensors.torch.load_file); torch: model.pt "
-    "(torch.load(weights_only=True)); hf: the task's transformers model via save_pretrained "
+    "(torch.load(weights_only=True)); dcp: a PyTorch Distributed Checkpoint, the model's "
+    "state-dict keys at the top level and the AdamW state by parameter name under "
+    "'optimizer' (torch.distributed.checkpoint.load into a plain or FSDP2 model, then "
+    "set_state_dict); hf: the task's transformers model via save_pretrained "
     "(from_pretrained).",
 )
 @click.option("--out", required=True, type=click.Path(), help="A new directory to write.")
-def export(path: str, fmt: str, out: str) -> None:
+@click.option(
+    "--weights-only",
+    is_flag=True,
+    help="dcp: leave the optimizer state out (then the task need not be importable here).",
+)
+def export(path: str, fmt: str, out: str, weights_only: bool) -> None:
     """Write the model weights of the checkpoint at PATH (or a run's newest) as plain
-    files, bit for bit; a sharded checkpoint too."""
+    files, bit for bit; a sharded checkpoint too. With --format dcp, the optimizer state
+    too, keyed by parameter name (the task is built to learn the names)."""
     from perdure.checkpoint import CheckpointError, load_checkpoint
+    from perdure.checkpoint.dcp import DcpError, optimizer_by_name
     from perdure.checkpoint.export import ExportError, export_weights
 
     try:
@@ -259,11 +269,69 @@ def export(path: str, fmt: str, out: str) -> None:
         _fail(e)
     build = (lambda: _build_model(loaded.canonical_config)) if fmt == "hf" else None
     try:
-        files = export_weights(loaded.model, out, fmt, build_model=build)
-    except (ExportError, ValueError) as e:
+        optim = None
+        if fmt == "dcp" and not weights_only:
+            names = _param_names(loaded.canonical_config)
+            optim = optimizer_by_name(loaded.optimizer, names)
+        files = export_weights(loaded.model, out, fmt, build_model=build, optimizer=optim)
+    except (ExportError, DcpError, ValueError) as e:
         click.echo(f"export: {e}", err=True)
         sys.exit(2)
-    click.echo(f"{out}: {', '.join(f.name for f in files)} ({len(loaded.model)} tensors)")
+    extra = " and the optimizer state" if optim is not None else ""
+    click.echo(f"{out}: {', '.join(f.name for f in files)} ({len(loaded.model)} tensors{extra})")
+
+
+@ckpt.command("import")
+@click.argument("dcp_dir", type=click.Path())
+@click.option(
+    "--config",
+    "config_path",
+    required=True,
+    type=click.Path(exists=True),
+    help="The run's config (TOML): its task builds the model the weights go into.",
+)
+@click.option(
+    "--out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="A checkpoint root: the step-0 checkpoint is written under it.",
+)
+@click.option(
+    "--weights-only",
+    is_flag=True,
+    help="Leave the DCP checkpoint's optimizer state out (AdamW starts fresh).",
+)
+def import_(dcp_dir: str, config_path: str, out: str, weights_only: bool) -> None:  # fmt: skip
+    """Start a run from the PyTorch DCP checkpoint DCP_DIR: write the run's step-0
+    checkpoint under OUT with the DCP weights (its keys: the model's state-dict names, at
+    the top level) and, where it maps onto the run's optimizer, the AdamW state under
+    'optimizer' (get_state_dict's layout), bit for bit. Then run
+    `perdure run CONFIG --resume OUT/step-000000000`. A missing key or a shape that
+    differs is refused naming the key; the task's scheduler starts fresh."""
+    from perdure.checkpoint.dcp import DcpError
+    from perdure.run_config import load_config
+    from perdure.runtime.dcp_import import import_dcp
+
+    try:
+        made = import_dcp(load_config(config_path), dcp_dir, out, optimizer=not weights_only)
+    except DcpError as e:
+        click.echo(f"import: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"{made}: step 0 of the run; start it with "
+               f"`perdure run {config_path} --resume {made}`")  # fmt: skip
+
+
+def _param_names(canonical: dict[str, Any]) -> list[str]:
+    """The optimizer's parameter names in index order, from the checkpoint's own config
+    (its task and optimizer, built here on the side)."""
+    from perdure.checkpoint.dcp import param_names
+    from perdure.run_config import config_from_dict
+    from perdure.runtime.replica.task import build_optimizer, build_task, plain_module
+
+    keep = ("task", "run", "optim")
+    cfg = config_from_dict({k: v for k, v in canonical.items() if k in keep})
+    task = build_task(cfg.task, 0, cfg.run.base_dir)
+    return param_names(plain_module(task.model), build_optimizer(task, cfg.optim))
 
 
 def _build_model(canonical: dict[str, Any]) -> Any:
