@@ -98,7 +98,9 @@ PARAMS_AT_REST: Final = "params_at_rest"
 between slots in this epoch (``bytes``), the whole replica's (``of``), and the most it has
 held at once outside a slot's gathers since it was built (``init_peak_bytes``: the whole
 replica where the model is built eagerly; about one shard with ``task.init =
-"per_module"`` or a checkpoint loaded by shard)."""
+"per_module"`` or a checkpoint loaded by shard), and, loaded from a checkpoint, the tensor
+bytes it read from it (``ckpt_read_bytes``: its shard's byte ranges, the buffers, and any
+shard it sent meanwhile; null when it loaded none)."""
 SHARD_REDUCE: Final = "shard_reduce"
 """How a replica group's member gets the step's gradient in an epoch (``train.shard_degree``
 > 1): ``mode`` ``scatter`` (its shard's value ``range`` of the slot buffer, reduce-

@@ -530,10 +530,12 @@ def _resume(
     report: Report,
     identity: dict[str, Any] | None,
 ) -> list[Problem]:
-    from perdure.checkpoint import CheckpointError, load_checkpoint
+    from perdure.checkpoint import CheckpointError, verify_checkpoint
+    from perdure.checkpoint.ranges import open_lazy
 
-    try:
-        ckpt = load_checkpoint(path, verify=False)
+    try:  # every file's CRC, streamed once here: a rank sharded at rest reads only ranges
+        verify_checkpoint(path, checksums=config.checkpoint.verify_on_load)
+        ckpt = open_lazy(path).loaded
     except (CheckpointError, OSError) as e:
         return [Problem("--resume", f"cannot be read: {e}", path)]
     out = _compatible(config, ckpt, allow, report, identity)

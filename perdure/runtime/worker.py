@@ -34,9 +34,9 @@ from perdure.checkpoint import (
     CheckpointSaveError,
     CheckpointState,
     config_override_entry,
-    load_checkpoint,
 )
 from perdure.checkpoint.config import checkpoint_root
+from perdure.checkpoint.ranges import open_lazy
 from perdure.data import Dataset
 from perdure.events import Tail
 from perdure.proctitle import set_title
@@ -420,6 +420,7 @@ class Worker:
                     "bytes": tr.gather.held,
                     "of": sum(tr.gather.nbytes),
                     "init_peak_bytes": tr.peak_param_bytes,
+                    "ckpt_read_bytes": tr.ckpt_read_bytes,
                 }
             )
         if shards.received is not None:
@@ -479,9 +480,10 @@ class Worker:
         assert self.trainer is not None
         keys = self.trainer.load(path, allow_config_change=self.allow_config_change)
         if keys:
-            ckpt = load_checkpoint(path, verify=False)  # its step and hash (tensors mapped)
+            lazy = open_lazy(path)  # its step and hash (no tensor read)
+            lazy.reader.close()
             self.trainer.decisions.append(
-                config_override_entry(ckpt, self.trainer.config_hash, keys)
+                config_override_entry(lazy.loaded, self.trainer.config_hash, keys)
             )
 
     def _checkpointer(self, ep: Epoch) -> AsyncCheckpointer:

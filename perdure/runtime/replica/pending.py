@@ -7,8 +7,10 @@ demand, so no rank ever holds the whole model:
 
 - :class:`FromSeed`: the run's initial parameters, drawn module by module from seeds of
   their own (``task.init = "per_module"``; ``deferred.SeedInit``);
-- :class:`FromCheckpoint`: a checkpoint's model tensors, mapped (``load_checkpoint``'s
-  default), so only the bytes read are ever in memory.
+- :class:`FromCheckpoint`: a checkpoint opened without its tensors
+  (``checkpoint/ranges.py``): each parameter is read from its own byte ranges of the
+  files straight into its storage, so a rank reads, and holds, its shard only, whatever
+  layout wrote the checkpoint.
 
 The trainer fills its own shard at the epoch's start (``Trainer.keep_shard``) and, where
 it is the lowest holder of a shard another member lacks, that shard for a moment while it
@@ -17,12 +19,14 @@ is sent (``Trainer.filled``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 from torch import nn
 
+from perdure.checkpoint.ranges import Lazy
+from perdure.checkpoint.tensors import MODEL
 from perdure.runtime.replica.deferred import SeedInit, make_resident
 
 
@@ -55,10 +59,10 @@ class FromSeed:
 
 
 class FromCheckpoint:
-    """A checkpoint's model tensors (mapped), by the module's state dict names."""
+    """A checkpoint's model tensors, each read by byte range when it is filled."""
 
-    def __init__(self, module: nn.Module, model: Mapping[str, torch.Tensor]) -> None:
-        self.model = model
+    def __init__(self, module: nn.Module, lazy: Lazy) -> None:
+        self.lazy = lazy
         self.names: dict[int, str] = {}
         for name, t in module.state_dict(keep_vars=True).items():
             self.names.setdefault(id(t), name)  # a tied parameter: its first name
@@ -68,7 +72,14 @@ class FromCheckpoint:
         return 0
 
     def fill(self, params: Sequence[torch.Tensor]) -> None:
+        direct: list[tuple[str, torch.Tensor]] = []
+        staged: list[tuple[str, torch.Tensor]] = []
+        for p in params:
+            make_resident(p)
+            key = MODEL + self.names[id(p)]
+            cpu = p.device.type == "cpu" and p.is_contiguous()
+            (direct if cpu else staged).append((key, p))
         with torch.no_grad():
-            for p in params:
-                make_resident(p)
-                p.copy_(self.model[self.names[id(p)]])
+            self.lazy.reader.fill([(k, p.data) for k, p in direct])
+            for key, p in staged:  # another device: through one tensor's CPU copy
+                p.copy_(self.lazy.reader.read(key))

@@ -16,14 +16,14 @@ import torch
 
 from perdure.checkpoint import (
     CheckpointState,
-    LoadedCheckpoint,
     capture_rng,
     check_compatible,
     load_checkpoint,
     restore_rng,
     state_digest,
 )
-from perdure.checkpoint.tensors import byte_view, to_cpu_contiguous
+from perdure.checkpoint.ranges import Lazy, open_lazy
+from perdure.checkpoint.tensors import MODEL, byte_view, to_cpu_contiguous
 from perdure.data import Dataset, DataState, SlotLoader
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
@@ -179,7 +179,13 @@ class Trainer:
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
         self._pending_optim: dict[str, Any] | None = None
-        """With a checkpoint pending: its optimizer state (mapped), cut by shard later."""
+        """With a checkpoint pending: its optimizer state, every tensor a ``meta``
+        stand-in that ``_lazy`` reads by byte range once the shard that needs it is known."""
+        self._lazy: Lazy | None = None
+        """The pending checkpoint, opened without its tensors (``checkpoint/ranges.py``)."""
+        self.ckpt_read_bytes: int | None = None
+        """Sharded at rest and loaded from a checkpoint: the tensor bytes this rank read
+        from it (its shard's, the buffers, and any shard it sent meanwhile)."""
         self.peak_param_bytes = 0
         """The most parameter bytes this replica has held at once outside a slot's
         gathers (building the model, loading, filling its shard)."""
@@ -410,7 +416,9 @@ class Trainer:
             assert not params, "a pending replica holds every shard and receives none"
             self.pending.fill(self.shards.owned_params(self.shards.mine))
             self._note_peak(self.pending.peak_bytes)
-            self.pending, self._pending_optim = None, None
+            if self._lazy is not None and state is not None:
+                state = self._lazy.resolve(state)  # this shard's tensors only
+            self._drop_pending()
         if state is not None:
             self.recipe.load_state_dict(state, source="the replica group's shard")
         self._copy_in(params or {})
@@ -425,18 +433,47 @@ class Trainer:
             return self._pending_optim
         return self.recipe.state_dict()
 
+    def _drop_pending(self) -> None:
+        """The pending source is used up (or replaced): forget it, close its files."""
+        if self._lazy is not None:
+            self.ckpt_read_bytes = self._lazy.reader.bytes_read
+            self._lazy.reader.close()
+        self.pending, self._pending_optim, self._lazy = None, None, None
+
+    def _fill_optimizer(self, params: Sequence[torch.Tensor]) -> list[tuple[dict, str, Any]]:
+        """A pending checkpoint's optimizer state of ``params`` read in place (their
+        stand-ins replaced); returns what to put back."""
+        if self._lazy is None or self._pending_optim is None:
+            return []
+        order = [p for g in self.recipe.optimizer.param_groups for p in g["params"]]
+        index = {id(p): i for i, p in enumerate(order)}
+        states = self._pending_optim["state"]
+        undo = []
+        for p in params:
+            s = states.get(index[id(p)])
+            for k, v in (s or {}).items():
+                if isinstance(v, torch.Tensor) and self._lazy.key_of(v) is not None:
+                    undo.append((s, k, v))
+        got = self._lazy.reader.read_many(dict.fromkeys(self._lazy.keys[id(v)] for *_, v in undo))
+        for s, k, v in undo:
+            s[k] = got[self._lazy.keys[id(v)]]
+        return undo
+
     @contextlib.contextmanager
     def filled(self, params: Sequence[torch.Tensor]) -> Iterator[None]:
         """``params`` resident inside, for a pending replica that sends a shard it does not
-        keep (made from its source, then at rest again)."""
+        keep (made from its source, then at rest again), with their optimizer state."""
         if self.pending is None:
             yield
             return
         self.pending.fill(params)
         self._note_peak(self.pending.peak_bytes)
+        undo = self._fill_optimizer(params)
         try:
             yield
         finally:
+            for s, k, v in undo:
+                s[k] = v
             for p in params:
                 free(p)
 
@@ -525,8 +562,11 @@ class Trainer:
         return {} if self.shards is None else self.shards.holders(state.optimizer, world)
 
     def load(self, path: str | Path, *, allow_config_change: bool = False) -> list[str]:
-        """Restore all seven fields from a checkpoint; returns any override records."""
-        ckpt = load_checkpoint(path)
+        """Restore all seven fields from a checkpoint; returns any override records.
+        Sharded at rest, the checkpoint is opened without its tensors and each is read
+        later by byte range (``_load_pending``): this rank never reads the whole model."""
+        lazy = open_lazy(path) if self.config.train.shard_params else None
+        ckpt = load_checkpoint(path) if lazy is None else lazy.loaded
         notes = check_compatible(
             ckpt,
             self.config_hash,
@@ -535,8 +575,9 @@ class Trainer:
             provenance=self.provenance,
         )
         self.gather = None
-        if self.config.train.shard_params:
-            self._load_pending(ckpt, str(path))
+        self._drop_pending()
+        if lazy is not None:
+            self._load_pending(lazy, str(path))
         else:
             self.module.load_state_dict(ckpt.model)
             self._load_optimizer(ckpt.optimizer, str(path))
@@ -550,28 +591,32 @@ class Trainer:
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
         return notes
 
-    def _load_pending(self, ckpt: LoadedCheckpoint, path: str) -> None:
+    def _load_pending(self, lazy: Lazy, path: str) -> None:
         """Sharded at rest: the checkpoint's buffers now, its parameters and optimizer state
-        by shard once the replica knows its own (``keep_shard``); every parameter at rest
-        meanwhile. Names, shapes and dtypes are checked here, so a checkpoint of another
-        model is refused now, naming the tensor."""
+        by shard once the replica knows its own (``keep_shard``), each tensor read then
+        from its byte ranges; every parameter at rest meanwhile. Names, shapes and dtypes
+        are checked here, so a checkpoint of another model is refused now, naming the
+        tensor."""
+        ckpt = lazy.loaded
         named = self.module.state_dict(keep_vars=True)
         _check_model(named, ckpt.model, path)
         params = {id(p) for p in self.module.parameters()}
         with torch.no_grad():
             for name, t in named.items():
                 if id(t) not in params:
-                    t.copy_(ckpt.model[name])  # a buffer: whole on every rank
+                    t.copy_(lazy.reader.read(MODEL + name))  # a buffer: whole on every rank
         for p in self.module.parameters():
             free(p)
         state = dict(ckpt.optimizer)
-        reduction = state.pop(REDUCTION_KEY, None)
+        reduction = lazy.resolve(state.pop(REDUCTION_KEY, None))
         exps = None if reduction is None else reduction.get("exponents")
         self.exponents, self._staged = self._checked_exponents(exps, path), None
         # the param groups and the scheduler now (checked); each shard's tensors later
-        self.recipe.load_state_dict({**state, "state": {}}, source=path)
+        rest = lazy.resolve({k: v for k, v in state.items() if k != "state"})
+        self.recipe.load_state_dict({**rest, "state": {}}, source=path)
         self._pending_optim = state
-        self.pending = FromCheckpoint(self.module, ckpt.model)
+        self._lazy = lazy
+        self.pending = FromCheckpoint(self.module, lazy)
 
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """What a joiner needs: model, optimizer, and the JSON extras. Sharded at rest,
@@ -597,7 +642,7 @@ class Trainer:
         self.decisions = list(extra["decisions"])
         self.next_step = int(extra["next_step"])
         self.held = int(extra.get("held", ALL))
-        self.pending, self._pending_optim = None, None
+        self._drop_pending()
         self.torn = False
         self.state_version += 1
 
