@@ -107,6 +107,54 @@ def test_a_checkpoint_sharded_at_rest_resumes_with_another_layout_on_the_same_tr
     assert s["final_hash"] == unsharded
 
 
+@pytest.fixture(scope="module")
+def at_rest_pair(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The step-10 checkpoint of a W = 2, k = 2 run, parameters at rest."""
+    first = tmp_path_factory.mktemp("pair") / "run"
+    run_to_end(_cfg(small_dataset, 2, 2), first)
+    assert not events(first, ev.CHECKPOINT_FAILED)
+    return first / "checkpoints" / f"step-{STEPS // 2:09d}"
+
+
+def _tensor_bytes(ckpt: Path) -> int:
+    from perdure.checkpoint.tensors import ITEMSIZE
+
+    total = 0
+    for rec in Checkpoint(ckpt).manifest["tensors"].values():
+        n = ITEMSIZE[rec["dtype"]]
+        for d in rec["shape"]:
+            n *= d
+        total += n
+    return total
+
+
+@pytest.mark.parametrize("workers,k,at_rest", [(3, 1, False), (1, 1, False), (3, 3, True)])
+def test_a_checkpoint_of_two_ranks_in_one_group_resumes_at_any_layout_reading_by_shard(
+    unsharded: str,
+    at_rest_pair: Path,
+    small_dataset: Path,
+    tmp_path: Path,
+    workers: int,
+    k: int,
+    at_rest: bool,
+) -> None:
+    """Written at W = 2, k = 2, resumed at W = 3, k = 1, at W = 1 and at W = 3, k = 3 at
+    rest: the unsharded final hash. At rest, each rank read its shard's byte ranges of
+    the files (and the buffers), under half the checkpoint's tensor bytes, and the
+    ranks together read every tensor byte."""
+    run_dir = tmp_path / "resumed"
+    s = run_to_end(_cfg(small_dataset, workers, k, at_rest), run_dir, resume=str(at_rest_pair))
+    assert s["final_hash"] == unsharded
+    if not at_rest:
+        return
+    first = events(run_dir, ev.EPOCH_STARTED)[0]["epoch"]
+    reads = [e["ckpt_read_bytes"] for e in _at_rest(run_dir) if e["epoch"] == first]
+    total = _tensor_bytes(at_rest_pair)
+    assert len(reads) == workers
+    assert all(0 < r < total / 2 for r in reads), (reads, total)
+    assert sum(reads) >= total, (reads, total)
+
+
 def test_a_poisoned_shard_is_quarantined_with_the_unsharded_runs_decisions(
     small_dataset: Path, tmp_path: Path
 ) -> None:
