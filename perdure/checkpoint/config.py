@@ -29,7 +29,10 @@ class CheckpointConfig:
     """When a save is due while the previous one is still being written: ``wait`` for it
     (the step loop blocks) or ``skip`` this save (logged)."""
     verify_on_load: bool = True
-    """Verify every file's checksum when loading."""
+    """Verify every file's checksum when loading. A rank that loads whole checks the
+    files it reads; with ``train.shard_params`` a rank reads only its shard's byte ranges,
+    so the launcher's preflight checks every file of a ``--resume`` checkpoint once
+    (streamed), and the coordinator every checkpoint it picks after a loss."""
     snapshot_overlap: bool = True
     """Let the snapshot copy run on a background thread after ``save()`` returns, so it
     overlaps the next forward and backward; the step loop calls ``wait_snapshot()`` before

@@ -566,7 +566,11 @@ class Trainer:
         Sharded at rest, the checkpoint is opened without its tensors and each is read
         later by byte range (``_load_pending``): this rank never reads the whole model."""
         lazy = open_lazy(path) if self.config.train.shard_params else None
-        ckpt = load_checkpoint(path) if lazy is None else lazy.loaded
+        ckpt = (
+            load_checkpoint(path, verify=self.config.checkpoint.verify_on_load)
+            if lazy is None
+            else lazy.loaded
+        )
         notes = check_compatible(
             ckpt,
             self.config_hash,
