@@ -146,6 +146,22 @@ def test_a_checkpoint_whose_tensors_do_not_fit_the_model_is_refused(
     assert "linear1.bias is [128] in the checkpoint, [256] in the model" in problems[0][1]
 
 
+def test_a_resume_checkpoint_with_a_flipped_bit_is_refused_naming_the_file(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Ranks sharded at rest read only byte ranges and check no file's CRC: the preflight
+    checks every file once, so a corrupt tensor file stops the run before it starts."""
+    cfg = small_config(small_dataset)
+    ckpt = Path(_checkpoint(cfg, tmp_path))
+    part = next(ckpt.glob("tensors-*.safetensors"))
+    data = bytearray(part.read_bytes())
+    data[-3] ^= 0x10
+    part.write_bytes(bytes(data))
+    [(key, rule, value)] = _problems(cfg, resume=str(ckpt))
+    assert key == "--resume" and value == str(ckpt)
+    assert f"{part}: checksum mismatch" in rule
+
+
 def _write(tmp_path: Path, dataset: Path, options: str = "", train: str = "") -> Path:
     path = tmp_path / "run.toml"
     path.write_text(
