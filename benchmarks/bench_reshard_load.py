@@ -39,7 +39,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -84,13 +83,14 @@ def _optimizer(params: Any) -> Any:
 # -- making the state -------------------------------------------------------------------
 
 
-def make(args: argparse.Namespace) -> dict[str, Any]:
-    """The state after one AdamW step, saved by perdure at W = 2, k = 2, and exported
-    as DCP (one process) for the FSDP2 ranks to start from."""
+def _state(args: argparse.Namespace) -> tuple[Any, Any, Any, dict[str, tuple[int, ...]]]:
+    """(model, optimizer, perdure state, holders): the state after one AdamW step (the
+    same bits in every process), each parameter and its moments held by its owner's rank
+    of a W = 2, k = 2 group (``shard_plan.owners``)."""
     import torch
 
-    from perdure.checkpoint import CheckpointState, save_checkpoint
-    from perdure.checkpoint.dcp import optimizer_by_name, param_names, write_dcp
+    from perdure.checkpoint import CheckpointState
+    from perdure.checkpoint.dcp import param_names
     from perdure.runtime.shard_plan import owners
 
     torch.manual_seed(0)
@@ -99,51 +99,83 @@ def make(args: argparse.Namespace) -> dict[str, Any]:
     tokens = torch.randint(0, 256, (2, 64))
     model(tokens).float().pow(2).mean().backward()
     optim.step()
+    model.zero_grad(set_to_none=True)
     osd = optim.state_dict()
-    params = list(model.parameters())
-    owner = owners([p.numel() for p in params], 2)
-    names = param_names(model, optim)
+    owner = owners([p.numel() for p in model.parameters()], 2)
     holders: dict[str, tuple[int, ...]] = {}
-    for i, name in enumerate(names):
-        ranks = (owner[i],)  # W = 2, k = 2: one group, shard j on rank j
-        holders[f"model/{name}"] = ranks
+    for i, name in enumerate(param_names(model, optim)):
+        holders[f"model/{name}"] = (owner[i],)  # W = 2, k = 2: shard j on rank j
         for key in osd["state"][i]:
-            holders[f"optimizer/state/{i}/{key}"] = ranks
+            holders[f"optimizer/state/{i}/{key}"] = (owner[i],)
     state = CheckpointState(step=1, model=model.state_dict(), optimizer=osd, rng={}, data={},
                             config_hash="bench", canonical_config={}, topology={},
                             provenance={})  # fmt: skip
-    root = Path(args.dir) / "perdure"
-    rounds: dict[str, dict[int, Any]] = {}
-    cond = threading.Condition()
+    return model, optim, state, holders
 
-    def exchange(payload: dict[str, Any]) -> list[dict[str, Any]]:
-        with cond:
-            got = rounds.setdefault(payload["round"], {})
-            got[payload["rank"]] = payload
-            cond.notify_all()
-            cond.wait_for(lambda: len(got) == 2, timeout=300)
-            return [got[0], got[1]]
 
-    paths: list[Any] = [None, None]
+def make(args: argparse.Namespace) -> dict[str, Any]:
+    """The state exported as DCP by one process, for the FSDP2 ranks to start from."""
+    from perdure.checkpoint.dcp import optimizer_by_name, param_names, write_dcp
 
-    def write(rank: int) -> None:
-        paths[rank] = save_checkpoint(root, state, rank=rank, world=2, exchange=exchange,
-                                      holders=holders)  # fmt: skip
-
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=write, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    save_s = time.perf_counter() - t0
+    model, optim, state, _ = _state(args)
     (Path(args.dir) / "dcp1").mkdir()
-    write_dcp(model.state_dict(), Path(args.dir) / "dcp1", optimizer_by_name(osd, names))
-    nparams = sum(p.numel() for p in params)
-    ckpt = Path(paths[0])
-    nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
-    return {"params": nparams, "ckpt": str(ckpt), "perdure_save_s_threads": save_s,
-            "ckpt_bytes": nbytes}  # fmt: skip
+    names = param_names(model, optim)
+    write_dcp(state.model, Path(args.dir) / "dcp1", optimizer_by_name(state.optimizer, names))
+    return {"params": sum(p.numel() for p in model.parameters())}
+
+
+def perdure_save_rank(args: argparse.Namespace) -> dict[str, Any]:
+    """Rank ``--rank`` of a W = 2, k = 2 group sharded at rest saves: it holds its shard
+    only (the rest ``meta``, as ``Trainer.checkpoint_state`` gives it), and the writers
+    agree over a TCP store (``StoreExchange``, as a run's ranks do)."""
+    import datetime
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    from perdure.checkpoint import save_checkpoint
+    from perdure.checkpoint.tensors import flatten
+    from perdure.runtime.comm.exchange import StoreExchange
+
+    model, optim, state, holders = _state(args)
+    del model, optim
+    tensors, _ = flatten(state.model, state.optimizer)
+    meta = {id(t) for k, t in tensors.items() if args.rank not in holders.get(k, (args.rank,))}
+
+    def cut(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and id(v) in meta:
+            return torch.empty(v.shape, dtype=v.dtype, device="meta")
+        if isinstance(v, dict):
+            return {k: cut(x) for k, x in v.items()}
+        return v
+
+    state.model, state.optimizer = cut(state.model), cut(state.optimizer)
+    del tensors
+    gc.collect()
+    held = flatten(state.model, state.optimizer)[0].values()
+    shard = sum(t.nbytes for t in held if t.device.type != "meta")
+    wait = datetime.timedelta(seconds=300)
+    server = dist.TCPStore("127.0.0.1", args.port, 2, args.rank == 0, wait,
+                           wait_for_workers=False)  # fmt: skip
+
+    def connect(timeout_s: float) -> Any:
+        seconds = datetime.timedelta(seconds=timeout_s)
+        return dist.TCPStore("127.0.0.1", args.port, 2, False, seconds)
+
+    ex = StoreExchange(connect, "bench/", args.rank, 2, lambda: False)
+    root = Path(args.dir) / "perdure"
+    base = _reset_peak()
+    t0 = time.perf_counter()
+    path = save_checkpoint(root, state, rank=args.rank, world=2, exchange=ex, holders=holders)
+    secs = time.perf_counter() - t0
+    peak = _status("VmHWM") - base
+    server.set(f"done/{args.rank}", "1")
+    server.wait([f"done/{r}" for r in range(2)])
+    files = [f for f in Path(path).iterdir()]
+    return {"rank": args.rank, "seconds": secs, "peak_extra": peak, "shard_bytes": shard,
+            "ckpt": str(path), "bytes": sum(f.stat().st_size for f in files),
+            "files": len(files)}  # fmt: skip
 
 
 # -- loading, one rank per process ------------------------------------------------------
@@ -233,16 +265,19 @@ def fsdp_rank(args: argparse.Namespace) -> dict[str, Any]:
         if args.save:
             msd, osd = get_state_dict(model, optim)
             dist.barrier()
+            base = _reset_peak()
             t0 = time.perf_counter()
             dcp.save({**msd, "optimizer": osd}, checkpoint_id=args.save)
+            out["save"] = {"rank": args.rank, "seconds": time.perf_counter() - t0,
+                           "peak_extra": _status("VmHWM") - base, "shard_bytes": shard}  # fmt: skip
             dist.barrier()
-            out["save_seconds"] = time.perf_counter() - t0
         return out
     finally:
         dist.destroy_process_group()
 
 
-ROLES = {"perdure": perdure_rank, "whole": whole_rank, "fsdp": fsdp_rank, "make": make}
+ROLES = {"perdure": perdure_rank, "whole": whole_rank, "fsdp": fsdp_rank, "make": make,
+         "psave": perdure_save_rank}  # fmt: skip
 
 
 def _spawn(args: argparse.Namespace, role: str, ranks: int, **extra: Any) -> list[dict[str, Any]]:
@@ -296,9 +331,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="reshard-") as tmp:
         args.dir = tmp
         made = _spawn(args, "make", 1)[0]
-        dcp_dir = str(Path(tmp) / "dcp")
-        saved = _spawn(args, "fsdp", 2, src=str(Path(tmp) / "dcp1"), save=dcp_dir)
-        dcp_bytes = sum(f.stat().st_size for f in Path(dcp_dir).iterdir())
+        psaved = _spawn(args, "psave", 2)
+        ckpt = psaved[0]["ckpt"]
+        dcp_dir = Path(tmp) / "dcp"
+        saved = _spawn(args, "fsdp", 2, src=str(Path(tmp) / "dcp1"), save=str(dcp_dir))
+        dcp_files = list(dcp_dir.iterdir())
         result = {
             "machine": machine(),
             "model": {
@@ -307,22 +344,26 @@ def main() -> None:
                 "params": made["params"],
                 "optimizer": "AdamW",
             },
-            "written": {"perdure": "W=2, k=2 (threads)", "dcp": "FSDP2, 2 ranks"},
             "files": {
-                "perdure_bytes": made["ckpt_bytes"],
-                "dcp_bytes": dcp_bytes,
-                "dcp_save_s": max(r["save_seconds"] for r in saved),
-                "perdure_save_s": made["perdure_save_s_threads"],
+                "perdure_bytes": psaved[0]["bytes"],
+                "perdure_files": psaved[0]["files"],
+                "dcp_bytes": sum(f.stat().st_size for f in dcp_files),
+                "dcp_files": len(dcp_files),
             },
+            "save_perdure": _summary(psaved),
+            "save_dcp": _summary([r["save"] for r in saved]),
             "load_ranks": args.ranks,
-            "perdure": _summary(_spawn(args, "perdure", args.ranks, ckpt=made["ckpt"])),
-            "dcp": _summary(_spawn(args, "fsdp", args.ranks, src=dcp_dir)),
-            "perdure_whole": _summary(_spawn(args, "whole", 1, ckpt=made["ckpt"])),
+            "perdure": _summary(_spawn(args, "perdure", args.ranks, ckpt=ckpt)),
+            "dcp": _summary(_spawn(args, "fsdp", args.ranks, src=str(dcp_dir))),
+            "perdure_whole": _summary(_spawn(args, "whole", 1, ckpt=ckpt)),
         }
-    for name in ("perdure", "dcp", "perdure_whole"):
+    for name in ("save_perdure", "save_dcp", "perdure", "dcp", "perdure_whole"):
         r = result[name]
-        print(f"{name:14s} peak extra {r['max_peak_extra_mb']:8.1f} MB  over shard "
-              f"{r['max_over_shard_mb']:7.1f} MB  {r['max_seconds']:.3f} s")  # fmt: skip
+        over = "" if name.startswith("save") else f"  over shard {r['max_over_shard_mb']:7.1f} MB"
+        print(
+            f"{name:14s} peak RSS added {r['max_peak_extra_mb']:8.1f} MB{over}  "
+            f"{r['max_seconds']:.3f} s"
+        )
     print(f"saved in {write_result('reshard_load', result, args.out)}")
 
 
