@@ -185,6 +185,92 @@ def test_a_joiner_receives_its_shard_from_a_replica_that_holds_it_only_from_the_
     assert max(peak0, peak1) < total  # neither held the whole model, the sender included
 
 
+def _joined_from_checkpoint(proc: int, port: int, dataset: str, ckpt: str, q: mp.Queue) -> None:
+    """Rank 0 loaded a checkpoint sharded at rest (every tensor still unread); rank 1
+    joins, as in ``_joined``: rank 0 reads shard 1's parameters and AdamW state by range
+    for the send, and its own shard's for itself."""
+    config = _cfg(Path(dataset), 2, 2)
+    tr = Trainer(config)
+    if proc == 0:
+        tr.load(ckpt)
+    store = torch.distributed.TCPStore("127.0.0.1", port, 2, proc == 0, T)
+    comm = Comm(store, "e/", proc, 2, T, lambda: False)
+    group = comm.subgroup(store, "shard0", proc, 2)
+    shards = Shards(
+        optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
+    )
+    tr.shards = shards
+    payload = pack(*tr.export(), comm.device) if proc == 0 else None
+    head, blob = broadcast_state(comm, 0, payload, T)
+    held = ALL
+    if proc == 1:
+        tr.adopt(*unpack(head, blob))
+        held = tr.held
+    tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
+    params = {
+        n: p.detach().numpy().tobytes() for n, p in tr.module.named_parameters() if resident(p)
+    }
+    state = {
+        int(i): {k: v.numpy().tobytes() for k, v in s.items()}
+        for i, s in tr.optimizer.state_dict()["state"].items()
+    }
+    q.put((proc, held, params, state, tr.next_step))
+    shards.close()
+    comm.close()
+    tr.close()
+
+
+def test_a_joiner_receives_its_shard_from_a_replica_that_loaded_it_by_range(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """A replica that loaded a checkpoint at rest sends a joiner the shard it does not
+    keep, read by range from the files for the send: each rank ends with its shard's
+    parameters and AdamW state bit for bit the checkpoint's."""
+    from perdure.checkpoint import load_checkpoint, save_checkpoint
+
+    whole = Trainer(_cfg(small_dataset, 1, 1))
+    try:
+        for step in range(2):
+            bufs = [whole.layout.new_buffer() for _ in range(whole.config.train.slots)]
+            assert whole.compute_slots(step, range(whole.config.train.slots), bufs)
+            whole.apply(step, sum(bufs[1:], bufs[0].clone()))
+        ckpt = str(save_checkpoint(tmp_path, whole.checkpoint_state({})))
+        names = {id(p): n for n, p in whole.module.named_parameters()}
+        order = [names[id(p)] for g in whole.optimizer.param_groups for p in g["params"]]
+    finally:
+        whole.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q: mp.Queue = ctx.Queue()
+    args = (port, str(small_dataset), ckpt, q)
+    procs = [ctx.Process(target=_joined_from_checkpoint, args=(r, *args)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {r[0]: r[1:] for r in (q.get(timeout=90) for _ in procs)}
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    saved = load_checkpoint(ckpt)
+    (held0, params0, state0, step0), (held1, params1, state1, step1) = got[0], got[1]
+    assert (held0, held1, step0, step1) == (ALL, NONE, 2, 2)
+    assert params0 and params1 and not set(params0) & set(params1)
+    assert set(params0) | set(params1) == set(saved.model)
+    for name, b in {**params0, **params1}.items():
+        assert b == saved.model[name].numpy().tobytes(), name
+    assert state0 and state1 and not set(state0) & set(state1)
+    assert set(state0) | set(state1) == set(saved.optimizer["state"])
+    for i, s in {**state0, **state1}.items():
+        want = {k: v.numpy().tobytes() for k, v in saved.optimizer["state"][i].items()}
+        assert s == want, order[i]
+    # each rank keeps the optimizer state of the parameters it keeps
+    assert {order[i] for i in state0} == set(params0)
+
+
 @pytest.mark.parametrize("at_rest", [False, True], ids=["whole", "holder_by_holder"])
 def test_a_module_nothing_can_initialise_is_refused_before_any_worker_starts(
     small_dataset: Path, tmp_path: Path, at_rest: bool
