@@ -15,10 +15,10 @@ from click.testing import CliRunner
 from perdure.checkpoint import load_checkpoint, save_checkpoint, state_digest
 from perdure.checkpoint.dcp import DcpError, write_dcp
 from perdure.cli import main
-from perdure.runtime.dcp_import import import_dcp
+from perdure.runtime.dcp_import import import_dcp, whole
 from perdure.runtime.replica.trainer import Trainer
 from tests.dcp_support import fsdp_round_trip
-from tests.runtime_support import run_to_end, small_config, summary
+from tests.runtime_support import run_to_end, sharded_config, small_config, summary
 
 STEPS = 6
 
@@ -105,13 +105,17 @@ def test_an_fsdp2_model_loads_the_export_and_saves_what_import_restores_bit_for_
     assert state_digest(back.model, back.optimizer) == state_digest(ckpt.model, ckpt.optimizer)
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_worker", "k2_at_rest"])
 def test_a_run_started_from_an_imported_dcp_checkpoint_is_the_run_itself_bit_for_bit(
-    small_dataset: Path, tmp_path: Path
+    small_dataset: Path, tmp_path: Path, sharded: bool
 ) -> None:
     """A run's initial state (step 0, no AdamW state yet) exported as DCP, imported and
-    resumed ends with the final hash of the run started from its seed."""
+    resumed ends with the final hash of the run started from its seed; with two ranks
+    sharded at rest too (each reads its shard of the imported checkpoint by range)."""
     cfg = _config(small_dataset)
-    t = Trainer(cfg)
+    if sharded:
+        cfg = sharded_config(small_dataset, 2, 2, steps=STEPS)
+    t = Trainer(whole(cfg))
     try:
         first = Path(save_checkpoint(tmp_path / "first", t.checkpoint_state({})))
     finally:

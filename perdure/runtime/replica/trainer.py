@@ -651,6 +651,7 @@ class Trainer:
         self.state_version += 1
 
     def close(self) -> None:
+        self._drop_pending()  # a checkpoint still pending: its files
         self.loader.close()
 
 
