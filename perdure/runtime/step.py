@@ -231,7 +231,7 @@ class StepRunner:
             self.bufs = [self.tr.layout.new_buffer()]
         buf = self.bufs[0]
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
-        red.open(buf, used)
+        red.open(buf, used, adds=max(0, len(self.slots) - 1))
         for slot in self.slots[:-1]:
             self._compute(t, slot, buf, abort, None)
             red.add(buf)

@@ -81,6 +81,9 @@ class ShardSeam(Protocol):
     @property
     def scattered(self) -> bool: ...
 
+    @property
+    def own_range(self) -> tuple[int, int] | None: ...
+
     def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None: ...
 
     def drop_foreign_grads(self) -> None: ...
@@ -293,7 +296,8 @@ class Trainer:
         """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
-        self.engine.assign_grads(total, B)
+        own = None if self.shards is None else self.shards.own_range
+        self.engine.assign_grads(total, B, own)
         self.engine.apply_buffers(total)
         clip = self.config.optim.grad_clip
         if clip is not None and self.shards is not None and self.shards.scattered:
