@@ -129,7 +129,7 @@ def test_a_measured_input_moves_the_prediction(tmp_path: Path) -> None:
     scale_before = {s.policy: s.goodput for s in run_config(cfg, before_cal)}
     scale_after = {s.policy: s.goodput for s in run_config(cfg, after_cal)}
     assert scale_after["torchrun"] < scale_before["torchrun"]
-    assert scale_after["perdure/exact_hier"] < scale_before["perdure/exact_hier"]
+    assert scale_after["perdure/exact_hier/streamed"] < scale_before["perdure/exact_hier/streamed"]
 
 
 def test_benchmark_goodput_is_predicted_within_tolerance() -> None:

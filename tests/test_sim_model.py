@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,7 +15,19 @@ from perdure.sim.policies import POLICIES
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
-from perdure.sim.steptime import HostStep, Links, chain_s, exact_s, hier_s, interp, ring_s
+from perdure.sim.steptime import (
+    AnalyticStep,
+    ComputeModel,
+    HostStep,
+    Links,
+    Parts,
+    bucketed_exposed,
+    chain_s,
+    exact_s,
+    hier_s,
+    interp,
+    ring_s,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENT = ROOT / "configs" / "sim" / "deployment-46.toml"
@@ -195,3 +208,72 @@ def test_a_death_inside_a_lost_region_changes_nothing() -> None:
     alone = simulate(ctx, POLICIES["perdure"], [loss], until_steps=100)
     both = simulate(ctx, POLICIES["perdure"], [loss, death], until_steps=100)
     assert both.elapsed_s == pytest.approx(alone.elapsed_s)
+
+
+# -- overlap: buckets behind the backward ---------------------------------------------------
+
+ONE_SITE = Links(intra_bps=10e9, intra_lat_s=1e-4, cross_bps=10e9, cross_lat_s=1e-4)
+"""4 workers in one region: a ring of 4e9 bytes is 2*3/4*4e9/10e9 = 0.6 s of bandwidth
+and 2*3*1e-4 = 6e-4 s of latency."""
+
+
+def _hand_step(reduction: str, overlap: str = "streamed", **kw: float) -> AnalyticStep:
+    # 6 * 1e9 * 1e6 FLOPs over 8 slots at 1e15 FLOP/s: 0.75 s a slot, 2 slots a worker
+    compute = ComputeModel(params=1e9, tokens_per_step=1e6, slots=8, worker_flops=1e15, workers=4)
+    return AnalyticStep(
+        compute=compute,
+        links=ONE_SITE,
+        reduction=reduction,
+        grad_bytes=4,
+        int_bytes=4,
+        block=256,
+        chain_over_ring=1.0,
+        overlap=overlap,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_bucketed_reduction_exposes_its_last_bucket_and_one_latency() -> None:
+    whole = Parts(bw=1.0, lat=0.1)
+    assert bucketed_exposed(whole, 2.0, 10) == pytest.approx(0.1 + 0.1)  # hidden but the last
+    assert bucketed_exposed(whole, 0.5, 10) == pytest.approx(1.0 - 0.5 * 0.9 + 0.1)
+    assert bucketed_exposed(whole, 5.0, 1) == pytest.approx(1.1)  # one bucket: nothing hides
+
+
+def test_ddp_hides_its_buckets_behind_the_whole_backward() -> None:
+    step = _hand_step("ddp")
+    buckets = math.ceil(4e9 / (25 * 2**20))  # 153
+    assert step.seconds((4,)) == pytest.approx(1.5 + 0.6 / buckets + 6e-4)
+
+
+def test_streamed_exact_hides_behind_the_last_slots_backward_only() -> None:
+    step = _hand_step("exact_flat", step_overhead=1.02, streamed_bytes=1.0)
+    window = 2 / 3 * 0.75  # the last of the member's 2 slots
+    buckets = math.ceil(1e9 / 2**20)  # 954
+    exposed = 0.6 - window * (1 - 1 / buckets) + 6e-4
+    assert step.seconds((4,)) == pytest.approx((1.5 + exposed) * 1.02)
+    # one member gone: 3 slots for the busiest, the same last-slot window
+    ring3 = 2 * 2 / 3 * 4e9 / 10e9
+    exposed3 = ring3 - window * (1 - 1 / buckets) + 4 * 1e-4
+    assert step.seconds((3,)) == pytest.approx((3 * 0.75 + exposed3) * 1.02)
+
+
+def test_the_pre_streaming_model_runs_max_then_payload_after_the_last_slot() -> None:
+    step = _hand_step("exact_flat", "last_slot", overhead=1.03)
+    maxima = 2 * 3 / 4 * (1e9 / 256 * 4) / 10e9 + 6e-4
+    exposed = 0.6 + 6e-4 + maxima - 2 / 3 * 0.75
+    assert step.seconds((4,)) == pytest.approx(1.5 * 1.03 + exposed)
+
+
+def test_the_runtimes_two_tier_exchange_is_not_bucketed() -> None:
+    members = (2, 2)
+    streamed = _hand_step("exact_hier", streamed_bytes=1.0)
+    bucketed = _hand_step("exact_hier", "bucketed", streamed_bytes=1.0)
+    # two regions of 2: reduce-scatter 2*1/2*4e9/10e9 = 0.4 s, exchange 4e9/10e9 = 0.4 s,
+    # latency 2*1e-4 + 1e-4; the MAX of the maxima goes first, the same way
+    payload = 0.8 + 3e-4
+    maxima = 2 * (1e9 / 256 * 4) / 10e9 + 3e-4
+    assert streamed.seconds(members) == pytest.approx(1.5 + payload + maxima)
+    buckets = math.ceil(1e9 / 2**20)
+    hidden = 0.8 - 0.5 * (1 - 1 / buckets) + 3e-4
+    assert bucketed.seconds(members) == pytest.approx(1.5 + hidden)

@@ -28,6 +28,7 @@ FailureKind = Literal[
 ]
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
 Reduction = Literal["chain", "exact_flat", "exact_hier"]
+Overlap = Literal["streamed", "bucketed", "last_slot"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -249,6 +250,15 @@ class PerduePolicyConfig:
     ``exact_flat`` or ``exact_hier`` (integer block sums through the backend's ring
     all_reduce, flat or inside each region then one exchange across regions; a death
     salvages the survivors' finished slots)."""
+    overlap: Overlap = "streamed"
+    """How the exact reduction overlaps the backward (``sim/steptime.py``): ``streamed``
+    (the runtime's ``reduction_exponents = "streamed"``: each member's last slot's buckets
+    on the wire as its backward finishes them, its earlier slots added locally, as DDP
+    with ``no_sync`` micro-batches; the two-tier exchange of ``exact_hier`` goes after the
+    last slot, not bucketed), ``bucketed`` (the same with the two-tier exchange bucketed
+    too: not built yet) or ``last_slot`` (the pre-streaming step: step exponents, a MAX
+    round then the payload, once the last slot is done, hidden behind that slot's
+    backward only). The chain is always ``last_slot``."""
     int_bytes: int = 4
     """Bytes per value of the exact reduction's integer payload (int32 or int64)."""
     exact_block: int = 256
@@ -334,6 +344,10 @@ class PoliciesConfig:
     perdure_reductions: list[Reduction] = field(default_factory=list)
     """Also simulate perdure with each of these reductions (rows ``perdure/<reduction>``);
     empty: only ``perdure.reduction``."""
+    perdure_overlaps: list[Overlap] = field(default_factory=list)
+    """Also simulate each exact reduction of ``perdure_reductions`` with each of these
+    overlap models (rows ``perdure/<reduction>/<overlap>``); empty: only
+    ``perdure.overlap``."""
     torchrun: TorchrunPolicyConfig = field(default_factory=TorchrunPolicyConfig)
     """torchrun's settings."""
     torchft: TorchftPolicyConfig = field(default_factory=TorchftPolicyConfig)

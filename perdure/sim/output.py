@@ -23,6 +23,9 @@ COLOURS = {
     "perdure/chain": "#9ecae1",
     "perdure/exact_flat": "#6baed6",
     "perdure/exact_hier": "#08519c",
+    "perdure/exact_hier/streamed": "#08519c",
+    "perdure/exact_hier/bucketed": "#3182bd",
+    "perdure/exact_hier/last_slot": "#c6dbef",
     "torchrun": "#d62728",
     "torchft": "#2ca02c",
 }
@@ -33,15 +36,16 @@ def colour(label: str) -> str:
 
 
 def goodput_table(rows: Sequence[Summary], days: float, seeds: int) -> str:
+    w = max([18, *(len(r.policy) for r in rows)])
     lines = [
         f"goodput over {days:g} days, {seeds} seeds (mean, 5th-95th percentile); "
         "efficiency: the same against compute alone",
-        f"{'policy':18s} {'goodput':>8s} {'interval':>17s} {'efficiency':>10s} "
+        f"{'policy':{w}s} {'goodput':>8s} {'interval':>17s} {'efficiency':>10s} "
         f"{'step s':>7s} {'failures':>8s} {'restarts':>8s}",
     ]
     for r in rows:
         lines.append(
-            f"{r.policy:18s} {r.goodput:8.4f} [{r.low:.4f}, {r.high:.4f}] {r.efficiency:10.4f} "
+            f"{r.policy:{w}s} {r.goodput:8.4f} [{r.low:.4f}, {r.high:.4f}] {r.efficiency:10.4f} "
             f"{r.step_s:7.3f} {r.failures:8.1f} {r.restarts:8.1f}"
         )
     return "\n".join(lines)
@@ -68,11 +72,12 @@ def validation_table(rows: Sequence[Row]) -> str:
 
 def sweep_table(s: Sweep) -> str:
     """Goodput at each value, and efficiency (against compute alone) after a slash."""
-    head = f"{'policy':18s} " + " ".join(f"{v:>15g}" for v in s.values)
+    w = max([18, *(len(p) for p in s.rows)])
+    head = f"{'policy':{w}s} " + " ".join(f"{v:>15g}" for v in s.values)
     lines = [f"sweep: {s.label} (goodput / efficiency)", head]
     for policy, rows in s.rows.items():
         cells = " ".join(f"{r.goodput:7.4f}/{r.efficiency:.4f}" for r in rows)
-        lines.append(f"{policy:18s} {cells}")
+        lines.append(f"{policy:{w}s} {cells}")
     return "\n".join(lines)
 
 

@@ -37,14 +37,18 @@ def horizon_s(cfg: SimConfig) -> float:
 
 def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
     """(label, policy, config) of every row: each policy of ``policies.run``, perdure
-    once per reduction of ``policies.perdure_reductions`` when it lists any."""
+    once per reduction of ``policies.perdure_reductions`` when it lists any, and an exact
+    reduction once per overlap model of ``policies.perdure_overlaps`` when it lists any."""
     out: list[tuple[str, str, SimConfig]] = []
     p = cfg.policies
     for name in p.run:
-        if name == "perdure" and p.perdure_reductions:
-            for red in p.perdure_reductions:
-                c = replace(cfg, policies=replace(p, perdure=replace(p.perdure, reduction=red)))
-                out.append((f"perdure/{red}", name, c))
+        if name == "perdure" and (p.perdure_reductions or p.perdure_overlaps):
+            for red in p.perdure_reductions or [p.perdure.reduction]:
+                overlaps = p.perdure_overlaps if red != "chain" else []
+                for ov in overlaps or [p.perdure.overlap]:
+                    pp = replace(p.perdure, reduction=red, overlap=ov)
+                    label = f"perdure/{red}" + (f"/{ov}" if overlaps else "")
+                    out.append((label, name, replace(cfg, policies=replace(p, perdure=pp))))
         else:
             out.append((name, name, cfg))
     return out

@@ -173,7 +173,8 @@ def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
         workers=cfg.deployment.workers,
     )
 
-    def model(reduction: str, overhead: float) -> AnalyticStep:
+    def model(reduction: str) -> AnalyticStep:
+        streams = reduction in ("exact_flat", "exact_hier") and p.overlap != "last_slot"
         return AnalyticStep(
             compute=compute,
             links=links(cfg),
@@ -182,14 +183,13 @@ def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
             int_bytes=p.int_bytes,
             block=p.exact_block,
             chain_over_ring=cal.chain_over_ring,
-            overhead=overhead,
+            overhead=1.0 if reduction == "ddp" or streams else cal.perdure_step_overhead,
+            overlap=p.overlap,
+            step_overhead=cal.streamed_overhead if streams else 1.0,
+            streamed_bytes=cal.streamed_bytes,
         )
 
-    return {
-        "perdure": model(p.reduction, cal.perdure_step_overhead),
-        "torchrun": model("ddp", 1.0),
-        "torchft": model("ddp", 1.0),
-    }
+    return {"perdure": model(p.reduction), "torchrun": model("ddp"), "torchft": model("ddp")}
 
 
 def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
