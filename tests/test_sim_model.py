@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from perdure.sim import failures, load_calibration, load_sim_config, scenario
+from perdure.config import ConfigError
+from perdure.sim import failures, load_calibration, load_sim_config, scenario, sharding
+from perdure.sim.config import DeploymentConfig, SimRegion, WorkloadConfig
 from perdure.sim.engine import Context, simulate
 from perdure.sim.failures import Event
 from perdure.sim.policies import POLICIES
@@ -277,3 +279,73 @@ def test_the_runtimes_two_tier_exchange_is_not_bucketed() -> None:
     buckets = math.ceil(1e9 / 2**20)
     hidden = 0.8 - 0.5 * (1 - 1 / buckets) + 3e-4
     assert bucketed.seconds(members) == pytest.approx(1.5 + hidden)
+
+
+# -- sharded replicas ------------------------------------------------------------------------
+
+
+def _sharded(**kw: object) -> tuple[WorkloadConfig, DeploymentConfig]:
+    w = WorkloadConfig(
+        params=8e9,
+        tokens_per_step=1e6,
+        slots=100,
+        layers=8,
+        hidden=1000,
+        **kw,  # type: ignore[arg-type]
+    )
+    gpus = w.tp * w.pp * w.shard
+    d = DeploymentConfig(
+        regions=[SimRegion(name="a", nodes=10)], workers_per_node=1, gpus_per_worker=gpus
+    )
+    return w, d
+
+
+def test_a_gpu_holds_its_share_of_states_and_its_stages_activations() -> None:
+    w, d = _sharded(tp=2, pp=2, shard=2)
+    m = sharding.memory(w, d, perdure=True, int_bytes=4)
+    # 8e9 / (2 * 2 * 2) = 1e9 parameters a GPU: 2 + 4 + 12 bytes each, and perdure's
+    # int32 accumulator
+    assert (m.weights, m.gradients, m.optimizer, m.reduction) == (2e9, 4e9, 12e9, 4e9)
+    # 10 micro-batches a replica, 2 in flight on a stage of 4 layers, 1e6 / 100 / 2 = 5000
+    # tokens each, 34 bytes per token, layer and unit of hidden size, over tp = 2
+    assert m.activations == pytest.approx(4 * 2 * 5000 * 1000 * 34 / 2)
+    ddp = sharding.memory(replace(w, recompute=True), d, perdure=False, int_bytes=4)
+    assert ddp.reduction == 0.0
+    assert ddp.activations == pytest.approx(4 * 2 * 5000 * 1000 * 2 / 2)
+
+
+def test_a_replica_that_does_not_fit_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "sim" / "llama3-405b.toml").read_text()
+    pure_dp = text.replace("tp = 8", "tp = 1").replace("pp = 16", "pp = 1")
+    path = tmp_path / "dp.toml"
+    path.write_text(pure_dp.replace("gpus_per_worker = 128", "gpus_per_worker = 1"))
+    with pytest.raises(ConfigError) as info:
+        load_sim_config(path)
+    msg = str(info.value)
+    # 405e9 x (2 + 4 + 12 + 4) bytes = 8910 GB of states on one GPU
+    assert "needs 8942.3 GB" in msg and "optimizer 4860.0" in msg
+    assert "deployment.gpu_memory_gb = 80 GB" in msg
+    path.write_text(text.replace("gpus_per_worker = 128", "gpus_per_worker = 64"))
+    with pytest.raises(ConfigError, match=r"tp x pp x shard = 8 x 16 x 1 = 128"):
+        load_sim_config(path)
+
+
+def test_tensor_parallel_traffic_and_the_pipeline_bubble_lengthen_the_slot() -> None:
+    w, d = _sharded(tp=2, pp=2)
+    # 4 layers a stage x 4 all-reduces of 1e6/100 tokens x 1000 x 2 bytes over 2 GPUs
+    # of NVLink (3600 Gbit/s): 2 * 1/2 * 2e7 / 450e9 each
+    tp = 4 * 4 * 2e7 / 450e9
+    assert sharding.slot_comm_s(w, d, 1.0) == pytest.approx(tp)
+    compute = ComputeModel(
+        params=8e9, tokens_per_step=1e6, slots=100, worker_flops=4e15, workers=10, bubble=1.0
+    )
+    # 6 * 8e9 * 1e6 / 100 / 4e15 = 0.12 s a slot; 10 slots + a bubble of (2 - 1) / 1
+    assert compute.ddp_s() == pytest.approx(11 * 0.12)
+    assert compute.perdure_s(9) == pytest.approx((12 + 1) * 0.12)  # ceil(100 / 9) = 12
+
+
+def test_fsdp_gathers_hide_behind_the_slot_up_to_its_compute() -> None:
+    w, d = _sharded(shard=4)
+    # 3 passes x 3/4 x 8e9 x 2 bytes over 400 Gbit/s = 0.72 s; a slot of 0.5 s hides 0.5
+    assert sharding.slot_comm_s(w, d, 0.5) == pytest.approx(3 * 0.75 * 16e9 / 50e9 - 0.5)
+    assert sharding.slot_comm_s(w, d, 1.0) == 0.0

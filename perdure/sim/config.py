@@ -56,7 +56,15 @@ class DeploymentConfig:
     workers_per_node: int = 8
     """Workers (replicas, or replica groups) per node; a node's death takes all of them."""
     gpus_per_worker: int = 1
-    """Accelerators per worker; failure rates given per GPU are multiplied by it."""
+    """Accelerators per worker (a replica group: ``workload.tp x pp x shard``); failure
+    rates given per GPU are multiplied by it. A worker's failure takes its whole replica
+    group down (a TP or pipeline group cannot run without any of its GPUs)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one accelerator, GB (1e9 bytes): a workload that needs more per GPU is
+    refused (``sim/sharding.py``: the rule)."""
+    nvlink_gbps: float = 3600.0
+    """Bandwidth of one GPU's link to the others of its node (tensor parallel), Gbit/s
+    (NVLink 4: 450 GB/s a direction)."""
     coordinator_region: str | None = None
     """Where perdure's coordinator and torchft's lighthouse live; default: the first region."""
     standby_region: str | None = None
@@ -80,6 +88,8 @@ class DeploymentConfig:
         c.check(len(set(names)) == len(names), "regions", "names must be unique", names)
         c.positive("workers_per_node", self.workers_per_node)
         c.positive("gpus_per_worker", self.gpus_per_worker)
+        c.positive("gpu_memory_gb", self.gpu_memory_gb)
+        c.positive("nvlink_gbps", self.nvlink_gbps)
         for key in ("coordinator_region", "standby_region"):
             v = getattr(self, key)
             if v is not None:
@@ -116,11 +126,34 @@ class WorkloadConfig:
     slots: int = 4
     """perdure's slots per step (S): a step's batch is cut into S fixed slots, and a
     member computes whole slots, so with k members a step takes ceil(S/k) slot times."""
-    worker_tflops: float = 400.0
-    """Achieved training throughput of one worker, TFLOP/s (peak x model FLOP
-    utilisation); compute per step is 6 P tokens / (workers x this)."""
+    gpu_tflops: float = 400.0
+    """Achieved training throughput of one GPU, TFLOP/s (peak x model FLOP utilisation);
+    compute per step is 6 P tokens / (GPUs x this)."""
     grad_bytes: int = 4
-    """Bytes per gradient value on the wire for a float reduction (chain, DDP)."""
+    """Bytes per gradient value on the wire for a float reduction (chain, DDP), and in
+    memory."""
+    tp: int = 1
+    """Tensor-parallel degree inside a replica (over NVLink, inside a node)."""
+    pp: int = 1
+    """Pipeline stages of a replica (1F1B: a step of m micro-batches takes m + pp - 1
+    micro-batch times)."""
+    pp_interleave: int = 1
+    """Virtual pipeline stages per GPU (interleaved 1F1B): the bubble is (pp - 1) / this
+    micro-batch times."""
+    shard: int = 1
+    """FSDP/HSDP shard degree inside a replica: parameters, gradients and optimizer state
+    split this many ways (ZeRO-3), each shard GPU computing its own data."""
+    layers: int = 16
+    """Transformer layers (activation memory, tensor-parallel traffic)."""
+    hidden: int = 2048
+    """Hidden size (activation memory, tensor-parallel traffic)."""
+    recompute: bool = False
+    """Full activation recomputation: only each layer's input is kept."""
+    weight_bytes: int = 2
+    """Bytes per parameter of the weights the forward reads (bf16)."""
+    optimizer_bytes: int = 12
+    """Bytes per parameter of the optimizer's state (fp32 master weights + Adam's two
+    moments)."""
     state_bytes_per_param: float | None = None
     """Bytes of model + optimizer state per parameter (what a state copy or a checkpoint
     moves); unset: measured (``scaling.json`` checkpoint bytes / params)."""
@@ -134,8 +167,11 @@ class WorkloadConfig:
         c.positive("params", self.params)
         c.positive("tokens_per_step", self.tokens_per_step)
         c.positive("slots", self.slots)
-        c.positive("worker_tflops", self.worker_tflops)
+        c.positive("gpu_tflops", self.gpu_tflops)
         c.check(self.grad_bytes in (2, 4), "grad_bytes", "must be 2 or 4", self.grad_bytes)
+        for key in ("tp", "pp", "pp_interleave", "shard", "layers", "hidden", "weight_bytes"):
+            c.positive(key, getattr(self, key))
+        c.non_negative("optimizer_bytes", self.optimizer_bytes)
         if self.state_bytes_per_param is not None:
             c.positive("state_bytes_per_param", self.state_bytes_per_param)
         c.positive("days", self.days)
@@ -414,6 +450,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         c = Checker()
         c.positive("seeds", self.seeds)
+        _check_replica(c, self)
         names = [r.name for r in self.deployment.regions]
         for i, f in enumerate(self.failures):
             if f.region is not None:
@@ -424,6 +461,31 @@ class SimConfig:
                     f.region,
                 )
         c.done()
+
+
+def _check_replica(c: Checker, cfg: SimConfig) -> None:
+    """A worker is one replica group, and one GPU of it must hold its share."""
+    from perdure.sim import sharding
+
+    w, d = cfg.workload, cfg.deployment
+    gpus = sharding.shards(w)
+    c.check(
+        d.gpus_per_worker == gpus,
+        "deployment.gpus_per_worker",
+        f"must be workload.tp x pp x shard = {w.tp} x {w.pp} x {w.shard} = {gpus}",
+        d.gpus_per_worker,
+    )
+    perdure = "perdure" in cfg.policies.run
+    need = sharding.memory(w, d, perdure=perdure, int_bytes=cfg.policies.perdure.int_bytes)
+    c.check(
+        need.total <= d.gpu_memory_gb * sharding.GB,
+        "workload",
+        f"does not fit: needs {need.describe()} per GPU "
+        f"({'perdure' if perdure else 'DDP'}; sim/sharding.py), above "
+        f"deployment.gpu_memory_gb = {d.gpu_memory_gb:g} GB; raise tp, pp or shard, "
+        "or set recompute",
+        f"params = {w.params:g}, tp = {w.tp}, pp = {w.pp}, shard = {w.shard}",
+    )
 
 
 def load_sim_config(path: str | Path) -> SimConfig:

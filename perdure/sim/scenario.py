@@ -10,9 +10,10 @@ CPU work) plus the wire.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from perdure.runtime.control.detector import PhiAccrual
+from perdure.sim import sharding
 from perdure.sim.calibrate import Calibration
 from perdure.sim.config import (
     PerduePolicyConfig,
@@ -43,11 +44,14 @@ def gbps_to_bps(gbps: float) -> float:
 
 
 def links(cfg: SimConfig) -> Links:
+    """The links one GPU's flows see. Every GPU of a replica reduces (or copies) its own
+    share at once, each on its own NIC inside a region, but all of them share the
+    capacity between two regions: a GPU's flow gets ``1 / gpus_per_worker`` of it."""
     d = cfg.deployment
     return Links(
         intra_bps=gbps_to_bps(d.intra_region_gbps),
         intra_lat_s=d.intra_region_latency_ms / 1000,
-        cross_bps=gbps_to_bps(d.cross_region_gbps),
+        cross_bps=gbps_to_bps(d.cross_region_gbps) / d.gpus_per_worker,
         cross_lat_s=d.cross_region_latency_ms / 1000,
     )
 
@@ -67,8 +71,10 @@ def wire_bps(cfg: SimConfig) -> float:
 
 
 def state_bytes(cfg: SimConfig, cal: Calibration) -> float:
+    """State bytes one GPU holds (its replica's 1/(tp pp shard)): every GPU of a replica
+    copies, saves and loads its own share at once, each on its own link."""
     per = cfg.workload.state_bytes_per_param or cal.state_bytes_per_param
-    return cfg.workload.params * per
+    return cfg.workload.params * per / sharding.shards(cfg.workload)
 
 
 def horizon_s(heartbeat_s: float, acceptable_pause_s: float, threshold: float) -> float:
@@ -164,14 +170,17 @@ def torchft_costs(
 
 def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
     """Each policy's analytic step model on the deployment."""
-    w, p = cfg.workload, cfg.policies.perdure
-    compute = ComputeModel(
+    w, p, d = cfg.workload, cfg.policies.perdure, cfg.deployment
+    base = ComputeModel(
         params=w.params,
         tokens_per_step=w.tokens_per_step,
         slots=w.slots,
-        worker_flops=w.worker_tflops * 1e12,
-        workers=cfg.deployment.workers,
+        worker_flops=w.gpu_tflops * 1e12 * d.gpus_per_worker,
+        workers=d.workers,
+        bubble=(w.pp - 1) / w.pp_interleave,
+        reduce_params=w.params / sharding.shards(w),
     )
+    compute = replace(base, slot_comm_s=sharding.slot_comm_s(w, d, base.flops_slot_s))
 
     def model(reduction: str) -> AnalyticStep:
         streams = reduction in ("exact_flat", "exact_hier") and p.overlap != "last_slot"

@@ -147,8 +147,9 @@ class ComputeModel:
     A slot is one micro-batch of a replica: its FLOPs over the replica's GPUs, plus the
     exposed part of the communication inside the replica (``slot_comm_s``: tensor
     parallel all-reduces, FSDP gathers not hidden by prefetch; see
-    :mod:`perdure.sim.sharding`). With ``pp`` pipeline stages a step of ``m`` micro-batches
-    takes ``m + pp - 1`` slot times (1F1B's bubble)."""
+    :mod:`perdure.sim.sharding`). With ``pp`` pipeline stages and ``v`` virtual stages a
+    GPU, a step of ``m`` micro-batches takes ``m + (pp - 1) / v`` slot times (interleaved
+    1F1B's bubble: ``bubble``)."""
 
     params: float
     tokens_per_step: float
@@ -157,7 +158,8 @@ class ComputeModel:
     """FLOP/s of one replica (its GPUs together)."""
     workers: int
     """The full membership (W): DDP's per-worker batch is B/W whoever is missing."""
-    pp: int = 1
+    bubble: float = 0.0
+    """Slot times a step's pipeline bubble adds: ``(pp - 1) / v``."""
     slot_comm_s: float = 0.0
     reduce_params: float | None = None
     """Gradient values each GPU reduces across replicas (P / (tp pp shard)); unset: P."""
@@ -176,11 +178,11 @@ class ComputeModel:
 
     def perdure_s(self, k: int) -> float:
         """With k members, the busiest computes ceil(S/k) slots (a fixed global batch)."""
-        return (math.ceil(self.slots / max(k, 1)) + self.pp - 1) * self.slot_s
+        return (math.ceil(self.slots / max(k, 1)) + self.bubble) * self.slot_s
 
     def ddp_s(self) -> float:
         """A DDP replica computes its fixed share B/W (fewer replicas: a smaller batch)."""
-        return (self.slots / self.workers + self.pp - 1) * self.slot_s
+        return (self.slots / self.workers + self.bubble) * self.slot_s
 
     @property
     def ideal_s(self) -> float:
@@ -265,7 +267,7 @@ def _exposed(m: AnalyticStep, members: tuple[int, ...], links: Links) -> float:
     p, c = m.compute.grad_values, m.compute
     if m.reduction == "ddp":
         nbytes = p * m.grad_bytes
-        window = BACKWARD_SHARE * (c.ddp_s() if c.pp == 1 else c.slot_s)
+        window = BACKWARD_SHARE * (c.ddp_s() if c.bubble == 0 else c.slot_s)
         buckets = math.ceil(nbytes / DDP_BUCKET_BYTES)
         return bucketed_exposed(ring_parts(nbytes, members, links), window, buckets)
     last_slot = BACKWARD_SHARE * c.slot_s
