@@ -158,6 +158,12 @@ def test_a_warm_spare_avoids_the_join() -> None:
     c: perdure_policy.Costs = ctx.costs
     out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
     assert out.elapsed_s == pytest.approx(10.0 + 0.05 + c.reconfigure_s + c.spare_copy_s)
+    # itemised: half a step in flight redone (0.05 s), the epoch, the copy to the spare
+    # (no latency on this host: detection is free); the replacement refills the pool
+    assert out.counts == {"worker_death": 1}
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.05, "reform": c.reconfigure_s, "copy": c.spare_copy_s}
+    )
 
 
 def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
@@ -166,6 +172,10 @@ def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
     out = simulate(ctx, POLICIES["torchrun"], [_kill(16, 0.0)], until_steps=100)
     assert out.restarts == 1
     assert out.elapsed_s == pytest.approx(10.0 + c.restart_s + 6 * 0.1)
+    # itemised: 6 steps since the checkpoint at 10 redone, the processes and the load
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.6, "startup": c.restart.startup_s, "load": c.restart.load_s}
+    )
     assert out.probes[0].new_s == pytest.approx(c.restart_s + 7 * 0.1)
 
 
@@ -178,6 +188,11 @@ def test_torchft_survivors_go_on_at_a_reduced_batch() -> None:
     # batch is missing
     missing = (c.group_start_s - c.quorum_s) / 0.1 / 3
     assert out.samples == pytest.approx(100 - missing, rel=1e-3)
+    # itemised: the new quorum, and a third of the batch missing while the group restarts
+    # (the host's step time does not change with the members here), then the re-formation
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"reform": c.quorum_s + c.join_s, "reduced": (c.group_start_s - c.quorum_s) / 3}
+    )
 
 
 def test_a_hang_shorter_than_the_horizon_evicts_nobody() -> None:

@@ -57,6 +57,7 @@ def sim(
     except (ConfigError, CalibrationError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(output.goodput_table(summaries, cfg.workload.days, seeds or cfg.seeds))
+    click.echo("\n" + output.cost_table(summaries))
     if rows:
         click.echo("\n" + output.validation_table(rows))
     for s in swept:

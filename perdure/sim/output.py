@@ -51,6 +51,38 @@ def goodput_table(rows: Sequence[Summary], days: float, seeds: int) -> str:
     return "\n".join(lines)
 
 
+COST_ITEMS = ("detection", "wait", "reform", "copy", "startup", "load", "lost", "reduced")
+"""The ledger's items in the order the cost table prints them (``policies.common.ITEMS``)."""
+
+
+def cost_table(rows: Sequence[Summary]) -> str:
+    """Where each policy's time goes: seconds per failure of each kind, by item, and the
+    failures' and the checkpoints' share of the run."""
+    w = max([18, *(len(r.policy) for r in rows)])
+    head = f"{'policy':{w}s} {'failure':14s} {'n/run':>6s} " + " ".join(
+        f"{i:>9s}" for i in COST_ITEMS
+    )
+    lines = [
+        "cost per failure, seconds (items: docs/simulation.md); total: per failure, and "
+        "x n/run as a share of the run",
+        head + f" {'total':>9s} {'of run':>7s}",
+    ]
+    for r in rows:
+        counts = r.counts
+        run_s = r.outcomes[0].elapsed_s if r.outcomes else 0.0
+        for kind, items in sorted(r.per_failure.items()):
+            n = counts.get(kind, 0.0)
+            total = sum(items.values())
+            share = total * (n or 1.0) / run_s if run_s else 0.0
+            cells = " ".join(f"{items.get(i, 0.0):9.1f}" for i in COST_ITEMS)
+            lines.append(f"{r.policy:{w}s} {kind:14s} {n:6.1f} {cells} {total:9.1f} {share:7.2%}")
+        ck = r.checkpoint_s
+        blank = " ".join(f"{'':9s}" for _ in COST_ITEMS)
+        share = ck / run_s if run_s else 0.0
+        lines.append(f"{r.policy:{w}s} {'checkpoints':14s} {'':6s} {blank} {ck:9.1f} {share:7.2%}")
+    return "\n".join(lines)
+
+
 def validation_table(rows: Sequence[Row]) -> str:
     lines = [
         "validation: predicted against measured (measured: median [min, max] of repeats)",
@@ -97,6 +129,9 @@ def record(
             "failures": r.failures,
             "restarts": r.restarts,
             "per_seed": [o.goodput for o in r.outcomes],
+            "failures_per_run": r.counts,
+            "seconds_per_failure": r.per_failure,
+            "checkpoint_s": r.checkpoint_s,
         }
 
     return {

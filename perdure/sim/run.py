@@ -30,6 +30,34 @@ class Summary:
     failures: float
     outcomes: tuple[Outcome, ...]
 
+    @property
+    def counts(self) -> dict[str, float]:
+        """Failures of each kind per run (mean over seeds)."""
+        out: dict[str, float] = {}
+        for o in self.outcomes:
+            for kind, n in o.counts.items():
+                out[kind] = out.get(kind, 0.0) + n / len(self.outcomes)
+        return out
+
+    @property
+    def per_failure(self) -> dict[str, dict[str, float]]:
+        """Seconds by item for one failure of each kind (every seed's total over every
+        seed's count); ``(none)``: below full strength with no failure to charge."""
+        totals: dict[str, dict[str, float]] = {}
+        for o in self.outcomes:
+            for kind, items in o.ledger.items():
+                row = totals.setdefault(kind, {})
+                for item, v in items.items():
+                    row[item] = row.get(item, 0.0) + v
+        n = {k: c * len(self.outcomes) for k, c in self.counts.items()}
+        seeds = max(len(self.outcomes), 1)
+        return {k: {i: v / (n.get(k) or seeds) for i, v in r.items()} for k, r in totals.items()}
+
+    @property
+    def checkpoint_s(self) -> float:
+        """Seconds the periodic checkpoints blocked the loop, per run."""
+        return statistics.fmean(o.checkpoint_s for o in self.outcomes)
+
 
 def horizon_s(cfg: SimConfig) -> float:
     return cfg.workload.days * DAY

@@ -25,6 +25,7 @@ from perdure.sim.engine import Context
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
+from perdure.sim.policies.common import Restart
 from perdure.sim.steptime import AnalyticStep, ComputeModel, Links, StepModel
 
 EPOCH_HOPS = 7
@@ -131,12 +132,16 @@ def perdure_costs(
     )
 
 
-def torchrun_restart_s(cal: Calibration, env: Environment) -> float:
+def torchrun_restart(cal: Calibration, env: Environment) -> Restart:
     """The measured restart, its checkpoint load replaced by this state's from storage,
     plus a rendezvous round's hops."""
     measured_load = cal.torchrun_ckpt_bytes * 8 / (cal.torch_load_gbps * 1e9)
     load = env.state_bytes * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
-    return cal.torchrun_restart_s - measured_load + load + RDZV_HOPS * env.one_way_s
+    return Restart(
+        startup_s=cal.torchrun_restart_s - measured_load,
+        reform_s=RDZV_HOPS * env.one_way_s,
+        load_s=load,
+    )
 
 
 def torchrun_costs(
@@ -145,7 +150,7 @@ def torchrun_costs(
     return torchrun_policy.Costs(
         node_timeout_s=t.node_timeout_s,
         collective_timeout_s=t.collective_timeout_s,
-        restart_s=torchrun_restart_s(cal, env),
+        restart=torchrun_restart(cal, env),
     )
 
 
@@ -164,7 +169,7 @@ def torchft_costs(
         group_start_s=start + heal,
         start_cpu_s=start,
         lighthouse_restart_s=f.lighthouse_restart_minutes * 60,
-        restart_s=torchrun_restart_s(cal, env),
+        restart=torchrun_restart(cal, env),
     )
 
 

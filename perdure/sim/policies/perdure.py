@@ -36,8 +36,9 @@ from perdure.sim.policies.common import (
     in_lost_region,
     lose_inflight,
     missing,
+    pay,
+    pay_until,
     set_down,
-    stall,
 )
 
 FAIL_SETTLE_S = 0.05
@@ -85,7 +86,7 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _hang(ctx, s, e)
     if e.kind == "link_flap":
         s = lose_inflight(s, 0.0 if c.salvage else 1.0)
-        return stall(s, c.close_s + FAIL_SETTLE_S + c.reconfigure_s), ()
+        return pay(s, detection=c.close_s + FAIL_SETTLE_S, reform=c.reconfigure_s), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
         return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
@@ -96,8 +97,9 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.kind == "region_back":
         return _region_back(ctx, s, e)
     if e.kind == "nan_shard":
-        redo = ctx.step.slot_s + ctx.step.small_allreduce_s(s.members)
-        return stall(s, redo + ctx.step.seconds(s.members, s.extra_lat_s)), ()
+        verdicts = ctx.step.small_allreduce_s(s.members)
+        redo = ctx.step.slot_s + ctx.step.seconds(s.members, s.extra_lat_s)
+        return pay(s, detection=verdicts, lost=redo), ()
     if e.kind == "started":
         return s._replace(starting=max(0, s.starting - e.count)), ()
     if e.kind in ("replaced", "resumed"):
@@ -119,7 +121,7 @@ def _deaths(
     promoted = min(s.spares, n, s.members[e.region])
     s = s._replace(spares=s.spares - promoted)
     s = add_members(s, ctx, e.region, -(n - promoted))
-    s = stall(s, detect_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
+    s = pay(s, detection=detect_s, reform=c.reconfigure_s, copy=c.spare_copy_s if promoted else 0.0)
     return _replacements(s, e, n)
 
 
@@ -137,18 +139,19 @@ def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]
     if joining <= 0:
         return s, ()
     s = add_members(s, ctx, e.region, joining)
-    return stall(s, c.join_s), ()
+    return pay(s, reform=c.reconfigure_s, copy=c.join_s - c.reconfigure_s), ()
 
 
 def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     c: Costs = ctx.costs
     if e.duration_s < c.horizon_s:  # nobody is evicted: everyone waits it out
-        return stall(s, e.duration_s), ()
+        return pay(s, wait=e.duration_s), ()
     s = lose_inflight(s, _lost_fraction(c, s, 1))
     promoted = min(s.spares, 1)
     s = s._replace(spares=s.spares - promoted)
     s = add_members(s, ctx, e.region, -(1 - promoted))
-    s = stall(s, c.horizon_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
+    copy = c.spare_copy_s if promoted else 0.0
+    s = pay(s, detection=c.horizon_s, reform=c.reconfigure_s, copy=copy)
     wake = Event(t=s.t + e.duration_s + c.boundary_s, kind="resumed", region=e.region)
     return s, (wake,)
 
@@ -158,6 +161,7 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     if s.down[e.region]:
         return s, ()
     detect = c.horizon_s if e.silent else c.close_s
+    settle = 0.0
     s = lose_inflight(s, _lost_fraction(c, s, s.members[e.region]))
     s = set_down(add_members(s, ctx, e.region, -ctx.target[e.region]), e.region, True)
     back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
@@ -165,13 +169,13 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
         if ctx.standby is None or s.down[ctx.standby]:
             return _wait_for(s, back), (back,)
         s = s._replace(coordinator_lost=True)
-        detect += c.settle_s
-    return stall(s, detect + c.reconfigure_s), (back,)
+        settle = c.settle_s
+    return pay(s, detection=detect, reform=settle + c.reconfigure_s), (back,)
 
 
 def _wait_for(s: State, back: Event) -> State:
     """No coordinator anywhere: nothing trains until the region is back."""
-    return s._replace(stall_until=max(s.stall_until, back.t))
+    return pay_until(s, back.t, "wait")
 
 
 def _region_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
