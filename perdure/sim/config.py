@@ -186,10 +186,17 @@ class CheckpointConfig:
 
     every_minutes: float = 30.0
     """Interval between checkpoints (converted to steps at the fault-free step time)."""
+    bytes_per_gpu: float | None = None
+    """Bytes one GPU saves and a restarted GPU loads (a checkpoint sharded over every GPU
+    of the job, e.g. optimizer state split across data-parallel ranks as well); unset:
+    the GPU's share of its replica's state (``sim/scenario.py``). State copies to a
+    joiner always move the replica share."""
 
     def __post_init__(self) -> None:
         c = Checker()
         c.positive("every_minutes", self.every_minutes)
+        if self.bytes_per_gpu is not None:
+            c.positive("bytes_per_gpu", self.bytes_per_gpu)
         c.done()
 
 

@@ -110,6 +110,12 @@ class Environment:
     storage_gbps: float
     state_bytes: float
     step_s: float
+    ckpt_bytes: float | None = None
+    """What one GPU saves and loads in a checkpoint; None: ``state_bytes``."""
+
+    @property
+    def ckpt(self) -> float:
+        return self.state_bytes if self.ckpt_bytes is None else self.ckpt_bytes
 
 
 def perdure_costs(
@@ -136,7 +142,7 @@ def torchrun_restart(cal: Calibration, env: Environment) -> Restart:
     """The measured restart, its checkpoint load replaced by this state's from storage,
     plus a rendezvous round's hops."""
     measured_load = cal.torchrun_ckpt_bytes * 8 / (cal.torch_load_gbps * 1e9)
-    load = env.state_bytes * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
+    load = env.ckpt * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
     return Restart(
         startup_s=cal.torchrun_restart_s - measured_load,
         reform_s=RDZV_HOPS * env.one_way_s,
@@ -218,6 +224,7 @@ def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
         storage_gbps=d.storage_gbps,
         state_bytes=state_bytes(cfg, cal),
         step_s=step_s,
+        ckpt_bytes=cfg.checkpoint.bytes_per_gpu,
     )
     every = max(1.0, round(cfg.checkpoint.every_minutes * 60 / step_s))
     blocking, lag = checkpoint_cost(cfg, cal, name, env)
@@ -250,11 +257,13 @@ def checkpoint_cost(
 
     perdure: a snapshot copy blocks; every replica writes 1/W of it in the background.
     torchrun and torchft: a blocking ``torch.save`` of the whole state by one rank (the
-    benchmark's), or with ``blocking_save = false`` a snapshot and a background write."""
-    nbits = env.state_bytes * 8
+    benchmark's), or with ``blocking_save = false`` a snapshot and a background write.
+    With ``checkpoint.bytes_per_gpu`` set, every policy's GPU snapshots and writes that."""
+    nbits = env.ckpt * 8
     snapshot = nbits / (cal.snapshot_gbps * 1e9)
     if name == "perdure":
-        write = nbits / cfg.deployment.workers / (min(cal.write_gbps, env.storage_gbps) * 1e9)
+        share = 1 if env.ckpt_bytes is not None else cfg.deployment.workers
+        write = nbits / share / (min(cal.write_gbps, env.storage_gbps) * 1e9)
         return snapshot, write
     write = nbits / (min(cal.torch_save_gbps, env.storage_gbps) * 1e9)
     if cfg.policies.torchrun.blocking_save:
