@@ -10,13 +10,14 @@ import pytest
 
 from perdure.config import ConfigError
 from perdure.sim import failures, load_calibration, load_sim_config, scenario, sharding
-from perdure.sim.config import DeploymentConfig, SimRegion, WorkloadConfig
+from perdure.sim.config import DeploymentConfig, FailureProcess, SimRegion, WorkloadConfig
 from perdure.sim.engine import Context, simulate
 from perdure.sim.failures import Event
 from perdure.sim.policies import POLICIES
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
+from perdure.sim.run import run_policy
 from perdure.sim.steptime import (
     AnalyticStep,
     ComputeModel,
@@ -364,3 +365,50 @@ def test_fsdp_gathers_hide_behind_the_slot_up_to_its_compute() -> None:
     # 3 passes x 3/4 x 8e9 x 2 bytes over 400 Gbit/s = 0.72 s; a slot of 0.5 s hides 0.5
     assert sharding.slot_comm_s(w, d, 0.5) == pytest.approx(3 * 0.75 * 16e9 / 50e9 - 0.5)
     assert sharding.slot_comm_s(w, d, 1.0) == 0.0
+
+
+def test_the_seeds_model_does_not_fit_four_replicas_on_80_gb(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "sim" / "seed-600b.toml").read_text()
+    path = tmp_path / "h100.toml"
+    path.write_text(text.replace("gpu_memory_gb = 192.0", "gpu_memory_gb = 80.0"))
+    with pytest.raises(ConfigError) as info:
+        load_sim_config(path)
+    # 600e9 / 88 = 6.82e9 parameters a GPU x 22 bytes, and the stage's activations
+    assert "needs 154.8 GB" in str(info.value)
+    assert "deployment.gpu_memory_gb = 80 GB" in str(info.value)
+
+
+# -- the yardstick and the spares ----------------------------------------------------------
+
+
+def test_the_restart_policy_on_llama_3_is_within_005_of_the_papers_90_percent() -> None:
+    """Llama 3 405B (Dubey et al. 2024, 3.3.4): "higher than 90% effective training
+    time" over 54 days with 419 unexpected interruptions; restarts from checkpoints."""
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "llama3-405b.toml")
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    summary = run_policy(cfg, cal, "torchrun", 3)
+    assert abs(summary.goodput - 0.90) <= 0.05
+    assert summary.failures == pytest.approx(419, rel=0.15)
+
+
+def test_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None:
+    """The spares sweep's dip: a node death promotes the spares there are (a copy) and
+    the rest of its workers join later (a second copy), while the busiest member's slot
+    count, hence the step, stays that of the short membership."""
+    cfg = load_sim_config(DEPLOYMENT)
+    cfg = replace(
+        cfg, failures=[FailureProcess(kind="node_death", per_day=1.0, replace_minutes=10.0)]
+    )
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+
+    def node_death(spares: int) -> tuple[float, dict[str, float]]:
+        p = replace(cfg.policies, perdure=replace(cfg.policies.perdure, spares=spares))
+        r = run_policy(replace(cfg, policies=p), cal, "perdure", 2)
+        return r.goodput, r.per_failure["node_death"]
+
+    copy = scenario.context(cfg, cal, "perdure").costs.spare_copy_s
+    none, four, eight = node_death(0), node_death(4), node_death(8)
+    assert none[1]["copy"] == pytest.approx(copy)  # the join's
+    assert four[1]["copy"] == pytest.approx(2 * copy)  # the promotion's and the join's
+    assert eight[1]["copy"] == pytest.approx(copy)  # the promotion's; the rest refill the pool
+    assert four[0] < none[0] < eight[0]
