@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -209,14 +211,27 @@ def test_phi_horizon_is_about_the_acceptable_pause() -> None:
     assert 4.0 < h < 5.0
 
 
-def test_constants_match_the_runtime() -> None:
-    """The copies of runtime rules the simulator keeps (importing the runtime's policy
-    module pulls in torch, which the simulator avoids)."""
+def test_the_simulator_calls_the_runtimes_rules_and_imports_without_torch() -> None:
+    """The boundary margin is the runtime's own function; the settle after a failed
+    collective is ``cluster.reform_backoff_ms``; and ``perdure.sim`` imports with torch
+    blocked (a subprocess: this one has torch loaded)."""
+    from perdure.runtime.config import ClusterConfig
     from perdure.runtime.control import policy as runtime_policy
 
-    assert perdure_policy.FAIL_SETTLE_S == runtime_policy.FAIL_SETTLE_S
-    for step_s in (0.01, 0.06, 0.3, 2.0):
-        assert scenario.boundary_margin(step_s, 0.1) == runtime_policy.boundary_margin(step_s, 0.1)
+    assert scenario.boundary_margin is runtime_policy.boundary_margin
+    sim_default = scenario.PerduePolicyConfig().reform_backoff_ms / 1000
+    assert sim_default == ClusterConfig().reform_backoff_ms / 1000 == runtime_policy.FAIL_SETTLE_S
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import perdure.sim, perdure.sim.run, perdure.sim.sweep, perdure.sim.scenario\n"
+        "import perdure.sim.output, perdure.sim.validate\n"
+        "print('ok')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
 
 
 def test_a_death_inside_a_lost_region_changes_nothing() -> None:

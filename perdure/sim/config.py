@@ -319,6 +319,9 @@ class PerduePolicyConfig:
     """The standby coordinator's settle time before its first epoch."""
     replace_after_ms: float = float(_PERDURE.replace_after_ms)
     """The launcher's delay before it starts a replacement process."""
+    reform_backoff_ms: float = float(_PERDURE.reform_backoff_ms)
+    """After a collective fails with nobody lost (a dropped link), the wait for a death
+    that would explain it before the same members re-form."""
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -330,6 +333,7 @@ class PerduePolicyConfig:
         c.non_negative("acceptable_pause_ms", self.acceptable_pause_ms)
         c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.non_negative("replace_after_ms", self.replace_after_ms)
+        c.positive("reform_backoff_ms", self.reform_backoff_ms)
         c.done()
 
 

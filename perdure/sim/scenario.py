@@ -9,9 +9,9 @@ CPU work) plus the wire.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
+from perdure.runtime.control.boundary import boundary_margin
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.sim import sharding
 from perdure.sim.calibrate import Calibration
@@ -87,14 +87,6 @@ def horizon_s(heartbeat_s: float, acceptable_pause_s: float, threshold: float) -
     return d.horizon_s(threshold)
 
 
-def boundary_margin(step_s: float, heartbeat_s: float, cap: int = 20) -> int:
-    """Steps ahead a planned epoch change starts (``runtime/control/policy.py``'s rule,
-    kept equal by a test)."""
-    if step_s <= 0:
-        return 1
-    return min(cap, math.ceil(2 * heartbeat_s / step_s))
-
-
 def boundary_s(step_s: float, heartbeat_s: float) -> float:
     """From a joiner's ready heartbeat to its epoch's start: a heartbeat to report it,
     then the margin's steps (the members train on meanwhile)."""
@@ -135,6 +127,7 @@ def perdure_costs(
         start_s=cal.perdure_replacement_start_s,
         boundary_s=boundary_s(env.step_s, hb),
         salvage=p.reduction != "chain",
+        reform_wait_s=p.reform_backoff_ms / 1000,
     )
 
 

@@ -12,7 +12,8 @@ What each failure costs, as ``docs/architecture.md`` describes the runtime:
 - a node dies silently, or a worker hangs: nothing closes, so the survivors wait in the
   blocked collective until phi accrual crosses its threshold (``horizon_s``); a hang
   shorter than that evicts nobody; a hung worker that wakes rejoins like a replacement;
-- a dropped link: the collective fails, the same members re-form after ``FAIL_SETTLE_S``;
+- a dropped link: the collective fails, the same members re-form after ``reform_s``
+  (``cluster.reform_backoff_ms``);
 - a latency spike: steps slow down for its duration (nobody is evicted while the spike is
   shorter than the detection horizon; the planner cannot take a member's last slot);
 - a region is lost: as many deaths at once; when the coordinator's region is lost, the
@@ -41,10 +42,6 @@ from perdure.sim.policies.common import (
     set_down,
 )
 
-FAIL_SETTLE_S = 0.05
-"""perdure's wait for a death that explains a failed collective before re-forming the
-same members (``runtime/control/policy.py``, kept equal by a test)."""
-
 
 @dataclass(frozen=True)
 class Costs:
@@ -71,6 +68,9 @@ class Costs:
     """From a ready joiner to the boundary its epoch starts at (members train on)."""
     salvage: bool
     """The exact reduction keeps the survivors' finished slots."""
+    reform_wait_s: float = 0.05
+    """After a failed collective with nobody lost, the wait before the same members
+    re-form (``cluster.reform_backoff_ms``, the first of a row)."""
 
 
 def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -86,7 +86,7 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _hang(ctx, s, e)
     if e.kind == "link_flap":
         s = lose_inflight(s, 0.0 if c.salvage else 1.0)
-        return pay(s, detection=c.close_s + FAIL_SETTLE_S, reform=c.reconfigure_s), ()
+        return pay(s, detection=c.close_s + c.reform_wait_s, reform=c.reconfigure_s), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
         return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
@@ -205,4 +205,4 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     return handle(ctx, s, e)
 
 
-__all__ = ["FAIL_SETTLE_S", "Costs", "policy"]
+__all__ = ["Costs", "policy"]
