@@ -19,7 +19,7 @@ from perdure.sim.policies import POLICIES
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
-from perdure.sim.run import run_policy
+from perdure.sim.run import run_policy, variants
 from perdure.sim.steptime import (
     AnalyticStep,
     ComputeModel,
@@ -427,3 +427,18 @@ def test_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None
     assert four[1]["copy"] == pytest.approx(2 * copy)  # the promotion's and the join's
     assert eight[1]["copy"] == pytest.approx(copy)  # the promotion's; the rest refill the pool
     assert four[0] < none[0] < eight[0]
+
+
+@pytest.mark.parametrize("name", ["deployment-46", "llama3-405b", "seed-600b"])
+def test_the_cost_table_accounts_for_every_second_a_run_loses(name: str) -> None:
+    """Elapsed time minus the full-batch steps' fault-free time is the sum of the
+    ledger's items and the checkpoints' blocking time: nothing lost goes uncharged, and
+    nothing is charged twice (within 1e-4 of the run: the step in flight at the end)."""
+    cfg = load_sim_config(ROOT / "configs" / "sim" / f"{name}.toml")
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    for label, policy, c in variants(cfg):
+        for out in run_policy(c, cal, policy, 1, label).outcomes:
+            lost = out.elapsed_s - out.samples * out.step_s
+            charged = sum(sum(items.values()) for items in out.ledger.values())
+            assert lost > 0
+            assert charged + out.checkpoint_s == pytest.approx(lost, abs=1e-4 * out.elapsed_s)

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from perdure.runtime.config import ClusterConfig
-from perdure.sim.steptime import interp
 
 REQUIRED = (
     "recovery",
@@ -144,17 +143,6 @@ class Calibration:
                 "no state-copy rate can be derived"
             )
         return self.recovery_state_bytes * 8 / extra / 1e9
-
-    def goodput_run(self, name: str) -> GoodputRun:
-        for r in self.goodput_runs:
-            if r.name == name:
-                return r
-        raise CalibrationError(f"{self.source}/recovery.json: no goodput row {name!r}")
-
-    def host_ratio(self, k: int, w: int) -> float:
-        """Step time with k workers over that with w on this host (linear in between the
-        measured worker counts, clamped at the ends)."""
-        return interp(self.host_curve, k) / interp(self.host_curve, w)
 
 
 class _File:
