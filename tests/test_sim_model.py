@@ -169,6 +169,20 @@ def test_a_warm_spare_avoids_the_join() -> None:
     )
 
 
+def test_a_swarm_copy_lets_the_members_train_while_the_spare_fetches_its_state() -> None:
+    ctx = _host_context("perdure", spares=1)
+    swarm = replace(ctx, costs=replace(ctx.costs, swarm_s=0.5))
+    c: perdure_policy.Costs = swarm.costs
+    out = simulate(swarm, POLICIES["perdure"], [_kill(10)], until_steps=100)
+    # the members pay two epoch changes (without the dead worker, then with the spare)
+    # and no copy; this host's step does not depend on the members, so nothing is lost
+    # to the short membership in between
+    assert out.elapsed_s == pytest.approx(10.0 + 0.05 + 2 * c.reconfigure_s)
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.05, "reform": 2 * c.reconfigure_s}
+    )
+
+
 def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
     ctx = _host_context("torchrun", ckpt_every=10)
     c: torchrun_policy.Costs = ctx.costs

@@ -319,6 +319,11 @@ class PerduePolicyConfig:
     """The standby coordinator's settle time before its first epoch."""
     replace_after_ms: float = float(_PERDURE.replace_after_ms)
     """The launcher's delay before it starts a replacement process."""
+    state_copy: Literal["stall", "swarm"] = "stall"
+    """``stall`` (the runtime: a joiner's or a promoted spare's state comes from one
+    peer through the codec, at the measured rate, while every member waits) or
+    ``swarm`` (issue 34's design, not built: fetched from every holder at link rate
+    while the members train; they pause only for the epoch change)."""
     reform_backoff_ms: float = float(_PERDURE.reform_backoff_ms)
     """After a collective fails with nobody lost (a dropped link), the wait for a death
     that would explain it before the same members re-form."""

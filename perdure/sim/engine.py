@@ -162,7 +162,8 @@ def advance(ctx: Context, s: State, t1: float, ledger: Ledger | None = None) -> 
     if ledger is not None and (s.batch < 1.0 or s.members != ctx.target or s.extra_lat_s):
         full = step_time(ctx, s._replace(members=ctx.target, extra_lat_s=0.0))
         lost = (t1 - start) * (1 - s.batch * full / now)
-        ledger.add(s.degraded_by or "(none)", "reduced", lost)
+        if lost > 0:
+            ledger.add(s.degraded_by or "(none)", "reduced", lost)
     return s._replace(t=t1, steps=s.steps + ds, samples=s.samples + ds * s.batch)
 
 

@@ -128,6 +128,7 @@ def perdure_costs(
         boundary_s=boundary_s(env.step_s, hb),
         salvage=p.reduction != "chain",
         reform_wait_s=p.reform_backoff_ms / 1000,
+        swarm_s=env.state_bytes / env.wire_bps if p.state_copy == "swarm" else 0.0,
     )
 
 

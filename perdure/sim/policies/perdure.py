@@ -71,6 +71,11 @@ class Costs:
     reform_wait_s: float = 0.05
     """After a failed collective with nobody lost, the wait before the same members
     re-form (``cluster.reform_backoff_ms``, the first of a row)."""
+    swarm_s: float = 0.0
+    """``state_copy = "swarm"`` (issue 34's design, not built): a joiner or a promoted
+    spare fetches its share from every holder at link rate, this long, while the members
+    train; they pause only for the epoch change that plans it in. 0: the copy stalls the
+    members (``spare_copy_s``, ``join_s``)."""
 
 
 def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -119,10 +124,25 @@ def _deaths(
     c: Costs = ctx.costs
     s = lose_inflight(s, _lost_fraction(c, s, n))
     promoted = min(s.spares, n, s.members[e.region])
+    s, later = _promote(ctx, s, e.region, n, promoted, detect_s)
+    s, back = _replacements(s, e, n)
+    return s, later + back
+
+
+def _promote(
+    ctx: Context, s: State, region: int, n: int, promoted: int, detect_s: float
+) -> tuple[State, tuple[Event, ...]]:
+    """``n`` members of ``region`` gone, ``promoted`` spares in their places: copied
+    while everyone waits, or (swarm) copied while the survivors train, then planned in."""
+    c: Costs = ctx.costs
     s = s._replace(spares=s.spares - promoted)
-    s = add_members(s, ctx, e.region, -(n - promoted))
-    s = pay(s, detection=detect_s, reform=c.reconfigure_s, copy=c.spare_copy_s if promoted else 0.0)
-    return _replacements(s, e, n)
+    if c.swarm_s <= 0 or not promoted:
+        s = add_members(s, ctx, region, -(n - promoted))
+        copy = c.spare_copy_s if promoted else 0.0
+        return pay(s, detection=detect_s, reform=c.reconfigure_s, copy=copy), ()
+    s = pay(add_members(s, ctx, region, -n), detection=detect_s, reform=c.reconfigure_s)
+    ready = Event(t=s.stall_until + c.swarm_s, kind="replaced", region=region, count=promoted)
+    return s, (ready,)
 
 
 def _replacements(s: State, e: Event, n: int) -> tuple[State, tuple[Event, ...]]:
@@ -139,7 +159,8 @@ def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]
     if joining <= 0:
         return s, ()
     s = add_members(s, ctx, e.region, joining)
-    return pay(s, reform=c.reconfigure_s, copy=c.join_s - c.reconfigure_s), ()
+    copy = 0.0 if c.swarm_s > 0 else c.join_s - c.reconfigure_s
+    return pay(s, reform=c.reconfigure_s, copy=copy), ()
 
 
 def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -147,13 +168,9 @@ def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.duration_s < c.horizon_s:  # nobody is evicted: everyone waits it out
         return pay(s, wait=e.duration_s), ()
     s = lose_inflight(s, _lost_fraction(c, s, 1))
-    promoted = min(s.spares, 1)
-    s = s._replace(spares=s.spares - promoted)
-    s = add_members(s, ctx, e.region, -(1 - promoted))
-    copy = c.spare_copy_s if promoted else 0.0
-    s = pay(s, detection=c.horizon_s, reform=c.reconfigure_s, copy=copy)
-    wake = Event(t=s.t + e.duration_s + c.boundary_s, kind="resumed", region=e.region)
-    return s, (wake,)
+    s, later = _promote(ctx, s, e.region, 1, min(s.spares, 1), c.horizon_s)
+    wake_s = e.duration_s + c.swarm_s + c.boundary_s
+    return s, (*later, Event(t=s.t + wake_s, kind="resumed", region=e.region))
 
 
 def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -192,7 +209,12 @@ def _hardware_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event
     return s, (
         Event(t=t0, kind="launch", count=e.count),
         Event(t=t0 + c.start_s, kind="started", count=e.count),
-        Event(t=t0 + c.start_s + c.boundary_s, kind="replaced", region=e.region, count=e.count),
+        Event(
+            t=t0 + c.start_s + c.swarm_s + c.boundary_s,
+            kind="replaced",
+            region=e.region,
+            count=e.count,
+        ),
     )
 
 
