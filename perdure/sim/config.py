@@ -420,7 +420,7 @@ class SweepConfig:
     """Multipliers on every failure rate."""
     checkpoint_minutes: list[float] = field(default_factory=lambda: [5.0, 15.0, 30.0, 60.0])
     """Checkpoint intervals."""
-    spares: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
+    spares: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
     """perdure's warm spares."""
     cross_region_latency_ms: list[float] = field(default_factory=lambda: [5.0, 30.0, 100.0])
     """One-way cross-region latencies."""

@@ -66,13 +66,16 @@ def horizon_s(cfg: SimConfig) -> float:
 def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
     """(label, policy, config) of every row: each policy of ``policies.run``, perdure
     once per reduction of ``policies.perdure_reductions`` when it lists any, and an exact
-    reduction once per overlap model of ``policies.perdure_overlaps`` when it lists any."""
+    reduction once per overlap model of ``policies.perdure_overlaps`` when it lists any
+    (``exact_flat`` without ``bucketed``: the same as ``streamed`` there)."""
     out: list[tuple[str, str, SimConfig]] = []
     p = cfg.policies
     for name in p.run:
         if name == "perdure" and (p.perdure_reductions or p.perdure_overlaps):
             for red in p.perdure_reductions or [p.perdure.reduction]:
                 overlaps = p.perdure_overlaps if red != "chain" else []
+                if red == "exact_flat":  # a flat group streams bucketed already
+                    overlaps = [o for o in overlaps if o != "bucketed"]
                 for ov in overlaps or [p.perdure.overlap]:
                     pp = replace(p.perdure, reduction=red, overlap=ov)
                     label = f"perdure/{red}" + (f"/{ov}" if overlaps else "")
