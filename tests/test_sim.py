@@ -159,7 +159,7 @@ def test_cli_prints_every_policy_and_writes_plots(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     for name in ("perdure/exact_hier", "perdure/chain", "torchrun", "torchft", "validation"):
         assert name in res.output
-    assert "cost per failure" in res.output
+    assert "cost per failure" in res.output and "step by dimension" in res.output
     record = json.loads((out / "sim.json").read_text())
     assert {r["policy"] for r in record["goodput"]} >= {"torchrun", "torchft"}
     torchrun = next(r for r in record["goodput"] if r["policy"] == "torchrun")

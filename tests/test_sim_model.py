@@ -32,6 +32,7 @@ from perdure.sim.steptime import (
     hier_s,
     interp,
     ring_s,
+    step_parts,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -456,3 +457,26 @@ def test_the_cost_table_accounts_for_every_second_a_run_loses(name: str) -> None
             charged = sum(sum(items.values()) for items in out.ledger.values())
             assert lost > 0
             assert charged + out.checkpoint_s == pytest.approx(lost, abs=1e-4 * out.elapsed_s)
+
+
+def test_the_step_by_dimension_sums_to_the_step() -> None:
+    """The hand config of the overlap tests with a pipeline and tensor parallel traffic:
+    the parts are the slots' FLOPs, the bubble, the replica's traffic, the exposed
+    reduction and perdure's measured factor, and they add up to the step."""
+    compute = ComputeModel(
+        params=1e9,
+        tokens_per_step=1e6,
+        slots=8,
+        worker_flops=1e15,
+        workers=4,
+        bubble=0.5,
+        slot_comm_s=0.01,
+    )
+    step = replace(_hand_step("exact_flat", step_overhead=1.02), compute=compute)
+    parts = step_parts(step, (4,))
+    assert parts["compute"] == pytest.approx(2 * 0.75)
+    assert parts["bubble"] == pytest.approx(0.5 * 0.75)
+    assert parts["replica"] == pytest.approx(2.5 * 0.01)
+    assert parts["reduction"] == pytest.approx(step.exposed_s((4,)))
+    assert sum(parts.values()) == pytest.approx(step.seconds((4,)))
+    assert parts["runtime"] == pytest.approx(0.02 * (sum(parts.values()) - parts["runtime"]))

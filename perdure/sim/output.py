@@ -15,6 +15,7 @@ from typing import Any
 
 from perdure.report.svg import Linear, Log10, esc, fmt, log_ticks, nice_ticks, tick_label
 from perdure.sim.run import Summary
+from perdure.sim.steptime import STEP_PARTS
 from perdure.sim.sweep import Sweep
 from perdure.sim.validate import TOLERANCE, Row
 
@@ -48,6 +49,21 @@ def goodput_table(rows: Sequence[Summary], days: float, seeds: int) -> str:
             f"{r.policy:{w}s} {r.goodput:8.4f} [{r.low:.4f}, {r.high:.4f}] {r.efficiency:10.4f} "
             f"{r.step_s:7.3f} {r.failures:8.1f} {r.restarts:8.1f}"
         )
+    return "\n".join(lines)
+
+
+def step_table(rows: Sequence[Summary], memory: str) -> str:
+    """Each policy's fault-free step by dimension, and what a GPU holds."""
+    w = max([18, *(len(r.policy) for r in rows)])
+    lines = [
+        f"step by dimension, s (full strength); memory per GPU: {memory}",
+        f"{'policy':{w}s} " + " ".join(f"{p:>9s}" for p in STEP_PARTS) + f" {'step':>9s}",
+    ]
+    for r in rows:
+        if not r.step_parts:
+            continue
+        cells = " ".join(f"{r.step_parts.get(p, 0.0):9.3f}" for p in STEP_PARTS)
+        lines.append(f"{r.policy:{w}s} {cells} {sum(r.step_parts.values()):9.3f}")
     return "\n".join(lines)
 
 
@@ -132,6 +148,7 @@ def record(
             "failures_per_run": r.counts,
             "seconds_per_failure": r.per_failure,
             "checkpoint_s": r.checkpoint_s,
+            "step_parts": r.step_parts,
         }
 
     return {

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from perdure.sim import failures, scenario
 from perdure.sim.calibrate import Calibration
 from perdure.sim.config import SimConfig
 from perdure.sim.engine import Outcome, simulate
 from perdure.sim.policies import POLICIES
+from perdure.sim.steptime import AnalyticStep, step_parts
 
 DAY = 86400.0
 
@@ -29,6 +30,8 @@ class Summary:
     restarts: float
     failures: float
     outcomes: tuple[Outcome, ...]
+    step_parts: dict[str, float] = field(default_factory=dict)
+    """The fault-free step by dimension (``steptime.step_parts``; empty on a host)."""
 
     @property
     def counts(self) -> dict[str, float]:
@@ -111,6 +114,7 @@ def run_policy(
         restarts=statistics.fmean(o.restarts for o in outs),
         failures=statistics.fmean(n_failures),
         outcomes=tuple(outs),
+        step_parts=step_parts(ctx.step, ctx.target) if isinstance(ctx.step, AnalyticStep) else {},
     )
 
 

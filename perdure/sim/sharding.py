@@ -118,3 +118,10 @@ def slot_comm_s(w: WorkloadConfig, d: DeploymentConfig, flops_slot_s: float) -> 
         gathered = w.params / (w.tp * w.pp) * w.weight_bytes
         fsdp = FSDP_PASSES * (w.shard - 1) / w.shard * gathered / intra
     return tp + max(0.0, fsdp - flops_slot_s)
+
+
+def memory_line(w: WorkloadConfig, d: DeploymentConfig, int_bytes: int) -> str:
+    """perdure's and DDP's memory per GPU against the device's, for the output."""
+    mine = memory(w, d, perdure=True, int_bytes=int_bytes).describe()
+    ddp = memory(w, d, perdure=False, int_bytes=int_bytes).total / GB
+    return f"perdure {mine}; DDP {ddp:.1f} GB; device {d.gpu_memory_gb:g} GB"

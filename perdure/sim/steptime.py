@@ -297,6 +297,29 @@ def _seconds(m: AnalyticStep, members: tuple[int, ...], extra_lat_s: float) -> f
     return (compute + _exposed(m, members, links)) * m.step_overhead
 
 
+STEP_PARTS = ("compute", "bubble", "replica", "reduction", "runtime")
+"""The step by dimension (:func:`step_parts`)."""
+
+
+def step_parts(m: AnalyticStep, members: tuple[int, ...]) -> dict[str, float]:
+    """The step at ``members`` by dimension, seconds, summing to ``m.seconds(members)``:
+    the slots' FLOPs, the pipeline bubble, the communication inside the replica not
+    hidden (tensor parallel, FSDP), the data-parallel reduction's exposed part, and
+    perdure's measured runtime cost (its overhead factors)."""
+    c = m.compute
+    k = sum(members)
+    slots = c.slots / c.workers if m.reduction == "ddp" else math.ceil(c.slots / max(k, 1))
+    parts = {
+        "compute": slots * c.flops_slot_s,
+        "bubble": c.bubble * c.flops_slot_s,
+        "replica": (slots + c.bubble) * c.slot_comm_s,
+        "reduction": _exposed(m, members, m.links),
+    }
+    rest = m.seconds(members) - sum(parts.values())
+    parts["runtime"] = rest if abs(rest) > 1e-9 * m.seconds(members) else 0.0
+    return parts
+
+
 @dataclass(frozen=True)
 class HostStep:
     """Step time on a time-shared CPU host (the benchmarks here): a measured step time at
