@@ -325,6 +325,9 @@ def test_the_runtimes_two_tier_exchange_is_not_bucketed() -> None:
     buckets = math.ceil(1e9 / 2**20)
     hidden = 0.8 - 0.5 * (1 - 1 / buckets) + 3e-4
     assert bucketed.seconds(members) == pytest.approx(1.5 + hidden)
+    # in one region there are no tiers: the flat group's buckets stream
+    flat = _hand_step("exact_flat", streamed_bytes=1.0)
+    assert streamed.seconds((4,)) == pytest.approx(flat.seconds((4,)))
 
 
 # -- sharded replicas ------------------------------------------------------------------------

@@ -280,7 +280,7 @@ def _exposed(m: AnalyticStep, members: tuple[int, ...], links: Links) -> float:
         return max(0.0, whole - last_slot)
     nbytes = p * m.int_bytes * m.streamed_bytes
     buckets = math.ceil(p / STREAM_BUCKET_VALUES)
-    if m.reduction == "exact_flat":
+    if m.reduction == "exact_flat" or _spread(members)[1] <= 1:  # one region: no tiers
         return bucketed_exposed(ring_parts(nbytes, members, links), last_slot, buckets)
     if m.overlap == "bucketed":
         return bucketed_exposed(hier_parts(nbytes, members, links), last_slot, buckets)
