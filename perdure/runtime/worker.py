@@ -37,7 +37,7 @@ from perdure.checkpoint import (
     load_checkpoint,
 )
 from perdure.checkpoint.config import checkpoint_root
-from perdure.data import Dataset
+from perdure.data import DataError, Dataset
 from perdure.events import Tail
 from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict, resolve_path
@@ -298,10 +298,11 @@ class Worker:
             self._failed(e)
         except Fenced as e:
             self._fenced(e.newer, str(e))
-        except MathError as e:
+        except (MathError, DataError) as e:  # every replica would meet it: the run stops
             log.error("%s: %s", self.name, e)
             self.client.send(p.Abort(reason=str(e)[: p.MAX_STR]))
         finally:
+            self._log_repairs()
             self._close_epoch(ep)
 
     def _fenced(self, newer: int, why: str) -> None:
@@ -455,8 +456,9 @@ class Worker:
         return Trainer(
             config,
             cache_dir=str(self.run_dir / "cache"),
-            poison=_poison_schedule(config),
+            poison=_schedule(config, "poison_shard"),
             placement=self.placement,
+            corrupt=_schedule(config, "corrupt_shard"),
         )
 
     def _reload(self, path: str | None) -> None:
@@ -562,6 +564,16 @@ class Worker:
             after_update=lambda t, loss, step_s: self._commit(ep, t, loss, step_s),
         )
         train_step(ep.runner, t, end)
+        self._log_repairs()
+
+    def _log_repairs(self) -> None:
+        """A ``shard_repaired`` event for each shard the data store served after a failed
+        read (read again, or a mirror's copy) since the last step."""
+        if self.trainer is None:
+            return
+        for record in self.trainer.take_repairs():
+            log.warning("%s: shard %s repaired via %s", self.name, record["shard"], record["via"])
+            self.events.write({"event": ev.SHARD_REPAIRED, "worker": self.name, **record})
 
     def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         """After step ``t``'s update: its metrics line, a due evaluation, the replicas'
@@ -747,9 +759,7 @@ class RunEndWatch:
         return self.over
 
 
-def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:
-    return [
-        (int(f.target), int(f.at_step or 0))
-        for f in config.chaos.faults
-        if f.kind == "poison_shard"
-    ]
+def _schedule(config: RunConfig, kind: str) -> list[tuple[int, int]]:
+    """``(shard, step)`` of the schedule's faults of a data kind that every loader applies
+    at exactly its step (``poison_shard``, ``corrupt_shard``)."""
+    return [(int(f.target), int(f.at_step or 0)) for f in config.chaos.faults if f.kind == kind]
