@@ -425,12 +425,16 @@ class Trainer:
         active = self.loader.quarantine_list.active(step)
         gone = {int(k) for k in active.shards} | corrupt
         if len(gone) >= self.dataset.num_shards:
+            store = self.dataset.store
+            why = store.bad_shards()
+            named = "; ".join(
+                f"{store.url(k)}: {why.get(k, 'no good copy')}" for k in sorted(corrupt)
+            )
             raise DataError(
-                f"step {step}: shards {sorted(corrupt)} of {self.dataset.url} have no good copy "
-                f"({'; '.join(self.dataset.store.bad_shards().values())}), and quarantining "
-                "them (data.on_corrupt = 'quarantine') leaves no shard to train on: run "
-                "`perdure data verify DATASET`, restore the shards or set data.mirrors, and "
-                "resume from the last checkpoint"
+                f"step {step}: shards {sorted(corrupt)} have no good copy ({named}), and "
+                "quarantining them (data.on_corrupt = 'quarantine') leaves no shard to train "
+                "on: run `perdure data verify DATASET`, restore the shards or set "
+                "data.mirrors, and resume from the last checkpoint"
             )
 
     def take_repairs(self) -> list[dict[str, Any]]:
