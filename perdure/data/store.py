@@ -213,7 +213,7 @@ class ShardStore:
         if self.cache_root is None:
             self.cache_root = self._cache_root(self._cache_dir)
         dest = self.cache_root / f"{info.file}.mirror"
-        self._download(fs, f"{root.rstrip('/')}/{info.file}", dest, url, shard)
+        self._download(fs, f"{root.rstrip('/')}/{info.file}", dest, url, shard, info.bytes)
         try:
             arr = _map(str(dest), *self._layout(info))
         except (OSError, ValueError) as e:
@@ -322,15 +322,17 @@ class ShardStore:
         if info.source is not None and fs is None:
             src_url = self.url(shard)
         assert src_url is not None
-        self._download(src_fs, src_url, dest, self.url(shard), shard)
+        self._download(src_fs, src_url, dest, self.url(shard), shard, want)
         self._verified.discard(shard)
         return str(dest)
 
-    def _download(self, fs: Any, path: str, dest: Path, name: str, shard: int) -> None:
+    def _download(self, fs: Any, path: str, dest: Path, name: str, shard: int, size: int) -> None:
         """``path`` of ``fs`` whole into ``dest`` (a temporary name, then a rename), each
-        try from the start, with the remote read policy; ShardError naming ``name``."""
+        try from the start, with the remote read policy; ShardError naming ``name``.
+        Over HTTP: one streamed GET of known size (no HEAD first, whose failure fsspec
+        reports as a missing file; no range requests, which not every server answers)."""
         assert self.cache_root is not None
-        stream = {"block_size": 0} if is_http(fs.protocol) else {}  # one GET, no ranges
+        stream = {"block_size": 0, "size": size} if is_http(fs.protocol) else {}
 
         def once() -> None:
             fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=self.cache_root)

@@ -1,0 +1,168 @@
+"""A flaky dataset server is absorbed: a run reading its dataset over HTTP from a server
+that fails 20 % of requests and stalls 5 % for 2 s ends with the local run's final hash."""
+
+from __future__ import annotations
+
+import http.server
+import random
+import threading
+import time
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from perdure.data import Dataset
+from perdure.data.retry import ReadFailed, ReadPolicy, with_retries
+from tests.runtime_support import run_to_end, small_config
+
+STEPS = 10
+
+
+class FlakyServer:
+    """``directory`` over HTTP on 127.0.0.1 (a free port), standard library only: each
+    request draws from one seeded RNG (in arrival order) whether it fails with a 500
+    (``fail``), stalls ``stall_s`` before it is answered (``stall``) or is served."""
+
+    def __init__(self, directory: Path, *, fail: float, stall: float, stall_s: float) -> None:
+        self.rng, self.lock = random.Random(42), threading.Lock()
+        self.counts = {"served": 0, "failed": 0, "stalled": 0}
+        outer = self
+
+        class Handler(http.server.SimpleHTTPRequestHandler):
+            def _fate(self) -> bool:
+                with outer.lock:
+                    x = outer.rng.random()
+                    fate = "failed" if x < fail else "stalled" if x < fail + stall else "served"
+                    outer.counts[fate] += 1
+                if fate == "failed":
+                    self.send_error(500, "injected failure")
+                    return False
+                if fate == "stalled":
+                    time.sleep(stall_s)
+                return True
+
+            def do_GET(self) -> None:
+                if self._fate():
+                    super().do_GET()
+
+            def do_HEAD(self) -> None:
+                if self._fate():
+                    super().do_HEAD()
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        handler = partial(Handler, directory=str(directory))
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+
+@pytest.fixture
+def flaky(small_dataset: Path) -> Iterator[FlakyServer]:
+    server = FlakyServer(small_dataset.parent, fail=0.20, stall=0.05, stall_s=2.0)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def local(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    rd = tmp_path_factory.mktemp("local")
+    return run_to_end(small_config(small_dataset, workers=2, steps=STEPS), rd)
+
+
+# -- the retry policy ------------------------------------------------------------------------
+
+
+def test_a_failing_request_is_tried_again_with_exponential_backoff_then_fails_naming_it() -> None:
+    pauses: list[float] = []
+    calls = []
+
+    def broken() -> None:
+        calls.append(1)
+        raise ConnectionResetError("reset by peer")
+
+    policy = ReadPolicy(attempts=5, backoff_s=0.2, max_backoff_s=1.0)
+    with pytest.raises(ReadFailed, match=r"shard 7: failed 5 tries, the last with Connection"):
+        with_retries(broken, "shard 7", policy, sleep=pauses.append)
+    assert len(calls) == 5 and pauses == [0.2, 0.4, 0.8, 1.0]
+
+
+def test_a_missing_file_is_final_at_once_and_a_request_that_recovers_returns() -> None:
+    pauses: list[float] = []
+    with pytest.raises(FileNotFoundError):
+        with_retries(partial(open, "/nonexistent/x"), "x", ReadPolicy(), sleep=pauses.append)
+    assert pauses == []
+    answers = iter([TimeoutError("stalled"), OSError("500"), "bytes"])
+
+    def flaky() -> str:
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    counter = [0]
+    got = with_retries(flaky, "m", ReadPolicy(), sleep=pauses.append, counter=counter)
+    assert got == "bytes" and pauses == [0.2, 0.4] and counter == [2]
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+def test_every_shard_read_over_http_from_the_flaky_server_has_the_manifests_bytes(
+    flaky: FlakyServer, small_dataset: Path, tmp_path: Path
+) -> None:
+    url = f"{flaky.url}/{small_dataset.name}"
+    policy = ReadPolicy(attempts=8, timeout_s=0.5, backoff_s=0.05)  # stalls cut at 0.5 s
+    with (
+        Dataset.open(str(small_dataset)) as here,
+        Dataset.open(url, cache_dir=str(tmp_path), policy=policy) as there,
+    ):
+        assert there.version_id == here.version_id
+        for k in range(there.num_shards):
+            assert there.store.rows(k).tobytes() == here.store.rows(k).tobytes()
+        assert there.store.bad_shards() == {} and there.store.take_repairs() == []
+    assert flaky.counts["failed"] > 0  # the server did fail some: the test can fail
+
+
+def test_a_run_over_http_from_a_server_failing_20_and_stalling_5_percent_ends_bitwise_equal(
+    flaky: FlakyServer, local: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Stalls (2 s) under the deadline (5 s) are waited out, in the prefetch where it
+    reads ahead; failures are tried again."""
+    url = f"{flaky.url}/{small_dataset.name}"
+    cfg = small_config(
+        small_dataset,
+        workers=2,
+        steps=STEPS,
+        data={"dataset": url, "read_timeout_s": 5.0, "read_attempts": 8},
+    )
+    s = run_to_end(cfg, tmp_path / "run", timeout_s=120)
+    assert s["final_hash"] == local["final_hash"]
+    # The seeded draws fail the 2nd request and stall the 4th: both happened in this run.
+    assert flaky.counts["failed"] > 0 and flaky.counts["stalled"] > 0
+
+
+def test_a_run_whose_deadline_cuts_the_stalls_ends_bitwise_equal_too(
+    flaky: FlakyServer, local: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    url = f"{flaky.url}/{small_dataset.name}"
+    cfg = small_config(
+        small_dataset,
+        workers=2,
+        steps=STEPS,
+        data={"dataset": url, "read_timeout_s": 0.5, "read_attempts": 8},
+    )
+    s = run_to_end(cfg, tmp_path / "run", timeout_s=120)
+    assert s["final_hash"] == local["final_hash"]
