@@ -25,7 +25,10 @@ class FlakyServer:
     request draws from one seeded RNG (in arrival order) whether it fails with a 500
     (``fail``), stalls ``stall_s`` before it is answered (``stall``) or is served."""
 
-    def __init__(self, directory: Path, *, fail: float, stall: float, stall_s: float) -> None:
+    def __init__(
+        self, directory: Path, *, fail: float, stall: float, stall_s: float, lost: str = "-"
+    ) -> None:
+        """``lost``: requests whose path ends with it always fail (a lost object)."""
         self.rng, self.lock = random.Random(42), threading.Lock()
         self.counts = {"served": 0, "failed": 0, "stalled": 0}
         outer = self
@@ -36,7 +39,7 @@ class FlakyServer:
                     x = outer.rng.random()
                     fate = "failed" if x < fail else "stalled" if x < fail + stall else "served"
                     outer.counts[fate] += 1
-                if fate == "failed":
+                if fate == "failed" or self.path.endswith(lost):
                     self.send_error(500, "injected failure")
                     return False
                 if fate == "stalled":
@@ -80,6 +83,16 @@ def flaky(small_dataset: Path) -> Iterator[FlakyServer]:
 def local(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     rd = tmp_path_factory.mktemp("local")
     return run_to_end(small_config(small_dataset, workers=2, steps=STEPS), rd)
+
+
+@pytest.fixture
+def lost_shard(small_dataset: Path) -> Iterator[FlakyServer]:
+    server = FlakyServer(small_dataset.parent, fail=0.0, stall=0.0, stall_s=0.0,
+                         lost="shard-00002.bin")  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.close()
 
 
 # -- the retry policy ------------------------------------------------------------------------
@@ -166,3 +179,21 @@ def test_a_run_whose_deadline_cuts_the_stalls_ends_bitwise_equal_too(
     )
     s = run_to_end(cfg, tmp_path / "run", timeout_s=120)
     assert s["final_hash"] == local["final_hash"]
+
+
+def test_a_shard_the_server_never_serves_follows_the_corrupt_path_to_a_mirror(
+    lost_shard: FlakyServer, small_dataset: Path, tmp_path: Path
+) -> None:
+    url = f"{lost_shard.url}/{small_dataset.name}"
+    policy = ReadPolicy(attempts=3, timeout_s=1.0, backoff_s=0.01)
+    with (
+        Dataset.open(str(small_dataset)) as here,
+        Dataset.open(
+            url, cache_dir=str(tmp_path), policy=policy, mirrors=(str(small_dataset),)
+        ) as there,
+    ):
+        assert there.store.rows(2).tobytes() == here.store.rows(2).tobytes()
+        [repair] = there.store.take_repairs()
+    assert repair["shard"] == 2 and repair["via"] == str(small_dataset)
+    assert repair["found"] is None and repair["file"] == f"{url}/shard-00002.bin"
+    assert repair["error"].startswith("cannot be read (3 tries; last: ClientResponseError")
