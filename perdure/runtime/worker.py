@@ -61,7 +61,7 @@ from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import NONE, group_of, shard_of
 from perdure.runtime.step import Seams, SlotTimer, StepEnd, StepRunner, train_step
-from perdure.runtime.wchaos import ChaosState, DelayedLink
+from perdure.runtime.wchaos import ChaosState, DelayedLink, DiskFiller
 
 FINAL_SAVE_ATTEMPTS = 2
 """The final save is tried again once when it fails: a failure on a full disk makes room
@@ -171,6 +171,9 @@ class Worker:
             local = int(os.environ.get("LOCAL_RANK", "0") or 0)
         self.placement = Placement.of(config.train, config.cluster, local)
         self.chaos.arm(config.chaos)
+        if any(f.kind == "disk_full" for f in config.chaos.faults):
+            ckpts = checkpoint_root(config.checkpoint, self.run_dir)
+            self.chaos.filler = DiskFiller(Path(ckpts), self.name)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.trainer = self._new_trainer()
@@ -191,6 +194,8 @@ class Worker:
             self.trainer.close()
             if self.evaluator is not None:
                 self.evaluator.close()
+            if self.chaos.filler is not None:
+                self.chaos.filler.remove()
         return 0
 
     def _loop(self) -> None:
@@ -453,13 +458,15 @@ class Worker:
     def _new_trainer(self) -> Trainer:
         """The replica built from the seed (step 0)."""
         config = self.config
-        return Trainer(
+        trainer = Trainer(
             config,
             cache_dir=str(self.run_dir / "cache"),
             poison=_schedule(config, "poison_shard"),
             placement=self.placement,
             corrupt=_schedule(config, "corrupt_shard"),
         )
+        trainer.loader.read_delay_s = self.chaos.storage_delay_s  # the slow_storage fault
+        return trainer
 
     def _reload(self, path: str | None) -> None:
         """Every replica was lost: start again from a checkpoint, or from the seed when the
@@ -722,6 +729,7 @@ class Worker:
                     self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None
+            self.chaos.tick()
             self._poll_fence()
             t = self.trainer
             beat = p.Heartbeat(
