@@ -256,6 +256,18 @@ class SlotLoader:
                  sorted(samples), step, reason)  # fmt: skip
         return q
 
+    def corrupt_shard(self, shard: int) -> None:
+        """Fault injection: ``shard``'s primary copy reads corrupt from now on (the store
+        re-reads it, then repairs it from a mirror or withholds it); read-ahead made
+        before is dropped, so every worker reads it afresh from the same step."""
+        if not 0 <= shard < self.dataset.num_shards:
+            raise DataError(f"corrupt_shard: shard must be in [0, {self.dataset.num_shards}) "
+                            f"(got {shard})")  # fmt: skip
+        with self._lock:
+            self.dataset.store.inject_corrupt(shard)
+            self._gen += 1
+        self._prefetcher.invalidate()
+
     def poison_shard(self, shard: int) -> None:
         """Fault injection: every sample of ``shard`` gets loss weight NaN from now on."""
         if not 0 <= shard < self.dataset.num_shards:

@@ -244,7 +244,7 @@ class Trainer:
                 self.loader.poison_shard(shard)
         while self.corrupt and step >= self.corrupt[0][1]:
             shard, _ = self.corrupt.pop(0)
-            self.dataset.store.inject_corrupt(shard)
+            self.loader.corrupt_shard(shard)
 
     def compute_slots(
         self,
