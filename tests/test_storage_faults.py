@@ -71,6 +71,8 @@ def test_a_scheduled_corrupt_shard_with_a_mirror_ends_with_the_clean_runs_final_
     assert all(r["found"] != r["manifest"] for r in repairs)
     assert events(tmp_path / "run", ev.DECISION) == []
     assert _fault(s, "corrupt_shard")["absorbed"]
+    [seen] = [f for f in s["failures"] if f["kind"] == "corrupt_shard"]  # one per shard
+    assert (seen["shards"], seen["scheduled"], seen["absorbed"]) == ([4], True, True)
 
 
 def test_a_scheduled_corrupt_shard_with_no_mirror_is_quarantined_as_corrupt_at_its_next_use(
@@ -86,7 +88,8 @@ def test_a_scheduled_corrupt_shard_with_no_mirror_is_quarantined_as_corrupt_at_i
     assert got == {"kind": "corrupt", "shards": [shard], **use}
     assert d["reason"].startswith(f"no good copy (data.on_corrupt = 'quarantine'): shard {shard}")
     assert _fault(s, "corrupt_shard")["absorbed"]
-    assert [e["kind"] for e in events(tmp_path / "run", ev.DECISION)] == ["corrupt"]
+    [seen] = [f for f in s["failures"] if f["kind"] == "corrupt_shard"]
+    assert (seen["shards"], seen["scheduled"], seen["absorbed"]) == ([shard], True, True)
 
 
 # -- slow_storage ----------------------------------------------------------------------------
