@@ -42,10 +42,10 @@ class CorruptShardError(DataError):
 
     def __init__(self, error: ShardError, expected: str, step: int) -> None:
         self.error, self.step = error, step
-        found = f", its bytes have SHA-256 {error.found}" if error.found else ""
+        sums = "" if expected in error.reason else f" (the manifest's SHA-256 is {expected})"
         super().__init__(
             f"shard {error.shard} ({error.file}) cannot be served at step {step}: "
-            f"{error.reason}. The manifest's SHA-256 is {expected}{found}. The run stops "
+            f"{error.reason}{sums}. The run stops "
             "before training on it (data.on_corrupt = 'stop'): run `perdure data verify "
             "DATASET` to list every bad shard, restore them from a good copy or set "
             "data.mirrors, and resume from the last checkpoint; or set data.on_corrupt = "
