@@ -148,3 +148,44 @@ def test_a_scheduled_full_disk_costs_saves_not_the_run_nor_a_bit(
     assert found is not None and found.name == f"step-{STEPS:09d}"
     load_checkpoint(found)
     assert _fault(s, "disk_full")["absorbed"]
+
+
+# -- config ----------------------------------------------------------------------------------
+
+
+def _problems(cls: Any, **fields: Any) -> list[tuple[str, str, object]]:
+    from perdure.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        cls(**fields)
+    return [(p.key, p.rule, p.value) for p in e.value.problems]
+
+
+def test_each_storage_kind_states_its_own_rules() -> None:
+    from perdure.chaos.config import FaultConfig
+
+    assert _problems(FaultConfig, kind="corrupt_shard", target="2", at_s=1.0) == [
+        ("at_step", "corrupt_shard needs a step trigger (every loader applies it at that step)",
+         1.0),
+    ]  # fmt: skip
+    assert _problems(FaultConfig, kind="corrupt_shard", target="r0-1", at_step=1) == [
+        ("target", "must be a shard index", "r0-1")
+    ]
+    assert _problems(FaultConfig, kind="slow_storage", target="r0-1", at_step=1) == [
+        ("delay_ms", "must be a finite number > 0", 0)
+    ]
+    FaultConfig(kind="disk_full", target="r0", at_step=1)  # until the worker exits
+
+
+def test_the_data_configs_storage_fields_are_checked() -> None:
+    from perdure.data.config import DataConfig
+
+    got = _problems(
+        DataConfig, dataset="d", mirrors=["d", ""], on_corrupt="ignore", read_attempts=0
+    )
+    assert got == [
+        ("mirrors[1]", "must be a non-empty directory or fsspec URL", ""),
+        ("mirrors", "must not hold data.dataset itself (a mirror is another copy)", "d"),
+        ("on_corrupt", "must be one of ['stop', 'quarantine']", "ignore"),
+        ("read_attempts", "must be an integer >= 1", 0),
+    ]
