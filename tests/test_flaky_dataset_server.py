@@ -26,10 +26,19 @@ class FlakyServer:
     (``fail``), stalls ``stall_s`` before it is answered (``stall``) or is served."""
 
     def __init__(
-        self, directory: Path, *, fail: float, stall: float, stall_s: float, lost: str = "-"
+        self,
+        directory: Path,
+        *,
+        fail: float,
+        stall: float,
+        stall_s: float,
+        lost: str = "-",
+        torn: str = "-",
     ) -> None:
-        """``lost``: requests whose path ends with it always fail (a lost object)."""
+        """``lost``: requests whose path ends with it always fail (a lost object);
+        ``torn``: the first GET of such a path has one byte flipped (a bad transfer)."""
         self.rng, self.lock = random.Random(42), threading.Lock()
+        self.torn_once = [torn]
         self.counts = {"served": 0, "failed": 0, "stalled": 0}
         outer = self
 
@@ -47,8 +56,24 @@ class FlakyServer:
                 return True
 
             def do_GET(self) -> None:
-                if self._fate():
+                if not self._fate():
+                    return
+                with outer.lock:
+                    torn = outer.torn_once and self.path.endswith(outer.torn_once[0])
+                    if torn:
+                        outer.torn_once.clear()
+                if torn:
+                    self._send_flipped()
+                else:
                     super().do_GET()
+
+            def _send_flipped(self) -> None:
+                data = bytearray(Path(self.translate_path(self.path)).read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(bytes(data))
 
             def do_HEAD(self) -> None:
                 if self._fate():
@@ -89,6 +114,16 @@ def local(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 def lost_shard(small_dataset: Path) -> Iterator[FlakyServer]:
     server = FlakyServer(small_dataset.parent, fail=0.0, stall=0.0, stall_s=0.0,
                          lost="shard-00002.bin")  # fmt: skip
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def torn_shard(small_dataset: Path) -> Iterator[FlakyServer]:
+    server = FlakyServer(small_dataset.parent, fail=0.0, stall=0.0, stall_s=0.0,
+                         torn="shard-00005.bin")  # fmt: skip
     try:
         yield server
     finally:
@@ -197,3 +232,18 @@ def test_a_shard_the_server_never_serves_follows_the_corrupt_path_to_a_mirror(
     assert repair["shard"] == 2 and repair["via"] == str(small_dataset)
     assert repair["found"] is None and repair["file"] == f"{url}/shard-00002.bin"
     assert repair["error"].startswith("cannot be read (3 tries; last: ClientResponseError")
+
+
+def test_a_download_with_a_flipped_byte_is_read_again_and_served_with_the_manifests_bytes(
+    torn_shard: FlakyServer, small_dataset: Path, tmp_path: Path
+) -> None:
+    url = f"{torn_shard.url}/{small_dataset.name}"
+    with (
+        Dataset.open(str(small_dataset)) as here,
+        Dataset.open(url, cache_dir=str(tmp_path), policy=ReadPolicy(timeout_s=2.0)) as there,
+    ):
+        assert there.store.rows(5).tobytes() == here.store.rows(5).tobytes()
+        [repair] = there.store.take_repairs()
+        want = here.manifest.shards[5].sha256
+    assert (repair["shard"], repair["via"], repair["manifest"]) == (5, "reread", want)
+    assert repair["found"] not in (None, want) and torn_shard.torn_once == []
