@@ -38,6 +38,7 @@ from perdure.checkpoint import (
 )
 from perdure.checkpoint.config import checkpoint_root
 from perdure.data import DataError, Dataset
+from perdure.data.retry import ReadPolicy
 from perdure.events import Tail
 from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict, resolve_path
@@ -665,6 +666,7 @@ class Worker:
             resolve_path(cfg, cfg.eval.dataset or ""),
             cache_dir=cfg.data.cache_dir or str(self.run_dir / "cache" / "eval"),
             cache_mb=cfg.data.cache_mb,
+            policy=ReadPolicy(attempts=cfg.data.read_attempts, timeout_s=cfg.data.read_timeout_s),
         )
         return Evaluator(
             tr.task,
