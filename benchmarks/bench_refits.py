@@ -27,13 +27,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import write_result
 
 FORMS: dict[str, dict[str, Any]] = {
-    "carried_int64": {"reduction": "exact", "reduction_exponents": "carried"},
+    "carried_int64": {"reduction": "exact", "reduction_exponents": "carried", "reduction_bits": 64},
     "streamed_int32": {
         "reduction": "exact",
         "reduction_exponents": "streamed",
         "reduction_bits": 32,
     },
-    "streamed_int64": {"reduction": "exact", "reduction_exponents": "streamed"},
+    "streamed_int64": {
+        "reduction": "exact",
+        "reduction_exponents": "streamed",
+        "reduction_bits": 64,
+    },
 }
 
 

@@ -40,11 +40,13 @@ from _common import PY, REPO, machine, write_result
 
 REGIONS = 4
 TOKEN = "bench-rtt-token"
-MODES = {  # name: (train.reduction, train.reduction_exponents, cluster.hierarchical_reduce)
-    "exact_hierarchical": ("exact", "step", True),
-    "exact_flat": ("exact", "step", False),
-    "carried_hierarchical": ("exact", "carried", True),
-    "chain": ("chain", "step", False),
+MODES = {  # name: (train.reduction, train.reduction_exponents, cluster.hierarchical_reduce,
+    # train.reduction_bits)
+    "exact_hierarchical": ("exact", "step", True, 64),
+    "exact_flat": ("exact", "step", False, 64),
+    "carried_hierarchical": ("exact", "carried", True, 64),
+    "streamed_hierarchical": ("exact", "streamed", True, 32),
+    "chain": ("chain", "step", False, 64),
 }
 GOAL_RTTS = 4.0
 GOAL = "exact step at 50 ms RTT, 4 regions: <= 4 RTT + the RTT-0 step, whatever W"
@@ -53,7 +55,7 @@ GOAL = "exact step at 50 ms RTT, 4 regions: <= 4 RTT + the RTT-0 step, whatever 
 def _config(dataset: Path, mode: str, workers: int, steps: int, coordinator: str, ports: int):
     from tests.runtime_support import small_config
 
-    reduction, exponents, hier = MODES[mode]
+    reduction, exponents, hier, bits = MODES[mode]
     return small_config(
         dataset,
         workers=workers,
@@ -61,7 +63,7 @@ def _config(dataset: Path, mode: str, workers: int, steps: int, coordinator: str
         steps=steps,
         slots=8,
         batch=16,
-        train={"reduction": reduction, "reduction_exponents": exponents},
+        train={"reduction": reduction, "reduction_exponents": exponents, "reduction_bits": bits},
         cluster={
             "hierarchical_reduce": hier,
             "host": coordinator,

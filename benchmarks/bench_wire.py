@@ -76,6 +76,7 @@ MODELS = {
     "tiny": {"d_model": 64, "n_layers": 2, "n_heads": 4, "dropout": 0.1},
 }
 DEFAULT_ROWS = [
+    "streamed32:reduction=exact,reduction_bits=32,reduction_exponents=streamed",
     "chain:reduction=chain",
     "exact64:reduction=exact,reduction_bits=64,reduction_exponents=step",
     "exact32:reduction=exact,reduction_bits=32,reduction_exponents=step",
@@ -464,8 +465,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--perdure",
         action="append",
         metavar="NAME:key=value,...",
-        help="a perdure reduction config (repeatable; default: chain, exact64, "
-        "exact32, carried); a bare key is train.<key>",
+        help="a perdure reduction config (repeatable; default: streamed32 (the default "
+        "reduction), chain, exact64, exact32, carried); a bare key is train.<key>",
     )
     ap.add_argument(
         "--slots-per-rank",

@@ -124,6 +124,10 @@ SUSPECT_WORKER: Final = "suspect_worker"
 """A non-finite slot did not reproduce elsewhere: the worker is suspect."""
 DECISION: Final = "decision"
 """A decision-log entry (e.g. a quarantine): changes the math, replayed on resume."""
+SHARD_REPAIRED: Final = "shard_repaired"
+"""A dataset shard failed a read (checksum, error, missing) and was served anyway with
+the manifest's bytes: read again (``via``: ``reread``) or fetched from a mirror (``via``:
+its URL); ``manifest`` and ``found`` are both SHA-256s (``found`` None when unreadable)."""
 
 # -- process -----------------------------------------------------------------------------
 PROCESS_EXIT: Final = "process_exit"
@@ -196,6 +200,7 @@ NAMES: frozenset[str] = frozenset(
         REPLICA_DIVERGED,
         SUSPECT_WORKER,
         DECISION,
+        SHARD_REPAIRED,
         PROCESS_EXIT,
         REPLACEMENT_STARTED,
         PROCESS_PLACED,

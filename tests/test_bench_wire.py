@@ -35,7 +35,13 @@ def test_a_malformed_row_is_refused_naming_the_flag(spec: str) -> None:
 def test_a_row_is_one_more_flag_not_code() -> None:
     a = bw.parse_args(["--perdure", "c32:reduction=exact,reduction_bits=32"])
     assert [r.name for r in a.rows] == ["c32"]
-    assert [r.name for r in bw.parse_args([]).rows] == ["chain", "exact64", "exact32", "carried"]
+    assert [r.name for r in bw.parse_args([]).rows] == [
+        "streamed32",
+        "chain",
+        "exact64",
+        "exact32",
+        "carried",
+    ]
     assert bw.main(["--perdure", "broken"]) == 2
 
 

@@ -120,7 +120,7 @@ def test_carried_exponents_of_the_wrong_length_are_refused() -> None:
 
 def test_carried_exponents_need_the_64_bit_exact_reduction() -> None:
     with pytest.raises(ConfigError, match="reduction_exponents"):
-        TrainConfig(reduction_exponents="carried")
+        TrainConfig(reduction_exponents="carried")  # the default width is 32
     with pytest.raises(ConfigError, match="reduction_exponents"):
         TrainConfig(reduction="exact", reduction_bits=32, reduction_exponents="carried")
 
@@ -275,7 +275,7 @@ def _runner(config: Any, events: list[dict[str, Any]]) -> Any:
 def test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima(
     small_dataset: Path,
 ) -> None:
-    train = {"reduction": "exact", "reduction_exponents": "carried"}
+    train = {"reduction": "exact", "reduction_exponents": "carried", "reduction_bits": 64}
     events: list[dict[str, Any]] = []
     run = _runner(small_config(small_dataset, workers=1, train=train), events)
     tr = run.tr
@@ -300,7 +300,7 @@ def test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima(
 def test_received_exponents_that_are_not_small_integers_are_refused(small_dataset: Path) -> None:
     from perdure.runtime.replica.trainer import Trainer
 
-    train = {"reduction": "exact", "reduction_exponents": "carried"}
+    train = {"reduction": "exact", "reduction_exponents": "carried", "reduction_bits": 64}
     tr = Trainer(small_config(small_dataset, workers=1, train=train))
     model, optim, extra = tr.export()
     for bad in (["x"], [1 << 40], [], 3, [True]):

@@ -172,3 +172,44 @@ def test_config_check_passes_for_every_shipped_config_from_the_root_and_elsewher
         )  # fmt: skip
         assert done.returncode == 0, (cwd, done.stderr[-2000:])
         assert "sha256:" in done.stdout
+
+
+def test_the_default_reduction_is_the_streamed_exact_sum_on_32_bits() -> None:
+    train = RunConfig().train
+    assert (train.reduction, train.reduction_bits, train.reduction_exponents) == (
+        "exact",
+        32,
+        "streamed",
+    )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"reduction_bits": 64},
+        {"reduction_exponents": "carried", "reduction_bits": 64, "reduction_block": 64},
+    ],
+)
+def test_a_chain_run_hashes_as_before_the_default_changed_whatever_the_exact_fields(
+    fields: dict,
+) -> None:
+    """The chain ignores the exact reduction's fields: they enter its hash as the values
+    every chain run had (64 bits, step exponents, blocks of 256), so a checkpoint made
+    with the chain resumes under ``reduction = "chain"`` without a config change."""
+    chain = with_overrides(RunConfig(), train={"reduction": "chain", **fields})
+    train = canonical(chain)["train"]
+    assert train["reduction"] == "chain"
+    assert (train["reduction_bits"], train["reduction_exponents"]) == (64, "step")
+    assert train["reduction_block"] == 256
+    old = with_overrides(
+        RunConfig(),
+        train={"reduction": "chain", "reduction_bits": 64, "reduction_exponents": "step"},
+    )
+    assert config_hash(chain) == config_hash(old)
+
+
+def test_the_exact_fields_enter_the_hash_of_an_exact_run() -> None:
+    base = RunConfig()
+    wide = with_overrides(base, train={"reduction_bits": 64})
+    assert diff_canonical(canonical(base), canonical(wide)) == ["train.reduction_bits"]

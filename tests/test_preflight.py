@@ -66,8 +66,11 @@ def test_a_batch_larger_than_the_dataset_is_refused(small_dataset: Path) -> None
     assert key == "train.global_batch" and "at most the dataset's" in rule and value == 2**40
 
 
-def test_a_poisoned_shard_past_the_last_one_is_refused(small_dataset: Path) -> None:
-    fault = {"kind": "poison_shard", "target": "999", "at_step": 3}
+@pytest.mark.parametrize("kind", ["poison_shard", "corrupt_shard"])
+def test_a_poisoned_or_corrupted_shard_past_the_last_one_is_refused(
+    small_dataset: Path, kind: str
+) -> None:
+    fault = {"kind": kind, "target": "999", "at_step": 3}
     cfg = small_config(small_dataset, chaos={"faults": [fault]})
     [(key, rule, value)] = _problems(cfg)
     assert key == "chaos.faults[0].target" and "must be a shard of" in rule and value == "999"

@@ -382,18 +382,13 @@ def test_config_shown_escaped(tmp_path: Path) -> None:
     assert "<summary>config.json</summary>" in page and "&lt;x&gt;" in page
 
 
-def test_a_report_asked_to_be_shared_is_readable_by_others_even_from_a_private_run(
-    tmp_path: Path,
-) -> None:
-    """A run writes its files under umask 077, its own report too (0600); a report asked
-    for with shared=True (``perdure report``'s default) is for passing on: 0644."""
+def test_the_report_is_readable_by_others_even_from_a_private_run(tmp_path: Path) -> None:
+    """A run writes its files under umask 077; its report is for sharing: 0644."""
     import stat
 
     from perdure.launch.api import private_files
 
     run = make_run_dir(tmp_path / "run", torn=False)
     with private_files():
-        own = write_report(run)
-        assert stat.S_IMODE(own.stat().st_mode) == 0o600
-        out = write_report(run, tmp_path / "shared.html", shared=True)
+        out = write_report(run)
     assert stat.S_IMODE(out.stat().st_mode) == 0o644

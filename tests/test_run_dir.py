@@ -52,14 +52,20 @@ def test_a_resume_into_a_run_that_is_still_going_is_refused(
         run(cfg, run_dir=rd, resume="latest")
 
 
-def test_what_a_run_writes_is_private_to_its_user(small_dataset: Path, tmp_path: Path) -> None:
+def test_what_a_run_writes_is_private_to_its_user_but_its_report(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Every file and folder a run writes is its user's alone, except report.html (0644,
+    for sharing); the run directory lets others open it by name (0711), not list it."""
     rd = tmp_path / "run"
     run_to_end(small_config(small_dataset, workers=1, steps=4), rd)
-    paths = [rd, *rd.rglob("*")]
+    paths = list(rd.rglob("*"))
     assert len(paths) > 10
     leaky = [
         str(p.relative_to(tmp_path))
         for p in paths
         if not p.is_symlink() and stat.S_IMODE(p.stat().st_mode) & 0o077
     ]
-    assert leaky == []
+    assert leaky == ["run/report.html"]
+    assert stat.S_IMODE((rd / "report.html").stat().st_mode) == 0o644
+    assert stat.S_IMODE(rd.stat().st_mode) == 0o711

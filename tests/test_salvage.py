@@ -29,7 +29,10 @@ def test_a_kept_slot_is_reused_only_under_the_same_step_and_state() -> None:
 def test_survivors_reuse_their_finished_slots_and_the_bits_do_not_change(
     small_dataset: Path, tmp_path: Path, reduction: str
 ) -> None:
-    train = {"reduction": reduction}
+    """The forms that keep a buffer per slot: the chain and the exact step form (the
+    carried and streamed forms add each slot to one accumulator, so there is no finished
+    slot to reuse: docs/architecture.md, limits)."""
+    train = {"reduction": reduction, "reduction_exponents": "step", "reduction_bits": 64}
     ref = run_to_end(
         small_config(small_dataset, workers=1, steps=STEPS, train=train), tmp_path / "ref"
     )

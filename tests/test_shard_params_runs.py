@@ -184,7 +184,7 @@ def test_shard_params_without_a_replica_group_is_refused_naming_the_field() -> N
     "train",
     [
         {"reduction": "chain"},
-        {"reduction": "exact", "reduction_exponents": "carried"},
+        {"reduction": "exact", "reduction_exponents": "carried", "reduction_bits": 64},
         {"reduction": "exact", "reduction_exponents": "streamed", "reduction_bits": 32},
         {"reduction": "exact", "precision": "bf16"},
     ],

@@ -97,10 +97,10 @@ def test_a_scatter_with_a_reduction_that_cannot_scatter_is_refused_naming_the_fi
     from perdure.runtime.config import TrainConfig
 
     with pytest.raises(ConfigError, match=r"shard_reduce.*'scatter' needs train.reduction"):
-        TrainConfig(shard_degree=2, shard_reduce="scatter")  # the chain
-    assert not TrainConfig(shard_degree=2).scatters  # auto with the chain: whole
-    assert TrainConfig(shard_degree=2, reduction="exact").scatters
-    carried = {"reduction": "exact", "reduction_exponents": "carried"}
+        TrainConfig(shard_degree=2, shard_reduce="scatter", reduction="chain")
+    assert not TrainConfig(shard_degree=2, reduction="chain").scatters  # auto: whole
+    assert TrainConfig(shard_degree=2).scatters  # the default reduction is exact
+    carried = {"reduction": "exact", "reduction_exponents": "carried", "reduction_bits": 64}
     assert TrainConfig(shard_degree=2, shard_reduce="scatter", **carried).scatters  # type: ignore[arg-type]
     assert not TrainConfig(shard_degree=2, shard_reduce="whole", **carried).scatters  # type: ignore[arg-type]
 
@@ -113,7 +113,7 @@ def test_the_carried_form_reduce_scattered_ends_with_its_unsharded_bits(
     accumulator a rank, whatever its slots; streamed: each bucket reduce-scattered behind
     the backward) in two groups of two, reduce-scattered, clipped at every step."""
     hashes = []
-    bits = {"reduction_bits": 32} if form == "streamed" else {}
+    bits = {"reduction_bits": 32 if form == "streamed" else 64}
     for workers, k in ((2, 1), (4, 2)):
         train = {"reduction": "exact", "reduction_exponents": form, "shard_degree": k, **bits}
         cfg = small_config(small_dataset, workers=workers, steps=STEPS, train=train, optim=CLIP)

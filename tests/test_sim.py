@@ -129,7 +129,7 @@ def test_a_measured_input_moves_the_prediction(tmp_path: Path) -> None:
     scale_before = {s.policy: s.goodput for s in run_config(cfg, before_cal)}
     scale_after = {s.policy: s.goodput for s in run_config(cfg, after_cal)}
     assert scale_after["torchrun"] < scale_before["torchrun"]
-    assert scale_after["perdure/exact_hier"] < scale_before["perdure/exact_hier"]
+    assert scale_after["perdure/exact_hier/streamed"] < scale_before["perdure/exact_hier/streamed"]
 
 
 def test_benchmark_goodput_is_predicted_within_tolerance() -> None:
@@ -159,8 +159,13 @@ def test_cli_prints_every_policy_and_writes_plots(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     for name in ("perdure/exact_hier", "perdure/chain", "torchrun", "torchft", "validation"):
         assert name in res.output
+    assert "cost per failure" in res.output and "step by dimension" in res.output
     record = json.loads((out / "sim.json").read_text())
     assert {r["policy"] for r in record["goodput"]} >= {"torchrun", "torchft"}
+    torchrun = next(r for r in record["goodput"] if r["policy"] == "torchrun")
+    # a restart's items: what the failure waited for, the processes, the load, the redo
+    per_death = torchrun["seconds_per_failure"]["worker_death"]
+    assert {"wait", "startup", "load", "lost"} <= set(per_death)
     plots = sorted(p for p in out.iterdir() if p.suffix in (".png", ".svg"))
     assert len(plots) == 4
     for p in plots:

@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from perdure.sim import failures, load_calibration, load_sim_config, scenario
+from perdure.config import ConfigError
+from perdure.sim import failures, load_calibration, load_sim_config, scenario, sharding
+from perdure.sim.config import DeploymentConfig, FailureProcess, SimRegion, WorkloadConfig
 from perdure.sim.engine import Context, simulate
 from perdure.sim.failures import Event
 from perdure.sim.policies import POLICIES
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
-from perdure.sim.steptime import HostStep, Links, chain_s, exact_s, hier_s, interp, ring_s
+from perdure.sim.run import run_policy, variants
+from perdure.sim.steptime import (
+    AnalyticStep,
+    ComputeModel,
+    HostStep,
+    Links,
+    Parts,
+    bucketed_exposed,
+    chain_s,
+    exact_s,
+    hier_s,
+    interp,
+    ring_s,
+    step_parts,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOYMENT = ROOT / "configs" / "sim" / "deployment-46.toml"
@@ -143,6 +162,26 @@ def test_a_warm_spare_avoids_the_join() -> None:
     c: perdure_policy.Costs = ctx.costs
     out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
     assert out.elapsed_s == pytest.approx(10.0 + 0.05 + c.reconfigure_s + c.spare_copy_s)
+    # itemised: half a step in flight redone (0.05 s), the epoch, the copy to the spare
+    # (no latency on this host: detection is free); the replacement refills the pool
+    assert out.counts == {"worker_death": 1}
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.05, "reform": c.reconfigure_s, "copy": c.spare_copy_s}
+    )
+
+
+def test_a_swarm_copy_lets_the_members_train_while_the_spare_fetches_its_state() -> None:
+    ctx = _host_context("perdure", spares=1)
+    swarm = replace(ctx, costs=replace(ctx.costs, swarm_s=0.5))
+    c: perdure_policy.Costs = swarm.costs
+    out = simulate(swarm, POLICIES["perdure"], [_kill(10)], until_steps=100)
+    # the members pay two epoch changes (without the dead worker, then with the spare)
+    # and no copy; this host's step does not depend on the members, so nothing is lost
+    # to the short membership in between
+    assert out.elapsed_s == pytest.approx(10.0 + 0.05 + 2 * c.reconfigure_s)
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.05, "reform": 2 * c.reconfigure_s}
+    )
 
 
 def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
@@ -151,6 +190,10 @@ def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
     out = simulate(ctx, POLICIES["torchrun"], [_kill(16, 0.0)], until_steps=100)
     assert out.restarts == 1
     assert out.elapsed_s == pytest.approx(10.0 + c.restart_s + 6 * 0.1)
+    # itemised: 6 steps since the checkpoint at 10 redone, the processes and the load
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.6, "startup": c.restart.startup_s, "load": c.restart.load_s}
+    )
     assert out.probes[0].new_s == pytest.approx(c.restart_s + 7 * 0.1)
 
 
@@ -163,6 +206,11 @@ def test_torchft_survivors_go_on_at_a_reduced_batch() -> None:
     # batch is missing
     missing = (c.group_start_s - c.quorum_s) / 0.1 / 3
     assert out.samples == pytest.approx(100 - missing, rel=1e-3)
+    # itemised: the new quorum, and a third of the batch missing while the group restarts
+    # (the host's step time does not change with the members here), then the re-formation
+    assert out.ledger["worker_death"] == pytest.approx(
+        {"reform": c.quorum_s + c.join_s, "reduced": (c.group_start_s - c.quorum_s) / 3}
+    )
 
 
 def test_a_hang_shorter_than_the_horizon_evicts_nobody() -> None:
@@ -178,14 +226,27 @@ def test_phi_horizon_is_about_the_acceptable_pause() -> None:
     assert 4.0 < h < 5.0
 
 
-def test_constants_match_the_runtime() -> None:
-    """The copies of runtime rules the simulator keeps (importing the runtime's policy
-    module pulls in torch, which the simulator avoids)."""
+def test_the_simulator_calls_the_runtimes_rules_and_imports_without_torch() -> None:
+    """The boundary margin is the runtime's own function; the settle after a failed
+    collective is ``cluster.reform_backoff_ms``; and ``perdure.sim`` imports with torch
+    blocked (a subprocess: this one has torch loaded)."""
+    from perdure.runtime.config import ClusterConfig
     from perdure.runtime.control import policy as runtime_policy
 
-    assert perdure_policy.FAIL_SETTLE_S == runtime_policy.FAIL_SETTLE_S
-    for step_s in (0.01, 0.06, 0.3, 2.0):
-        assert scenario.boundary_margin(step_s, 0.1) == runtime_policy.boundary_margin(step_s, 0.1)
+    assert scenario.boundary_margin is runtime_policy.boundary_margin
+    sim_default = scenario.PerduePolicyConfig().reform_backoff_ms / 1000
+    assert sim_default == ClusterConfig().reform_backoff_ms / 1000 == runtime_policy.FAIL_SETTLE_S
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import perdure.sim, perdure.sim.run, perdure.sim.sweep, perdure.sim.scenario\n"
+        "import perdure.sim.output, perdure.sim.validate\n"
+        "print('ok')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
 
 
 def test_a_death_inside_a_lost_region_changes_nothing() -> None:
@@ -195,3 +256,230 @@ def test_a_death_inside_a_lost_region_changes_nothing() -> None:
     alone = simulate(ctx, POLICIES["perdure"], [loss], until_steps=100)
     both = simulate(ctx, POLICIES["perdure"], [loss, death], until_steps=100)
     assert both.elapsed_s == pytest.approx(alone.elapsed_s)
+
+
+# -- overlap: buckets behind the backward ---------------------------------------------------
+
+ONE_SITE = Links(intra_bps=10e9, intra_lat_s=1e-4, cross_bps=10e9, cross_lat_s=1e-4)
+"""4 workers in one region: a ring of 4e9 bytes is 2*3/4*4e9/10e9 = 0.6 s of bandwidth
+and 2*3*1e-4 = 6e-4 s of latency."""
+
+
+def _hand_step(reduction: str, overlap: str = "streamed", **kw: float) -> AnalyticStep:
+    # 6 * 1e9 * 1e6 FLOPs over 8 slots at 1e15 FLOP/s: 0.75 s a slot, 2 slots a worker
+    compute = ComputeModel(params=1e9, tokens_per_step=1e6, slots=8, worker_flops=1e15, workers=4)
+    return AnalyticStep(
+        compute=compute,
+        links=ONE_SITE,
+        reduction=reduction,
+        grad_bytes=4,
+        int_bytes=4,
+        block=256,
+        chain_over_ring=1.0,
+        overlap=overlap,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_a_bucketed_reduction_exposes_its_last_bucket_and_one_latency() -> None:
+    whole = Parts(bw=1.0, lat=0.1)
+    assert bucketed_exposed(whole, 2.0, 10) == pytest.approx(0.1 + 0.1)  # hidden but the last
+    assert bucketed_exposed(whole, 0.5, 10) == pytest.approx(1.0 - 0.5 * 0.9 + 0.1)
+    assert bucketed_exposed(whole, 5.0, 1) == pytest.approx(1.1)  # one bucket: nothing hides
+
+
+def test_ddp_hides_its_buckets_behind_the_whole_backward() -> None:
+    step = _hand_step("ddp")
+    buckets = math.ceil(4e9 / (25 * 2**20))  # 153
+    assert step.seconds((4,)) == pytest.approx(1.5 + 0.6 / buckets + 6e-4)
+
+
+def test_streamed_exact_hides_behind_the_last_slots_backward_only() -> None:
+    step = _hand_step("exact_flat", step_overhead=1.02, streamed_bytes=1.0)
+    window = 2 / 3 * 0.75  # the last of the member's 2 slots
+    buckets = math.ceil(1e9 / 2**20)  # 954
+    exposed = 0.6 - window * (1 - 1 / buckets) + 6e-4
+    assert step.seconds((4,)) == pytest.approx((1.5 + exposed) * 1.02)
+    # one member gone: 3 slots for the busiest, the same last-slot window
+    ring3 = 2 * 2 / 3 * 4e9 / 10e9
+    exposed3 = ring3 - window * (1 - 1 / buckets) + 4 * 1e-4
+    assert step.seconds((3,)) == pytest.approx((3 * 0.75 + exposed3) * 1.02)
+
+
+def test_the_pre_streaming_model_runs_max_then_payload_after_the_last_slot() -> None:
+    step = _hand_step("exact_flat", "last_slot", overhead=1.03)
+    maxima = 2 * 3 / 4 * (1e9 / 256 * 4) / 10e9 + 6e-4
+    exposed = 0.6 + 6e-4 + maxima - 2 / 3 * 0.75
+    assert step.seconds((4,)) == pytest.approx(1.5 * 1.03 + exposed)
+
+
+def test_the_runtimes_two_tier_exchange_is_not_bucketed() -> None:
+    members = (2, 2)
+    streamed = _hand_step("exact_hier", streamed_bytes=1.0)
+    bucketed = _hand_step("exact_hier", "bucketed", streamed_bytes=1.0)
+    # two regions of 2: reduce-scatter 2*1/2*4e9/10e9 = 0.4 s, exchange 4e9/10e9 = 0.4 s,
+    # latency 2*1e-4 + 1e-4; the MAX of the maxima goes first, the same way
+    payload = 0.8 + 3e-4
+    maxima = 2 * (1e9 / 256 * 4) / 10e9 + 3e-4
+    assert streamed.seconds(members) == pytest.approx(1.5 + payload + maxima)
+    buckets = math.ceil(1e9 / 2**20)
+    hidden = 0.8 - 0.5 * (1 - 1 / buckets) + 3e-4
+    assert bucketed.seconds(members) == pytest.approx(1.5 + hidden)
+    # in one region there are no tiers: the flat group's buckets stream
+    flat = _hand_step("exact_flat", streamed_bytes=1.0)
+    assert streamed.seconds((4,)) == pytest.approx(flat.seconds((4,)))
+
+
+# -- sharded replicas ------------------------------------------------------------------------
+
+
+def _sharded(**kw: object) -> tuple[WorkloadConfig, DeploymentConfig]:
+    w = WorkloadConfig(
+        params=8e9,
+        tokens_per_step=1e6,
+        slots=100,
+        layers=8,
+        hidden=1000,
+        **kw,  # type: ignore[arg-type]
+    )
+    gpus = w.tp * w.pp * w.shard
+    d = DeploymentConfig(
+        regions=[SimRegion(name="a", nodes=10)], workers_per_node=1, gpus_per_worker=gpus
+    )
+    return w, d
+
+
+def test_a_gpu_holds_its_share_of_states_and_its_stages_activations() -> None:
+    w, d = _sharded(tp=2, pp=2, shard=2)
+    m = sharding.memory(w, d, perdure=True, int_bytes=4)
+    # 8e9 / (2 * 2 * 2) = 1e9 parameters a GPU: 2 + 4 + 12 bytes each, and perdure's
+    # int32 accumulator
+    assert (m.weights, m.gradients, m.optimizer, m.reduction) == (2e9, 4e9, 12e9, 4e9)
+    # 10 micro-batches a replica, 2 in flight on a stage of 4 layers, 1e6 / 100 / 2 = 5000
+    # tokens each, 34 bytes per token, layer and unit of hidden size, over tp = 2
+    assert m.activations == pytest.approx(4 * 2 * 5000 * 1000 * 34 / 2)
+    ddp = sharding.memory(replace(w, recompute=True), d, perdure=False, int_bytes=4)
+    assert ddp.reduction == 0.0
+    assert ddp.activations == pytest.approx(4 * 2 * 5000 * 1000 * 2 / 2)
+
+
+def test_a_replica_that_does_not_fit_is_refused_with_the_numbers(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "sim" / "llama3-405b.toml").read_text()
+    pure_dp = text.replace("tp = 8", "tp = 1").replace("pp = 16", "pp = 1")
+    path = tmp_path / "dp.toml"
+    path.write_text(pure_dp.replace("gpus_per_worker = 128", "gpus_per_worker = 1"))
+    with pytest.raises(ConfigError) as info:
+        load_sim_config(path)
+    msg = str(info.value)
+    # 405e9 x (2 + 4 + 12 + 4) bytes = 8910 GB of states on one GPU
+    assert "needs 8942.3 GB" in msg and "optimizer 4860.0" in msg
+    assert "deployment.gpu_memory_gb = 80 GB" in msg
+    path.write_text(text.replace("gpus_per_worker = 128", "gpus_per_worker = 64"))
+    with pytest.raises(ConfigError, match=r"tp x pp x shard = 8 x 16 x 1 = 128"):
+        load_sim_config(path)
+
+
+def test_tensor_parallel_traffic_and_the_pipeline_bubble_lengthen_the_slot() -> None:
+    w, d = _sharded(tp=2, pp=2)
+    # 4 layers a stage x 4 all-reduces of 1e6/100 tokens x 1000 x 2 bytes over 2 GPUs
+    # of NVLink (3600 Gbit/s): 2 * 1/2 * 2e7 / 450e9 each
+    tp = 4 * 4 * 2e7 / 450e9
+    assert sharding.slot_comm_s(w, d, 1.0) == pytest.approx(tp)
+    compute = ComputeModel(
+        params=8e9, tokens_per_step=1e6, slots=100, worker_flops=4e15, workers=10, bubble=1.0
+    )
+    # 6 * 8e9 * 1e6 / 100 / 4e15 = 0.12 s a slot; 10 slots + a bubble of (2 - 1) / 1
+    assert compute.ddp_s() == pytest.approx(11 * 0.12)
+    assert compute.perdure_s(9) == pytest.approx((12 + 1) * 0.12)  # ceil(100 / 9) = 12
+
+
+def test_fsdp_gathers_hide_behind_the_slot_up_to_its_compute() -> None:
+    w, d = _sharded(shard=4)
+    # 3 passes x 3/4 x 8e9 x 2 bytes over 400 Gbit/s = 0.72 s; a slot of 0.5 s hides 0.5
+    assert sharding.slot_comm_s(w, d, 0.5) == pytest.approx(3 * 0.75 * 16e9 / 50e9 - 0.5)
+    assert sharding.slot_comm_s(w, d, 1.0) == 0.0
+
+
+def test_the_seeds_model_does_not_fit_four_replicas_on_80_gb(tmp_path: Path) -> None:
+    text = (ROOT / "configs" / "sim" / "seed-600b.toml").read_text()
+    path = tmp_path / "h100.toml"
+    path.write_text(text.replace("gpu_memory_gb = 192.0", "gpu_memory_gb = 80.0"))
+    with pytest.raises(ConfigError) as info:
+        load_sim_config(path)
+    # 600e9 / 88 = 6.82e9 parameters a GPU x 22 bytes, and the stage's activations
+    assert "needs 154.8 GB" in str(info.value)
+    assert "deployment.gpu_memory_gb = 80 GB" in str(info.value)
+
+
+# -- the yardstick and the spares ----------------------------------------------------------
+
+
+def test_the_restart_policy_on_llama_3_is_within_005_of_the_papers_90_percent() -> None:
+    """Llama 3 405B (Dubey et al. 2024, 3.3.4): "higher than 90% effective training
+    time" over 54 days with 419 unexpected interruptions; restarts from checkpoints."""
+    cfg = load_sim_config(ROOT / "configs" / "sim" / "llama3-405b.toml")
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    summary = run_policy(cfg, cal, "torchrun", 3)
+    assert abs(summary.goodput - 0.90) <= 0.05
+    assert summary.failures == pytest.approx(419, rel=0.15)
+
+
+def test_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None:
+    """The spares sweep's dip: a node death promotes the spares there are (a copy) and
+    the rest of its workers join later (a second copy), while the busiest member's slot
+    count, hence the step, stays that of the short membership."""
+    cfg = load_sim_config(DEPLOYMENT)
+    cfg = replace(
+        cfg, failures=[FailureProcess(kind="node_death", per_day=1.0, replace_minutes=10.0)]
+    )
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+
+    def node_death(spares: int) -> tuple[float, dict[str, float]]:
+        p = replace(cfg.policies, perdure=replace(cfg.policies.perdure, spares=spares))
+        r = run_policy(replace(cfg, policies=p), cal, "perdure", 2)
+        return r.goodput, r.per_failure["node_death"]
+
+    copy = scenario.context(cfg, cal, "perdure").costs.spare_copy_s
+    none, four, eight = node_death(0), node_death(4), node_death(8)
+    assert none[1]["copy"] == pytest.approx(copy)  # the join's
+    assert four[1]["copy"] == pytest.approx(2 * copy)  # the promotion's and the join's
+    assert eight[1]["copy"] == pytest.approx(copy)  # the promotion's; the rest refill the pool
+    assert four[0] < none[0] < eight[0]
+
+
+@pytest.mark.parametrize("name", ["deployment-46", "llama3-405b", "seed-600b"])
+def test_the_cost_table_accounts_for_every_second_a_run_loses(name: str) -> None:
+    """Elapsed time minus the full-batch steps' fault-free time is the sum of the
+    ledger's items and the checkpoints' blocking time: nothing lost goes uncharged, and
+    nothing is charged twice (within 1e-4 of the run: the step in flight at the end)."""
+    cfg = load_sim_config(ROOT / "configs" / "sim" / f"{name}.toml")
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    for label, policy, c in variants(cfg):
+        for out in run_policy(c, cal, policy, 1, label).outcomes:
+            lost = out.elapsed_s - out.samples * out.step_s
+            charged = sum(sum(items.values()) for items in out.ledger.values())
+            assert lost > 0
+            assert charged + out.checkpoint_s == pytest.approx(lost, abs=1e-4 * out.elapsed_s)
+
+
+def test_the_step_by_dimension_sums_to_the_step() -> None:
+    """The hand config of the overlap tests with a pipeline and tensor parallel traffic:
+    the parts are the slots' FLOPs, the bubble, the replica's traffic, the exposed
+    reduction and perdure's measured factor, and they add up to the step."""
+    compute = ComputeModel(
+        params=1e9,
+        tokens_per_step=1e6,
+        slots=8,
+        worker_flops=1e15,
+        workers=4,
+        bubble=0.5,
+        slot_comm_s=0.01,
+    )
+    step = replace(_hand_step("exact_flat", step_overhead=1.02), compute=compute)
+    parts = step_parts(step, (4,))
+    assert parts["compute"] == pytest.approx(2 * 0.75)
+    assert parts["bubble"] == pytest.approx(0.5 * 0.75)
+    assert parts["replica"] == pytest.approx(2.5 * 0.01)
+    assert parts["reduction"] == pytest.approx(step.exposed_s((4,)))
+    assert sum(parts.values()) == pytest.approx(step.seconds((4,)))
+    assert parts["runtime"] == pytest.approx(0.02 * (sum(parts.values()) - parts["runtime"]))

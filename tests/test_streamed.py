@@ -74,11 +74,16 @@ class _Threaded(_Solo):
         return f
 
 
-def _pass(red: StreamedReducer, bufs: list[torch.Tensor], exps: torch.Tensor | None) -> Any:
+def _pass(
+    red: StreamedReducer,
+    bufs: list[torch.Tensor],
+    exps: torch.Tensor | None,
+    adds: int | None = None,
+) -> Any:
     """Every slot but the last added as it is finished, the last handed to ``finish``, as
-    the step runner does."""
+    the step runner does (``adds``: what ``open`` is told, default the truth)."""
     buf = torch.empty_like(bufs[0])
-    red.open(buf, exps)
+    red.open(buf, exps, adds=len(bufs) - 1 if adds is None else adds)
     for b in bufs[:-1]:
         buf.copy_(b)
         red.add(buf)
@@ -113,9 +118,10 @@ def test_fitted_exponents_are_the_maxima_with_idle_blocks_at_the_largest() -> No
     assert fitted(_exps(3, ZERO, -2)).tolist() == [3, 3, -2]
 
 
-def test_streamed_exponents_need_the_exact_reduction_and_take_both_widths() -> None:
-    with pytest.raises(ConfigError, match="reduction_exponents"):
-        TrainConfig(reduction_exponents="streamed")
+def test_streamed_exponents_take_both_widths_and_carried_ones_refuse_32_bits() -> None:
+    with pytest.raises(ConfigError, match=r"'carried' needs train\.reduction_bits = 64"):
+        TrainConfig(reduction_exponents="carried")
+    TrainConfig(reduction="chain", reduction_exponents="carried")  # the chain ignores them
     for bits in (32, 64):
         TrainConfig(reduction="exact", reduction_bits=bits, reduction_exponents="streamed")  # type: ignore[arg-type]
 
@@ -169,6 +175,25 @@ def test_the_last_slot_streamed_behind_its_backward_gives_the_same_bits() -> Non
         time.sleep(0.002)
     out, _ = fut.result(timeout=30)
     assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_one_slots_integers_kept_in_its_own_buffer_give_the_separate_accumulators_bits(
+    fused: bool,
+) -> None:
+    """A member with one slot converts it in place (32 bits: no second buffer of P
+    values); the bits are the separate accumulator's, outlier lane included."""
+    if fused and load() is None:
+        pytest.skip("no C compiler: the fused kernels are not built")
+    for n, guess in ((N, lambda m: predict(None, m)), (SMALL, _low)):  # _low: outliers
+        one = _slots(5, n)[:1]
+        red = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK, fused=fused)
+        _, maxima = _pass(red, one, None)
+        exps = used(guess(maxima))
+        apart, _ = _pass(red, one, exps, adds=1)
+        assert not red.aliased and apart is not None
+        inside, _ = _pass(red, one, exps)
+        assert red.aliased and torch.equal(inside, apart)
 
 
 def test_an_abandoned_backward_ends_the_streaming_pass() -> None:
@@ -246,7 +271,7 @@ def _rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
 
     def one_pass(red: StreamedReducer, mine: list[int], exps: torch.Tensor | None) -> Any:
         buf = torch.empty(SMALL)
-        red.open(buf, exps)
+        red.open(buf, exps, adds=max(0, len(mine) - 1))  # one slot: integers in place
         for s in mine[:-1]:
             buf.copy_(bufs[s])
             red.add(buf)

@@ -19,13 +19,16 @@ saw and absorbed them. One record per failure, from the event log:
   symptom);
 - ``coordinator_loss``: a standby took over;
 - ``replica_divergence``: replica fingerprints disagreed;
-- ``bad_shard``: a shard was quarantined (its samples' gradients were non-finite).
+- ``bad_shard``: a shard was quarantined (its samples' gradients were non-finite);
+- ``corrupt_shard``: a shard failed a read and was repaired (its first ``shard_repaired``
+  record: read again, or a mirror's copy) or, with no good copy, quarantined (a decision
+  of kind ``corrupt``).
 
 Graceful departures (``leave_requested``) and everything after ``run_end`` (shutdown) are
 not failures. A failure is *scheduled* when an injected fault explains it: the fault
 signalled its process (the ``pids`` of ``fault_injected``), or named its worker or region
-(up to ``MATCH_S`` after the fault ended), or poisoned its shard, or could take the
-coordinator. It is *detected* when the run noticed it (for a process exit: a ``leave`` of
+(up to ``MATCH_S`` after the fault ended), or poisoned or corrupted its shard, or could
+take the coordinator. It is *detected* when the run noticed it (for a process exit: a ``leave`` of
 that process or an epoch started without it; a process that never joined needs nothing
 but the launcher's notice), and *absorbed* when it was detected, the run
 reached its end and no committed step was lost after it. Whether the final parameters
@@ -196,6 +199,7 @@ def _collective(events: list[Record]) -> list[Record]:
 
 def _others(events: list[Record]) -> list[Record]:
     out = []
+    repaired: set[Any] = set()  # one failure per shard, however many workers repaired it
     for e in events:
         if e["event"] == ev.COORDINATOR_TAKEOVER:
             detail = f"the {e.get('by', 'standby')} took over"
@@ -207,10 +211,24 @@ def _others(events: list[Record]) -> list[Record]:
             detail = f"fingerprints of {workers} disagreed at step {e.get('step')}"
             out.append({**_failure("replica_divergence", e, detail=detail, detect=e),
                         "worker": worker})  # fmt: skip
-        elif e["event"] == ev.DECISION and e.get("kind") == "quarantine":
+        elif e["event"] == ev.DECISION and e.get("kind") in _SHARD_DECISIONS:
+            kind = _SHARD_DECISIONS[e["kind"]]
             detail = f"shards {e.get('shards')} quarantined at step {e.get('step')}"
-            out.append(_failure("bad_shard", e, detail=detail, shards=e.get("shards"), detect=e))
+            out.append(_failure(kind, e, detail=detail, shards=e.get("shards"), detect=e))
+        elif e["event"] == ev.SHARD_REPAIRED and e.get("shard") not in repaired:
+            repaired.add(e.get("shard"))
+            detail = f"shard {e.get('shard')}: {e.get('error')}; served via {e.get('via')}"
+            out.append(
+                _failure("corrupt_shard", e, detail=detail, shards=[e.get("shard")], detect=e)
+            )
     return out
+
+
+_SHARD_DECISIONS = {"quarantine": "bad_shard", "corrupt": "corrupt_shard"}
+"""Decision kinds that quarantine a shard, and the failure each records."""
+
+_SHARD_FAULTS = {"bad_shard": "poison_shard", "corrupt_shard": "corrupt_shard"}
+"""The fault kind that explains each shard failure (when it names the shard)."""
 
 
 # -- judging them --------------------------------------------------------------------------
@@ -229,8 +247,8 @@ def _explained_by(
 
 
 def _explains(x: Record, f: Record, until: float, region_of: dict[str, Any]) -> bool:
-    if f["kind"] == "bad_shard":
-        return x["kind"] == "poison_shard" and str(x["target"]).isdigit() and (
+    if f["kind"] in _SHARD_FAULTS:
+        return x["kind"] == _SHARD_FAULTS[f["kind"]] and str(x["target"]).isdigit() and (
             int(x["target"]) in (f.get("shards") or []))  # fmt: skip
     if f["kind"] == "coordinator_loss":
         takes = x["kind"] == "region_down" or x["target"] in ("coordinator", "standby")

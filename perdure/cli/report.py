@@ -13,16 +13,10 @@ import click
     default=None,
     help="Where to write the report (default: RUN_DIR/report.html).",
 )
-@click.option(
-    "--private/--shared",
-    default=False,
-    help="--shared (the default) makes the file readable by others (0644), for passing "
-    "on; --private keeps it to its owner (0600), as the report a run writes at its end.",
-)
-def report(run_dir: str, out: str | None, private: bool) -> None:
+def report(run_dir: str, out: str | None) -> None:
     """Write RUN_DIR/report.html: loss with faults marked, step time with membership
     changes, slot assignment per worker, the fault table, the decision log and events.
     The file needs no network and no scripts."""
     from perdure.report import write_report
 
-    click.echo(str(write_report(run_dir, out, shared=not private)))
+    click.echo(str(write_report(run_dir, out)))

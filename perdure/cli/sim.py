@@ -40,7 +40,7 @@ def sim(
     calibrated on benchmarks/results/*.json; print each policy's goodput with an
     interval over seeds, the validation table and the sweeps; write sim.json and plots."""
     from perdure.config import ConfigError
-    from perdure.sim import output
+    from perdure.sim import output, sharding
     from perdure.sim.calibrate import CalibrationError, load_calibration
     from perdure.sim.config import load_sim_config
     from perdure.sim.run import run_config
@@ -57,6 +57,9 @@ def sim(
     except (ConfigError, CalibrationError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(output.goodput_table(summaries, cfg.workload.days, seeds or cfg.seeds))
+    memory = sharding.memory_line(cfg.workload, cfg.deployment, cfg.policies.perdure.int_bytes)
+    click.echo("\n" + output.step_table(summaries, memory))
+    click.echo("\n" + output.cost_table(summaries))
     if rows:
         click.echo("\n" + output.validation_table(rows))
     for s in swept:

@@ -16,4 +16,13 @@ MATH_ADDED = {"math": True, "hash_default": False}
 its default it is left out of the config hash, so their checkpoints keep their hash and
 resume without ``--allow-config-change``; any other value enters the hash."""
 
-__all__ = ["MATH", "MATH_ADDED", "Checker", "ConfigError", "Problem", "build"]
+
+def math_unless(sibling: str, value: object, hashed_as: object) -> dict[str, object]:
+    """Metadata of a math field that matters only while the field ``sibling`` of the same
+    section equals ``value``: otherwise it enters the config hash as ``hashed_as`` (the
+    value every run had before its default changed), so that it cannot change the hash of
+    a run it does not touch (``train.reduction_bits`` under the chain reduction)."""
+    return {"math": True, "inert_unless": (sibling, value, hashed_as)}
+
+
+__all__ = ["MATH", "MATH_ADDED", "Checker", "ConfigError", "Problem", "build", "math_unless"]

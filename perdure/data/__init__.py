@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Batch": "batch",
+    "CorruptShardError": "errors",
     "DataError": "errors",
     "DataState": "state",
     "Dataset": "dataset",
@@ -41,6 +42,7 @@ _EXPORTS = {
 
 __all__ = [
     "Batch",
+    "CorruptShardError",
     "DataError",
     "DataState",
     "Dataset",
@@ -70,7 +72,7 @@ if TYPE_CHECKING:
     from perdure.data.batch import Batch
     from perdure.data.build import build_dataset
     from perdure.data.dataset import Dataset
-    from perdure.data.errors import DataError, ShardError
+    from perdure.data.errors import CorruptShardError, DataError, ShardError
     from perdure.data.fields import Field, FieldSpec
     from perdure.data.importer import import_arrays
     from perdure.data.loader import SlotLoader

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
 from perdure.data.errors import DataError, ShardError
 from perdure.data.fields import TOKENS, served_dtype
 from perdure.data.manifest import MANIFEST_NAME, Manifest, parse_manifest
-from perdure.data.store import ShardStore, open_fs
+from perdure.data.retry import ReadFailed, ReadPolicy, with_retries
+from perdure.data.store import ShardStore, is_local, open_fs
+
+T = TypeVar("T")
 
 SHORT_ROWS = 512
 """Below this seq_len a read minimises numpy calls; at or above it, bytes copied."""
@@ -39,26 +44,34 @@ class Dataset:
         cache_dir: str | None = None,
         cache_mb: int = 1024,
         check_files: bool = True,
+        mirrors: tuple[str, ...] = (),
+        policy: ReadPolicy | None = None,
     ) -> Dataset:
         """Open the dataset at ``url`` (directory holding ``manifest.json``).
 
         Raises :class:`DataError` naming the file for a missing or malformed manifest, and,
         when ``check_files``, for a missing shard or one whose size differs from the
-        manifest's.
+        manifest's. ``mirrors``: copies a failed shard is repaired from (``data.mirrors``);
+        ``policy``: how remote requests are tried (``perdure.data.retry``).
         """
-        fs, root = open_fs(url)
+        policy = policy or ReadPolicy()
+        fs, root = open_fs(url, policy.timeout_s)
         root = root.rstrip("/")
         murl = f"{url.rstrip('/')}/{MANIFEST_NAME}"
         try:
-            text = fs.cat_file(f"{root}/{MANIFEST_NAME}").decode()
+            text = _remote(fs, policy, murl, lambda: fs.cat_file(f"{root}/{MANIFEST_NAME}"))
+            text = text.decode()
         except FileNotFoundError:
             raise DataError(f"{murl}: missing (is {url} a dataset built by perdure?)") from None
         except (OSError, UnicodeDecodeError) as e:
             raise DataError(f"{murl}: cannot be read ({e})") from None
         manifest = parse_manifest(text, murl)
         if check_files:
-            _check_files(fs, root, url, manifest)
-        store = ShardStore(fs, root, manifest, cache_dir=cache_dir, cache_mb=cache_mb)
+            _check_files(fs, root, url, manifest, policy)
+        store = ShardStore(
+            fs, root, manifest, cache_dir=cache_dir, cache_mb=cache_mb, mirrors=mirrors,
+            policy=policy,
+        )  # fmt: skip
         return cls(url, manifest, store)
 
     @property
@@ -227,11 +240,20 @@ class Dataset:
         self.close()
 
 
-def _check_files(fs: object, root: str, url: str, manifest: Manifest) -> None:
+def _remote(fs: Any, policy: ReadPolicy, what: str, call: Callable[[], T]) -> T:
+    """``call()``, tried again with backoff where ``fs`` is remote (``data/retry.py``)."""
+    if is_local(fs.protocol):
+        return call()
+    return with_retries(call, what, policy)
+
+
+def _check_files(fs: Any, root: str, url: str, manifest: Manifest, policy: ReadPolicy) -> None:
     try:
-        listing = fs.ls(root, detail=True)  # type: ignore[attr-defined]
+        listing = _remote(fs, policy, url, lambda: fs.ls(root, detail=True))
     except FileNotFoundError:
         raise DataError(f"{url}: directory missing") from None
+    except ReadFailed as e:
+        raise DataError(f"{url}: cannot be listed ({e})") from None
     sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
     base = url.rstrip("/")
     for info in manifest.shards:

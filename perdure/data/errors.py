@@ -18,11 +18,39 @@ class ShardError(DataError):
     quarantine request instead of a crash (see ``docs/data.md``, "Bad shards").
     """
 
-    def __init__(self, shard: int, file: str, reason: str) -> None:
+    def __init__(self, shard: int, file: str, reason: str, *, found: str | None = None) -> None:
         self.shard = shard
         self.file = file
         self.reason = reason
+        self.found = found
+        """The SHA-256 the bytes read had, for a checksum mismatch (None otherwise)."""
         super().__init__(f"shard {shard} ({file}): {reason}")
+
+    def with_note(self, note: str) -> ShardError:
+        """The same error with ``note`` added to its reason (what else was tried)."""
+        return ShardError(self.shard, self.file, f"{self.reason}; {note}", found=self.found)
+
+    def again(self) -> ShardError:
+        """A fresh copy, to raise once more (a remembered bad shard)."""
+        return ShardError(self.shard, self.file, self.reason, found=self.found)
+
+
+class CorruptShardError(DataError):
+    """A shard with no good copy under ``data.on_corrupt = "stop"``: the run ends before
+    any of its samples is trained on. The message names the shard file, both checksums
+    (where the bytes could be read) and ``perdure data verify``."""
+
+    def __init__(self, error: ShardError, expected: str, step: int) -> None:
+        self.error, self.step = error, step
+        sums = "" if expected in error.reason else f" (the manifest's SHA-256 is {expected})"
+        super().__init__(
+            f"shard {error.shard} ({error.file}) cannot be served at step {step}: "
+            f"{error.reason}{sums}. The run stops "
+            "before training on it (data.on_corrupt = 'stop'): run `perdure data verify "
+            "DATASET` to list every bad shard, restore them from a good copy or set "
+            "data.mirrors, and resume from the last checkpoint; or set data.on_corrupt = "
+            "'quarantine' to leave the shard out (a decision-log entry)"
+        )
 
 
 class Problems:

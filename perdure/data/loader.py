@@ -4,19 +4,24 @@
 N, the quarantine in force at ``step``): any worker computing any slot at any time, with
 any cache or prefetch history, gets the same ids. Reading them is the only I/O.
 
-Bad shards (missing, unreadable, failing the checksum) do not crash the loader: the rows
-are served as zeros with weight NaN, a warning is logged once per shard, the shard goes to
-:meth:`SlotLoader.pending_quarantine` and ``on_bad_shard(shard, reason)`` is called. In a
-multi-worker run the runtime turns that into a decision-log entry that every worker applies
-at the same step (``loader.quarantine``); a worker must not quarantine on its own, since
-the others would not know. ``auto_quarantine=True`` does it locally at once, for
-single-process use.
+Bad shards (missing, unreadable, failing the checksum after a re-read and every mirror:
+``data/store.py``) follow ``on_corrupt``. ``"stop"`` raises
+:class:`~perdure.data.errors.CorruptShardError` from the read, so no sample of the shard
+reaches a gradient and the run ends naming the shard file and both checksums.
+``"quarantine"`` serves the rows as zeros with weight NaN (*withheld*: ``Batch.bad_shards``
+says which), logs a warning once per shard, puts the shard in
+:meth:`SlotLoader.pending_quarantine` and calls ``on_bad_shard(shard, reason)``. In a
+multi-worker run the runtime turns the non-finite slot into a decision-log entry of kind
+``corrupt`` that every worker applies at the same step (``loader.quarantine``); a worker
+must not quarantine on its own, since the others would not know. ``auto_quarantine=True``
+does it locally at once, for single-process use.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -24,7 +29,7 @@ import numpy as np
 
 from perdure.data.batch import Batch
 from perdure.data.dataset import Dataset
-from perdure.data.errors import DataError, ShardError
+from perdure.data.errors import CorruptShardError, DataError, ShardError
 from perdure.data.fields import TOKENS
 from perdure.data.order import positions_to_samples
 from perdure.data.prefetch import Prefetcher
@@ -56,6 +61,7 @@ class SlotLoader:
         auto_quarantine: bool = False,
         wait_timeout_s: float = 60.0,
         document_fields: bool = False,
+        on_corrupt: str = "quarantine",
     ) -> None:
         self.per_slot = check_slots(global_batch, slots)
         self.document_fields = document_fields
@@ -68,6 +74,14 @@ class SlotLoader:
         self.dataset, self.seed = dataset, seed
         self.global_batch, self.slots = global_batch, slots
         self.on_bad_shard, self.auto_quarantine = on_bad_shard, auto_quarantine
+        if on_corrupt not in ("stop", "quarantine"):
+            rule = "must be 'stop' or 'quarantine'"
+            raise DataError(f"loader: on_corrupt {rule} (got {on_corrupt!r})")
+        self.on_corrupt = on_corrupt
+        """``data.on_corrupt``: a shard with no good copy stops the read, or is withheld."""
+        self.read_delay_s: Callable[[], float] = lambda: 0.0
+        """Injected storage latency now in force, waited before each slot's read (the
+        ``slow_storage`` fault; the prefetch hides it where it reads ahead)."""
         self._quarantine = quarantine or Quarantine()
         self._check_ids(self._quarantine)
         self._poisoned: set[int] = set()
@@ -189,7 +203,13 @@ class SlotLoader:
             q, poisoned = self._quarantine, frozenset(self._poisoned)
         pos, ids = self._samples(step, slot, q)
         shards = self._shard_of(ids)
+        stall = self.read_delay_s()
+        if stall > 0:
+            time.sleep(stall)
         values, bad = self.dataset.read_fields(ids, shards)
+        if bad and self.on_corrupt == "stop":
+            k = min(bad)
+            raise CorruptShardError(bad[k], self.dataset.manifest.shards[k].sha256, step)
         if self.document_fields:
             values.update(self.dataset.doc_fields(ids))
         tokens = values.pop(TOKENS)
@@ -235,6 +255,18 @@ class SlotLoader:
         log.info("data: quarantined shards %s samples %s from step %d (%s)", sorted(shards),
                  sorted(samples), step, reason)  # fmt: skip
         return q
+
+    def corrupt_shard(self, shard: int) -> None:
+        """Fault injection: ``shard``'s primary copy reads corrupt from now on (the store
+        re-reads it, then repairs it from a mirror or withholds it); read-ahead made
+        before is dropped, so every worker reads it afresh from the same step."""
+        if not 0 <= shard < self.dataset.num_shards:
+            raise DataError(f"corrupt_shard: shard must be in [0, {self.dataset.num_shards}) "
+                            f"(got {shard})")  # fmt: skip
+        with self._lock:
+            self.dataset.store.inject_corrupt(shard)
+            self._gen += 1
+        self._prefetcher.invalidate()
 
     def poison_shard(self, shard: int) -> None:
         """Fault injection: every sample of ``shard`` gets loss weight NaN from now on."""

@@ -9,19 +9,32 @@
   recently used shards are evicted first (deleted). One shard larger than the bound is
   still served: the bound is exceeded by at most the shard being read.
 
-Each shard's SHA-256 is checked the first time this process reads it (a download is
-hashed while it streams). A shard that fails is remembered as bad and raises
-:class:`~perdure.data.errors.ShardError` on every later read, without re-reading it.
+Each shard's SHA-256 is checked the first time this process reads it. Remote requests
+are tried again with backoff and a deadline each (:mod:`perdure.data.retry`). A shard that
+fails (checksum, unreadable, missing) is a storage fault, handled in this order:
 
-Limits: one lock serialises shard fetches (a background prefetch and a foreground read of
-another shard wait on each other during a download); the LRU bound is per process, so
-workers sharing one ``cache_dir`` may together exceed it (give each worker its own).
+1. read again once (a transient fault: a bad read, a torn download);
+2. fetched from each of ``mirrors`` in turn (``data.mirrors``: copies of the dataset),
+   into the cache, and served only if it matches the manifest's SHA-256;
+3. otherwise remembered as bad: it raises :class:`~perdure.data.errors.ShardError` on
+   every later read without being read again, and the loader applies ``data.on_corrupt``.
+
+Each success of 1 or 2 is a record in :meth:`ShardStore.take_repairs` (the worker writes
+them as ``shard_repaired`` events). A repaired shard holds the manifest's bytes, so the
+run's math does not change.
+
+Limits: a shard is fetched by one thread at a time (a per-shard lock; a download of one
+shard does not hold up reads of others); the LRU bound is per process, so workers sharing
+one ``cache_dir`` may together exceed it (give each worker its own); a shard imported in
+place (``source``) is read again but has no mirror copy; a shard whose bytes change on
+disk after this process verified and mapped it is not checked again (verify-once).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import mmap
 import os
@@ -36,7 +49,10 @@ import fsspec
 import numpy as np
 
 from perdure.data.errors import ShardError
-from perdure.data.manifest import Manifest
+from perdure.data.manifest import Manifest, ShardInfo
+from perdure.data.retry import ReadFailed, ReadPolicy, is_http, storage_options, with_retries
+
+log = logging.getLogger("perdure.data")
 
 CHUNK = 4 << 20
 
@@ -57,18 +73,29 @@ class ShardStore:
         *,
         cache_dir: str | None,
         cache_mb: float,
+        mirrors: tuple[str, ...] = (),
+        policy: ReadPolicy | None = None,
     ) -> None:
         self.fs, self.root, self.manifest = fs, root.rstrip("/"), manifest
         self.local = is_local(fs.protocol)
         self.cache_bytes = int(cache_mb * (1 << 20))
+        self.mirrors = tuple(m.rstrip("/") for m in mirrors)
+        self.policy = policy or ReadPolicy()
+        self._cache_dir = cache_dir
         self._owned_tmp: str | None = None
         self.cache_root = None if self.local else self._cache_root(cache_dir)
         self._lock = threading.Lock()
+        self._shard_locks: dict[int, threading.Lock] = {}
         self._maps: OrderedDict[int, np.ndarray] = OrderedDict()
         self._verified: set[int] = set()
-        self._bad: dict[int, str] = {}
+        self._bad: dict[int, ShardError] = {}
+        self._from_mirror: dict[int, str] = {}  # shard -> its repaired file in the cache
+        self._injected: set[int] = set()  # chaos: shards whose primary copy reads corrupt
+        self._repairs: list[dict[str, Any]] = []
         self.downloads = 0
         self.evictions = 0
+        self.retries = [0]
+        """Remote requests tried again (one counter, shared with ``with_retries``)."""
 
     def _cache_root(self, cache_dir: str | None) -> Path:
         if cache_dir is None:
@@ -89,28 +116,150 @@ class ShardStore:
             arr = self._maps.get(shard)
             if arr is not None:
                 return arr
+        hit = self._cached(shard)
+        if hit is not None:
+            return hit
+        with self._shard_lock(shard):  # one fetch of a shard at a time, others go on
+            hit = self._cached(shard)
+            if hit is not None:
+                return hit
+            try:
+                arr = self._recover(shard)
+            except ShardError as e:
+                with self._lock:
+                    self._bad[shard] = e
+                raise
+            with self._lock:
+                self._maps[shard] = arr
+                self._evict()
+            return arr
+
+    def _cached(self, shard: int) -> np.ndarray | None:
         with self._lock:
             if shard in self._bad:
-                raise ShardError(shard, self.url(shard), self._bad[shard])
+                raise self._bad[shard].again()
             arr = self._maps.get(shard)
             if arr is not None:
                 self._maps.move_to_end(shard)
-                return arr
-            try:
-                arr = self._open(shard)
-            except ShardError as e:
-                self._bad[shard] = e.reason
-                raise
-            self._maps[shard] = arr
-            self._evict()
             return arr
 
-    def bad_shards(self) -> dict[int, str]:
+    def _shard_lock(self, shard: int) -> threading.Lock:
         with self._lock:
-            return dict(self._bad)
+            return self._shard_locks.setdefault(shard, threading.Lock())
+
+    def bad_shards(self) -> dict[int, str]:
+        """Shards with no good copy, and why (what the loader withholds)."""
+        with self._lock:
+            return {k: e.reason for k, e in self._bad.items()}
+
+    def take_repairs(self) -> list[dict[str, Any]]:
+        """Shards served after a failed read since the last call (cleared by this call):
+        ``shard``, ``file``, ``via`` (``reread`` or the mirror's URL), ``manifest`` and
+        ``found`` (the SHA-256 the failed read had, None when it could not be read) and
+        ``error`` (the failed read's reason)."""
+        with self._lock:
+            out, self._repairs = self._repairs, []
+        return out
+
+    def inject_corrupt(self, shard: int) -> None:
+        """Fault injection (``corrupt_shard``): from now on every read of ``shard``'s primary
+        copy by this process has one byte flipped, as a corrupt disk or a bad transfer
+        would give it; the shard is read again at its next use. The file is not touched
+        (another process may have it mapped)."""
+        with self._shard_lock(shard), self._lock:
+            self._injected.add(shard)
+            self._drop(shard)
+            self._bad.pop(shard, None)
+
+    # -- a failed shard: read again, then the mirrors ---------------------------------------
+
+    def _recover(self, shard: int) -> np.ndarray:
+        try:
+            return self._open(shard)
+        except ShardError as e:
+            first = e
+        log.warning("data: %s; reading it again", first)
+        with self._lock:
+            self._drop(shard)
+        try:
+            arr = self._open(shard)
+        except ShardError as e:
+            return self._from_mirrors(shard, e)
+        self._note_repair(shard, "reread", first)
+        return arr
+
+    def _from_mirrors(self, shard: int, failed: ShardError) -> np.ndarray:
+        info = self.manifest.shards[shard]
+        if info.source is not None or not self.mirrors:
+            why = "imported in place: no mirror holds it" if info.source else "no data.mirrors"
+            raise failed.with_note(why)
+        tried = []
+        for mirror in self.mirrors:
+            try:
+                arr = self._mirror_copy(shard, info, mirror)
+            except ShardError as e:
+                log.warning("data: mirror %s: %s", mirror, e.reason)
+                tried.append(f"{mirror}: {e.reason}")
+                continue
+            self._note_repair(shard, mirror, failed)
+            log.warning("data: %s; served the copy of %s instead", failed, mirror)
+            return arr
+        raise failed.with_note("no good copy in data.mirrors (" + "; ".join(tried) + ")")
+
+    def _mirror_copy(self, shard: int, info: ShardInfo, mirror: str) -> np.ndarray:
+        """The shard from ``mirror`` into the cache, checked against the manifest."""
+        fs, root = open_fs(mirror, self.policy.timeout_s)
+        url = f"{mirror}/{info.file}"
+        if self.cache_root is None:
+            self.cache_root = self._cache_root(self._cache_dir)
+        dest = self.cache_root / f"{info.file}.mirror"
+        self._download(fs, f"{root.rstrip('/')}/{info.file}", dest, url, shard, info.bytes)
+        try:
+            arr = _map(str(dest), *self._layout(info))
+        except (OSError, ValueError) as e:
+            dest.unlink(missing_ok=True)
+            raise ShardError(shard, url, f"cannot be mapped ({e})") from None
+        digest = hashlib.sha256(arr.data).hexdigest()
+        if digest != info.sha256:
+            dest.unlink(missing_ok=True)
+            raise ShardError(shard, url, f"checksum mismatch (manifest {info.sha256}, "
+                             f"file {digest})", found=digest)  # fmt: skip
+        with self._lock:
+            self._from_mirror[shard] = str(dest)
+            self._verified.add(shard)
+        return arr
+
+    def _note_repair(self, shard: int, via: str, failed: ShardError) -> None:
+        info = self.manifest.shards[shard]
+        record = {
+            "shard": shard,
+            "file": self.url(shard),
+            "via": via,
+            "manifest": info.sha256,
+            "found": failed.found,
+            "error": failed.reason,
+        }
+        with self._lock:
+            self._repairs.append(record)
+
+    def _drop(self, shard: int) -> None:
+        """Forget what this process holds of ``shard`` (lock held): read it afresh."""
+        self._maps.pop(shard, None)
+        self._verified.discard(shard)
+        repaired = self._from_mirror.pop(shard, None)
+        if repaired is not None:
+            Path(repaired).unlink(missing_ok=True)
+        if self.cache_root is not None and shard < len(self.manifest.shards):
+            (self.cache_root / self.manifest.shards[shard].file).unlink(missing_ok=True)
 
     def cached_bytes(self) -> int:
         return sum(a.nbytes for a in self._maps.values()) if not self.local else 0
+
+    def _layout(self, info: ShardInfo) -> tuple[np.dtype, tuple[int, ...]]:
+        m = self.manifest
+        if m.extra_fields:
+            return m.record_dtype(), (info.samples,)
+        return m.np_dtype(), (info.samples, m.seq_len + 1)
 
     def _open(self, shard: int) -> np.ndarray:
         info = self.manifest.shards[shard]
@@ -118,19 +267,17 @@ class ShardStore:
             return self._open_in_place(shard)
         path = self.root + "/" + info.file if self.local else self._fetch(shard)
         path = path.removeprefix("file://")
-        m = self.manifest
-        dtype, shape = (m.record_dtype(), (info.samples,)) if m.extra_fields else (
-            m.np_dtype(), (info.samples, m.seq_len + 1))  # fmt: skip
         try:
-            arr = _map(path, dtype, shape)
+            arr = _map(path, *self._layout(info))
         except (OSError, ValueError) as e:
             raise ShardError(shard, self.url(shard), f"cannot be mapped ({e})") from None
+        if shard in self._injected:  # chaos: the primary copy reads with one byte flipped
+            arr = _flipped(arr)
         if shard not in self._verified:
             digest = hashlib.sha256(arr.data).hexdigest()
             if digest != info.sha256:
-                raise ShardError(shard, self.url(shard),
-                                 f"checksum mismatch (manifest {info.sha256[:12]}..., "
-                                 f"file {digest[:12]}...)")  # fmt: skip
+                raise ShardError(shard, self.url(shard), f"checksum mismatch (manifest "
+                                 f"{info.sha256}, file {digest})", found=digest)  # fmt: skip
             self._verified.add(shard)
         return arr
 
@@ -141,7 +288,7 @@ class ShardStore:
         info = self.manifest.shards[shard]
         src = info.source
         assert src is not None
-        fs, path = open_fs(src.url)
+        fs, path = open_fs(src.url, self.policy.timeout_s)
         if not is_local(fs.protocol):
             if self.cache_root is None:
                 self.cache_root = self._cache_root(None)
@@ -171,22 +318,42 @@ class ShardStore:
         want = info.source.size if info.source is not None else info.bytes
         if dest.exists() and dest.stat().st_size == want:
             return str(dest)
-        src_fs, src_url = (self.fs, self.url(shard)) if fs is None else (fs, url)
-        fd, tmp = tempfile.mkstemp(prefix=f".{info.file}.", dir=self.cache_root)
-        try:
-            with os.fdopen(fd, "wb") as out, src_fs.open(src_url, "rb") as src:
-                shutil.copyfileobj(src, out, CHUNK)
-            os.replace(tmp, dest)
-        except FileNotFoundError:
-            raise ShardError(shard, self.url(shard), "missing") from None
-        except OSError as e:
-            raise ShardError(shard, self.url(shard), f"cannot be read ({e})") from None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        self.downloads += 1
+        src_fs, src_url = (self.fs, f"{self.root}/{info.file}") if fs is None else (fs, url)
+        if info.source is not None and fs is None:
+            src_url = self.url(shard)
+        assert src_url is not None
+        self._download(src_fs, src_url, dest, self.url(shard), shard, want)
         self._verified.discard(shard)
         return str(dest)
+
+    def _download(self, fs: Any, path: str, dest: Path, name: str, shard: int, size: int) -> None:
+        """``path`` of ``fs`` whole into ``dest`` (a temporary name, then a rename), each
+        try from the start, with the remote read policy; ShardError naming ``name``.
+        Over HTTP: one streamed GET of known size (no HEAD first, whose failure fsspec
+        reports as a missing file; no range requests, which not every server answers)."""
+        assert self.cache_root is not None
+        stream = {"block_size": 0, "size": size} if is_http(fs.protocol) else {}
+
+        def once() -> None:
+            fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=self.cache_root)
+            try:
+                with os.fdopen(fd, "wb") as out, fs.open(path, "rb", **stream) as src:
+                    shutil.copyfileobj(src, out, CHUNK)
+                os.replace(tmp, dest)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
+
+        try:
+            with_retries(once, f"shard {shard} ({name})", self.policy, counter=self.retries)
+        except FileNotFoundError:
+            raise ShardError(shard, name, "missing") from None
+        except ReadFailed as e:
+            raise ShardError(shard, name, f"cannot be read ({e.attempts} tries; last: "
+                             f"{type(e.last).__name__}: {e.last})") from None  # fmt: skip
+        except OSError as e:
+            raise ShardError(shard, name, f"cannot be read ({e})") from None
+        self.downloads += 1
 
     def _evict(self) -> None:
         if self.local:
@@ -196,6 +363,9 @@ class ShardStore:
             assert self.cache_root is not None
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.cache_root / self.manifest.shards[shard].file)
+            repaired = self._from_mirror.pop(shard, None)
+            if repaired is not None:
+                Path(repaired).unlink(missing_ok=True)
             self._verified.discard(shard)
             self.evictions += 1
 
@@ -219,7 +389,18 @@ def _map(path: str, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     return np.frombuffer(buf, dtype=dtype).reshape(shape)
 
 
-def open_fs(url: str) -> tuple[Any, str]:
-    """fsspec file system and root path of a dataset URL (a plain path is local)."""
-    fs, path = fsspec.core.url_to_fs(url)
+def _flipped(arr: np.ndarray) -> np.ndarray:
+    """A private copy of ``arr`` with its middle byte inverted (fault injection)."""
+    out = arr.copy()
+    raw = out.view(np.uint8).reshape(-1)
+    if raw.size:
+        raw[raw.size // 2] ^= 0xFF
+    out.setflags(write=False)
+    return out
+
+
+def open_fs(url: str, timeout_s: float | None = None) -> tuple[Any, str]:
+    """fsspec file system and root path of a dataset URL (a plain path is local);
+    ``timeout_s``: the deadline of one request where the protocol takes one (HTTP)."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options(url, timeout_s))
     return fs, path

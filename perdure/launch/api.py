@@ -167,7 +167,10 @@ def run(
         )  # fmt: skip
         cluster = held.enter_context(prepared(config, name))
         if not rd.exists():  # created only once the run can start: a refusal leaves nothing
-            rd.mkdir(mode=0o700, parents=True)
+            # 0711: another account (a web server) may open report.html (0644) by its name,
+            # not list the directory; everything else a run writes is 0600/0700 (umask 077).
+            rd.mkdir(mode=0o711, parents=True)
+            rd.chmod(0o711)  # mkdir's mode is masked by the caller's umask
             held.enter_context(RunDirLock(rd))
         held.enter_context(private_files())
         started = make_launcher(

@@ -2,12 +2,12 @@
 
 A config can be valid field by field and still fail in every worker at start-up: a task
 entry that does not import, a dataset that is not there, a model whose vocabulary or
-length is smaller than the dataset's, a batch larger than the dataset, a poisoned shard
-past the last one, a resume checkpoint written under another config. Started anyway,
-each worker crashes, each replacement crashes the same way, and the cause is in a worker
-log. Preflight does in the launcher, once, what a worker does first: it imports and builds
-the task (seeded as a worker would), opens the dataset (the manifest and a listing, no
-shard bytes), reads the resume checkpoint's context (tensors mapped, not read or
+length is smaller than the dataset's, a batch larger than the dataset, a poisoned (or
+corrupted) shard past the last one, a resume checkpoint written under another config.
+Started anyway, each worker crashes, each replacement crashes the same way, and the cause
+is in a worker log. Preflight does in the launcher, once, what a worker does first: it
+imports and builds the task (seeded as a worker would), opens the dataset (the manifest
+and a listing, no shard bytes), reads the resume checkpoint's context (tensors mapped, not read or
 verified: the workers verify every checksum), and checks each against the others. Every
 problem names the field or flag, the rule and the value, all reported at once.
 
@@ -505,14 +505,14 @@ def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
 
 
 def _sizes(config: RunConfig, ds: Dataset) -> list[Problem]:
-    """A step reads each sample at most once; a poisoned shard must exist."""
+    """A step reads each sample at most once; a poisoned or corrupted shard must exist."""
     out = []
     b = config.train.global_batch
     if b > ds.num_samples:
         rule = f"must be at most the dataset's {ds.num_samples} samples ({ds.url})"
         out.append(Problem("train.global_batch", rule, b))
     for i, f in enumerate(config.chaos.faults):
-        if f.kind == "poison_shard" and int(f.target) >= ds.num_shards:
+        if f.kind in ("poison_shard", "corrupt_shard") and int(f.target) >= ds.num_shards:
             rule = f"must be a shard of {ds.url}, in [0, {ds.num_shards})"
             out.append(Problem(f"chaos.faults[{i}].target", rule, f.target))
     return out

@@ -148,14 +148,8 @@ def render_html(data: RunData) -> str:
     )
 
 
-def write_report(
-    run_dir: str | Path, out: str | Path | None = None, *, shared: bool = False
-) -> Path:
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the report of ``run_dir`` to ``out`` (default ``RUN_DIR/report.html``).
-
-    ``shared=False`` (what a run writes at its end) makes the file 0600, private as the rest
-    of the run directory (the report quotes the config and the event log); ``shared=True``
-    (``perdure report``, a user asking for a page to pass on) makes it 0644.
 
     The file is written to a temporary name and renamed, so a reader never sees half a
     report. Raises ``FileNotFoundError`` if ``run_dir`` is not a directory; anything
@@ -171,9 +165,9 @@ def write_report(
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(page)
-        # mkstemp makes 0600 whatever the umask; a report asked for to be shared (another
-        # account, a web server) is made readable by others.
-        os.chmod(tmp, 0o644 if shared else 0o600)
+        # mkstemp makes 0600, and a run writes its files under umask 077 (launch.api's
+        # private_files); a report is for sharing (another account, a web server): 0644.
+        os.chmod(tmp, 0o644)
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

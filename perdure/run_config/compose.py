@@ -163,7 +163,7 @@ def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict
     for section in dataclasses.fields(config):
         value = getattr(config, section.name)
         math = {
-            f.name: _plain(getattr(value, f.name))
+            f.name: _plain(_hashed(value, f))
             for f in dataclasses.fields(value)
             if f.metadata.get("math") and not _default_left_out(f, getattr(value, f.name))
         }
@@ -177,6 +177,15 @@ def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict
 def _default_left_out(f: dataclasses.Field[Any], value: Any) -> bool:
     """A ``MATH_ADDED`` field at its default: not in the hash (``perdure.config``)."""
     return f.metadata.get("hash_default") is False and value == f.default
+
+
+def _hashed(section: Any, f: dataclasses.Field[Any]) -> Any:
+    """The value ``f`` enters the hash with: its own, or, for a field inert in this
+    section (``perdure.config.math_unless``), the value it was always hashed as."""
+    inert = f.metadata.get("inert_unless")
+    if inert is not None and getattr(section, inert[0]) != inert[1]:
+        return inert[2]
+    return getattr(section, f.name)
 
 
 def _plain(value: Any) -> Any:

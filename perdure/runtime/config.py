@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from perdure.config import MATH, MATH_ADDED, Checker
+from perdure.config import MATH, MATH_ADDED, Checker, math_unless
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -90,20 +90,29 @@ class TrainConfig:
     threads_per_worker: int = field(default=1, metadata=MATH)
     """Intra-op threads of every worker (torch.set_num_threads). The bits of a slot's
     gradient depend on it on the CPU, so it is part of the math."""
-    reduction: Literal["chain", "exact"] = field(default="chain", metadata=MATH)
-    """How slot gradients are summed across workers. ``chain``: a pipelined chain along
-    the ranks that adds them in slot order (a left fold over slots, whoever holds them).
-    ``exact``: each slot rounded to fixed point against a per-block exponent and the
-    integers summed by the backend's all_reduce (order-independent; see
-    runtime/comm/exact.py). The reduction fixes the rounding of the sum, so it is part of
-    the math."""
-    reduction_bits: Literal[32, 64] = field(default=64, metadata=MATH)
-    """Integer width of the ``exact`` reduction: 64 keeps every slot value to ~58 bits
-    below its block's maximum; 32 halves the bytes on the wire and keeps ~26 bits."""
-    reduction_block: int = field(default=256, metadata=MATH)
+    reduction: Literal["chain", "exact"] = field(default="exact", metadata=MATH)
+    """How slot gradients are summed across workers. ``exact`` (the default): each slot
+    rounded to fixed point against a per-block exponent and the integers summed by the
+    backend's all_reduce (order-independent, so any grouping, bucket order or sharding
+    gives the same bits; see runtime/comm/exact.py and streamed.py); with the default
+    ``reduction_bits`` and ``reduction_exponents``, DDP's bytes on the wire, streamed
+    behind the backward. ``chain``: a pipelined chain along the ranks that adds the fp32
+    slot gradients in slot order (a left fold over slots, whoever holds them), after the
+    backward; the default until the exact reduction matched DDP's step (docs/
+    performance.md section 16), kept for the runs and checkpoints made with it (set it to
+    resume them: their config hash is unchanged). The reduction fixes the rounding of the
+    sum, so it is part of the math. ``reduction_bits``, ``_block`` and ``_exponents`` are
+    the exact reduction's: the chain ignores them."""
+    reduction_bits: Literal[32, 64] = field(
+        default=32, metadata=math_unless("reduction", "exact", 64)
+    )
+    """Integer width of the ``exact`` reduction: 32 (the default) puts DDP's fp32 bytes on
+    the wire and keeps ~26 bits below each block's maximum (values far below it take the
+    streamed form's outlier lane); 64 doubles the bytes and keeps ~58 bits."""
+    reduction_block: int = field(default=256, metadata=math_unless("reduction", "exact", 256))
     """Values sharing one exponent in the ``exact`` reduction."""
     reduction_exponents: Literal["step", "carried", "streamed"] = field(
-        default="step", metadata=MATH
+        default="streamed", metadata=math_unless("reduction", "exact", "step")
     )
     """Where the ``exact`` reduction's exponents come from. ``step``: a MAX round over the
     step's slots before any value is converted (a rank keeps every slot's buffer until
@@ -112,10 +121,10 @@ class TrainConfig:
     finishes (O(P) whatever the slot count) and no round precedes the sum; a step whose
     prediction misses, and the first step, are computed twice. A different rounding (one
     exponent per bucket of up to 1M values), so part of the math; 64-bit only.
-    ``streamed``: one exponent per block (``reduction_block`` values), predicted from the
-    previous step's block maxima with headroom and verified by a MAX of them sent behind
-    the gradient (runtime/comm/streamed.py); each bucket of a member's last slot goes on
-    the wire as soon as its backward has finished it, as DDP's buckets do. 32 or 64 bits:
+    ``streamed`` (the default): one exponent per block (``reduction_block`` values),
+    predicted from the previous step's block maxima with headroom and verified by a MAX of
+    them sent behind the gradient (runtime/comm/streamed.py); each bucket of a member's
+    last slot goes on the wire as soon as its backward has finished it, as DDP's do. 32 or 64 bits:
     with 32, DDP's bytes on the wire (plus one int32 per block). A step whose prediction
     misses, and the first step, are computed twice."""
     precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
@@ -199,13 +208,9 @@ class TrainConfig:
             self.shard_params,
         )
         c.check(
-            self.reduction_exponents == "step" or self.reduction == "exact",
-            "reduction_exponents",
-            f"{self.reduction_exponents!r} needs train.reduction = 'exact'",
-            self.reduction_exponents,
-        )
-        c.check(
-            self.reduction_exponents != "carried" or self.reduction_bits == 64,
+            self.reduction != "exact"
+            or self.reduction_exponents != "carried"
+            or self.reduction_bits == 64,
             "reduction_exponents",
             "'carried' needs train.reduction_bits = 64 (one exponent per bucket of up to 1M "
             "values leaves 32-bit integers too few bits; 'streamed' carries one per block)",
@@ -352,8 +357,9 @@ class ClusterConfig:
     """Bench-out: a member whose link is this much later than the others' (measured from
     its heartbeats, ``control/lag.py``), when the others are faster without it, leaves
     the collective at once: no slots, not waited for, not evicted (the step in flight is
-    redone, its finished slots salvaged). Once its lag stays under half of this for
-    ``replan_interval_ms`` it is planned back in and receives the state. 0: never."""
+    redone, its finished slots salvaged where the reduction keeps them). Once its lag
+    stays under half of this for ``replan_interval_ms`` it is planned back in and
+    receives the state. 0: never."""
     evict_after_suspect: int = 2
     """Evict a worker after this many non-finite slots that did not reproduce on another
     worker (a hardware suspect rather than bad data)."""

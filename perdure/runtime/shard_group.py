@@ -195,6 +195,12 @@ class Shards:
         return self.scatter is not None
 
     @property
+    def own_range(self) -> tuple[int, int] | None:
+        """The gradient values whose sum this rank receives (reduce-scattered), else None:
+        the rest of its buffer holds its local partial only."""
+        return None if self.scatter is None else self.scatter.mine
+
+    @property
     def shard_params(self) -> bool:
         return bool(self.model_keys)
 

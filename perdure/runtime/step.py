@@ -23,7 +23,7 @@ from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import CarriedReduction, Reducer, make_reducer
 from perdure.runtime.plan import Plan
-from perdure.runtime.replica.trainer import MathError, Trainer
+from perdure.runtime.replica.trainer import WITHHELD, MathError, Trainer
 from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_plan import group_of
 
@@ -231,7 +231,7 @@ class StepRunner:
             self.bufs = [self.tr.layout.new_buffer()]
         buf = self.bufs[0]
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
-        red.open(buf, used)
+        red.open(buf, used, adds=max(0, len(self.slots) - 1))
         for slot in self.slots[:-1]:
             self._compute(t, slot, buf, abort, None)
             red.add(buf)
@@ -334,26 +334,29 @@ class StepRunner:
         with self.tr.params_whole():  # the reruns are on some ranks only
             for s in bad:
                 if (owner[s] + 1) % self.size == self.rank:
-                    flags = self.tr.rerun_flags(t, s)
+                    flags = self.tr.rerun_flags(t, s)  # FINITE, NON_FINITE or WITHHELD each
                     vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
         verdict = self._reduce([vec]).cpu()
-        found: dict[int, list[bool]] = {}
+        found: dict[int, list[int]] = {}
         for s in bad:
-            flags = [bool(x) for x in verdict[s * per : (s + 1) * per]]
+            flags = [round(float(x)) for x in verdict[s * per : (s + 1) * per]]
             if any(flags):
                 found[s] = flags
             else:
                 self._suspect(t, s, self.plan.members[owner[s]])
-        if len(found) == self.tr.config.train.slots:
+        # A slot whose samples were withheld (their shard has no good copy in the store of
+        # the member that re-ran it: WITHHELD) is the storage's fault: never the model's.
+        withheld = any(WITHHELD in flags for flags in found.values())
+        if len(found) == self.tr.config.train.slots and not withheld:
             raise MathError(
                 f"step {t}: every slot's gradient is non-finite, on every worker that re-ran "
                 "it: the model or the optimizer, not the data (check the loss function and "
                 "optim settings)"
             )
         if found:
-            entry = self.tr.quarantine(t, found)
-            if self.rank == 0:
-                self.seams.events.write({"event": ev.DECISION, **entry})
+            for entry in self.tr.quarantine(t, found):
+                if self.rank == 0:
+                    self.seams.events.write({"event": ev.DECISION, **entry})
 
     def _suspect(self, step: int, slot: int, worker: str) -> None:
         """A non-finite slot that did not reproduce elsewhere: the worker, not the data.

@@ -37,7 +37,8 @@ from perdure.checkpoint import (
 )
 from perdure.checkpoint.config import checkpoint_root
 from perdure.checkpoint.ranges import open_lazy
-from perdure.data import Dataset
+from perdure.data import DataError, Dataset
+from perdure.data.retry import ReadPolicy
 from perdure.events import Tail
 from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict, resolve_path
@@ -61,7 +62,7 @@ from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import NONE, group_of, shard_of
 from perdure.runtime.step import Seams, SlotTimer, StepEnd, StepRunner, train_step
-from perdure.runtime.wchaos import ChaosState, DelayedLink
+from perdure.runtime.wchaos import ChaosState, DelayedLink, DiskFiller
 
 FINAL_SAVE_ATTEMPTS = 2
 """The final save is tried again once when it fails: a failure on a full disk makes room
@@ -171,6 +172,9 @@ class Worker:
             local = int(os.environ.get("LOCAL_RANK", "0") or 0)
         self.placement = Placement.of(config.train, config.cluster, local)
         self.chaos.arm(config.chaos)
+        if any(f.kind == "disk_full" for f in config.chaos.faults):
+            ckpts = checkpoint_root(config.checkpoint, self.run_dir)
+            self.chaos.filler = DiskFiller(Path(ckpts), self.name)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
         self.trainer = self._new_trainer()
@@ -191,6 +195,8 @@ class Worker:
             self.trainer.close()
             if self.evaluator is not None:
                 self.evaluator.close()
+            if self.chaos.filler is not None:
+                self.chaos.filler.remove()
         return 0
 
     def _loop(self) -> None:
@@ -298,10 +304,11 @@ class Worker:
             self._failed(e)
         except Fenced as e:
             self._fenced(e.newer, str(e))
-        except MathError as e:
+        except (MathError, DataError) as e:  # every replica would meet it: the run stops
             log.error("%s: %s", self.name, e)
             self.client.send(p.Abort(reason=str(e)[: p.MAX_STR]))
         finally:
+            self._log_repairs()
             self._close_epoch(ep)
 
     def _fenced(self, newer: int, why: str) -> None:
@@ -453,12 +460,15 @@ class Worker:
     def _new_trainer(self) -> Trainer:
         """The replica built from the seed (step 0)."""
         config = self.config
-        return Trainer(
+        trainer = Trainer(
             config,
             cache_dir=str(self.run_dir / "cache"),
-            poison=_poison_schedule(config),
+            poison=_schedule(config, "poison_shard"),
             placement=self.placement,
+            corrupt=_schedule(config, "corrupt_shard"),
         )
+        trainer.loader.read_delay_s = self.chaos.storage_delay_s  # the slow_storage fault
+        return trainer
 
     def _reload(self, path: str | None) -> None:
         """Every replica was lost: start again from a checkpoint, or from the seed when the
@@ -564,6 +574,16 @@ class Worker:
             after_update=lambda t, loss, step_s: self._commit(ep, t, loss, step_s),
         )
         train_step(ep.runner, t, end)
+        self._log_repairs()
+
+    def _log_repairs(self) -> None:
+        """A ``shard_repaired`` event for each shard the data store served after a failed
+        read (read again, or a mirror's copy) since the last step."""
+        if self.trainer is None:
+            return
+        for record in self.trainer.take_repairs():
+            log.warning("%s: shard %s repaired via %s", self.name, record["shard"], record["via"])
+            self.events.write({"event": ev.SHARD_REPAIRED, "worker": self.name, **record})
 
     def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         """After step ``t``'s update: its metrics line, a due evaluation, the replicas'
@@ -648,6 +668,7 @@ class Worker:
             resolve_path(cfg, cfg.eval.dataset or ""),
             cache_dir=cfg.data.cache_dir or str(self.run_dir / "cache" / "eval"),
             cache_mb=cfg.data.cache_mb,
+            policy=ReadPolicy(attempts=cfg.data.read_attempts, timeout_s=cfg.data.read_timeout_s),
         )
         return Evaluator(
             tr.task,
@@ -712,6 +733,7 @@ class Worker:
                     self.chaos.poll(store, self.name, self.region, self.events)
             except (RuntimeError, dist.DistError):
                 store = None
+            self.chaos.tick()
             self._poll_fence()
             t = self.trainer
             beat = p.Heartbeat(
@@ -749,9 +771,7 @@ class RunEndWatch:
         return self.over
 
 
-def _poison_schedule(config: RunConfig) -> list[tuple[int, int]]:
-    return [
-        (int(f.target), int(f.at_step or 0))
-        for f in config.chaos.faults
-        if f.kind == "poison_shard"
-    ]
+def _schedule(config: RunConfig, kind: str) -> list[tuple[int, int]]:
+    """``(shard, step)`` of the schedule's faults of a data kind that every loader applies
+    at exactly its step (``poison_shard``, ``corrupt_shard``)."""
+    return [(int(f.target), int(f.at_step or 0)) for f in config.chaos.faults if f.kind == kind]

@@ -2,10 +2,13 @@
 costs this project measures (``benchmarks/results/*.json``).
 
 ``perdure sim CONFIG.toml`` simulates a deployment (regions, nodes, workers, links), a
-workload (model size, batch, throughput), failure processes (rates or schedules) and
+workload (model size, batch, throughput, replicas of TP x PP x shard GPUs whose memory is
+checked against the device: ``sharding.py``), failure processes (rates or schedules) and
 three policies: perdure's re-planning, torchrun's restart from a checkpoint and
 torchft's per-step quorum; it reports goodput per policy with an interval over seeds,
-sweeps, plots and a validation against the benchmarks' measured runs. See
+the step by dimension, every failure's cost by item (detection, wait, re-form, copy,
+start-up, load, lost work, reduced strength), sweeps, plots and a validation against the
+benchmarks' measured runs. See
 ``docs/simulation.md`` for the model, its assumptions, its validation and its limits.
 
 No torch is imported here: the simulator runs anywhere the config parser does.

@@ -12,7 +12,13 @@ naming both. Each derived number says how it is derived, and from which fields:
   (recovery minus the steps redone since the checkpoint, which the run's ``fault_step``
   and ``ckpt_every`` fix); torchft's quorum (recovery minus one step). Medians over runs.
 - ``reduce.json``: the chain's time over ``all_reduce``'s (median over rows, default chunk).
-- ``step.json``: perdure's whole-runtime step over DDP's, for slots = workers.
+- ``step.json``: perdure's whole-runtime step over DDP's, for slots = workers (the
+  pre-streaming step's overhead on compute, CPU-bound).
+- ``wire_streamed.json``, ``wire_streamed_w.json`` (``bench_wire.py`` on a 200 Mbit/s
+  shaped link, W = 2): the streamed reduction's step over DDP's at the same
+  micro-batching, and its bytes on the wire over DDP's; medians over the ``streamed32``
+  rows at k = 1, a row of ``wire_streamed_w.json`` (the re-run after the margin went to 3
+  bits) replacing ``wire_streamed.json``'s at the same micro-batching.
 - ``checkpoint.json``: snapshot, write and load rates (bytes / seconds, medians).
 - ``scaling.json``: state bytes per parameter; step time against worker count on this
   host (what a time-shared host does when a member is missing).
@@ -31,9 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from perdure.runtime.config import ClusterConfig
-from perdure.sim.steptime import interp
 
-REQUIRED = ("recovery", "reduce", "step", "checkpoint", "scaling")
+REQUIRED = (
+    "recovery",
+    "reduce",
+    "step",
+    "checkpoint",
+    "scaling",
+    "wire_streamed",
+    "wire_streamed_w",
+)
 """The result files the calibration reads (``benchmarks/results/<name>.json``)."""
 
 
@@ -93,7 +106,11 @@ class Calibration:
     chain_over_ring: float
     """Chain reduction time over ring ``all_reduce`` at the same payload."""
     perdure_step_overhead: float
-    """perdure's whole-runtime step over DDP's, slots = workers."""
+    """perdure's whole-runtime step over DDP's, slots = workers (pre-streaming, CPU-bound)."""
+    streamed_overhead: float
+    """The streamed reduction's step over DDP's at the same micro-batching, wire-bound."""
+    streamed_bytes: float
+    """The streamed reduction's bytes on the wire per step over DDP's."""
     snapshot_gbps: float
     """Checkpoint snapshot (what blocks the step loop), Gbit/s."""
     write_gbps: float
@@ -126,17 +143,6 @@ class Calibration:
                 "no state-copy rate can be derived"
             )
         return self.recovery_state_bytes * 8 / extra / 1e9
-
-    def goodput_run(self, name: str) -> GoodputRun:
-        for r in self.goodput_runs:
-            if r.name == name:
-                return r
-        raise CalibrationError(f"{self.source}/recovery.json: no goodput row {name!r}")
-
-    def host_ratio(self, k: int, w: int) -> float:
-        """Step time with k workers over that with w on this host (linear in between the
-        measured worker counts, clamped at the ends)."""
-        return interp(self.host_curve, k) / interp(self.host_curve, w)
 
 
 class _File:
@@ -189,6 +195,7 @@ def load_calibration(results_dir: str | Path) -> Calibration:
         **_peer_costs(rec, bpp),
         chain_over_ring=red.num("summary", "ratio_default_chunk", "median"),
         perdure_step_overhead=_step_overhead(step),
+        **_streamed(_File(d, "wire_streamed"), _File(d, "wire_streamed_w")),
         **_checkpoint_rates(ck),
         state_bytes_per_param=bpp,
         host_curve=_host_curve(sc),
@@ -240,6 +247,29 @@ def _peer_costs(rec: _File, bpp: float) -> dict[str, float]:
 def _step_overhead(step: _File) -> float:
     rows = [r for r in step.get("rows") if r.get("slots") == r.get("workers")]
     return step.median_of(rows, "ratio_runtime_over_ddp_median")
+
+
+STREAMED_CONFIG = "streamed32"
+"""The ``bench_wire.py --perdure`` row name of the streamed 32-bit reduction."""
+
+
+def _streamed(old: _File, new: _File) -> dict[str, float]:
+    rows: dict[int, tuple[_File, Any]] = {}
+    for f in (old, new):  # the newer file's row replaces the older's at a micro-batching
+        for r in f.get("rows"):
+            if r.get("config") == STREAMED_CONFIG and r.get("k") == 1:
+                rows[int(f.num("micro", base=r))] = (f, r)
+    if not rows:
+        raise CalibrationError(
+            f"{old.path}, {new.path}: no {STREAMED_CONFIG!r} row at k = 1 (run "
+            f"benchmarks/bench_wire.py --perdure '{STREAMED_CONFIG}:...')"
+        )
+    return {
+        "streamed_overhead": statistics.median(f.num("vs_ddp", base=r) for f, r in rows.values()),
+        "streamed_bytes": statistics.median(
+            f.num("bytes_vs_ddp", base=r) for f, r in rows.values()
+        ),
+    }
 
 
 def _small_params(step: _File) -> float:

@@ -28,6 +28,7 @@ FailureKind = Literal[
 ]
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
 Reduction = Literal["chain", "exact_flat", "exact_hier"]
+Overlap = Literal["streamed", "bucketed", "last_slot"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -55,7 +56,15 @@ class DeploymentConfig:
     workers_per_node: int = 8
     """Workers (replicas, or replica groups) per node; a node's death takes all of them."""
     gpus_per_worker: int = 1
-    """Accelerators per worker; failure rates given per GPU are multiplied by it."""
+    """Accelerators per worker (a replica group: ``workload.tp x pp x shard``); failure
+    rates given per GPU are multiplied by it. A worker's failure takes its whole replica
+    group down (a TP or pipeline group cannot run without any of its GPUs)."""
+    gpu_memory_gb: float = 80.0
+    """Memory of one accelerator, GB (1e9 bytes): a workload that needs more per GPU is
+    refused (``sim/sharding.py``: the rule)."""
+    nvlink_gbps: float = 3600.0
+    """Bandwidth of one GPU's link to the others of its node (tensor parallel), Gbit/s
+    (NVLink 4: 450 GB/s a direction)."""
     coordinator_region: str | None = None
     """Where perdure's coordinator and torchft's lighthouse live; default: the first region."""
     standby_region: str | None = None
@@ -79,6 +88,8 @@ class DeploymentConfig:
         c.check(len(set(names)) == len(names), "regions", "names must be unique", names)
         c.positive("workers_per_node", self.workers_per_node)
         c.positive("gpus_per_worker", self.gpus_per_worker)
+        c.positive("gpu_memory_gb", self.gpu_memory_gb)
+        c.positive("nvlink_gbps", self.nvlink_gbps)
         for key in ("coordinator_region", "standby_region"):
             v = getattr(self, key)
             if v is not None:
@@ -115,11 +126,34 @@ class WorkloadConfig:
     slots: int = 4
     """perdure's slots per step (S): a step's batch is cut into S fixed slots, and a
     member computes whole slots, so with k members a step takes ceil(S/k) slot times."""
-    worker_tflops: float = 400.0
-    """Achieved training throughput of one worker, TFLOP/s (peak x model FLOP
-    utilisation); compute per step is 6 P tokens / (workers x this)."""
+    gpu_tflops: float = 400.0
+    """Achieved training throughput of one GPU, TFLOP/s (peak x model FLOP utilisation);
+    compute per step is 6 P tokens / (GPUs x this)."""
     grad_bytes: int = 4
-    """Bytes per gradient value on the wire for a float reduction (chain, DDP)."""
+    """Bytes per gradient value on the wire for a float reduction (chain, DDP), and in
+    memory."""
+    tp: int = 1
+    """Tensor-parallel degree inside a replica (over NVLink, inside a node)."""
+    pp: int = 1
+    """Pipeline stages of a replica (1F1B: a step of m micro-batches takes m + pp - 1
+    micro-batch times)."""
+    pp_interleave: int = 1
+    """Virtual pipeline stages per GPU (interleaved 1F1B): the bubble is (pp - 1) / this
+    micro-batch times."""
+    shard: int = 1
+    """FSDP/HSDP shard degree inside a replica: parameters, gradients and optimizer state
+    split this many ways (ZeRO-3), each shard GPU computing its own data."""
+    layers: int = 16
+    """Transformer layers (activation memory, tensor-parallel traffic)."""
+    hidden: int = 2048
+    """Hidden size (activation memory, tensor-parallel traffic)."""
+    recompute: bool = False
+    """Full activation recomputation: only each layer's input is kept."""
+    weight_bytes: int = 2
+    """Bytes per parameter of the weights the forward reads (bf16)."""
+    optimizer_bytes: int = 12
+    """Bytes per parameter of the optimizer's state (fp32 master weights + Adam's two
+    moments)."""
     state_bytes_per_param: float | None = None
     """Bytes of model + optimizer state per parameter (what a state copy or a checkpoint
     moves); unset: measured (``scaling.json`` checkpoint bytes / params)."""
@@ -133,8 +167,11 @@ class WorkloadConfig:
         c.positive("params", self.params)
         c.positive("tokens_per_step", self.tokens_per_step)
         c.positive("slots", self.slots)
-        c.positive("worker_tflops", self.worker_tflops)
+        c.positive("gpu_tflops", self.gpu_tflops)
         c.check(self.grad_bytes in (2, 4), "grad_bytes", "must be 2 or 4", self.grad_bytes)
+        for key in ("tp", "pp", "pp_interleave", "shard", "layers", "hidden", "weight_bytes"):
+            c.positive(key, getattr(self, key))
+        c.non_negative("optimizer_bytes", self.optimizer_bytes)
         if self.state_bytes_per_param is not None:
             c.positive("state_bytes_per_param", self.state_bytes_per_param)
         c.positive("days", self.days)
@@ -149,10 +186,17 @@ class CheckpointConfig:
 
     every_minutes: float = 30.0
     """Interval between checkpoints (converted to steps at the fault-free step time)."""
+    bytes_per_gpu: float | None = None
+    """Bytes one GPU saves and a restarted GPU loads (a checkpoint sharded over every GPU
+    of the job, e.g. optimizer state split across data-parallel ranks as well); unset:
+    the GPU's share of its replica's state (``sim/scenario.py``). State copies to a
+    joiner always move the replica share."""
 
     def __post_init__(self) -> None:
         c = Checker()
         c.positive("every_minutes", self.every_minutes)
+        if self.bytes_per_gpu is not None:
+            c.positive("bytes_per_gpu", self.bytes_per_gpu)
         c.done()
 
 
@@ -249,6 +293,15 @@ class PerduePolicyConfig:
     ``exact_flat`` or ``exact_hier`` (integer block sums through the backend's ring
     all_reduce, flat or inside each region then one exchange across regions; a death
     salvages the survivors' finished slots)."""
+    overlap: Overlap = "streamed"
+    """How the exact reduction overlaps the backward (``sim/steptime.py``): ``streamed``
+    (the runtime's ``reduction_exponents = "streamed"``: each member's last slot's buckets
+    on the wire as its backward finishes them, its earlier slots added locally, as DDP
+    with ``no_sync`` micro-batches; the two-tier exchange of ``exact_hier`` goes after the
+    last slot, not bucketed), ``bucketed`` (the same with the two-tier exchange bucketed
+    too: not built yet) or ``last_slot`` (the pre-streaming step: step exponents, a MAX
+    round then the payload, once the last slot is done, hidden behind that slot's
+    backward only). The chain is always ``last_slot``."""
     int_bytes: int = 4
     """Bytes per value of the exact reduction's integer payload (int32 or int64)."""
     exact_block: int = 256
@@ -266,6 +319,14 @@ class PerduePolicyConfig:
     """The standby coordinator's settle time before its first epoch."""
     replace_after_ms: float = float(_PERDURE.replace_after_ms)
     """The launcher's delay before it starts a replacement process."""
+    state_copy: Literal["stall", "swarm"] = "stall"
+    """``stall`` (the runtime: a joiner's or a promoted spare's state comes from one
+    peer through the codec, at the measured rate, while every member waits) or
+    ``swarm`` (issue 34's design, not built: fetched from every holder at link rate
+    while the members train; they pause only for the epoch change)."""
+    reform_backoff_ms: float = float(_PERDURE.reform_backoff_ms)
+    """After a collective fails with nobody lost (a dropped link), the wait for a death
+    that would explain it before the same members re-form."""
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -277,6 +338,7 @@ class PerduePolicyConfig:
         c.non_negative("acceptable_pause_ms", self.acceptable_pause_ms)
         c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.non_negative("replace_after_ms", self.replace_after_ms)
+        c.positive("reform_backoff_ms", self.reform_backoff_ms)
         c.done()
 
 
@@ -334,6 +396,10 @@ class PoliciesConfig:
     perdure_reductions: list[Reduction] = field(default_factory=list)
     """Also simulate perdure with each of these reductions (rows ``perdure/<reduction>``);
     empty: only ``perdure.reduction``."""
+    perdure_overlaps: list[Overlap] = field(default_factory=list)
+    """Also simulate each exact reduction of ``perdure_reductions`` with each of these
+    overlap models (rows ``perdure/<reduction>/<overlap>``); empty: only
+    ``perdure.overlap``."""
     torchrun: TorchrunPolicyConfig = field(default_factory=TorchrunPolicyConfig)
     """torchrun's settings."""
     torchft: TorchftPolicyConfig = field(default_factory=TorchftPolicyConfig)
@@ -354,7 +420,7 @@ class SweepConfig:
     """Multipliers on every failure rate."""
     checkpoint_minutes: list[float] = field(default_factory=lambda: [5.0, 15.0, 30.0, 60.0])
     """Checkpoint intervals."""
-    spares: list[int] = field(default_factory=lambda: [0, 1, 2, 4])
+    spares: list[int] = field(default_factory=lambda: [0, 1, 2, 4, 8])
     """perdure's warm spares."""
     cross_region_latency_ms: list[float] = field(default_factory=lambda: [5.0, 30.0, 100.0])
     """One-way cross-region latencies."""
@@ -400,6 +466,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         c = Checker()
         c.positive("seeds", self.seeds)
+        _check_replica(c, self)
         names = [r.name for r in self.deployment.regions]
         for i, f in enumerate(self.failures):
             if f.region is not None:
@@ -410,6 +477,31 @@ class SimConfig:
                     f.region,
                 )
         c.done()
+
+
+def _check_replica(c: Checker, cfg: SimConfig) -> None:
+    """A worker is one replica group, and one GPU of it must hold its share."""
+    from perdure.sim import sharding
+
+    w, d = cfg.workload, cfg.deployment
+    gpus = sharding.shards(w)
+    c.check(
+        d.gpus_per_worker == gpus,
+        "deployment.gpus_per_worker",
+        f"must be workload.tp x pp x shard = {w.tp} x {w.pp} x {w.shard} = {gpus}",
+        d.gpus_per_worker,
+    )
+    perdure = "perdure" in cfg.policies.run
+    need = sharding.memory(w, d, perdure=perdure, int_bytes=cfg.policies.perdure.int_bytes)
+    c.check(
+        need.total <= d.gpu_memory_gb * sharding.GB,
+        "workload",
+        f"does not fit: needs {need.describe()} per GPU "
+        f"({'perdure' if perdure else 'DDP'}; sim/sharding.py), above "
+        f"deployment.gpu_memory_gb = {d.gpu_memory_gb:g} GB; raise tp, pp or shard, "
+        "or set recompute",
+        f"params = {w.params:g}, tp = {w.tp}, pp = {w.pp}, shard = {w.shard}",
+    )
 
 
 def load_sim_config(path: str | Path) -> SimConfig:

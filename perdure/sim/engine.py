@@ -56,6 +56,11 @@ class State(NamedTuple):
     """Times every process restarted."""
     batch: float = 1.0
     """Fraction of the global batch a step carries now."""
+    spent: tuple[tuple[str, float], ...] = ()
+    """The current event's bill: (item, seconds) pairs a policy recorded
+    (``policies.common.pay``), or ``lost_steps``; the loop moves it to the ledger."""
+    degraded_by: str = ""
+    """The failure kind that last left the run below full strength."""
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,12 @@ class Outcome:
     """The step's compute alone, the same for every policy of a deployment."""
     restarts: int
     probes: tuple[Probe, ...] = field(default=())
+    ledger: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Seconds by failure kind and item (``policies.common.ITEMS``): where the time went."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """Failures by kind."""
+    checkpoint_s: float = 0.0
+    """Time the periodic checkpoints blocked the step loop."""
 
     @property
     def goodput(self) -> float:
@@ -142,12 +153,40 @@ def step_time(ctx: Context, s: State) -> float:
     return t
 
 
-def advance(ctx: Context, s: State, t1: float) -> State:
+def advance(ctx: Context, s: State, t1: float, ledger: Ledger | None = None) -> State:
     start = max(s.t, s.stall_until)
     if t1 <= start:
         return s._replace(t=max(s.t, t1))
-    ds = (t1 - start) / step_time(ctx, s)
+    now = step_time(ctx, s)
+    ds = (t1 - start) / now
+    if ledger is not None and (s.batch < 1.0 or s.members != ctx.target or s.extra_lat_s):
+        full = step_time(ctx, s._replace(members=ctx.target, extra_lat_s=0.0))
+        lost = (t1 - start) * (1 - s.batch * full / now)
+        if lost > 0:
+            ledger.add(s.degraded_by or "(none)", "reduced", lost)
     return s._replace(t=t1, steps=s.steps + ds, samples=s.samples + ds * s.batch)
+
+
+class Ledger:
+    """Seconds by failure kind and item, and failures by kind (``Outcome.ledger``)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.items: dict[str, dict[str, float]] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, cause: str, item: str, seconds: float) -> None:
+        row = self.items.setdefault(cause, {})
+        row[item] = row.get(item, 0.0) + seconds
+
+    def settle(self, cause: str, s: State) -> State:
+        """Move the event's bill to the ledger (lost steps at the fault-free step time)."""
+        for item, v in s.spent:
+            if item == "lost_steps":
+                self.add(cause, "lost", v * self.step_s)
+            else:
+                self.add(cause, item, v)
+        return s._replace(spent=())
 
 
 def reach_time(ctx: Context, s: State, steps: float) -> float:
@@ -186,6 +225,7 @@ def simulate(
         _schedule(e, timed, triggers, seq)
     probes: list[dict[str, Any]] = []
     s = initial_state(ctx)
+    ledger = Ledger(ctx.step.seconds(ctx.target))
     while True:
         t_time = timed[0][0] if timed else math.inf
         t_trig = reach_time(ctx, s, triggers[0][0]) if triggers else math.inf
@@ -193,7 +233,7 @@ def simulate(
         t = min(t_time, t_trig, t_stop)
         if not math.isfinite(t):
             break
-        s = advance(ctx, s, t)
+        s = advance(ctx, s, t, ledger)
         if t == t_stop:
             if until_steps is not None:
                 s = s._replace(steps=until_steps, samples=max(s.samples, 0.0))
@@ -204,9 +244,15 @@ def simulate(
         _, _, e = heapq.heappop(timed)
         before = s.steps
         s, follow = handle(ctx, s, e)
+        cause = e.cause or e.kind
+        s = ledger.settle(cause, s)
+        degraded = s.members != ctx.target or s.batch < 1.0 or s.extra_lat_s > 0
+        if degraded and e.kind in FAILURES:
+            s = s._replace(degraded_by=cause)
         for f in follow:
-            _schedule(f, timed, triggers, seq)
+            _schedule(replace(f, cause=f.cause or cause), timed, triggers, seq)
         if e.kind in FAILURES:
+            ledger.counts[e.kind] = ledger.counts.get(e.kind, 0) + 1
             _add_probe(e, s, before, triggers, probes, seq)
     return Outcome(
         elapsed_s=s.t,
@@ -216,7 +262,16 @@ def simulate(
         ideal_step_s=ctx.step.ideal_s,
         restarts=s.restarts,
         probes=tuple(Probe(**p) for p in probes),
+        ledger=ledger.items,
+        counts=ledger.counts,
+        checkpoint_s=_checkpoint_s(ctx, s),
     )
+
+
+def _checkpoint_s(ctx: Context, s: State) -> float:
+    if not math.isfinite(ctx.ckpt_every_steps):
+        return 0.0
+    return s.steps / ctx.ckpt_every_steps * ctx.ckpt_blocking_s
 
 
 def _schedule(

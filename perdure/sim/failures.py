@@ -40,6 +40,8 @@ class Event:
     after_steps: float | None = None
     """Fire once this many steps have committed (then ``delay_s`` later) instead of at t."""
     delay_s: float = 0.0
+    cause: str = ""
+    """The failure kind a follow-up comes from (set by the loop): the ledger's row."""
 
 
 def rate_per_hour(p: FailureProcess, cfg: SimConfig) -> float:

@@ -15,6 +15,7 @@ from typing import Any
 
 from perdure.report.svg import Linear, Log10, esc, fmt, log_ticks, nice_ticks, tick_label
 from perdure.sim.run import Summary
+from perdure.sim.steptime import STEP_PARTS
 from perdure.sim.sweep import Sweep
 from perdure.sim.validate import TOLERANCE, Row
 
@@ -23,6 +24,9 @@ COLOURS = {
     "perdure/chain": "#9ecae1",
     "perdure/exact_flat": "#6baed6",
     "perdure/exact_hier": "#08519c",
+    "perdure/exact_hier/streamed": "#08519c",
+    "perdure/exact_hier/bucketed": "#3182bd",
+    "perdure/exact_hier/last_slot": "#c6dbef",
     "torchrun": "#d62728",
     "torchft": "#2ca02c",
 }
@@ -33,17 +37,65 @@ def colour(label: str) -> str:
 
 
 def goodput_table(rows: Sequence[Summary], days: float, seeds: int) -> str:
+    w = max([18, *(len(r.policy) for r in rows)])
     lines = [
         f"goodput over {days:g} days, {seeds} seeds (mean, 5th-95th percentile); "
         "efficiency: the same against compute alone",
-        f"{'policy':18s} {'goodput':>8s} {'interval':>17s} {'efficiency':>10s} "
+        f"{'policy':{w}s} {'goodput':>8s} {'interval':>17s} {'efficiency':>10s} "
         f"{'step s':>7s} {'failures':>8s} {'restarts':>8s}",
     ]
     for r in rows:
         lines.append(
-            f"{r.policy:18s} {r.goodput:8.4f} [{r.low:.4f}, {r.high:.4f}] {r.efficiency:10.4f} "
+            f"{r.policy:{w}s} {r.goodput:8.4f} [{r.low:.4f}, {r.high:.4f}] {r.efficiency:10.4f} "
             f"{r.step_s:7.3f} {r.failures:8.1f} {r.restarts:8.1f}"
         )
+    return "\n".join(lines)
+
+
+def step_table(rows: Sequence[Summary], memory: str) -> str:
+    """Each policy's fault-free step by dimension, and what a GPU holds."""
+    w = max([18, *(len(r.policy) for r in rows)])
+    lines = [
+        f"step by dimension, s (full strength); memory per GPU: {memory}",
+        f"{'policy':{w}s} " + " ".join(f"{p:>9s}" for p in STEP_PARTS) + f" {'step':>9s}",
+    ]
+    for r in rows:
+        if not r.step_parts:
+            continue
+        cells = " ".join(f"{r.step_parts.get(p, 0.0):9.3f}" for p in STEP_PARTS)
+        lines.append(f"{r.policy:{w}s} {cells} {sum(r.step_parts.values()):9.3f}")
+    return "\n".join(lines)
+
+
+COST_ITEMS = ("detection", "wait", "reform", "copy", "startup", "load", "lost", "reduced")
+"""The ledger's items in the order the cost table prints them (``policies.common.ITEMS``)."""
+
+
+def cost_table(rows: Sequence[Summary]) -> str:
+    """Where each policy's time goes: seconds per failure of each kind, by item, and the
+    failures' and the checkpoints' share of the run."""
+    w = max([18, *(len(r.policy) for r in rows)])
+    head = f"{'policy':{w}s} {'failure':14s} {'n/run':>6s} " + " ".join(
+        f"{i:>9s}" for i in COST_ITEMS
+    )
+    lines = [
+        "cost per failure, seconds (items: docs/simulation.md); total: per failure, and "
+        "x n/run as a share of the run",
+        head + f" {'total':>9s} {'of run':>7s}",
+    ]
+    for r in rows:
+        counts = r.counts
+        run_s = r.outcomes[0].elapsed_s if r.outcomes else 0.0
+        for kind, items in sorted(r.per_failure.items()):
+            n = counts.get(kind, 0.0)
+            total = sum(items.values())
+            share = total * (n or 1.0) / run_s if run_s else 0.0
+            cells = " ".join(f"{items.get(i, 0.0):9.1f}" for i in COST_ITEMS)
+            lines.append(f"{r.policy:{w}s} {kind:14s} {n:6.1f} {cells} {total:9.1f} {share:7.2%}")
+        ck = r.checkpoint_s
+        blank = " ".join(f"{'':9s}" for _ in COST_ITEMS)
+        share = ck / run_s if run_s else 0.0
+        lines.append(f"{r.policy:{w}s} {'checkpoints':14s} {'':6s} {blank} {ck:9.1f} {share:7.2%}")
     return "\n".join(lines)
 
 
@@ -68,11 +120,12 @@ def validation_table(rows: Sequence[Row]) -> str:
 
 def sweep_table(s: Sweep) -> str:
     """Goodput at each value, and efficiency (against compute alone) after a slash."""
-    head = f"{'policy':18s} " + " ".join(f"{v:>15g}" for v in s.values)
+    w = max([18, *(len(p) for p in s.rows)])
+    head = f"{'policy':{w}s} " + " ".join(f"{v:>15g}" for v in s.values)
     lines = [f"sweep: {s.label} (goodput / efficiency)", head]
     for policy, rows in s.rows.items():
         cells = " ".join(f"{r.goodput:7.4f}/{r.efficiency:.4f}" for r in rows)
-        lines.append(f"{policy:18s} {cells}")
+        lines.append(f"{policy:{w}s} {cells}")
     return "\n".join(lines)
 
 
@@ -92,6 +145,10 @@ def record(
             "failures": r.failures,
             "restarts": r.restarts,
             "per_seed": [o.goodput for o in r.outcomes],
+            "failures_per_run": r.counts,
+            "seconds_per_failure": r.per_failure,
+            "checkpoint_s": r.checkpoint_s,
+            "step_parts": r.step_parts,
         }
 
     return {

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from perdure.sim import failures, scenario
 from perdure.sim.calibrate import Calibration
 from perdure.sim.config import SimConfig
 from perdure.sim.engine import Outcome, simulate
 from perdure.sim.policies import POLICIES
+from perdure.sim.steptime import AnalyticStep, step_parts
 
 DAY = 86400.0
 
@@ -29,6 +30,36 @@ class Summary:
     restarts: float
     failures: float
     outcomes: tuple[Outcome, ...]
+    step_parts: dict[str, float] = field(default_factory=dict)
+    """The fault-free step by dimension (``steptime.step_parts``; empty on a host)."""
+
+    @property
+    def counts(self) -> dict[str, float]:
+        """Failures of each kind per run (mean over seeds)."""
+        out: dict[str, float] = {}
+        for o in self.outcomes:
+            for kind, n in o.counts.items():
+                out[kind] = out.get(kind, 0.0) + n / len(self.outcomes)
+        return out
+
+    @property
+    def per_failure(self) -> dict[str, dict[str, float]]:
+        """Seconds by item for one failure of each kind (every seed's total over every
+        seed's count); ``(none)``: below full strength with no failure to charge."""
+        totals: dict[str, dict[str, float]] = {}
+        for o in self.outcomes:
+            for kind, items in o.ledger.items():
+                row = totals.setdefault(kind, {})
+                for item, v in items.items():
+                    row[item] = row.get(item, 0.0) + v
+        n = {k: c * len(self.outcomes) for k, c in self.counts.items()}
+        seeds = max(len(self.outcomes), 1)
+        return {k: {i: v / (n.get(k) or seeds) for i, v in r.items()} for k, r in totals.items()}
+
+    @property
+    def checkpoint_s(self) -> float:
+        """Seconds the periodic checkpoints blocked the loop, per run."""
+        return statistics.fmean(o.checkpoint_s for o in self.outcomes)
 
 
 def horizon_s(cfg: SimConfig) -> float:
@@ -37,14 +68,21 @@ def horizon_s(cfg: SimConfig) -> float:
 
 def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
     """(label, policy, config) of every row: each policy of ``policies.run``, perdure
-    once per reduction of ``policies.perdure_reductions`` when it lists any."""
+    once per reduction of ``policies.perdure_reductions`` when it lists any, and an exact
+    reduction once per overlap model of ``policies.perdure_overlaps`` when it lists any
+    (``exact_flat`` without ``bucketed``: the same as ``streamed`` there)."""
     out: list[tuple[str, str, SimConfig]] = []
     p = cfg.policies
     for name in p.run:
-        if name == "perdure" and p.perdure_reductions:
-            for red in p.perdure_reductions:
-                c = replace(cfg, policies=replace(p, perdure=replace(p.perdure, reduction=red)))
-                out.append((f"perdure/{red}", name, c))
+        if name == "perdure" and (p.perdure_reductions or p.perdure_overlaps):
+            for red in p.perdure_reductions or [p.perdure.reduction]:
+                overlaps = p.perdure_overlaps if red != "chain" else []
+                if red == "exact_flat":  # a flat group streams bucketed already
+                    overlaps = [o for o in overlaps if o != "bucketed"]
+                for ov in overlaps or [p.perdure.overlap]:
+                    pp = replace(p.perdure, reduction=red, overlap=ov)
+                    label = f"perdure/{red}" + (f"/{ov}" if overlaps else "")
+                    out.append((label, name, replace(cfg, policies=replace(p, perdure=pp))))
         else:
             out.append((name, name, cfg))
     return out
@@ -76,6 +114,7 @@ def run_policy(
         restarts=statistics.fmean(o.restarts for o in outs),
         failures=statistics.fmean(n_failures),
         outcomes=tuple(outs),
+        step_parts=step_parts(ctx.step, ctx.target) if isinstance(ctx.step, AnalyticStep) else {},
     )
 
 

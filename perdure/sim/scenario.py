@@ -9,10 +9,11 @@ CPU work) plus the wire.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from perdure.runtime.control.boundary import boundary_margin
 from perdure.runtime.control.detector import PhiAccrual
+from perdure.sim import sharding
 from perdure.sim.calibrate import Calibration
 from perdure.sim.config import (
     PerduePolicyConfig,
@@ -24,6 +25,7 @@ from perdure.sim.engine import Context
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
+from perdure.sim.policies.common import Restart
 from perdure.sim.steptime import AnalyticStep, ComputeModel, Links, StepModel
 
 EPOCH_HOPS = 7
@@ -43,11 +45,14 @@ def gbps_to_bps(gbps: float) -> float:
 
 
 def links(cfg: SimConfig) -> Links:
+    """The links one GPU's flows see. Every GPU of a replica reduces (or copies) its own
+    share at once, each on its own NIC inside a region, but all of them share the
+    capacity between two regions: a GPU's flow gets ``1 / gpus_per_worker`` of it."""
     d = cfg.deployment
     return Links(
         intra_bps=gbps_to_bps(d.intra_region_gbps),
         intra_lat_s=d.intra_region_latency_ms / 1000,
-        cross_bps=gbps_to_bps(d.cross_region_gbps),
+        cross_bps=gbps_to_bps(d.cross_region_gbps) / d.gpus_per_worker,
         cross_lat_s=d.cross_region_latency_ms / 1000,
     )
 
@@ -67,8 +72,10 @@ def wire_bps(cfg: SimConfig) -> float:
 
 
 def state_bytes(cfg: SimConfig, cal: Calibration) -> float:
+    """State bytes one GPU holds (its replica's 1/(tp pp shard)): every GPU of a replica
+    copies, saves and loads its own share at once, each on its own link."""
     per = cfg.workload.state_bytes_per_param or cal.state_bytes_per_param
-    return cfg.workload.params * per
+    return cfg.workload.params * per / sharding.shards(cfg.workload)
 
 
 def horizon_s(heartbeat_s: float, acceptable_pause_s: float, threshold: float) -> float:
@@ -78,14 +85,6 @@ def horizon_s(heartbeat_s: float, acceptable_pause_s: float, threshold: float) -
     for i in range(d.intervals.maxlen or 200):
         d.heartbeat(i * heartbeat_s)
     return d.horizon_s(threshold)
-
-
-def boundary_margin(step_s: float, heartbeat_s: float, cap: int = 20) -> int:
-    """Steps ahead a planned epoch change starts (``runtime/control/policy.py``'s rule,
-    kept equal by a test)."""
-    if step_s <= 0:
-        return 1
-    return min(cap, math.ceil(2 * heartbeat_s / step_s))
 
 
 def boundary_s(step_s: float, heartbeat_s: float) -> float:
@@ -103,6 +102,12 @@ class Environment:
     storage_gbps: float
     state_bytes: float
     step_s: float
+    ckpt_bytes: float | None = None
+    """What one GPU saves and loads in a checkpoint; None: ``state_bytes``."""
+
+    @property
+    def ckpt(self) -> float:
+        return self.state_bytes if self.ckpt_bytes is None else self.ckpt_bytes
 
 
 def perdure_costs(
@@ -122,15 +127,21 @@ def perdure_costs(
         start_s=cal.perdure_replacement_start_s,
         boundary_s=boundary_s(env.step_s, hb),
         salvage=p.reduction != "chain",
+        reform_wait_s=p.reform_backoff_ms / 1000,
+        swarm_s=env.state_bytes / env.wire_bps if p.state_copy == "swarm" else 0.0,
     )
 
 
-def torchrun_restart_s(cal: Calibration, env: Environment) -> float:
+def torchrun_restart(cal: Calibration, env: Environment) -> Restart:
     """The measured restart, its checkpoint load replaced by this state's from storage,
     plus a rendezvous round's hops."""
     measured_load = cal.torchrun_ckpt_bytes * 8 / (cal.torch_load_gbps * 1e9)
-    load = env.state_bytes * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
-    return cal.torchrun_restart_s - measured_load + load + RDZV_HOPS * env.one_way_s
+    load = env.ckpt * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
+    return Restart(
+        startup_s=cal.torchrun_restart_s - measured_load,
+        reform_s=RDZV_HOPS * env.one_way_s,
+        load_s=load,
+    )
 
 
 def torchrun_costs(
@@ -139,7 +150,7 @@ def torchrun_costs(
     return torchrun_policy.Costs(
         node_timeout_s=t.node_timeout_s,
         collective_timeout_s=t.collective_timeout_s,
-        restart_s=torchrun_restart_s(cal, env),
+        restart=torchrun_restart(cal, env),
     )
 
 
@@ -158,22 +169,26 @@ def torchft_costs(
         group_start_s=start + heal,
         start_cpu_s=start,
         lighthouse_restart_s=f.lighthouse_restart_minutes * 60,
-        restart_s=torchrun_restart_s(cal, env),
+        restart=torchrun_restart(cal, env),
     )
 
 
 def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
     """Each policy's analytic step model on the deployment."""
-    w, p = cfg.workload, cfg.policies.perdure
-    compute = ComputeModel(
+    w, p, d = cfg.workload, cfg.policies.perdure, cfg.deployment
+    base = ComputeModel(
         params=w.params,
         tokens_per_step=w.tokens_per_step,
         slots=w.slots,
-        worker_flops=w.worker_tflops * 1e12,
-        workers=cfg.deployment.workers,
+        worker_flops=w.gpu_tflops * 1e12 * d.gpus_per_worker,
+        workers=d.workers,
+        bubble=(w.pp - 1) / w.pp_interleave,
+        reduce_params=w.params / sharding.shards(w),
     )
+    compute = replace(base, slot_comm_s=sharding.slot_comm_s(w, d, base.flops_slot_s))
 
-    def model(reduction: str, overhead: float) -> AnalyticStep:
+    def model(reduction: str) -> AnalyticStep:
+        streams = reduction in ("exact_flat", "exact_hier") and p.overlap != "last_slot"
         return AnalyticStep(
             compute=compute,
             links=links(cfg),
@@ -182,14 +197,13 @@ def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
             int_bytes=p.int_bytes,
             block=p.exact_block,
             chain_over_ring=cal.chain_over_ring,
-            overhead=overhead,
+            overhead=1.0 if reduction == "ddp" or streams else cal.perdure_step_overhead,
+            overlap=p.overlap,
+            step_overhead=cal.streamed_overhead if streams else 1.0,
+            streamed_bytes=cal.streamed_bytes,
         )
 
-    return {
-        "perdure": model(p.reduction, cal.perdure_step_overhead),
-        "torchrun": model("ddp", 1.0),
-        "torchft": model("ddp", 1.0),
-    }
+    return {"perdure": model(p.reduction), "torchrun": model("ddp"), "torchft": model("ddp")}
 
 
 def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
@@ -204,6 +218,7 @@ def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
         storage_gbps=d.storage_gbps,
         state_bytes=state_bytes(cfg, cal),
         step_s=step_s,
+        ckpt_bytes=cfg.checkpoint.bytes_per_gpu,
     )
     every = max(1.0, round(cfg.checkpoint.every_minutes * 60 / step_s))
     blocking, lag = checkpoint_cost(cfg, cal, name, env)
@@ -236,11 +251,13 @@ def checkpoint_cost(
 
     perdure: a snapshot copy blocks; every replica writes 1/W of it in the background.
     torchrun and torchft: a blocking ``torch.save`` of the whole state by one rank (the
-    benchmark's), or with ``blocking_save = false`` a snapshot and a background write."""
-    nbits = env.state_bytes * 8
+    benchmark's), or with ``blocking_save = false`` a snapshot and a background write.
+    With ``checkpoint.bytes_per_gpu`` set, every policy's GPU snapshots and writes that."""
+    nbits = env.ckpt * 8
     snapshot = nbits / (cal.snapshot_gbps * 1e9)
     if name == "perdure":
-        write = nbits / cfg.deployment.workers / (min(cal.write_gbps, env.storage_gbps) * 1e9)
+        share = 1 if env.ckpt_bytes is not None else cfg.deployment.workers
+        write = nbits / share / (min(cal.write_gbps, env.storage_gbps) * 1e9)
         return snapshot, write
     write = nbits / (min(cal.torch_save_gbps, env.storage_gbps) * 1e9)
     if cfg.policies.torchrun.blocking_save:

@@ -81,4 +81,6 @@ def run_sweeps(cfg: SimConfig, cal: Calibration) -> list[Sweep]:
 def _one_reduction(cfg: SimConfig) -> SimConfig:
     """perdure with its configured reduction only (labelled with it)."""
     p = cfg.policies
-    return replace(cfg, policies=replace(p, perdure_reductions=[p.perdure.reduction]))
+    return replace(
+        cfg, policies=replace(p, perdure_reductions=[p.perdure.reduction], perdure_overlaps=[])
+    )

@@ -171,9 +171,12 @@ class CarriedReducer:
         self.acc = torch.zeros(0, dtype=torch.int64)
         """The epoch's scratch: ``n`` integers, then ``BINS`` histogram counts a bucket."""
 
-    def open(self, like: torch.Tensor, used: Sequence[int] | torch.Tensor | None) -> None:
+    def open(
+        self, like: torch.Tensor, used: Sequence[int] | torch.Tensor | None, *, adds: int = 1
+    ) -> None:
         """Begin a pass over one step's slots, rounded against ``used`` (an exponent per
-        bucket, or per block), or None for a pass that only measures the maxima."""
+        bucket, or per block), or None for a pass that only measures the maxima. ``adds``:
+        unused (the 64-bit accumulator and its histograms never fit the float buffer)."""
         n = like.numel()
         buckets = len(_bucket_ranges(n, self.block))
         self.n, self.added, self.summing = n, 0, used is not None

@@ -57,8 +57,10 @@ class CarriedReduction(Reducer, Protocol):
     :meth:`accepts`; a refused pass is computed again against :meth:`fitted` maxima, which
     cannot fail. ``P`` is the prediction's type, ``M`` the maxima's."""
 
-    def open(self, like: torch.Tensor, exps: Any) -> None:
-        """Begin a pass rounded against ``exps`` (None: measure the maxima only)."""
+    def open(self, like: torch.Tensor, exps: Any, *, adds: int) -> None:
+        """Begin a pass rounded against ``exps`` (None: measure the maxima only) that will
+        :meth:`add` ``adds`` slots before :meth:`finish` (where it is 0 the reducer may
+        keep its integers in ``like`` itself: the member's one slot is converted in place)."""
         ...
 
     def add(self, buf: torch.Tensor) -> None:

@@ -20,8 +20,13 @@ The exchange goes in the reduction's buckets, each sent as soon as it is convert
 that gloo's threads move one while this thread converts the next (as the flat path
 overlaps its all-reduces).
 
-Limits: the accumulator and the converted buffer stay whole-sized on every rank (only the
-own range and the tail hold the sum; the rest is left as the local partial); and across regions
+Once a bucket's exchange in the group is done, the pages of its other shards' values are
+handed back to the kernel (``comm/pages.py``: the buffer keeps its size, the memory goes),
+and :meth:`ScatterExchange.settle` lets a streaming reduction keep only the newest buckets
+in flight, so that a rank's gradient side stays near ``P / k`` plus two buckets, as FSDP2's.
+
+Limits: only the own range and the tail hold the sum (the rest reads as zeros or the local
+partial); and across regions
 the second tier is the backend's flat all-reduce (the two-tier region reduction,
 ``tiers.py``, carries the exponents and the tail only).
 """
@@ -36,6 +41,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from perdure.runtime.comm.pages import release
 from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
 
 
@@ -89,6 +95,10 @@ class ScatterExchange:
         n = 0 if sc.in_group == "all_reduce" else hi - lo
         self.got = torch.empty(n, dtype=acc.dtype, device=acc.device)
         self.pending: list[tuple[Any, tuple[int, int]]] = []
+        self.buckets: list[tuple[int, int]] = []
+        """Each pending exchange's bucket ``[a, b)`` of the gradient part."""
+        self.settled = 0
+        """How many of ``pending`` are done and their foreign values' pages dropped."""
 
     def send(self, a: int, b: int) -> None:
         """Bucket ``[a, b)`` of the accumulator is final here: reduce-scatter its part of
@@ -98,6 +108,7 @@ class ScatterExchange:
             return
         cut = [(max(a, lo), max(max(a, lo), min(b, hi))) for lo, hi in sc.ranges]
         x, y = cut[sc.shard]
+        self.buckets.append((a, b))
         if sc.in_group == "all_reduce":
             self.pending.append((sc.group.allreduce([self.acc[a:b]]), (x, y)))
             return
@@ -106,14 +117,35 @@ class ScatterExchange:
         work = sc.group.reduce_scatter([out], [inputs], dist.ReduceScatterOptions())
         self.pending.append((work, (x, y)))
 
+    def settle(self, keep: int, timeout: timedelta) -> int:
+        """Wait for all but the ``keep`` newest exchanges in the group and drop the pages
+        of their other shards' values (dead once sent: ``comm/pages.py``); returns the end
+        of the gradient values settled so far (0: none)."""
+        while len(self.pending) - self.settled > keep:
+            self._settle_next(timeout)
+        return self.buckets[self.settled - 1][1] if self.settled else 0
+
+    def _settle_next(self, timeout: timedelta) -> None:
+        work, (x, y) = self.pending[self.settled]
+        work.wait(timeout)
+        a, b = self.buckets[self.settled]
+        x, y = min(max(x, a), b), min(max(y, a), b)  # a shard's cut of another bucket: empty
+        if x == y:
+            release(self.acc[a:b])
+        else:
+            release(self.acc[a:x])
+            release(self.acc[y:b])
+        self.settled += 1
+
     def finish(self, timeout: timedelta) -> Iterator[tuple[int, int]]:
         """The value ranges whose sums over every member are in ``acc``, in order: this
         rank's parts as their cross-group all-reduce completes, then the tail."""
         sc, tail, cross = self.sc, self.acc[self.sc.numel :], self.sc.cross
         crosses = []
         inplace = sc.in_group == "all_reduce"
-        for work, (x, y) in self.pending:
-            work.wait(timeout)
+        for i, (_, (x, y)) in enumerate(self.pending):
+            if i == self.settled:  # each bucket's cross-group step starts once it is in
+                self._settle_next(timeout)
             part = self.acc[x:y] if inplace else self.got[x - sc.mine[0] : y - sc.mine[0]]
             done = None if x == y or cross is None else cross.allreduce([part])
             crosses.append((done, (x, y), part))

@@ -62,6 +62,7 @@ reduction is not bucketed.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -183,13 +184,18 @@ class StreamedReducer:
         self.ints = torch.zeros(0, dtype=self.exact.dtype)
         self.exps = torch.zeros(0, dtype=torch.int32)
         self.outliers = Outliers(block, cap=block)
+        self.aliased = False
+        """The integers are the float buffer's own bytes (:meth:`open`)."""
 
     # -- the step's calls --------------------------------------------------------------
 
-    def open(self, like: torch.Tensor, exps: torch.Tensor | None) -> None:
+    def open(self, like: torch.Tensor, exps: torch.Tensor | None, *, adds: int = 1) -> None:
         """Begin a pass over one step's slots, rounded against ``exps`` (one per block:
         :meth:`used` of the prediction, or :meth:`fitted` maxima), or None for a pass
-        that only measures the maxima."""
+        that only measures the maxima. ``adds``: the slots :meth:`add` will take before
+        :meth:`finish`; with none (one slot a member) and 32 bits the integers live in
+        ``like`` itself, each value converted in place (a float32 and an int32 have one
+        size), so the member holds one buffer of P values, not two."""
         n = like.numel()
         nblocks = -(-n // self.block)
         if exps is not None and exps.numel() != nblocks:
@@ -199,7 +205,14 @@ class StreamedReducer:
             )
         self.n, self.added, self.summing = n, 0, exps is not None
         self.peaks = torch.zeros(nblocks, dtype=torch.int32)
-        if self.ints.numel() != n:
+        self.aliased = (
+            adds == 0 and self.bits == 32 and like.dtype == torch.float32 and like.is_contiguous()
+        )
+        if self.aliased:
+            self.ints = like.view(torch.int32)
+        elif self.ints.numel() != n or self.ints.untyped_storage().data_ptr() == (
+            like.untyped_storage().data_ptr()
+        ):
             self.ints = torch.empty(n, dtype=self.exact.dtype, device=like.device)
         self.outliers = Outliers(self.block, cap=max(CAP_FLOOR, n // CAP_FRACTION))
         if exps is None:
@@ -250,15 +263,33 @@ class StreamedReducer:
         tiers = getattr(comm, "tiers", None)
         pg = comm.pg if self.size > 1 else None
         t = timeout.total_seconds()
+        window = ready if self._scatters(pg, tiers) and self.aliased else None
+        if window is not None:  # set before the backward writes: its first bucket only
+            window.allow(self.exact._values(self.n, 0)[1])
 
         def wait(upto: int) -> None:
             if ready is not None:
                 ready.wait(upto, abort, t)
 
         def run() -> tuple[torch.Tensor | None, torch.Tensor]:
-            return self._finish(pg, tiers, out, last, wait, timeout, send_delay_s)
+            try:
+                return self._finish(pg, tiers, out, last, wait, timeout, send_delay_s, window)
+            finally:
+                if ready is not None:
+                    ready.close()
 
         return comm.submit(run)
+
+    def _scatters(self, pg: Any, tiers: Tiers | None) -> bool:
+        """Whether this pass reduce-scatters its buckets in the replica group."""
+        sc = self.scatter
+        return (
+            pg is not None
+            and tiers is None
+            and self.summing
+            and sc is not None
+            and (self.n == sc.size)
+        )
 
     # -- the passes ------------------------------------------------------------------------
 
@@ -317,19 +348,27 @@ class StreamedReducer:
         wait: Callable[[int], None],
         timeout: timedelta,
         send_delay_s: float,
+        window: Readiness | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``window``: the backward's, where the integers live in its buffer and each
+        bucket's other shards' pages are dropped once sent (``comm/scatter.py``): it may
+        write one bucket past the one on the wire."""
         if pg is not None and send_delay_s > 0:
             time.sleep(send_delay_s)  # injected link latency (the delay fault)
         sc = self.scatter
         streams = pg is not None and tiers is None and self.summing
-        scattered = streams and sc is not None and self.n == sc.size
-        ex = ScatterExchange(sc, self.ints, pg, None) if scattered and sc else None
+        ex = ScatterExchange(sc, self.ints, pg, None) if sc and self._scatters(pg, tiers) else None
         pending = []
-        for i in self._buckets:
+        buckets = self._buckets
+        for i in buckets:
             wait(self.exact._values(self.n, i)[1])
             self._add_bucket(last, i)
             if ex is not None:
                 ex.send(*self.exact._values(self.n, i))
+                if window is not None:
+                    ex.settle(1, timeout)
+                    nxt = i + 1 if i + 1 < len(buckets) else None
+                    window.allow(math.inf if nxt is None else self.exact._values(self.n, nxt)[1])
             elif streams:  # on the wire while the backward finishes the next bucket
                 pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
         full = torch.tensor([int(self.outliers.full)], dtype=torch.int32)
@@ -344,15 +383,37 @@ class StreamedReducer:
         if not self.summing:
             return None, maxima
         spans = ex.finish(timeout) if ex is not None else [(0, self.n)]
+        over = torch.nonzero(maxima > self.exps).flatten()
+        # the outlier blocks' main integers, before an in-place conversion overwrites them
+        mains = None if capped else self._mains(over)
         back = self.exact._fused([out])
         for lo, hi in spans:
-            self.exact._convert_values(self.ints, self.inv, out, lo, hi, back)
-        over = torch.nonzero(maxima > self.exps).flatten()
-        if capped:
+            self._convert(out, lo, hi, back)
+        if mains is None:
             return None, maxima
         if over.numel():
-            self._outlier_lane(pg, tiers, over, maxima, out, timeout)
+            self._outlier_lane(pg, tiers, over, maxima, mains, out, timeout)
         return out, maxima
+
+    def _mains(self, over: torch.Tensor) -> list[torch.Tensor]:
+        """The summed integers of the blocks ``over``, as int64 copies."""
+        out = []
+        for j in over.tolist():
+            a, b = j * self.block, min(self.n, (j + 1) * self.block)
+            out.append(self.ints[a:b].to(torch.int64))
+        return out
+
+    def _convert(self, out: torch.Tensor, lo: int, hi: int, back: Any) -> None:
+        """The sums of ``[lo, hi)`` into ``out``, exactly those values: the block-aligned
+        conversion also converts the head of ``lo``'s block, which, where the integers
+        live in ``out`` (:attr:`aliased`), may be another span's values converted
+        already; so a head that starts inside a block is converted by itself."""
+        head = min(hi, -(-lo // self.block) * self.block) if self.aliased else lo
+        if head > lo:
+            j = lo // self.block
+            torch.mul(self.ints[lo:head].to(torch.float32), self.inv[j], out=out[lo:head])
+        if hi > head:
+            self.exact._convert_values(self.ints, self.inv, out, head, hi, back)
 
     def _outlier_lane(
         self,
@@ -360,6 +421,7 @@ class StreamedReducer:
         tiers: Tiers | None,
         over: torch.Tensor,
         maxima: torch.Tensor,
+        mains: list[torch.Tensor],
         out: torch.Tensor,
         timeout: timedelta,
     ) -> None:
@@ -381,7 +443,7 @@ class StreamedReducer:
         wide = self.bits == 32
         for row, j in enumerate(over.tolist()):
             a, b = j * self.block, min(self.n, (j + 1) * self.block)
-            main, part = self.ints[a:b].to(torch.int64), lane[row, : b - a].to(torch.int64)
+            main, part = mains[row], lane[row, : b - a].to(torch.int64)
             d = int(k[row] - k_out[row])  # >= 0: the prediction's grid is the finer
             if wide and d <= 32:
                 total, grid = (part << d) + main, int(k[row])

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from perdure import events as ev
 from perdure.run_config import RunConfig, to_dict
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.boundary import boundary_margin
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
 from perdure.runtime.control.lease import LeaseView
@@ -1352,14 +1353,6 @@ def _loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
-
-
-def boundary_margin(step_s: float | None, heartbeat_s: float, cap: int = 20) -> int:
-    """Extra steps before a planned epoch change: how many steps a heartbeat's staleness
-    plus the notice's delivery (one more heartbeat interval, generously) can cover."""
-    if not step_s or step_s <= 0:
-        return 1
-    return min(cap, math.ceil(2 * heartbeat_s / step_s))
 
 
 def _speed(i: int, times: list[float], slow_ratio: float) -> float:

@@ -79,6 +79,8 @@ class SlotEngine:
         )
         self.numel = self.layout.numel
         self.size = self.layout.size
+        self._finite = True
+        """Whether every gradient of the slot being computed was finite."""
 
     def new_buffer(self) -> torch.Tensor:
         return self.layout.new_buffer()
@@ -110,6 +112,7 @@ class SlotEngine:
         self.model.train()
         for p in self.params:
             p.grad = None
+        self._finite = True
         done = [False] * len(self.params)
         hooks = [] if ready is None else self._hooks(out, done, ready)
         lay = self.layout
@@ -128,7 +131,9 @@ class SlotEngine:
                 self._copy(i, p, out)
         lay.tail(out).zero_()
         value = float(loss.detach())
-        finite = all_finite(lay.values(out)) and np.isfinite(value)
+        # each gradient was checked as it was copied: a streaming reduction may already
+        # have rewritten the buffer's front (non-finite values zeroed, integers in place)
+        finite = self._finite and all_finite(lay.buffer_moves(out)) and np.isfinite(value)
         lay.flags(out)[slot] = 0.0 if finite else 1.0
         lay.losses(out)[slot] = value if np.isfinite(value) else 0.0
         if ready is not None:
@@ -150,11 +155,17 @@ class SlotEngine:
         return loss
 
     def _copy(self, i: int, p: torch.Tensor, out: torch.Tensor) -> None:
+        """Parameter ``i``'s gradient into ``out``, then freed: with the hooks, a rank
+        holds the slot buffer and the gradients the backward has not finished yet, never
+        a second whole set of them (``optimizer in backward``'s pattern)."""
         dst = out[self.offsets[i] : self.offsets[i + 1]]
         if p.grad is None:
             dst.zero_()
         else:
-            dst.copy_(p.grad.reshape(-1))
+            grad = p.grad.reshape(-1)
+            self._finite = self._finite and all_finite(grad)
+            dst.copy_(grad)
+            p.grad = None
 
     def _hooks(self, out: torch.Tensor, done: list[bool], ready: Progress) -> list[Any]:
         """Post-accumulate hooks that copy each gradient as soon as it is final and advance
@@ -164,6 +175,7 @@ class SlotEngine:
 
         def hook_for(i: int) -> Callable[[torch.Tensor], None]:
             def hook(p: torch.Tensor) -> None:
+                ready.room(self.offsets[i + 1])  # the reduction's window (Readiness)
                 self._copy(i, p, out)
                 done[i] = True
                 while state["next"] < len(done) and done[state["next"]]:
@@ -176,12 +188,17 @@ class SlotEngine:
             p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in enumerate(self.params)
         ]
 
-    def assign_grads(self, flat: torch.Tensor, batch: int) -> None:
+    def assign_grads(
+        self, flat: torch.Tensor, batch: int, own: tuple[int, int] | None = None
+    ) -> None:
         """Point each parameter's ``.grad`` at ``flat[:P] / batch`` (in place): the slot
         losses are sums over samples, so this is the gradient of the mean loss. A division,
-        not a multiplication by ``1 / batch``, which is inexact for most batch sizes."""
+        not a multiplication by ``1 / batch``, which is inexact for most batch sizes.
+        ``own``: the value range that holds the sum (a reduce-scatter's: the rest is the
+        local partial, which is neither divided nor read, so its pages stay untouched)."""
         grads = self.layout.grads(flat)
-        grads.div_(batch)  # IEEE division: the same bits on either device
+        lo, hi = own if own is not None else (0, grads.numel())
+        grads[lo:hi].div_(batch)  # IEEE division: the same bits on either device
         offset = 0
         for p in self.params:
             n = p.numel()
@@ -200,9 +217,12 @@ class SlotEngine:
 
 
 class Progress(Protocol):
-    """Told how much of a slot buffer is final (see ``comm.readiness.Readiness``)."""
+    """Told how much of a slot buffer is final, and asked for room before a gradient is
+    written into it (see ``comm.readiness.Readiness``)."""
 
     def advance(self, upto: int) -> None: ...
+
+    def room(self, upto: int) -> None: ...
 
 
 def all_finite(x: torch.Tensor) -> bool:

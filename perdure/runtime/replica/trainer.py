@@ -24,9 +24,10 @@ from perdure.checkpoint import (
 )
 from perdure.checkpoint.ranges import Lazy, open_lazy
 from perdure.checkpoint.tensors import MODEL, byte_view, to_cpu_contiguous
-from perdure.data import Dataset, DataState, SlotLoader
+from perdure.data import DataError, Dataset, DataState, SlotLoader
+from perdure.data.retry import ReadPolicy
 from perdure.provenance import provenance
-from perdure.run_config import RunConfig, canonical, config_hash, dataset_path
+from perdure.run_config import RunConfig, canonical, config_hash, dataset_path, resolve_path
 from perdure.runtime.param_gather import ParamGather
 from perdure.runtime.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.deferred import (
@@ -44,6 +45,10 @@ from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import Task, build_task, plain_module
 from perdure.runtime.shard_plan import ALL, NONE
+
+FINITE, NON_FINITE, WITHHELD = 0, 1, 2
+"""A sample's rerun verdict (:meth:`Trainer.rerun_flags`): small integers, summed exactly
+by any reduction, so every member reads the same verdict."""
 
 REDUCTION_KEY = "reduction"
 """Beside the recipe's state in a checkpoint's optimizer field: the reduction's carried
@@ -81,6 +86,9 @@ class ShardSeam(Protocol):
     @property
     def scattered(self) -> bool: ...
 
+    @property
+    def own_range(self) -> tuple[int, int] | None: ...
+
     def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None: ...
 
     def drop_foreign_grads(self) -> None: ...
@@ -106,6 +114,7 @@ class Trainer:
         cache_dir: str | None = None,
         poison: Sequence[tuple[int, int]] = (),
         placement: Placement | None = None,
+        corrupt: Sequence[tuple[int, int]] = (),
     ) -> None:
         self.config = config
         train = config.train
@@ -134,24 +143,32 @@ class Trainer:
             precision=train.precision,
             buffers=self.placement.buffers,
         )
+        data = config.data
         self.dataset = Dataset.open(
             dataset_path(config),
-            cache_dir=config.data.cache_dir or cache_dir,
-            cache_mb=config.data.cache_mb,
+            cache_dir=data.cache_dir or cache_dir,
+            cache_mb=data.cache_mb,
+            mirrors=tuple(resolve_path(config, m) for m in data.mirrors),
+            policy=ReadPolicy(attempts=data.read_attempts, timeout_s=data.read_timeout_s),
         )
         self.loader = SlotLoader(
             self.dataset,
             seed=train.seed,
             global_batch=train.global_batch,
             slots=train.slots,
-            prefetch_steps=config.data.prefetch_steps,
-            document_fields=config.data.document_fields,
+            prefetch_steps=data.prefetch_steps,
+            document_fields=data.document_fields,
+            on_corrupt=data.on_corrupt,
         )
         self.poison = sorted(poison)
-        for shard, _ in self.poison:
+        self.corrupt = sorted(corrupt)
+        """Chaos: ``(shard, step)``: the shard's primary copy reads corrupt from that step."""
+        for kind, shard in [("poison_shard", k) for k, _ in poison] + [
+            ("corrupt_shard", k) for k, _ in corrupt
+        ]:
             if not 0 <= shard < self.dataset.num_shards:
                 raise ValueError(
-                    f"chaos.faults: poison_shard target must be a shard of {config.data.dataset} "
+                    f"chaos.faults: {kind} target must be a shard of {config.data.dataset} "
                     f"in [0, {self.dataset.num_shards}) (got {shard})"
                 )
         self.decisions: list[dict[str, Any]] = []
@@ -229,10 +246,14 @@ class Trainer:
         return self.config.train.global_batch * self.dataset.seq_len
 
     def poison_due(self, step: int) -> None:
-        """Fault injection: shards poisoned from a given step on (identically everywhere)."""
+        """Fault injection: shards poisoned from a given step on (identically everywhere),
+        and shards whose primary copy reads corrupt from a given step on (once each)."""
         for shard, at in self.poison:
             if step >= at:
                 self.loader.poison_shard(shard)
+        while self.corrupt and step >= self.corrupt[0][1]:
+            shard, _ = self.corrupt.pop(0)
+            self.loader.corrupt_shard(shard)
 
     def compute_slots(
         self,
@@ -287,7 +308,10 @@ class Trainer:
         (an unreadable shard) is replaced by the received one (``adopt``)."""
         if self.pending is not None:
             return  # its parameters are at rest until it knows its shard: nothing to run
-        batch = to_tensors(self.loader.batch(0, 0))
+        try:
+            batch = to_tensors(self.loader.batch(0, 0))
+        except DataError:  # a shard with no good copy: the steps that need it report it
+            return
         self.engine.compute(0, 0, batch, self.engine.new_buffer())
 
     def prefetch(self, step: int, slots: range) -> None:
@@ -299,7 +323,8 @@ class Trainer:
         """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
-        self.engine.assign_grads(total, B)
+        own = None if self.shards is None else self.shards.own_range
+        self.engine.assign_grads(total, B, own)
         self.engine.apply_buffers(total)
         clip = self.config.optim.grad_clip
         if clip is not None and self.shards is not None and self.shards.scattered:
@@ -338,38 +363,65 @@ class Trainer:
         sums = [p.detach().sum() for p in self.model.parameters() if resident(p)]
         return not sums or all_finite(torch.stack(sums))
 
-    def rerun_flags(self, step: int, slot: int) -> list[bool]:
-        """Re-run each sample of a slot alone: which ones give a non-finite gradient?"""
+    def rerun_flags(self, step: int, slot: int) -> list[int]:
+        """Re-run each sample of a slot alone: which ones give a non-finite gradient?
+        Per sample :data:`FINITE`, :data:`NON_FINITE`, or :data:`WITHHELD` (its shard has
+        no good copy in the store: the sample was never served, so the data's storage is
+        at fault, not the data, the worker or the model)."""
         batch = self.loader.batch(step, slot)
         buf = self.engine.new_buffer()
         flags = []
+        withheld = set(batch.bad_shards)
         for i in range(len(batch.sample_ids)):
+            if int(batch.shards[i]) in withheld:
+                flags.append(WITHHELD)
+                continue
             one = to_tensors(_row(batch, i))
             self.engine.compute(step, slot, one, buf)
-            flags.append(bool(self.layout.flags(buf)[slot] != 0))
+            flags.append(NON_FINITE if self.layout.flags(buf)[slot] != 0 else FINITE)
         return flags
 
-    def quarantine(self, step: int, found: dict[int, list[bool]]) -> dict[str, Any]:
-        """Quarantine the shards of the bad samples of several slots at once.
+    def quarantine(self, step: int, found: dict[int, list[int]]) -> list[dict[str, Any]]:
+        """Quarantine the shards of the bad samples of several slots at once: a
+        ``corrupt`` entry for shards whose samples were withheld (no good copy), a
+        ``quarantine`` entry for samples whose gradient is non-finite; returns them.
 
-        ``found`` maps a slot to its per-sample rerun flags. All batches are read before the
-        quarantine takes effect: afterwards the same positions hold resampled data.
+        ``found`` maps a slot to its per-sample rerun flags (:meth:`rerun_flags`, the same
+        on every member). All batches are read before the quarantine takes effect:
+        afterwards the same positions hold resampled data.
         """
-        samples: set[int] = set()
-        shards: set[int] = set()
+        hits: dict[int, tuple[set[int], set[int]]] = {NON_FINITE: (set(), set()),
+                                                      WITHHELD: (set(), set())}  # fmt: skip
         for slot, flags in found.items():
             batch = self.loader.batch(step, slot)
-            for sid, shard, bad in zip(batch.sample_ids, batch.shards, flags, strict=True):
-                if bad:
-                    samples.add(int(sid))
-                    shards.add(int(shard))
+            for sid, shard, flag in zip(batch.sample_ids, batch.shards, flags, strict=True):
+                if flag in hits:
+                    hits[flag][0].add(int(shard))
+                    hits[flag][1].add(int(sid))
         slots = sorted(found)
-        reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
+        entries = []
+        shards, samples = hits[WITHHELD]
+        if shards:
+            self._check_left(step, shards)
+            why = self.dataset.store.bad_shards()
+            named = "; ".join(f"shard {k}: {why.get(k, 'no good copy')}" for k in sorted(shards))
+            reason = f"no good copy (data.on_corrupt = 'quarantine'): {named}"
+            entries.append(self._quarantined(step, "corrupt", (shards, samples), slots, reason))
+        shards, samples = hits[NON_FINITE]
+        if shards:
+            reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
+            entries.append(self._quarantined(step, "quarantine", (shards, samples), slots, reason))
+        return entries
+
+    def _quarantined(
+        self, step: int, kind: str, hit: tuple[set[int], set[int]], slots: list[int], reason: str
+    ) -> dict[str, Any]:
+        shards, samples = hit
         self.loader.quarantine(sorted(shards), step, reason)
         self.state_version += 1
         entry = {
             "step": step,
-            "kind": "quarantine",
+            "kind": kind,
             "shards": sorted(shards),
             "samples": sorted(samples),
             "slots": slots,
@@ -377,6 +429,27 @@ class Trainer:
         }
         self.decisions.append(entry)
         return entry
+
+    def _check_left(self, step: int, corrupt: set[int]) -> None:
+        """Quarantining ``corrupt`` must leave a shard to train on; else the run stops."""
+        active = self.loader.quarantine_list.active(step)
+        gone = {int(k) for k in active.shards} | corrupt
+        if len(gone) >= self.dataset.num_shards:
+            store = self.dataset.store
+            why = store.bad_shards()
+            named = "; ".join(
+                f"{store.url(k)}: {why.get(k, 'no good copy')}" for k in sorted(corrupt)
+            )
+            raise DataError(
+                f"step {step}: shards {sorted(corrupt)} have no good copy ({named}), and "
+                "quarantining them (data.on_corrupt = 'quarantine') leaves no shard to train "
+                "on: run `perdure data verify DATASET`, restore the shards or set "
+                "data.mirrors, and resume from the last checkpoint"
+            )
+
+    def take_repairs(self) -> list[dict[str, Any]]:
+        """Shards the data store repaired since the last call (``shard_repaired`` events)."""
+        return self.dataset.store.take_repairs()
 
     # -- state -----------------------------------------------------------------------------
 

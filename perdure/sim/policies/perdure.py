@@ -12,7 +12,8 @@ What each failure costs, as ``docs/architecture.md`` describes the runtime:
 - a node dies silently, or a worker hangs: nothing closes, so the survivors wait in the
   blocked collective until phi accrual crosses its threshold (``horizon_s``); a hang
   shorter than that evicts nobody; a hung worker that wakes rejoins like a replacement;
-- a dropped link: the collective fails, the same members re-form after ``FAIL_SETTLE_S``;
+- a dropped link: the collective fails, the same members re-form after ``reform_s``
+  (``cluster.reform_backoff_ms``);
 - a latency spike: steps slow down for its duration (nobody is evicted while the spike is
   shorter than the detection horizon; the planner cannot take a member's last slot);
 - a region is lost: as many deaths at once; when the coordinator's region is lost, the
@@ -36,13 +37,10 @@ from perdure.sim.policies.common import (
     in_lost_region,
     lose_inflight,
     missing,
+    pay,
+    pay_until,
     set_down,
-    stall,
 )
-
-FAIL_SETTLE_S = 0.05
-"""perdure's wait for a death that explains a failed collective before re-forming the
-same members (``runtime/control/policy.py``, kept equal by a test)."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +68,14 @@ class Costs:
     """From a ready joiner to the boundary its epoch starts at (members train on)."""
     salvage: bool
     """The exact reduction keeps the survivors' finished slots."""
+    reform_wait_s: float = 0.05
+    """After a failed collective with nobody lost, the wait before the same members
+    re-form (``cluster.reform_backoff_ms``, the first of a row)."""
+    swarm_s: float = 0.0
+    """``state_copy = "swarm"`` (issue 34's design, not built): a joiner or a promoted
+    spare fetches its share from every holder at link rate, this long, while the members
+    train; they pause only for the epoch change that plans it in. 0: the copy stalls the
+    members (``spare_copy_s``, ``join_s``)."""
 
 
 def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -85,7 +91,7 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _hang(ctx, s, e)
     if e.kind == "link_flap":
         s = lose_inflight(s, 0.0 if c.salvage else 1.0)
-        return stall(s, c.close_s + FAIL_SETTLE_S + c.reconfigure_s), ()
+        return pay(s, detection=c.close_s + c.reform_wait_s, reform=c.reconfigure_s), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
         return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
@@ -96,8 +102,9 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.kind == "region_back":
         return _region_back(ctx, s, e)
     if e.kind == "nan_shard":
-        redo = ctx.step.slot_s + ctx.step.small_allreduce_s(s.members)
-        return stall(s, redo + ctx.step.seconds(s.members, s.extra_lat_s)), ()
+        verdicts = ctx.step.small_allreduce_s(s.members)
+        redo = ctx.step.slot_s + ctx.step.seconds(s.members, s.extra_lat_s)
+        return pay(s, detection=verdicts, lost=redo), ()
     if e.kind == "started":
         return s._replace(starting=max(0, s.starting - e.count)), ()
     if e.kind in ("replaced", "resumed"):
@@ -117,10 +124,25 @@ def _deaths(
     c: Costs = ctx.costs
     s = lose_inflight(s, _lost_fraction(c, s, n))
     promoted = min(s.spares, n, s.members[e.region])
+    s, later = _promote(ctx, s, e.region, n, promoted, detect_s)
+    s, back = _replacements(s, e, n)
+    return s, later + back
+
+
+def _promote(
+    ctx: Context, s: State, region: int, n: int, promoted: int, detect_s: float
+) -> tuple[State, tuple[Event, ...]]:
+    """``n`` members of ``region`` gone, ``promoted`` spares in their places: copied
+    while everyone waits, or (swarm) copied while the survivors train, then planned in."""
+    c: Costs = ctx.costs
     s = s._replace(spares=s.spares - promoted)
-    s = add_members(s, ctx, e.region, -(n - promoted))
-    s = stall(s, detect_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
-    return _replacements(s, e, n)
+    if c.swarm_s <= 0 or not promoted:
+        s = add_members(s, ctx, region, -(n - promoted))
+        copy = c.spare_copy_s if promoted else 0.0
+        return pay(s, detection=detect_s, reform=c.reconfigure_s, copy=copy), ()
+    s = pay(add_members(s, ctx, region, -n), detection=detect_s, reform=c.reconfigure_s)
+    ready = Event(t=s.stall_until + c.swarm_s, kind="replaced", region=region, count=promoted)
+    return s, (ready,)
 
 
 def _replacements(s: State, e: Event, n: int) -> tuple[State, tuple[Event, ...]]:
@@ -137,20 +159,18 @@ def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]
     if joining <= 0:
         return s, ()
     s = add_members(s, ctx, e.region, joining)
-    return stall(s, c.join_s), ()
+    copy = 0.0 if c.swarm_s > 0 else c.join_s - c.reconfigure_s
+    return pay(s, reform=c.reconfigure_s, copy=copy), ()
 
 
 def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     c: Costs = ctx.costs
     if e.duration_s < c.horizon_s:  # nobody is evicted: everyone waits it out
-        return stall(s, e.duration_s), ()
+        return pay(s, wait=e.duration_s), ()
     s = lose_inflight(s, _lost_fraction(c, s, 1))
-    promoted = min(s.spares, 1)
-    s = s._replace(spares=s.spares - promoted)
-    s = add_members(s, ctx, e.region, -(1 - promoted))
-    s = stall(s, c.horizon_s + c.reconfigure_s + (c.spare_copy_s if promoted else 0.0))
-    wake = Event(t=s.t + e.duration_s + c.boundary_s, kind="resumed", region=e.region)
-    return s, (wake,)
+    s, later = _promote(ctx, s, e.region, 1, min(s.spares, 1), c.horizon_s)
+    wake_s = e.duration_s + c.swarm_s + c.boundary_s
+    return s, (*later, Event(t=s.t + wake_s, kind="resumed", region=e.region))
 
 
 def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -158,6 +178,7 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     if s.down[e.region]:
         return s, ()
     detect = c.horizon_s if e.silent else c.close_s
+    settle = 0.0
     s = lose_inflight(s, _lost_fraction(c, s, s.members[e.region]))
     s = set_down(add_members(s, ctx, e.region, -ctx.target[e.region]), e.region, True)
     back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
@@ -165,13 +186,13 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
         if ctx.standby is None or s.down[ctx.standby]:
             return _wait_for(s, back), (back,)
         s = s._replace(coordinator_lost=True)
-        detect += c.settle_s
-    return stall(s, detect + c.reconfigure_s), (back,)
+        settle = c.settle_s
+    return pay(s, detection=detect, reform=settle + c.reconfigure_s), (back,)
 
 
 def _wait_for(s: State, back: Event) -> State:
     """No coordinator anywhere: nothing trains until the region is back."""
-    return s._replace(stall_until=max(s.stall_until, back.t))
+    return pay_until(s, back.t, "wait")
 
 
 def _region_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -188,7 +209,12 @@ def _hardware_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event
     return s, (
         Event(t=t0, kind="launch", count=e.count),
         Event(t=t0 + c.start_s, kind="started", count=e.count),
-        Event(t=t0 + c.start_s + c.boundary_s, kind="replaced", region=e.region, count=e.count),
+        Event(
+            t=t0 + c.start_s + c.swarm_s + c.boundary_s,
+            kind="replaced",
+            region=e.region,
+            count=e.count,
+        ),
     )
 
 
@@ -201,4 +227,4 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     return handle(ctx, s, e)
 
 
-__all__ = ["FAIL_SETTLE_S", "Costs", "policy"]
+__all__ = ["Costs", "policy"]

@@ -31,13 +31,15 @@ from dataclasses import dataclass
 from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
 from perdure.sim.policies.common import (
+    Restart,
     add_members,
     in_lost_region,
     lose_inflight,
+    pay,
+    pay_restart,
+    pay_until,
     rollback,
     set_down,
-    stall,
-    stall_until,
 )
 
 
@@ -56,8 +58,12 @@ class Costs:
     """Of which the start-up (CPU on a shared host)."""
     lighthouse_restart_s: float
     """A new lighthouse elsewhere after its region is lost."""
-    restart_s: float
+    restart: Restart
     """Every group restarted from the checkpoint (NaN)."""
+
+    @property
+    def restart_s(self) -> float:
+        return self.restart.total_s
 
 
 def _batch(ctx: Context, s: State) -> State:
@@ -69,7 +75,7 @@ def _group_out(
 ) -> tuple[State, tuple[Event, ...]]:
     c: Costs = ctx.costs
     s = _batch(ctx, add_members(lose_inflight(s), ctx, region, -n))
-    s = stall(s, detect_s + c.quorum_s)
+    s = pay(s, detection=detect_s, reform=c.quorum_s)
     t0 = s.t + back_in_s
     return s, (
         Event(t=t0, kind="launch", count=n),
@@ -91,20 +97,19 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _group_out(ctx, s, e.region, wpn, detect, e.replace_s)
     if e.kind == "hang":
         if e.duration_s < c.silent_s:
-            return stall(s, e.duration_s), ()
+            return pay(s, wait=e.duration_s), ()
         return _group_out(ctx, s, e.region, wpn, c.silent_s, e.duration_s)
     if e.kind == "group_back":
         s = _batch(ctx, add_members(s, ctx, e.region, e.count))
-        return stall(s, c.join_s), ()
+        return pay(s, reform=c.join_s), ()
     if e.kind == "link_flap":
-        return stall(lose_inflight(s), c.join_s), ()
+        return pay(lose_inflight(s), reform=c.join_s), ()
     if e.kind == "region_loss":
         return _region_loss(ctx, s, e)
     if e.kind == "region_back":
         return set_down(s, e.region, False), ()
     if e.kind == "nan_shard":
-        s = rollback(lose_inflight(s), ctx)
-        return stall(s, c.restart_s)._replace(restarts=s.restarts + 1), ()
+        return pay_restart(rollback(lose_inflight(s), ctx), c.restart), ()
     if e.kind == "launch":
         return s._replace(starting=s.starting + e.count), ()
     if e.kind == "started":
@@ -125,6 +130,6 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     n = s.members[e.region]
     s, follow = _group_out(ctx, set_down(s, e.region, True), e.region, n, detect, e.duration_s)
     if e.region == ctx.coordinator:  # the lighthouse was there
-        s = stall_until(s, s.t + min(e.duration_s, c.lighthouse_restart_s) + c.quorum_s)
+        s = pay_until(s, s.t + min(e.duration_s, c.lighthouse_restart_s) + c.quorum_s, "wait")
     back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
     return s, (*follow, back)

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 
 from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
-from perdure.sim.policies.common import lose_inflight, rollback, stall, stall_until
+from perdure.sim.policies.common import (
+    Restart,
+    lose_inflight,
+    pay,
+    pay_restart,
+    pay_until,
+    rollback,
+)
 
 
 @dataclass(frozen=True)
@@ -35,35 +42,41 @@ class Costs:
     """A silent node dropped by the rendezvous."""
     collective_timeout_s: float
     """NCCL watchdog: a hang blocks everyone this long before the job aborts."""
-    restart_s: float
+    restart: Restart
     """Every process restarted, the checkpoint loaded, rendezvous done."""
 
+    @property
+    def restart_s(self) -> float:
+        return self.restart.total_s
 
-def _restart(ctx: Context, s: State, after_s: float) -> State:
-    """Everything restarts ``after_s`` from now and redoes the steps since the checkpoint."""
+
+def _restart(ctx: Context, s: State, detect_s: float, wait_s: float) -> State:
+    """Everything restarts ``detect_s + wait_s`` from now and redoes the steps since the
+    checkpoint."""
     c: Costs = ctx.costs
     s = rollback(lose_inflight(s), ctx)
-    s = stall_until(s, s.t + after_s)
-    return stall(s, c.restart_s)._replace(restarts=s.restarts + 1)
+    s = pay_until(s, s.t + detect_s, "detection")
+    s = pay_until(s, s.t + detect_s + wait_s, "wait")
+    return pay_restart(s, c.restart)
 
 
 def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     """torchrun's reaction to one event."""
     c: Costs = ctx.costs
     if e.kind in ("worker_death", "link_flap"):
-        return _restart(ctx, s, e.replace_s), ()
+        return _restart(ctx, s, 0.0, e.replace_s), ()
     if e.kind == "node_death":
         detect = c.node_timeout_s if e.silent else 0.0
-        return _restart(ctx, s, detect + e.replace_s), ()
+        return _restart(ctx, s, detect, e.replace_s), ()
     if e.kind == "hang":
         if e.duration_s < c.collective_timeout_s:
-            return stall(s, e.duration_s), ()
-        return _restart(ctx, s, c.collective_timeout_s), ()
+            return pay(s, wait=e.duration_s), ()
+        return _restart(ctx, s, c.collective_timeout_s, 0.0), ()
     if e.kind == "region_loss":
         detect = c.node_timeout_s if e.silent else 0.0
-        return _restart(ctx, s, max(detect, e.duration_s)), ()
+        return _restart(ctx, s, detect, max(0.0, e.duration_s - detect)), ()
     if e.kind == "nan_shard":
-        return _restart(ctx, s, 0.0), ()
+        return _restart(ctx, s, 0.0, 0.0), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)
         return s._replace(extra_lat_s=s.extra_lat_s + e.extra_latency_s), (end,)
