@@ -271,6 +271,7 @@ def fsdp_rank(args: argparse.Namespace) -> dict[str, Any]:
             out["save"] = {"rank": args.rank, "seconds": time.perf_counter() - t0,
                            "peak_extra": _status("VmHWM") - base, "shard_bytes": shard}  # fmt: skip
             dist.barrier()
+        dist.barrier()  # no rank tears its group down while another is still in a call
         return out
     finally:
         dist.destroy_process_group()

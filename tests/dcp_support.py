@@ -56,6 +56,7 @@ def _rank(rank: int, world: int, port: int, canonical: dict[str, Any], src: Path
         if rank == 0:
             torch.save({"model": full, "state": per, "param_groups": osd["param_groups"]}, got)
         dcp.save({**msd, "optimizer": osd}, checkpoint_id=str(dst))
+        dist.barrier()  # no rank tears its group down while the other is still in a call
     finally:
         dist.destroy_process_group()
 
