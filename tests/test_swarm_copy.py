@@ -1,5 +1,5 @@
 """The swarm state copy (``runtime/comm/swarm.py``): a receiver fetches disjoint ranges from
-every holder at once, bit for bit; a range that fails its CRC is fetched again from
+every holder at once, bit for bit; a range that fails its checksum is fetched again from
 another holder; a peer's malformed structure or bytes end the copy with a clear error on
 every rank, never a crash."""
 
@@ -148,7 +148,7 @@ class _Corrupt(SwarmCopy):
         return bad
 
 
-def test_a_range_that_fails_its_crc_is_fetched_again_from_another_holder() -> None:
+def test_a_range_that_fails_its_checksum_is_fetched_again_from_another_holder() -> None:
     out = _run(3, (2,), lambda r: _Corrupt(every=10) if r == 1 else SwarmCopy(chunk_bytes=1000))
     got, m, _ = out[2]
     assert isinstance(got, Received)
@@ -161,7 +161,7 @@ def test_a_range_that_fails_from_every_holder_is_a_clear_failure_on_every_rank()
     out = _run(2, (1,), lambda r: _Corrupt(every=1))
     for r in (0, 1):
         assert isinstance(out[r], StateCopyFailed), out[r]
-        assert "failed their CRC-32 from every holder that offers them ([0])" in str(out[r])
+        assert "failed their XXH3-64 from every holder that offers them ([0])" in str(out[r])
 
 
 class _Offers(SwarmCopy):

@@ -1,6 +1,6 @@
 """Swarm state copy: a receiver fetches disjoint byte ranges of the state from every live
 holder at once, straight into its own tensors, each range checked against its sender's
-CRC-32.
+XXH3-64.
 
 Every member of the epoch calls :meth:`SwarmCopy.copy` (holders and receivers alike: it is
 a sequence of collectives over the epoch's group):
@@ -18,8 +18,8 @@ a sequence of collectives over the epoch's group):
    at the same step: disjoint ranges from every holder in parallel.
 3. *Transfer.* A holder sends views of its own tensors (no staging on the CPU, where the
    group's tensors live; a chunk-sized staging copy each otherwise) followed by the
-   range's CRC-32; a receiver receives into views of its own tensors (the model's own
-   parameters, made resident first) and checks the CRC. Each rank keeps at most
+   range's XXH3-64; a receiver receives into views of its own tensors (the model's own
+   parameters, made resident first) and checks the checksum. Each rank keeps at most
    ``window`` ranges in flight, all ranks post in one global order (receiver, range), so
    no cycle of waits can form; a source's extra memory is at most ``window`` chunks (none
    on the CPU) whatever the state's size.
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import functools
 import json
-import zlib
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
+import xxhash
 
 from perdure.checkpoint.tensors import (
     DTYPES,
@@ -223,7 +223,7 @@ class SwarmCopy:
                 if r.holder(attempts[(dst, index)]) is None:
                     raise StateCopyFailed(
                         f"state copy: bytes [{r.lo}, {r.hi}) of {r.key} for rank {dst} failed "
-                        f"their CRC-32 from every holder that offers them ({list(r.eligible)})"
+                        f"their XXH3-64 from every holder that offers them ({list(r.eligible)})"
                     )
                 todo.append(r)
             self.stats["refetched"] += len(todo)
@@ -242,7 +242,7 @@ class SwarmCopy:
         job: CopyJob,
     ) -> list[int]:
         """Send and receive this rank's ranges, ``window`` in flight; the indices of the
-        ranges received here whose CRC did not match."""
+        ranges received here whose checksum did not match."""
         pg, dev, t = comm.pg, comm.device, job.timeout
         flight: deque[tuple[list[Any], Callable[[], None]]] = deque()
         bad: list[int] = []
@@ -251,18 +251,18 @@ class SwarmCopy:
             assert h is not None
             tag = (2 * r.index) % (1 << 30)
             if h == comm.rank:
-                data, crc = source.chunk(r.key, r.lo, r.hi, self._outgoing)
-                works = [pg.send([data], r.dst, tag), pg.send([crc], r.dst, tag + 1)]
+                data, check = source.chunk(r.key, r.lo, r.hi, self._outgoing)
+                works = [pg.send([data], r.dst, tag), pg.send([check], r.dst, tag + 1)]
                 self.stats["ranges_sent"] += 1
                 self.stats["bytes_sent"] += r.hi - r.lo
                 flight.append((works, lambda: None))
             else:
                 assert sink is not None
                 buf, done = sink.slot(r, dev, bad)
-                crc = torch.zeros(1, dtype=torch.int64, device=dev)
-                works = [pg.recv([buf], h, tag), pg.recv([crc], h, tag + 1)]
+                check = torch.zeros(1, dtype=torch.int64, device=dev)
+                works = [pg.recv([buf], h, tag), pg.recv([check], h, tag + 1)]
                 self.stats["ranges_received"] += 1
-                flight.append((works, functools.partial(_checked, done, crc)))
+                flight.append((works, functools.partial(_checked, done, check)))
             while len(flight) >= self.window:
                 _finish(flight.popleft(), t)
         while flight:
@@ -279,8 +279,8 @@ class SwarmCopy:
         return data
 
 
-def _checked(done: Callable[[int], None], crc: torch.Tensor) -> None:
-    done(int(crc.item()))
+def _checked(done: Callable[[int], None], check: torch.Tensor) -> None:
+    done(int(check.item()))
 
 
 def _finish(entry: tuple[list[Any], Callable[[], None]], timeout: timedelta) -> None:
@@ -290,9 +290,14 @@ def _finish(entry: tuple[list[Any], Callable[[], None]], timeout: timedelta) -> 
     done()
 
 
-def _crc(data: torch.Tensor) -> int:
+def _checksum(data: torch.Tensor) -> int:
+    """XXH3-64 of a range's bytes, as a signed 64-bit integer (what an int64 tensor
+    carries). XXH3, not XXH3-64: on this machine 57 GB/s against zlib's 3.8, and with the
+    sender's and the receiver's pass over every byte on the path, XXH3-64 alone held a
+    loopback copy to a fifth of gloo's rate."""
     cpu = data if data.device.type == "cpu" else data.cpu()
-    return zlib.crc32(byte_view(cpu))
+    h = xxhash.xxh3_64_intdigest(byte_view(cpu))
+    return h - (1 << 64) if h >= 1 << 63 else h
 
 
 class _Source:
@@ -313,9 +318,9 @@ class _Source:
         self, key: str, lo: int, hi: int, outgoing: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         view = self._bytes(key)[lo:hi]
-        crc = torch.tensor([_crc(view)], dtype=torch.int64, device=self.device)
+        check = torch.tensor([_checksum(view)], dtype=torch.int64, device=self.device)
         data = view if view.device == torch.device(self.device) else view.to(self.device)
-        return outgoing(data), crc
+        return outgoing(data), check
 
 
 class _Sink:
@@ -345,10 +350,10 @@ class _Sink:
         direct = view.device == torch.device(device)
         buf = view if direct else torch.empty(r.hi - r.lo, dtype=torch.uint8, device=device)
 
-        def done(crc: int) -> None:
+        def done(check: int) -> None:
             if not direct:
                 view.copy_(buf)
-            if _crc(buf) != crc:
+            if _checksum(buf) != check:
                 bad.append(r.index)
 
         return buf, done
