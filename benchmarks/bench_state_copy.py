@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import free_port, machine, write_result
+from _common import PY, REPO, free_port, machine, write_result
 
 T = timedelta(seconds=300)
 TENSORS = 8
@@ -72,7 +74,16 @@ def _state(mb: float) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
 
 
 def _rank(arm: str, rank: int, world: int, port: int, mb: float, q: Any) -> None:
+    q.put(rank_main({"arm": arm, "rank": rank, "world": world, "port": port, "mb": mb}))
+
+
+def rank_main(spec: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - a rank process
+    """One rank of an arm: ``spec`` names the arm, rank, world, store port, state size and,
+    on the netns hosts, the store's address (``master``) and this rank's (``bind``)."""
     import torch
+
+    arm, rank, world, port, mb = (spec[k] for k in ("arm", "rank", "world", "port", "mb"))
+    master, bind = spec.get("master", "127.0.0.1"), spec.get("bind", "127.0.0.1")
 
     torch.set_num_threads(1)
     from perdure.runtime.comm.group import Comm
@@ -82,8 +93,8 @@ def _rank(arm: str, rank: int, world: int, port: int, mb: float, q: Any) -> None
     joiner = world - 1
     model, optim, extra = _state(mb)
     layout = {n: (tuple(t.shape), t.dtype) for n, t in model.items()}
-    store = torch.distributed.TCPStore("127.0.0.1", port, world, rank == 0, T)
-    comm = Comm(store, "copy/", rank, world, T, lambda: False, bind="127.0.0.1")
+    store = torch.distributed.TCPStore(master, port, world, rank == 0, T)
+    comm = Comm(store, "copy/", rank, world, T, lambda: False, bind=bind)
     comm.any_rank(False)  # every pair connected before the clock starts
     if rank == joiner:
         mine = {n: torch.empty_like(t) for n, t in model.items()}
@@ -118,8 +129,8 @@ def _rank(arm: str, rank: int, world: int, port: int, mb: float, q: Any) -> None
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM") - rss0
     comm.any_rank(False)
-    q.put({"rank": rank, "seconds": seconds, "peak_extra_bytes": peak, "ok": ok})
     comm.close()
+    return {"rank": rank, "seconds": seconds, "peak_extra_bytes": peak, "ok": ok}
 
 
 def _arm(arm: str, holders: int, mb: float) -> dict[str, Any]:
@@ -136,6 +147,10 @@ def _arm(arm: str, holders: int, mb: float) -> dict[str, Any]:
             p.join(60)
             if p.is_alive():
                 p.kill()
+    return _row(arm, holders, mb, rows)
+
+
+def _row(arm: str, holders: int, mb: float, rows: list[dict[str, Any]]) -> dict[str, Any]:
     joiner = rows[-1]
     nbytes = mb * 2**20
     return {
@@ -198,32 +213,109 @@ def _socket(mb: float) -> dict[str, Any]:
     }
 
 
+# -- the shaped link (network namespaces, tbf) ------------------------------------------
+
+
+def netns_rows(a: argparse.Namespace) -> dict[str, Any] | None:
+    """Holders on hosts 0..2 (each veth shaped to ``--holder-mbit``), the joiner on host 3
+    (``--joiner-mbit``): one holder's path is held to the holder's rate, and the joiner's
+    link fills only with several. None (and why, printed) where namespaces cannot be made."""
+    from _wire_link import shape, tcp_rate_mbit
+
+    from tests.netns_support import hosts, skip_reason
+
+    reason = skip_reason()
+    if reason is not None:
+        print(f"netns: skipped: {reason}", flush=True)
+        return None
+    with hosts(4) as hs:
+        cmds = shape(hs, [0, 1, 2], a.holder_mbit, a.burst_kb, a.tbf_latency_ms)
+        cmds += shape(hs, [3], a.joiner_mbit, a.burst_kb, a.tbf_latency_ms)
+        link = tcp_rate_mbit(hs, 0, 3, free_port())
+        rows = []
+        arms = [("broadcast", 1), ("swarm", 1), ("swarm", 2), ("swarm", 3)]
+        for arm, holders in arms:
+            row = _netns_arm(hs, arm, holders, a.netns_mb)
+            row["vs_link"] = round(row["gbit_s"] * 1000 / link, 3)
+            rows.append(row)
+            print(row, flush=True)
+        return {"tc": cmds, "raw_tcp_mbit_0_to_3": round(link, 1), "rows": rows}
+
+
+def _netns_arm(hs: Any, arm: str, holders: int, mb: float) -> dict[str, Any]:
+    world, port = holders + 1, free_port()
+    on = [*range(holders), 3]  # rank -> host
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    logs = []
+    procs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for rank, host in enumerate(on):
+            spec = {"arm": arm, "rank": rank, "world": world, "port": port, "mb": mb,
+                    "master": hs[on[0]].address, "bind": hs[host].address}  # fmt: skip
+            log = Path(tmp) / f"rank{rank}.log"
+            logs.append(log)
+            argv = [PY, str(Path(__file__).resolve()), "--rank-spec", json.dumps(spec)]
+            procs.append(hs.start(host, argv, env=env, cwd=REPO, log=log))
+        for p in procs:
+            p.wait(timeout=600)
+        rows = []
+        for log in logs:
+            lines = [x for x in log.read_text().splitlines() if x.startswith("{")]
+            if not lines:
+                raise RuntimeError(f"{arm} x{holders}: a rank wrote no result:\n{log.read_text()}")
+            rows.append(json.loads(lines[-1]))
+    return _row(arm, holders, mb, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=384, help="state size, MiB (model + AdamW)")
     ap.add_argument("--repeat", type=int, default=3, help="runs per arm (the median is kept)")
     ap.add_argument("--out", default=None, help="result JSON (default results/state_copy.json)")
+    ap.add_argument("--no-loopback", action="store_true", help="the shaped link's rows only")
+    ap.add_argument("--netns", action="store_true", help="also the shaped link (needs root)")
+    ap.add_argument("--netns-mb", type=float, default=24, help="state size on the shaped link")
+    ap.add_argument("--holder-mbit", type=float, default=100, help="tbf rate of a holder's host")
+    ap.add_argument("--joiner-mbit", type=float, default=300, help="tbf rate of the joiner's")
+    ap.add_argument("--burst-kb", type=int, default=256, help="tbf burst, KiB")
+    ap.add_argument("--tbf-latency-ms", type=int, default=50, help="tbf latency (queue), ms")
+    ap.add_argument("--rank-spec", default=None, help=argparse.SUPPRESS)  # a netns rank
     a = ap.parse_args(argv)
+    if a.rank_spec is not None:
+        print(json.dumps(rank_main(json.loads(a.rank_spec))), flush=True)
+        return 0
     info = machine()
+    result: dict[str, Any] = {"machine": info, "mb": a.mb}
+    if not a.no_loopback:
+        result["rows"] = _loopback(a)
+    if a.netns:
+        result["netns"] = {
+            "mb": a.netns_mb,
+            "holder_mbit": a.holder_mbit,
+            "joiner_mbit": a.joiner_mbit,
+            **(netns_rows(a) or {"skipped": True}),
+        }
+    info["loadavg_at_end"] = list(os.getloadavg())
+    write_result("state_copy", result, a.out)
+    return 0
+
+
+def _loopback(a: argparse.Namespace) -> list[dict[str, Any]]:
     arms = [("socket", 1), ("broadcast", 1), ("swarm", 1), ("swarm", 2), ("swarm", 3)]
     rows = []
     for arm, holders in arms:
-        runs = [_socket(a.mb) if arm == "socket" else _arm(arm, holders, a.mb)]
-        runs += [
-            _socket(a.mb) if arm == "socket" else _arm(arm, holders, a.mb)
-            for _ in range(a.repeat - 1)
+        runs = [
+            _socket(a.mb) if arm == "socket" else _arm(arm, holders, a.mb) for _ in range(a.repeat)
         ]
         best = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
         best = {**best, "runs_gbit_s": [r["gbit_s"] for r in runs]}
         rows.append(best)
         print(best, flush=True)
-    info["loadavg_at_end"] = list(os.getloadavg())
     sock = rows[0]["gbit_s"]
     for r in rows:
         r["vs_socket"] = round(r["gbit_s"] / sock, 3)
     print(f"median of {a.repeat}; socket {sock} Gbit/s", flush=True)
-    write_result("state_copy", {"machine": info, "mb": a.mb, "rows": rows}, a.out)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

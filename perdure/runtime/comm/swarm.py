@@ -13,9 +13,9 @@ a sequence of collectives over the epoch's group):
    copies one holder's offer, its *template*: the designated source's, or, with replica
    groups (``train.shard_degree`` > 1), the lowest holder that holds the receiver's own
    shard, so that a joiner fetches only its shard. Each template tensor is cut into
-   ``chunk_bytes`` ranges; range ``i`` of the ``r``-th receiver comes from the holder
-   ``(i + r) mod n`` of the ``n`` holders that offer the same tensor (key, shape, dtype)
-   at the same step: disjoint ranges from every holder in parallel.
+   ``chunk_bytes`` ranges; each range is asked first of the holder, among those that
+   offer the same tensor (key, shape, dtype) at the same step, with the fewest bytes
+   assigned so far: disjoint ranges from every holder in parallel, balanced by bytes.
 3. *Transfer.* A holder sends views of its own tensors (no staging on the CPU, where the
    group's tensors live; a chunk-sized staging copy each otherwise) followed by the
    range's XXH3-64; a receiver receives into views of its own tensors (the model's own
@@ -70,6 +70,9 @@ bytes, small enough that ``WINDOW`` of them in flight spread over every holder."
 WINDOW = 12
 """Ranges in flight per rank: at most ``WINDOW * CHUNK_BYTES`` (48 MiB) of staging on a
 source whose tensors are not where the group's are (none on the CPU)."""
+
+MESSAGE_COST = 4096
+"""What a range costs a holder beyond its bytes, in bytes, when ranges are balanced."""
 
 MAX_OFFER_BYTES = 64 << 20
 """The largest structure a holder may offer (JSON of names, shapes and the optimizer's
@@ -163,13 +166,14 @@ class Range:
     lo: int
     hi: int
     eligible: tuple[int, ...]
-    """The holders that offer the tensor; attempt ``a`` asks ``eligible[(index + r + a) % n]``."""
-    slot: int
-    """The receiver's position among the receivers (spreads receivers over holders)."""
+    """The holders that offer the tensor, in rank order."""
+    first: int
+    """The position in ``eligible`` of the holder asked first; attempt ``a`` asks the
+    ``a``-th after it (each holder once)."""
 
     def holder(self, attempt: int) -> int | None:
         n = len(self.eligible)
-        return self.eligible[(self.index + self.slot + attempt) % n] if attempt < n else None
+        return self.eligible[(self.first + attempt) % n] if attempt < n else None
 
 
 @dataclass
@@ -505,8 +509,13 @@ def _check_template(offer: Offer, layout: Layout) -> None:
 def _plan(
     job: CopyJob, offers: dict[int, Offer], templates: dict[int, int], chunk: int
 ) -> list[Range]:
-    """Every receiver's ranges, in the global order (receiver, index)."""
+    """Every receiver's ranges, in the global order (receiver, index), each first asked
+    of the eligible holder with the fewest bytes assigned so far (ties: the receiver's
+    position rotates the order, so receivers start at different holders). By bytes, not
+    by count: a state's tensors repeat in patterns (AdamW: a 4-byte step, then two
+    moments per parameter) that a round-robin over ranges would give one holder alone."""
     ranges: list[Range] = []
+    load: dict[int, int] = dict.fromkeys(offers, 0)
     for slot, dst in enumerate(sorted(job.receivers)):
         t = offers[templates[dst]]
         step = t.extra["next_step"]
@@ -517,9 +526,12 @@ def _plan(
                 for r, o in sorted(offers.items())
                 if o.tensors.get(key) == meta and o.extra["next_step"] == step
             )
-            n = t.nbytes(key)
+            n, k = t.nbytes(key), len(eligible)
             for lo in range(0, n, chunk):
-                ranges.append(Range(dst, index, key, lo, min(n, lo + chunk), eligible, slot))
+                hi = min(n, lo + chunk)
+                first = min(range(k), key=lambda i: (load[eligible[i]], (i - slot) % k))
+                load[eligible[first]] += hi - lo + MESSAGE_COST
+                ranges.append(Range(dst, index, key, lo, hi, eligible, first))
                 index += 1
     return ranges
 
