@@ -64,7 +64,9 @@ def _target(m: nn.Module) -> Any:
     return target
 
 
-def _run(world: int, receivers: tuple[int, ...], copier: Any) -> dict[int, Any]:
+def _run(
+    world: int, receivers: tuple[int, ...], copier: Any, strided: bool = False
+) -> dict[int, Any]:
     """Every rank in a thread over one gloo group: holders offer the trained replica, the
     receivers a fresh model's storage. Returns each rank's result or exception."""
     with socket.socket() as s:
@@ -79,6 +81,9 @@ def _run(world: int, receivers: tuple[int, ...], copier: Any) -> dict[int, Any]:
             holder = r not in receivers
             with _SEEDED:  # torch's generator is one per process: the threads take turns
                 m, opt = _trained() if holder else (_model(r + 1), None)
+            if strided and not holder:  # the same values, laid out transposed
+                w = m[0].weight.detach()
+                m[0].weight = nn.Parameter(w.t().contiguous().t())
             job = CopyJob(
                 receivers=receivers,
                 source=0,
@@ -130,6 +135,19 @@ def test_a_joiner_fetches_disjoint_ranges_from_every_holder_into_its_own_tensors
     assert sum(sent) == got.nbytes and min(sent) > 0.3 * got.nbytes / 3
     assert stats["ranges_received"] == sum(out[r][2]["ranges_sent"] for r in (0, 1, 2))
     assert all(out[r][0] is None for r in (0, 1, 2))
+
+
+def test_a_receivers_non_contiguous_tensor_is_filled_once_its_ranges_are_in() -> None:
+    """A receiver's own tensor may be a strided view (a transposed weight): its ranges land
+    in a contiguous stand-in, copied in once complete; the bits are the holders'."""
+
+    def copier(r: int) -> SwarmCopy:
+        return SwarmCopy(chunk_bytes=1000)
+
+    out = _run(2, (1,), copier, strided=True)
+    got, m, _ = out[1]
+    assert not m[0].weight.is_contiguous()
+    _assert_same_as_holders(got, m)
 
 
 class _Corrupt(SwarmCopy):
