@@ -106,7 +106,8 @@ class CopyJob:
     layout: Layout
     """This rank's model state dict: name -> (shape, dtype) (the same on every rank)."""
     offer: State | None = None
-    """A holder's exported state (``Trainer.export``); None on a receiver."""
+    """A holder's exported state (``Trainer.export``); None on a receiver, and on a rank
+    that takes no part but the collectives (it offers nothing)."""
     target: Target | None = None
     """A receiver's storage for a tensor (key, shape, dtype): its own model tensor, made
     resident, or a fresh optimizer tensor."""
@@ -194,8 +195,6 @@ class SwarmCopy:
     def copy(self, comm: Comm, job: CopyJob) -> Received | None:
         me = comm.rank
         receiving = me in job.receivers
-        if not receiving and job.offer is None:
-            raise ValueError(f"rank {me}: a holder must pass its exported state (offer)")
         if receiving and job.target is None:
             raise ValueError(f"rank {me}: a receiver must pass its storage (target)")
         tensors: dict[str, torch.Tensor] = {}
