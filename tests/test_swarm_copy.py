@@ -137,6 +137,18 @@ def test_a_joiner_fetches_disjoint_ranges_from_every_holder_into_its_own_tensors
     assert all(out[r][0] is None for r in (0, 1, 2))
 
 
+def test_two_receivers_fetch_from_three_holders_at_once_without_a_cycle_of_waits() -> None:
+    """Five ranks, receivers 1 and 3 between holders 0, 2 and 4, a window of 2: every
+    holder serves both receivers, each gets the holders' bits; the load is spread."""
+    out = _run(5, (1, 3), lambda r: SwarmCopy(chunk_bytes=700, window=2))
+    for r in (1, 3):
+        got, m, _ = out[r]
+        _assert_same_as_holders(got, m)
+        assert got.holders == [0, 2, 4]
+    sent = [out[r][2]["bytes_sent"] for r in (0, 2, 4)]
+    assert sum(sent) == 2 * out[1][0].nbytes and min(sent) > 0.8 * max(sent)
+
+
 def test_a_receivers_non_contiguous_tensor_is_filled_once_its_ranges_are_in() -> None:
     """A receiver's own tensor may be a strided view (a transposed weight): its ranges land
     in a contiguous stand-in, copied in once complete; the bits are the holders'."""
