@@ -33,8 +33,12 @@ shapes, sizes, the model's names, shapes and dtypes against this rank's own mode
 offer that fails makes its holder ineligible on every rank alike, a template that fails
 refuses the copy); the bytes of a range are trusted to the backend's framing (gloo and
 NCCL match a receive's size to the send's, and every rank derives both sizes from the
-same plan). A non-contiguous source tensor is made contiguous once, whole. The copy
-happens while the survivors wait at the epoch's start: it costs the run its time.
+same plan); XXH3-64 catches corruption, not a forger. A non-contiguous source tensor is
+made contiguous once, whole. Each range is two messages, however small its tensor (tiny
+tensors are not coalesced). The copy happens while the survivors wait at the epoch's
+start: it costs the run its time. ``Shards.exchange`` moves a shard with it too; there a
+rank that holds nothing of the shard passes no offer and takes part in the collectives
+only.
 """
 
 from __future__ import annotations
