@@ -160,6 +160,41 @@ def test_a_killed_rank_of_a_group_is_absorbed_and_changes_no_bit(
         assert later and all(e["bytes"] < e["of"] for e in later)
 
 
+@pytest.mark.parametrize("at_rest", [False, True], ids=["whole_params", "params_at_rest"])
+def test_a_spare_replacing_a_killed_rank_copies_only_its_own_shard_from_its_holders(
+    unsharded: str, small_dataset: Path, tmp_path: Path, at_rest: bool
+) -> None:
+    """4 ranks in two groups and a warm spare; r0-1 (shard 1 of group 0) is killed. The
+    spare takes its place and shard, copies the state from the live holder of that shard
+    (not the coordinator's source), so the exchange gives it nothing: the bytes it
+    received are its shard's, fewer than a whole replica's; the final hash is unchanged."""
+    kill = [{"kind": "kill", "target": "r0-1", "at_step": STEPS // 3}]
+    run_dir = tmp_path / "run"
+    cfg = _cfg(small_dataset, 4, 2, at_rest, cluster={"spares": 1}, chaos={"faults": kill})
+    s = run_to_end(cfg, run_dir)
+    assert s["final_hash"] == unsharded
+    plans = {e["epoch"]: e for e in events(run_dir, ev.EPOCH_STARTED)}
+    got = [e for e in events(run_dir, ev.STATE_RECEIVED) if e["worker"] == "spare-0"]
+    assert len(got) == 1, got
+    # (r0-0 may receive too: its update torn when r0-1 died during the parameters' exchange)
+    epoch = next(e for e in plans.values() if "spare-0" in e["receivers"])
+    members = epoch["plan"]["members"]
+    shard = members.index("spare-0") % 2
+    assert members.index(epoch["source"]) % 2 != shard  # the source holds the other shard
+    assert members.index(got[0]["from"]) % 2 == shard
+    assert got[0]["refetched"] == 0 and set(got[0]["holders"]) <= set(members) - {"spare-0"}
+    assert not [e for e in events(run_dir, ev.SHARD_RECEIVED) if e["worker"] == "spare-0"]
+    from perdure.runtime.replica.trainer import Trainer
+
+    tr = Trainer(cfg, cache_dir=str(tmp_path / "cache"))
+    try:  # a whole replica: the model's state and AdamW's two moments of every parameter
+        model = sum(t.numel() * t.element_size() for t in tr.module.state_dict().values())
+        params = sum(p.numel() * p.element_size() for p in tr.module.parameters())
+    finally:
+        tr.close()
+    assert 0 < got[0]["bytes"] < 0.9 * (model + 2 * params)
+
+
 @pytest.fixture(scope="module")
 def sharded_half(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The step-10 checkpoint of a k = 2 run in two groups: each rank wrote part of its

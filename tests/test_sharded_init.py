@@ -17,7 +17,7 @@ from perdure import events as ev
 from perdure.launch.preflight import PreflightError, preflight
 from perdure.run_config import RunConfig
 from perdure.runtime.comm.group import Comm
-from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
+from perdure.runtime.comm.swarm import CopyJob, SwarmCopy
 from perdure.runtime.replica.deferred import resident
 from perdure.runtime.replica.trainer import Trainer
 from perdure.runtime.shard_group import Shards, optimizer_params
@@ -131,11 +131,19 @@ def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
         optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
     )
     tr.shards = shards
-    payload = pack(*tr.export(), comm.device) if proc == 0 else None
-    head, blob = broadcast_state(comm, 0, payload, T)
+    job = CopyJob(
+        receivers=(1,),
+        source=0,
+        shard_degree=2,
+        layout=tr.copy_layout(),
+        offer=tr.export() if proc == 0 else None,
+        target=tr.copy_target(comm.device) if proc == 1 else None,
+        timeout=T,
+    )
+    got = SwarmCopy().copy(comm, job)
     held = ALL
-    if proc == 1:
-        tr.adopt(*unpack(head, blob))
+    if got is not None:
+        tr.adopt(got.model, got.optimizer, got.extra)
         held = tr.held
     tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
     # bytes, not tensors: a tensor would travel as a handle to this process's memory
@@ -200,11 +208,19 @@ def _joined_from_checkpoint(proc: int, port: int, dataset: str, ckpt: str, q: mp
         optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
     )
     tr.shards = shards
-    payload = pack(*tr.export(), comm.device) if proc == 0 else None
-    head, blob = broadcast_state(comm, 0, payload, T)
+    job = CopyJob(
+        receivers=(1,),
+        source=0,
+        shard_degree=2,
+        layout=tr.copy_layout(),
+        offer=tr.export() if proc == 0 else None,
+        target=tr.copy_target(comm.device) if proc == 1 else None,
+        timeout=T,
+    )
+    got = SwarmCopy().copy(comm, job)
     held = ALL
-    if proc == 1:
-        tr.adopt(*unpack(head, blob))
+    if got is not None:
+        tr.adopt(got.model, got.optimizer, got.extra)
         held = tr.held
     tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
     params = {

@@ -42,14 +42,9 @@ from torch import nn
 from perdure.checkpoint.tensors import MODEL, flatten
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.scatter import Scatter
-from perdure.runtime.comm.transfer import (
-    broadcast_state,
-    pack,
-    pack_skeleton,
-    unpack,
-    unpack_skeleton,
-)
-from perdure.runtime.param_gather import ParamGather, unit_budget, units
+from perdure.runtime.comm.swarm import CopyJob, Received, SwarmCopy
+from perdure.runtime.comm.transfer import broadcast_state, pack_skeleton, unpack_skeleton
+from perdure.runtime.param_gather import ParamGather, make_resident, unit_budget, units
 from perdure.runtime.shard_plan import (
     ALL,
     contiguous_owners,
@@ -358,7 +353,8 @@ class Shards:
         self, epoch: Comm, held: int, state: dict[str, Any], fill: Fill = _as_is
     ) -> tuple[dict[str, Any] | None, dict[str, torch.Tensor]]:
         """At an epoch's start, over the whole epoch: every member that lacks its shard's
-        state receives it from the lowest rank that has it. ``held``: what this rank holds
+        state copies it (``comm/swarm.py``) from every rank that holds it for real, or from
+        the lowest rank that holds every shard virtually. ``held``: what this rank holds
         (a shard, ``ALL``, or ``NONE``); returns the optimizer state this rank must load
         (its shard only; None when it holds exactly that already) and, with the
         parameters sharded at rest, the shard's parameters it received (by state dict
@@ -373,23 +369,71 @@ class Shards:
         got: dict[str, Any] | None = None
         params: dict[str, torch.Tensor] = {}
         for j, src in sorted(sources(holdings, self.k).items()):
-            payload = None
-            if self.rank == src:
-                model = self._shard_model(j)
-                with fill([self._named[n] for n in model]):
-                    payload = pack(model, part(state, self.owner, j), {}, epoch.device)
-            head, blob = broadcast_state(epoch, src, payload, self.timeout)
-            if j == self.mine and held not in (j, ALL):
-                params, got, _ = unpack(head, blob)
-                self.received = (src, int(blob.numel()) + len(head))
+            out = self._copy_shard(epoch, j, src, holdings, state, fill)
+            if out is not None:
+                params, got = out.model, out.optimizer
+                self.received = (out.template, out.nbytes)
         if got is not None:
             return part(got, self.owner, self.mine), params
         if held == ALL:
             return part(state, self.owner, self.mine), {}
         return None, {}
 
+    def _copy_shard(
+        self,
+        epoch: Comm,
+        j: int,
+        src: int,
+        holdings: list[int],
+        state: dict[str, Any],
+        fill: Fill,
+    ) -> Received | None:
+        """Shard ``j`` to the ranks of its position that lack it, by the swarm copy
+        (``comm/swarm.py``): from every rank that holds it for real, or from ``src``
+        alone (a replica holding every shard virtually, made resident for the send)."""
+        real = [r for r, h in enumerate(holdings) if h == j]
+        givers = real or [src]
+        receivers = tuple(
+            r for r in range(epoch.size) if shard_of(r, self.k) == j and holdings[r] not in (j, ALL)
+        )
+        offer = None
+        resident: list[torch.Tensor] = []
+        if self.rank in givers:
+            model = self._shard_model(j)
+            extra = {"next_step": 0, "held": j, "data": {}, "decisions": []}
+            offer = (model, part(state, self.owner, j), extra)
+            resident = [self._named[n] for n in model]
+        named = getattr(self, "_named", {})
+        job = CopyJob(
+            receivers=receivers,
+            source=givers[0],
+            shard_degree=1,
+            layout={n: (tuple(t.shape), t.dtype) for n, t in named.items()},
+            offer=offer,
+            target=_shard_target(named, epoch.device) if self.rank in receivers else None,
+            timeout=self.timeout,
+        )
+        with fill(resident) if offer is not None else contextlib.nullcontext():
+            return SwarmCopy().copy(epoch, job)
+
     def _shard_model(self, j: int) -> dict[str, torch.Tensor]:
         """Shard ``j``'s parameters by state dict name (sharded at rest only; else none)."""
         if not self.shard_params:
             return {}
         return {n: t.detach() for n, t in self._named.items() if self.model_keys[MODEL + n] == j}
+
+
+def _shard_target(
+    named: dict[str, torch.Tensor], device: torch.device
+) -> Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]:
+    """A shard's receiver's storage: its own parameters (made resident), fresh optimizer
+    tensors on the group's device."""
+
+    def target(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if key.startswith(MODEL):
+            t = named[key[len(MODEL) :]]
+            make_resident(t)
+            return t.detach()
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return target

@@ -46,7 +46,7 @@ from perdure.runlog import part, writer_id
 from perdure.runtime.comm.exchange import StoreExchange
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer
-from perdure.runtime.comm.transfer import broadcast_state, pack, unpack
+from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed, SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.channel import UNACKED_S
@@ -138,6 +138,8 @@ class Worker:
         self.salvage = SlotSalvage()
         self.evaluator: Evaluator | None = None
         """The held-out evaluation (``[eval]``), opened at this member's first one."""
+        self.state_copy: StateCopy = SwarmCopy()
+        """How a joiner gets a live replica's state (``comm/swarm.py``)."""
 
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
@@ -360,22 +362,37 @@ class Worker:
         receivers = ep.start.receivers
         if not receivers:
             return
-        assert self.trainer is not None
-        src = ep.plan.members.index(ep.start.source)
+        tr = self.trainer
+        assert tr is not None
+        members = ep.plan.members
+        receiving = self.name in receivers
+        job = CopyJob(
+            receivers=tuple(sorted(members.index(r) for r in receivers)),
+            source=members.index(ep.start.source),
+            shard_degree=self.config.train.shard_degree,
+            layout=tr.copy_layout(),
+            offer=None if receiving else tr.export(),
+            target=tr.copy_target(ep.comm.device) if receiving else None,
+            timeout=self._timeout(),
+        )
         t0 = time.monotonic()
-        payload = pack(*self.trainer.export(), ep.comm.device) if ep.rank == src else None
-        head, blob = broadcast_state(ep.comm, src, payload, self._timeout())
-        if self.name in receivers:
-            self.trainer.adopt(*unpack(head, blob))
+        got = self.state_copy.copy(ep.comm, job)
+        if got is not None:
+            try:
+                tr.adopt(got.model, got.optimizer, got.extra)
+            except Exception as e:  # a peer's structure that does not load: refused
+                raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
             self.has_state = True
             self.events.write(
                 {
                     "event": ev.STATE_RECEIVED,
                     "worker": self.name,
-                    "from": ep.start.source,
-                    "bytes": int(blob.numel()),
+                    "from": members[got.template],
+                    "holders": [members[h] for h in got.holders],
+                    "bytes": got.nbytes,
+                    "refetched": got.refetched,
                     "seconds": round(time.monotonic() - t0, 4),
-                    "next_step": self.trainer.next_step,
+                    "next_step": tr.next_step,
                 }
             )
 

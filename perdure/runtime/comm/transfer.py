@@ -1,4 +1,10 @@
-"""Copy a live replica's state to joiners over the process group: replicate, resume, continue.
+"""The one-buffer state copy (superseded by ``comm/swarm.py``), and the optimizer skeleton
+codec a sharded save's layout uses (:func:`pack_skeleton`).
+
+``pack`` / ``broadcast_state`` / ``unpack`` were how a joiner got its state until the swarm
+copy: kept as the baseline ``benchmarks/bench_state_copy.py`` measures against (a second
+copy of the whole state on the source, the whole buffer plus the cloned tensors on the
+joiner), and ``broadcast_state`` carries the skeletons' headers.
 
 The source flattens model and optimizer state with the checkpoint format's own codec
 (tensors by name plus the optimizer's structure as tagged JSON, lossless: tuples stay

@@ -723,6 +723,28 @@ class Trainer:
         self.torn = False
         self.state_version += 1
 
+    def copy_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The model state dict's names, shapes and dtypes (a state copy's offers are
+        checked against it; a parameter at rest keeps its shape)."""
+        named = self.module.state_dict(keep_vars=True)
+        return {n: (tuple(t.shape), t.dtype) for n, t in named.items()}
+
+    def copy_target(self, device: torch.device) -> Callable[..., torch.Tensor]:
+        """Where a state copy writes each tensor it receives: the model's own tensors
+        (made resident: sharded at rest, those of the shard received), fresh optimizer
+        tensors on ``device`` (the group's, as a received state's always were); ``adopt``
+        then takes them as they are."""
+        named = self.module.state_dict(keep_vars=True)
+
+        def target(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            if key.startswith(MODEL):
+                t = named[key[len(MODEL) :]]
+                make_resident(t)
+                return t.detach()
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        return target
+
     def close(self) -> None:
         self._drop_pending()  # a checkpoint still pending: its files
         self.loader.close()
