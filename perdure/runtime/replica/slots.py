@@ -30,11 +30,14 @@ def slot_seed(seed: int, step: int, slot: int) -> int:
 
 
 def to_tensors(batch: object) -> dict[str, torch.Tensor]:
-    """A loader batch (``tokens``, ``weight`` and the dataset's other ``fields``) as torch
-    tensors by name, zero-copy: what the task's ``loss_fn`` receives."""
-    tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)  # type: ignore[attr-defined]
+    """A loader batch (``tokens`` where the dataset has them, ``weight`` and the dataset's
+    other ``fields``) as torch tensors by name, zero-copy: what the task's ``loss_fn``
+    receives."""
     weight = np.ascontiguousarray(batch.weight, dtype=np.float32)  # type: ignore[attr-defined]
-    out = {"tokens": torch.from_numpy(tokens), "weight": torch.from_numpy(weight)}
+    out = {"weight": torch.from_numpy(weight)}
+    if getattr(batch, "tokens", None) is not None:
+        tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)  # type: ignore[attr-defined]
+        out = {"tokens": torch.from_numpy(tokens), **out}
     for name, value in getattr(batch, "fields", {}).items():
         out[name] = torch.from_numpy(np.ascontiguousarray(value))
     return out

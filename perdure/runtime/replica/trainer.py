@@ -698,7 +698,7 @@ def _check_model(named: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
 
 def _row(batch: Any, i: int) -> Any:
     class _One:
-        tokens = batch.tokens[i : i + 1]
+        tokens = None if batch.tokens is None else batch.tokens[i : i + 1]
         weight = batch.weight[i : i + 1]
         fields = {k: v[i : i + 1] for k, v in getattr(batch, "fields", {}).items()}  # noqa: RUF012
 
