@@ -4,6 +4,8 @@ exercised. ``digits``: the synthetic images and labels the tests import."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -48,3 +50,17 @@ def digits(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     labels = rng.integers(0, CLASSES, size=n).astype(np.int64)
     noise = rng.integers(0, 56, size=(n, SIDE, SIDE))
     return (patterns[labels] + noise).astype(np.uint8), labels
+
+
+def import_digits(root: Path, n: int, shard_samples: int = 100) -> Path:
+    """``digits(n)`` imported as ``root/ds`` (images and labels, no tokens)."""
+    from perdure.data.importer import import_arrays
+
+    out = root / "ds"
+    if not (out / "manifest.json").exists():
+        images, labels = digits(n)
+        np.save(root / "images.npy", images)
+        np.save(root / "labels.npy", labels)
+        import_arrays({"images": [str(root / "images.npy")], "labels": [str(root / "labels.npy")]},
+                      str(out), shard_mb=shard_samples * 72 / (1 << 20))  # fmt: skip
+    return out

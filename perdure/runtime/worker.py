@@ -630,6 +630,7 @@ class Worker:
                 "loss": loss,
                 "lr": next(iter(lrs.values()), None),
                 **{f"lr/{group}": lr for group, lr in lrs.items()},
+                "grad_norm": self.trainer.grad_norm,
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 and tokens else None,
                 "membership_epoch": ep.number,

@@ -89,7 +89,7 @@ class ShardSeam(Protocol):
     @property
     def own_range(self) -> tuple[int, int] | None: ...
 
-    def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None: ...
+    def clip(self, params: Sequence[torch.Tensor], max_norm: float | None) -> float: ...
 
     def drop_foreign_grads(self) -> None: ...
 
@@ -195,6 +195,10 @@ class Trainer:
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
+        self.grad_norm: float | None = None
+        """The last applied step's gradient norm (2-norm over every parameter's reduced,
+        mean gradient), taken before ``optim.grad_clip`` scales it: what
+        ``clip_grad_norm_`` returns; computed without a clip too. Logged, not state."""
         self._pending_optim: dict[str, Any] | None = None
         """With a checkpoint pending: its optimizer state (mapped), cut by shard later."""
         self.peak_param_bytes = 0
@@ -321,10 +325,15 @@ class Trainer:
         self.engine.assign_grads(total, B, own)
         self.engine.apply_buffers(total)
         clip = self.config.optim.grad_clip
-        if clip is not None and self.shards is not None and self.shards.scattered:
-            self.shards.clip(list(self.model.parameters()), clip)  # own gradients only
+        if self.shards is not None and self.shards.scattered:  # own gradients only
+            self.grad_norm = self.shards.clip(list(self.model.parameters()), clip)
         elif clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
+            self.grad_norm = float(norm)
+        else:  # the same arithmetic as the clip's, without the scaling
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+            self.grad_norm = float(norm) if norm is not None else 0.0
         lr = self.recipe.set_lr(step)
         synced = self.shards is not None and self.gather is None
         if self.shards is not None:
