@@ -37,8 +37,24 @@ def loss_fn(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return (ce * batch["weight"]).sum()
 
 
-def make_task(channels: int = 8, dropout: float = 0.1) -> Task:
+def loss_and_accuracy(
+    model: nn.Module, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """``loss_fn``'s loss and, as a sum over samples like it, the correct predictions: the
+    step's ``train/accuracy`` is their count over the global batch."""
+    images = batch["images"].to(torch.float32).unsqueeze(1) / 255.0
+    logits = model(images)
+    ce = F.cross_entropy(logits, batch["labels"], reduction="none")
+    correct = (logits.argmax(dim=1) == batch["labels"]).to(torch.float32)
+    return (ce * batch["weight"]).sum(), {"accuracy": correct.sum()}
+
+
+def make_task(channels: int = 8, dropout: float = 0.1, accuracy: bool = False) -> Task:
+    """``accuracy``: the loss function also returns ``accuracy`` (``Task.metrics``)."""
     fields = {"images": FieldSpec("uint8", (SIDE, SIDE)), "labels": FieldSpec("integer", ())}
+    if accuracy:
+        return Task(model=SmallCNN(channels, dropout), loss_fn=loss_and_accuracy,
+                    fields=fields, metrics=("accuracy",))  # fmt: skip
     return Task(model=SmallCNN(channels, dropout), loss_fn=loss_fn, fields=fields)
 
 

@@ -17,6 +17,7 @@ Metric names (all prefixed ``perdure_``): ``step``, ``steps_target``,
 ``tokens_per_second``, ``members``, ``membership_epoch``, ``membership_changes_total``,
 ``faults_injected_total{kind,class}``, ``failures_observed_total{kind,scheduled}``,
 ``goodput``, ``eval_step``, ``eval{metric}`` (the last evaluation's metrics),
+``train{metric}`` (the task's own metrics, ``Task.metrics``, at the last step),
 ``checkpoint_last_step``, ``checkpoints_saved_total``, ``run_ended``,
 ``coordinator_active{role}``; every one carries a ``run`` label (the run directory's
 absolute path), so two runs on one host are told apart. A value the run does not know
@@ -116,6 +117,15 @@ class RunCollector:
         for metric, value in sorted(s.evals.items()):
             evals.add_metric([run, metric], value)
         yield evals
+        own = GaugeMetricFamily(
+            "perdure_train",
+            "Each of the task's own training metrics at the last committed step "
+            "(train/<metric> in metrics.jsonl; Task.metrics).",
+            labels=["run", "metric"],
+        )
+        for metric, value in sorted(s.train.items()):
+            own.add_metric([run, metric], value)
+        yield own
         yield from _counters(s, CounterMetricFamily, run)
 
 

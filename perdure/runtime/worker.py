@@ -631,6 +631,7 @@ class Worker:
                 "lr": next(iter(lrs.values()), None),
                 **{f"lr/{group}": lr for group, lr in lrs.items()},
                 "grad_norm": self.trainer.grad_norm,
+                **{f"train/{k}": v for k, v in self.trainer.user_metrics.items()},
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 and tokens else None,
                 "membership_epoch": ep.number,

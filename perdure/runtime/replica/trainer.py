@@ -142,6 +142,7 @@ class Trainer:
             mean_loss=mean,
             precision=train.precision,
             buffers=self.placement.buffers,
+            metrics=tuple(task.metrics),
         )
         data = config.data
         self.dataset = Dataset.open(
@@ -195,6 +196,8 @@ class Trainer:
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
+        self.user_metrics: dict[str, float] = {}
+        """The last applied step's ``Task.metrics`` by name (means over the batch)."""
         self.grad_norm: float | None = None
         """The last applied step's gradient norm (2-norm over every parameter's reduced,
         mean gradient), taken before ``optim.grad_clip`` scales it: what
@@ -321,6 +324,7 @@ class Trainer:
         """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
+        self.user_metrics = self.engine.step_metrics(total, B)
         own = None if self.shards is None else self.shards.own_range
         self.engine.assign_grads(total, B, own)
         self.engine.apply_buffers(total)
