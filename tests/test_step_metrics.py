@@ -98,8 +98,10 @@ def test_the_norm_reaches_tensorboard_the_snapshot_and_prometheus(
 
 
 def _with_accuracy(dataset: Path, workers: int) -> Any:
+    """With an evaluation every 4 steps (its loss_fn's tuple read there too)."""
     sections = _sections(None)
     sections["task"]["options"] = {"accuracy": True}
+    sections["eval"] = {"every_steps": 4, "dataset": str(dataset), "samples": 64}
     return small_config(dataset, workers=workers, steps=STEPS, batch=32, **sections)
 
 
@@ -110,8 +112,12 @@ def accuracy_run(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
     return run_dir
 
 
+def _steps(run_dir: Path) -> list[dict[str, Any]]:
+    return [m for m in read_jsonl(run_dir / "metrics.jsonl") if "eval_step" not in m]
+
+
 def _accuracy(run_dir: Path) -> list[float]:
-    return [m["train/accuracy"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    return [m["train/accuracy"] for m in _steps(run_dir)]
 
 
 def test_a_metric_returned_by_the_loss_is_logged_per_step_without_changing_the_math(
@@ -123,8 +129,10 @@ def test_a_metric_returned_by_the_loss_is_logged_per_step_without_changing_the_m
     acc = _accuracy(accuracy_run)
     assert len(acc) == STEPS and all((a * 32).is_integer() and 0 <= a <= 1 for a in acc)
     assert acc[-1] > acc[0]
-    metrics = list(read_jsonl(accuracy_run / "metrics.jsonl"))
-    assert [m["grad_norm"] for m in metrics] == unclipped[1]
+    assert [m["grad_norm"] for m in _steps(accuracy_run)] == unclipped[1]
+    evals = [m for m in read_jsonl(accuracy_run / "metrics.jsonl") if "eval_step" in m]
+    assert [e["eval_step"] for e in evals] == [3, 7]
+    assert all((e["eval/accuracy"] * 64).is_integer() and e["eval/loss"] > 0 for e in evals)
     assert json.loads((accuracy_run / "summary.json").read_text())["final_hash"] == unclipped[0]
 
 
@@ -144,7 +152,7 @@ def test_the_metric_reaches_tensorboard_the_snapshot_prometheus_and_the_report(
     from perdure.report.load import load_run
     from perdure.report.page import render_html
 
-    metrics = list(read_jsonl(accuracy_run / "metrics.jsonl"))
+    metrics = _steps(accuracy_run)
     acc = _accuracy(accuracy_run)
     points = [p for p in train_points(metrics) if p.tag == "train/accuracy"]
     assert [(p.step, p.value) for p in points] == list(enumerate(acc))
