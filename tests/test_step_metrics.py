@@ -179,3 +179,19 @@ def test_a_loss_fn_whose_metrics_differ_from_the_declared_ones_is_refused_naming
         loss,
         {"accuracy": 2.0},
     )
+
+
+def test_preflight_refuses_a_loss_fn_that_returns_other_metrics_than_declared(
+    dataset: Path,
+) -> None:
+    from perdure.launch.preflight import PreflightError, preflight
+
+    cfg = small_config(dataset, workers=1, steps=STEPS, batch=32,
+                       task={"entry": "tests.image_task:make_task",
+                             "options": {"accuracy": True, "declare": "acc"}})  # fmt: skip
+    with pytest.raises(PreflightError) as info:
+        preflight(cfg)
+    assert [(p.key, p.rule) for p in info.value.problems] == [
+        ("task.entry", "task.loss_fn: returned metrics ['accuracy'], Task.metrics declares "
+         "['acc']")
+    ]  # fmt: skip

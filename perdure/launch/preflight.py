@@ -259,8 +259,13 @@ def _recipe(
             "'per_module' and train.shard_params the launcher does not make the whole model"
         )
         return run_identity(task, recipe.initial, ds.version_id)
+    from perdure.runtime.replica.task import LossFnError
+
     try:
         note = check_loss_reduction(task, _first_slot(config, ds))
+    except LossFnError as e:  # its result's shape (Task.metrics), not its reduction
+        problems.append(Problem("task.entry", str(e), config.task.entry))
+        note = None
     except ValueError as e:
         problems.append(
             Problem("task.loss_reduction", str(e).partition(": ")[2], task.loss_reduction)

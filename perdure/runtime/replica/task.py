@@ -176,6 +176,10 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int, base: float | None = No
     return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class LossFnError(ValueError):
+    """``loss_fn`` returned something other than its declared shape (``split_loss``)."""
+
+
 def split_loss(
     out: object, names: tuple[str, ...], where: str = "task.loss_fn"
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -184,21 +188,21 @@ def split_loss(
     extra: dict[str, float] = {}
     if isinstance(out, tuple):
         if len(out) != 2 or not isinstance(out[1], dict):
-            raise ValueError(f"{where}: must return a scalar tensor or (loss, {{name: value}}) "
+            raise LossFnError(f"{where}: must return a scalar tensor or (loss, {{name: value}}) "
                              f"(got a tuple of {len(out)})")  # fmt: skip
         out, got = out
         if tuple(sorted(got)) != tuple(sorted(names)):
-            raise ValueError(f"{where}: returned metrics {sorted(got)}, Task.metrics declares "
+            raise LossFnError(f"{where}: returned metrics {sorted(got)}, Task.metrics declares "
                              f"{sorted(names)}")  # fmt: skip
         for k, v in got.items():
             if isinstance(v, torch.Tensor) and v.numel() != 1:
-                raise ValueError(f"{where}: metric {k!r} must be a number or one-element "
+                raise LossFnError(f"{where}: metric {k!r} must be a number or one-element "
                                  f"tensor (got shape {tuple(v.shape)})")  # fmt: skip
             extra[k] = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
     elif names:
-        raise ValueError(f"{where}: Task.metrics declares {sorted(names)}, so it must return "
+        raise LossFnError(f"{where}: Task.metrics declares {sorted(names)}, so it must return "
                          "(loss, {name: value}) (got the loss alone)")  # fmt: skip
     if not isinstance(out, torch.Tensor) or out.numel() != 1:
         kind = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{where}: must return a scalar tensor (got {kind})")
+        raise LossFnError(f"{where}: must return a scalar tensor (got {kind})")
     return out, extra
