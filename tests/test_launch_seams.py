@@ -174,3 +174,21 @@ def test_the_live_view_shows_the_last_evaluation_beside_the_last_step(tmp_path: 
         text = "".join(s.text for s in Console(width=120).render(view.render()))
     assert "loss 2.2500" in text  # the step's line, not the evaluation's
     assert "after step 9: eval/accuracy 0.5000   eval/loss 2.7500" in text
+
+
+def test_the_live_view_shows_the_tasks_own_metrics_of_the_last_step(tmp_path: Path) -> None:
+    import json
+
+    from rich.console import Console
+
+    from perdure.launch.view import LiveView
+
+    out = io.StringIO()
+    with LiveView(tmp_path, 10, _Roster(), console=Console(file=out, width=120)) as view:
+        lines = [{"step": 8, "t": 1.0, "loss": 2.5, "step_s": 0.1, "train/accuracy": 0.25},
+                 {"step": 9, "t": 1.2, "loss": 2.25, "step_s": 0.1, "train/accuracy": 0.625,
+                  "train/hits": 5.0}]  # fmt: skip
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        view.tick()
+        text = "".join(s.text for s in Console(width=120).render(view.render()))
+    assert "train/accuracy 0.6250   train/hits 5.0000" in text

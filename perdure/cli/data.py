@@ -225,7 +225,9 @@ def import_(
     force: bool,
 ) -> None:
     """Import pre-tokenized FILES (.npy, or raw little-endian token files) as the tokens of
-    a dataset at OUT, with any other --field; .npy files carry their dtype and shape."""
+    a dataset at OUT, with any other --field; .npy and .npz files carry their dtype and
+    shape. Without FILES the dataset has no tokens: only its --field arrays (images and
+    labels: --field images=x.npy --field labels=y.npy)."""
     from perdure.data import DataError
     from perdure.data.importer import import_arrays
 
@@ -392,7 +394,9 @@ def inspect(url: str, as_json: bool) -> None:
     rows = {
         "version id": m.version_id,
         "samples": m.num_samples,
-        "sample": f"{m.seq_len + 1} x {m.dtype} (seq_len {m.seq_len})",
+        "sample": f"{m.seq_len + 1} x {m.dtype} (seq_len {m.seq_len})"
+        if m.tokens
+        else f"{m.row_bytes} bytes (no tokens field)",
         "fields": "; ".join(f.describe() for f in m.fields),
         "tokens": m.num_tokens,
         "shards": len(m.shards),

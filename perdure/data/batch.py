@@ -19,8 +19,9 @@ class Batch:
 
     step: int
     slot: int
-    tokens: np.ndarray
-    """int64 ``[B/S, seq_len + 1]``: the model reads ``[:, :-1]``, predicts ``[:, 1:]``."""
+    tokens: np.ndarray | None
+    """int64 ``[B/S, seq_len + 1]``: the model reads ``[:, :-1]``, predicts ``[:, 1:]``.
+    None for a dataset without a ``tokens`` field (images and labels: see ``fields``)."""
     sample_ids: np.ndarray
     """int64 ``[B/S]``: the served sample ids, after quarantine resampling."""
     positions: np.ndarray
@@ -33,7 +34,8 @@ class Batch:
     """Shards of this slot that failed to load (their rows are zero, weights NaN)."""
     fields: dict[str, np.ndarray] = field(default_factory=dict)
     """The dataset's other fields (``labels``, ``loss_mask``, ...) by name, ``[B/S, *shape]``
-    each: integers as int64, floats in their stored dtype. Empty for a tokens-only dataset."""
+    each: integers as int64, floats in their stored dtype. Empty for a tokens-only dataset; every
+    field of a dataset without tokens."""
 
     @property
     def finite(self) -> bool:

@@ -121,7 +121,11 @@ class Dataset:
         """Token rows of ``ids`` (converted to ``dtype`` while copied, default: stored dtype),
         with the rows of unreadable shards left zero and those shards' errors returned instead
         of raised (the slot loader's path). ``shards``: ``shard_of(ids)`` if already known."""
-        if self.manifest.extra_fields:
+        if not self.manifest.tokens:
+            names = [f.name for f in self.manifest.fields]
+            raise DataError(f"{self.url}: holds no {TOKENS!r} field (its fields: {names}); "
+                            "read_fields reads them")  # fmt: skip
+        if self.manifest.structured:
             records, bad = self.read_records(ids, shards)
             return records[TOKENS].astype(dtype or self.manifest.np_dtype()), bad
         out = np.empty((ids.size, self.seq_len + 1), dtype=dtype or self.manifest.np_dtype())
@@ -133,7 +137,7 @@ class Dataset:
         """Whole samples of ``ids`` as records of every field (``manifest.record_dtype()``);
         unreadable shards as in :meth:`read_available`."""
         out = np.empty(ids.size, dtype=self.manifest.record_dtype())
-        if not self.manifest.extra_fields:  # one field: the record is the token row
+        if not self.manifest.structured:  # one field: the record is the token row
             out[TOKENS], bad = self.read_available(ids, None, shards)
             return out, bad
         return out, self._read_into(out, ids, shards)
@@ -144,7 +148,7 @@ class Dataset:
         """Every field of ``ids`` by name, in the dtype a task receives
         (:func:`~perdure.data.fields.served_dtype`: integers as int64); unreadable shards as
         in :meth:`read_available`."""
-        if not self.manifest.extra_fields:  # the common case keeps the cast-while-copying path
+        if not self.manifest.structured:  # the common case keeps the cast-while-copying path
             tokens, bad = self.read_available(ids, np.int64, shards)
             return {TOKENS: tokens}, bad
         records, bad = self.read_records(ids, shards)
@@ -186,7 +190,7 @@ class Dataset:
         except ShardError as e:
             bad[shard] = e
             m = self.manifest
-            if m.extra_fields:
+            if m.structured:
                 return np.zeros(rows.size, dtype=m.record_dtype())
             return np.zeros((rows.size, self.seq_len + 1), dtype=m.np_dtype())
 

@@ -1,12 +1,15 @@
-"""``import_arrays``: pre-tokenized arrays (``.npy``, raw token files) -> a versioned dataset.
+"""``import_arrays``: arrays (``.npy``, ``.npz``, raw token files) -> a versioned dataset.
 
-Each field (``tokens``, and any others: ``labels``, ``loss_mask``, ...) comes from one or
-more files, read in the order given and concatenated:
+Each field (``tokens``, and any others: ``labels``, ``loss_mask``, ``images``, ...) comes
+from one or more files, read in the order given and concatenated. ``tokens`` is optional: a
+dataset of images and labels has none, and its task receives its fields only.
 
 - a **raw file** (any name not ending in ``.npy``: nanoGPT's ``train.bin``, a flat
   Megatron-style token stream) is a headerless little-endian array of the ``dtype`` given
   for it; its size must be a multiple of the dtype's item size;
-- a **.npy** file carries its dtype and shape (no pickles are loaded).
+- a **.npy** file carries its dtype and shape (no pickles are loaded);
+- a **.npz** file (``numpy.savez``) gives the field its array of the field's name, or its
+  only array; it is read into memory whole (numpy cannot memory-map one).
 
 A 1-D source is a *stream*: the field's streams are concatenated and cut into consecutive,
 non-overlapping samples of ``seq_len + 1`` values (the convention of ``perdure data build``:
@@ -18,6 +21,10 @@ other than tokens whose length is the tokens' sample count holds one value per s
 be mistaken. Every field must yield the same number of samples, and every stream field the
 same stream length (a loss mask one value short of its tokens is an error, not a silent
 shift).
+
+Without ``tokens`` the reference is the first field given whose source has two or more
+dimensions: a 1-D field as long as its sample count holds one value per sample; with no such
+field, every 1-D field holds one value per sample unless ``seq_len`` cuts it as a stream.
 
 Token ids must be >= 0 and below ``vocab_size`` when given; otherwise the vocabulary is the
 largest id + 1 (recorded as such in ``sources.vocab_size_from``). The tokens are stored in
@@ -101,7 +108,7 @@ def import_arrays(
     note: dict[str, Any] | None = None,
     documents: np.ndarray | None = None,
 ) -> Manifest:
-    """Import ``fields`` (name -> files; ``tokens`` required) into a dataset at ``out``.
+    """Import ``fields`` (name -> files; ``tokens`` optional) into a dataset at ``out``.
 
     ``seq_len``: stream fields are cut into samples of ``seq_len + 1`` values (needed when
     any source is 1-D). ``dtype``: the dtype of raw files; ``dtypes``: per-field overrides
@@ -109,8 +116,12 @@ def import_arrays(
     (e.g. ``gpt2``; it enters the version id). ``vocab_size``: the tokens' vocabulary
     (default: largest id + 1).
     """
+    if not fields:
+        raise DataError("import: no fields given (FILES for tokens, or --field NAME=PATH)")
     if TOKENS not in fields:
-        raise DataError(f"import: a {TOKENS!r} field is required (got fields {list(fields)})")
+        return _import_fields(fields, out, seq_len=seq_len, dtype=dtype, dtypes=dtypes,
+                              vocab_size=vocab_size, tokenizer=tokenizer, shard_mb=shard_mb,
+                              overwrite=overwrite, note=note, documents=documents)  # fmt: skip
     if seq_len is not None and seq_len < 1:
         raise DataError(f"import: --seq-len must be >= 1 (got {seq_len})")
     if not shard_mb > 0:
@@ -121,8 +132,10 @@ def import_arrays(
         raise DataError("import: --tokenizer-name must not be empty")
     order = [TOKENS, *(n for n in fields if n != TOKENS)]
     raw = dtypes or {}
-    ins = [_field_in(TOKENS, fields[TOKENS], raw.get(TOKENS, dtype), seq_len, None)]
-    ins += [_field_in(n, fields[n], raw.get(n, dtype), seq_len, ins[0]) for n in order[1:]]
+    ins = [_field_in(TOKENS, _open_all(TOKENS, fields[TOKENS], raw.get(TOKENS, dtype)),
+                     seq_len, None)]  # fmt: skip
+    ins += [_field_in(n, _open_all(n, fields[n], raw.get(n, dtype)), seq_len, ins[0])
+            for n in order[1:]]  # fmt: skip
     _check_lengths(ins)
     tokens = ins[0]
     lo, hi = _token_range(tokens)
@@ -162,12 +175,55 @@ def import_arrays(
     return m
 
 
-def _field_in(
-    name: str, files: list[str], raw: str | None, seq_len: int | None, tokens: _FieldIn | None
-) -> _FieldIn:
-    """One field's sources, checked; ``tokens``: the tokens field (None for itself)."""
-    if name != TOKENS:
-        check_name(name, "import")
+def _import_fields(
+    fields: dict[str, list[str]],
+    out: str,
+    *,
+    seq_len: int | None,
+    dtype: str | None,
+    dtypes: dict[str, str] | None,
+    vocab_size: int | None,
+    tokenizer: str,
+    shard_mb: float,
+    overwrite: bool,
+    note: dict[str, Any] | None,
+    documents: np.ndarray | None,
+) -> Manifest:
+    """A dataset without ``tokens`` (e.g. images and labels): every field as given, the
+    first of two or more dimensions the reference for the per-sample 1-D fields."""
+    if vocab_size is not None or tokenizer != PRETOKENIZED or documents is not None:
+        raise DataError(
+            "import: --vocab-size, --tokenizer-name and document boundaries describe "
+            f"tokens; the fields {list(fields)} hold no {TOKENS!r}"
+        )
+    if seq_len is not None and seq_len < 1:
+        raise DataError(f"import: --seq-len must be >= 1 (got {seq_len})")
+    if not shard_mb > 0:
+        raise DataError(f"import: --shard-mb must be > 0 (got {shard_mb})")
+    raw = dtypes or {}
+    srcs = {n: _open_all(n, files, raw.get(n, dtype)) for n, files in fields.items()}
+    first = next((n for n, ss in srcs.items() if ss[0].array.ndim >= 2), None)
+    order = [first] if first is not None else []
+    order += [n for n in fields if n != first]
+    ins: list[_FieldIn] = []
+    for n in order:
+        ref = ins[0] if ins else None
+        ins.append(_field_in(n, srcs[n], seq_len, ref, scalars=ref is None and seq_len is None))
+    _check_lengths(ins)
+    layout = tuple(Field(f.name, f.dtype, f.shape) for f in ins)
+    with staged(out, overwrite, "import") as tmp:
+        per_shard, shards = _write_shards(tmp, ins, layout, shard_mb)
+        sources = {**_sources(ins, None), **(note or {})}
+        sources.pop("vocab_size_from")
+        m = Manifest(0, "", tuple(shards), {"samples_per_shard": per_shard}, sources, "",
+                     layout, tokens=False).with_version_id()  # fmt: skip
+        commit(tmp, out, m)
+    return m
+
+
+def _open_all(name: str, files: list[str], raw: str | None) -> list[_Source]:
+    """A field's sources, checked to agree in dtype and sample shape."""
+    check_name(name, "import")
     if not files:
         raise DataError(f"import: field {name!r} has no files")
     srcs = [_open(Path(f), raw, name) for f in files]
@@ -178,12 +234,32 @@ def _field_in(
                 f"import: the files of field {name!r} must agree in dtype and sample "
                 f"shape: {first.path} is {_desc(first)}, {s.path} is {_desc(s)}"
             )
+    return srcs
+
+
+def _field_in(
+    name: str,
+    srcs: list[_Source],
+    seq_len: int | None,
+    tokens: _FieldIn | None,
+    *,
+    scalars: bool = False,
+) -> _FieldIn:
+    """One field's sources, checked; ``tokens``: the reference field, the tokens where there
+    are some (None for itself). ``scalars``: a 1-D source holds one value per sample."""
+    first = srcs[0]
     kind = first.array.dtype
     if name == TOKENS and not np.issubdtype(kind, np.integer):
         raise DataError(f"{first.path}: token ids must be integers (got dtype {kind})")
     total = sum(s.array.size for s in srcs)
-    if first.stream and tokens is not None and total == tokens.samples:
+    if first.stream and (scalars or (tokens is not None and total == tokens.samples)):
         return _FieldIn(name, srcs, (), _stored(kind), total, None)  # one value per sample
+    if first.stream and seq_len is None and tokens is not None and tokens.name != TOKENS:
+        raise DataError(
+            f"import: field {name!r} has {total} values, {tokens.name!r} "
+            f"{tokens.samples} samples: a 1-D field holds one value per sample (or pass "
+            "--seq-len to cut it as a stream)"
+        )
     if first.stream:
         if seq_len is None:
             raise DataError(
@@ -215,11 +291,8 @@ def _field_in(
 def _open(path: Path, raw: str | None, name: str) -> _Source:
     if not path.is_file():
         raise DataError(f"{path}: no such file (field {name!r})")
-    if path.suffix == ".npy":
-        try:
-            arr = np.load(path, mmap_mode="r", allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise DataError(f"{path}: not a readable .npy file ({e})") from None
+    if path.suffix in (".npy", ".npz"):
+        arr = _load_npy(path, name)
         if arr.dtype.kind == "b":
             arr = arr.view(np.uint8)
         if arr.ndim == 0:
@@ -248,6 +321,24 @@ def _open(path: Path, raw: str | None, name: str) -> _Source:
     return _Source(path, np.memmap(path, dtype=dt, mode="r"))
 
 
+def _load_npy(path: Path, name: str) -> np.ndarray:
+    """A .npy memory-mapped, or a .npz's array named like the field (or its only one)."""
+    try:
+        if path.suffix == ".npy":
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        with np.load(path, allow_pickle=False) as z:
+            keys = list(z.files)
+            key = name if name in keys else keys[0] if len(keys) == 1 else None
+            if key is None:
+                raise DataError(
+                    f"{path}: holds no array {name!r} (it has {keys}; field {name!r} takes "
+                    "the array of its name or a file's only one)"
+                )
+            return z[key]
+    except (ValueError, OSError, EOFError) as e:
+        raise DataError(f"{path}: not a readable {path.suffix} file ({e})") from None
+
+
 def _stored(dt: np.dtype) -> str:
     return np.dtype(dt).newbyteorder("=").name
 
@@ -261,24 +352,24 @@ def _names(f: _FieldIn) -> str:
 
 
 def _check_lengths(ins: list[_FieldIn]) -> None:
-    tokens = ins[0]
+    """Every field as many samples as the first (the tokens, or the reference field)."""
+    ref = ins[0]
     for f in ins[1:]:
-        streams = tokens.stream_len is not None and f.stream_len is not None
-        if streams and f.stream_len != tokens.stream_len:
+        streams = ref.stream_len is not None and f.stream_len is not None
+        if streams and f.stream_len != ref.stream_len:
             raise DataError(
                 f"import: field {f.name!r} has {f.stream_len} values in its "
-                f"stream, {TOKENS!r} {tokens.stream_len}: streams must be "
+                f"stream, {ref.name!r} {ref.stream_len}: streams must be "
                 "equally long"
             )
-        if f.samples != tokens.samples:
+        if f.samples != ref.samples:
             raise DataError(
-                f"import: field {f.name!r} has {f.samples} samples, {TOKENS!r} "
-                f"{tokens.samples}: every field needs one value per sample"
+                f"import: field {f.name!r} has {f.samples} samples, {ref.name!r} "
+                f"{ref.samples}: every field needs one value per sample"
             )
-    if tokens.samples == 0:
-        raise DataError(
-            f"import: {_names(tokens)} hold fewer than one sample of {tokens.shape[0]} tokens"
-        )
+    if ref.samples == 0:
+        what = f"{ref.shape[0]} tokens" if ref.name == TOKENS else f"field {ref.name!r}"
+        raise DataError(f"import: {_names(ref)} hold fewer than one sample of {what}")
 
 
 def _token_range(tokens: _FieldIn) -> tuple[int, int]:

@@ -212,7 +212,7 @@ class SlotLoader:
             raise CorruptShardError(bad[k], self.dataset.manifest.shards[k].sha256, step)
         if self.document_fields:
             values.update(self.dataset.doc_fields(ids))
-        tokens = values.pop(TOKENS)
+        tokens = values.pop(TOKENS, None)  # None: a dataset without tokens
         weight = np.ones(ids.size, dtype=np.float32)
         hit = poisoned | bad.keys()
         if hit:

@@ -4,12 +4,13 @@ The manifest is the only metadata of a dataset. Shards are raw little-endian arr
 shape ``[samples, seq_len + 1]`` whose dtype is in ``sample.dtype`` (format version 1, a
 tokens-only dataset), or of ``samples`` packed records of the named fields listed in
 ``sample.fields`` (format version 2: ``tokens`` first, then e.g. ``labels``,
-``loss_mask``); the manifest gives each shard's sample count, byte size and SHA-256. A
-tokens-only dataset is always written as version 1, so its manifest and version id are
-what they were before fields existed. The *version id* is a SHA-256 over the shard
-checksums and the build parameters that give the tokens their meaning (see
-:func:`version_id`), so any change of content or meaning changes it, and two builds of the
-same content agree on it on any machine. Schema: ``docs/data.md``.
+``loss_mask``), or of named fields without ``tokens`` at all (format version 2 too:
+images and labels; ``seq_len`` is then null); the manifest gives each shard's sample count,
+byte size and SHA-256. A tokens-only dataset is always written as version 1, so its
+manifest and version id are what they were before fields existed. The *version id* is a
+SHA-256 over the shard checksums and the build parameters that give the tokens their
+meaning (see :func:`version_id`), so any change of content or meaning changes it, and two
+builds of the same content agree on it on any machine. Schema: ``docs/data.md``.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class Manifest:
     version_id: str = ""
     extra_fields: tuple[Field, ...] = ()
     """The fields besides ``tokens``, in record order (empty: format version 1)."""
+    tokens: bool = True
+    """Whether samples hold a ``tokens`` field. False: a dataset of other arrays only (e.g.
+    images and labels), whose ``seq_len`` is 0 (null in the JSON) and ``dtype`` empty."""
 
     @property
     def sample_shape(self) -> tuple[int]:
@@ -107,8 +111,15 @@ class Manifest:
 
     @property
     def fields(self) -> tuple[Field, ...]:
-        """Every field of a sample, in record order: ``tokens`` first."""
+        """Every field of a sample, in record order: ``tokens`` first where there is one."""
+        if not self.tokens:
+            return self.extra_fields
         return (Field(TOKENS, self.dtype, self.sample_shape), *self.extra_fields)
+
+    @property
+    def structured(self) -> bool:
+        """Samples are packed records of named fields (format version 2), not token rows."""
+        return bool(self.extra_fields) or not self.tokens
 
     @property
     def in_place(self) -> bool:
@@ -118,7 +129,7 @@ class Manifest:
     def format_version(self) -> int:
         if self.in_place:
             return IN_PLACE_FORMAT_VERSION
-        return FIELDS_FORMAT_VERSION if self.extra_fields else FORMAT_VERSION
+        return FIELDS_FORMAT_VERSION if self.structured else FORMAT_VERSION
 
     @property
     def row_bytes(self) -> int:
@@ -135,17 +146,17 @@ class Manifest:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_samples * (self.seq_len + 1)
+        return self.num_samples * (self.seq_len + 1) if self.tokens else 0
 
     def np_dtype(self) -> np.dtype:
         return np.dtype(self.dtype).newbyteorder("<")
 
     def with_version_id(self) -> Manifest:
         return Manifest(self.seq_len, self.dtype, self.shards, self.build, self.sources,
-                        version_id(self), self.extra_fields)  # fmt: skip
+                        version_id(self), self.extra_fields, self.tokens)  # fmt: skip
 
     def sample_dict(self) -> dict[str, Any]:
-        if not self.extra_fields:
+        if not self.structured:
             return {"dtype": self.dtype, "byte_order": "little", "shape": [self.seq_len + 1]}
         return {"byte_order": "little", "fields": [f.to_dict() for f in self.fields],
                 "row_bytes": self.row_bytes}  # fmt: skip
@@ -156,7 +167,7 @@ class Manifest:
             "format_version": self.format_version,
             "version_id": self.version_id,
             "sample": self.sample_dict(),
-            "seq_len": self.seq_len,
+            "seq_len": self.seq_len if self.tokens else None,
             "num_samples": self.num_samples,
             "num_tokens": self.num_tokens,
             "build": self.build,
@@ -172,7 +183,7 @@ def version_id(m: Manifest) -> str:
     """``sha256:<hex>`` over the format version, sample layout (every field's name, dtype
     and shape), build parameters and every shard's (file, samples, bytes, sha256), in
     shard order. Version 1 hashes exactly what it always has."""
-    if m.extra_fields:
+    if m.structured:
         sample: dict[str, Any] = {"fields": [[f.name, f.dtype, list(f.shape)] for f in m.fields]}
     else:
         sample = {"dtype": m.dtype, "shape": [m.seq_len + 1]}
@@ -198,10 +209,10 @@ def parse_manifest(text: str, source: str) -> Manifest:
     known = (FORMAT_VERSION, FIELDS_FORMAT_VERSION, IN_PLACE_FORMAT_VERSION)
     p.check(fv in known, "format_version", f"must be one of {list(known)}", fv)
     if fv == FIELDS_FORMAT_VERSION:
-        seq_len, dtype, extra = _sample_fields(data, p)
+        seq_len, dtype, extra, tokens = _sample_fields(data, p)
     else:
-        (seq_len, dtype), extra = _sample(data, p), ()
-    row = sum(f.nbytes for f in (Field(TOKENS, dtype, (seq_len + 1,)), *extra))
+        (seq_len, dtype), extra, tokens = _sample(data, p), (), True
+    row = Manifest(seq_len, dtype, (), extra_fields=extra, tokens=tokens).row_bytes
     shards = _shards(data.get("shards"), row, p)
     in_place = [s.source is not None for s in shards]
     if fv == IN_PLACE_FORMAT_VERSION:
@@ -212,7 +223,8 @@ def parse_manifest(text: str, source: str) -> Manifest:
     p.check(isinstance(build, dict), "build", "must be an object", build)
     p.check(isinstance(sources, dict), "sources", "must be an object", sources)
     p.done()
-    m = Manifest(seq_len, dtype, tuple(shards), build, sources, "", extra).with_version_id()
+    m = Manifest(seq_len, dtype, tuple(shards), build, sources, "", extra, tokens)
+    m = m.with_version_id()
     vid = data.get("version_id")
     p.check(vid == m.version_id, "version_id", f"does not match the content ({m.version_id})", vid)
     n = data.get("num_samples")
@@ -239,37 +251,49 @@ def _sample(data: dict[str, Any], p: Problems) -> tuple[int, str]:
     return (seq_len if ok else 1), (dtype if dtype in DTYPES else "uint8")
 
 
-def _sample_fields(data: dict[str, Any], p: Problems) -> tuple[int, str, tuple[Field, ...]]:
-    """Version 2: ``sample.fields``, tokens first; seq_len is the tokens' length - 1."""
-    seq_len: Any = data.get("seq_len")
-    ok = isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1
-    p.check(ok, "seq_len", "must be an integer >= 1", seq_len)
+def _sample_fields(data: dict[str, Any], p: Problems) -> tuple[int, str, tuple[Field, ...], bool]:
+    """Version 2: ``sample.fields``, tokens first (seq_len is the tokens' length - 1), or no
+    tokens field at all (seq_len null)."""
     sample: Any = data.get("sample")
     if not p.check(isinstance(sample, dict), "sample", "must be an object", sample):
-        return 1, "uint8", ()
+        return 1, "uint8", (), True
     order = sample.get("byte_order")
     p.check(order == "little", "sample.byte_order", "must be 'little'", order)
     raw: Any = sample.get("fields")
-    if not p.check(isinstance(raw, list) and len(raw) >= 2, "sample.fields",
-                   "must be a list of at least two fields (tokens and another)", raw):  # fmt: skip
-        return 1, "uint8", ()
+    if not p.check(isinstance(raw, list) and len(raw) >= 1, "sample.fields",
+                   "must be a non-empty list of fields", raw):  # fmt: skip
+        return 1, "uint8", (), True
     fields = [_field(f, i, p) for i, f in enumerate(raw)]
     names = [f.name for f in fields if f is not None]
     p.check(len(set(names)) == len(names), "sample.fields", "field names must be unique", names)
+    p.check(
+        TOKENS not in names[1:],
+        "sample.fields[0].name",
+        f"must be {TOKENS!r} where a {TOKENS!r} field is listed",
+        names[0] if names else None,
+    )
+    row = sample.get("row_bytes")
+    want = sum(f.nbytes for f in fields if f is not None)
+    p.check(row == want, "sample.row_bytes", f"must equal the fields' bytes {want}", row)
+    if not isinstance(raw[0], dict) or raw[0].get("name") != TOKENS:
+        seq: Any = data.get("seq_len")
+        p.check(seq is None, "seq_len", f"must be null without a {TOKENS!r} field", seq)
+        return 0, "", tuple(f for f in fields if f is not None), False
+    seq_len: Any = data.get("seq_len")
+    ok = isinstance(seq_len, int) and not isinstance(seq_len, bool) and seq_len >= 1
+    p.check(ok, "seq_len", "must be an integer >= 1", seq_len)
+    p.check(len(raw) >= 2, "sample.fields", "must list another field beside tokens (a "
+            "tokens-only dataset is format version 1)", names)  # fmt: skip
     tokens = fields[0]
-    if tokens is not None and p.check(tokens.name == TOKENS, "sample.fields[0].name",
-                                      f"must be {TOKENS!r}", tokens.name):  # fmt: skip
+    if tokens is not None:
         p.check(tokens.dtype in TOKEN_DTYPES, "sample.fields[0].dtype",
                 f"must be one of {list(TOKEN_DTYPES)}", tokens.dtype)  # fmt: skip
         if ok:
             p.check(tokens.shape == (seq_len + 1,), "sample.fields[0].shape",
                     f"must be [seq_len + 1] = [{seq_len + 1}]", list(tokens.shape))  # fmt: skip
     extra = tuple(f for f in fields[1:] if f is not None)
-    row = sample.get("row_bytes")
-    want = sum(f.nbytes for f in fields if f is not None)
-    p.check(row == want, "sample.row_bytes", f"must equal the fields' bytes {want}", row)
     dtype = tokens.dtype if tokens is not None and tokens.dtype in TOKEN_DTYPES else "uint8"
-    return (seq_len if ok else 1), dtype, extra
+    return (seq_len if ok else 1), dtype, extra, True
 
 
 def _field(raw: object, i: int, p: Problems) -> Field | None:

@@ -257,7 +257,7 @@ class ShardStore:
 
     def _layout(self, info: ShardInfo) -> tuple[np.dtype, tuple[int, ...]]:
         m = self.manifest
-        if m.extra_fields:
+        if m.structured:
             return m.record_dtype(), (info.samples,)
         return m.np_dtype(), (info.samples, m.seq_len + 1)
 

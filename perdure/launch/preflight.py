@@ -259,8 +259,13 @@ def _recipe(
             "'per_module' and train.shard_params the launcher does not make the whole model"
         )
         return run_identity(task, recipe.initial, ds.version_id)
+    from perdure.runtime.replica.task import LossFnError
+
     try:
         note = check_loss_reduction(task, _first_slot(config, ds))
+    except LossFnError as e:  # its result's shape (Task.metrics), not its reduction
+        problems.append(Problem("task.entry", str(e), config.task.entry))
+        note = None
     except ValueError as e:
         problems.append(
             Problem("task.loss_reduction", str(e).partition(": ")[2], task.loss_reduction)
@@ -439,13 +444,27 @@ def _model_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
             f"{rows - 1}); declare Task(vocab_size=...) to have this checked by name"
         )
         out.append(Problem("task.options", rule, config.task.options))
-    if task.max_len is not None and task.max_len < ds.seq_len:
+    if task.max_len is not None and ds.manifest.tokens and task.max_len < ds.seq_len:
         rule = (
             f"the model's max_len {task.max_len} is shorter than the dataset's seq_len "
             f"{ds.seq_len} (the model reads seq_len tokens a sample)"
         )
         out.append(Problem("task.options", rule, config.task.options))
-    return out + _fields_fit(config, task, ds) + _documents_fit(config, ds)
+    return out + _tokens_fit(task, ds) + _fields_fit(config, task, ds) + _documents_fit(config, ds)
+
+
+def _tokens_fit(task: Task, ds: Dataset) -> list[Problem]:
+    """A task that declares a vocabulary or a sample length reads tokens: a dataset without
+    them (images and labels) is refused before a worker raises KeyError('tokens')."""
+    declared = [k for k in ("vocab_size", "max_len") if getattr(task, k) is not None]
+    if ds.manifest.tokens or not declared:
+        return []
+    rule = (
+        f"the task declares {' and '.join(declared)} (it reads tokens) but the dataset has "
+        f"no 'tokens' field, only {[f.name for f in ds.manifest.fields]} "
+        f"({ds.url}/manifest.json)"
+    )
+    return [Problem("data.dataset", rule, ds.url)]
 
 
 def _has_documents(ds: Dataset) -> bool:

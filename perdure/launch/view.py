@@ -115,6 +115,10 @@ class LiveView:
             f"membership epoch [bold]{m.get('membership_epoch', '-')}[/]",
         )
         parts: list[Any] = [self.progress, head]
+        own = [f"{k} [bold]{v:.4f}[/]" for k, v in sorted(m.items())
+               if k.startswith("train/") and isinstance(v, int | float)]  # fmt: skip
+        if own:  # the task's own metrics (Task.metrics)
+            parts.append("   ".join(own))
         if self.last_eval:
             e = self.last_eval
             shown = [f"{k} [bold]{v:.4f}[/]" for k, v in sorted(e.items())

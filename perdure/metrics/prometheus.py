@@ -13,10 +13,11 @@ path answers with the metrics (as ``prometheus_client`` does); ``/favicon.ico`` 
 
 Metric names (all prefixed ``perdure_``): ``step``, ``steps_target``,
 ``steps_committed_total``, ``loss``, ``learning_rate`` (the first param group's),
-``group_learning_rate{group}``, ``step_seconds``,
+``group_learning_rate{group}``, ``grad_norm``, ``step_seconds``,
 ``tokens_per_second``, ``members``, ``membership_epoch``, ``membership_changes_total``,
 ``faults_injected_total{kind,class}``, ``failures_observed_total{kind,scheduled}``,
 ``goodput``, ``eval_step``, ``eval{metric}`` (the last evaluation's metrics),
+``train{metric}`` (the task's own metrics, ``Task.metrics``, at the last step),
 ``checkpoint_last_step``, ``checkpoints_saved_total``, ``run_ended``,
 ``coordinator_active{role}``; every one carries a ``run`` label (the run directory's
 absolute path), so two runs on one host are told apart. A value the run does not know
@@ -66,6 +67,11 @@ class RunCollector:
             ("steps_target", "train.steps: the steps the run is to commit.", self.steps),
             ("loss", "Loss of the last committed step (its metrics line).", s.loss),
             ("learning_rate", "Learning rate of the last committed step.", s.lr),
+            (
+                "grad_norm",
+                "Gradient norm of the last committed step, before optim.grad_clip.",
+                s.grad_norm,
+            ),
             ("step_seconds", "Wall time of the last committed step.", s.step_s),
             ("tokens_per_second", "Tokens per second of the last committed step.", s.tokens_per_s),
             ("members", "Workers in the running membership epoch.", s.members),
@@ -111,6 +117,15 @@ class RunCollector:
         for metric, value in sorted(s.evals.items()):
             evals.add_metric([run, metric], value)
         yield evals
+        own = GaugeMetricFamily(
+            "perdure_train",
+            "Each of the task's own training metrics at the last committed step "
+            "(train/<metric> in metrics.jsonl; Task.metrics).",
+            labels=["run", "metric"],
+        )
+        for metric, value in sorted(s.train.items()):
+            own.add_metric([run, metric], value)
+        yield own
         yield from _counters(s, CounterMetricFamily, run)
 
 

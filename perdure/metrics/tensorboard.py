@@ -2,8 +2,9 @@
 
 Tags (x axis: the training step; wall time: when the record was logged):
 
-- ``train/loss``, ``train/lr``, ``train/step_s``, ``train/tokens_per_s``: one point per
-  committed step, from ``metrics.jsonl``;
+- ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/step_s``,
+  ``train/tokens_per_s``, and the task's own ``train/<name>`` (``Task.metrics``): one point
+  per committed step, from ``metrics.jsonl``;
 - ``eval/<name>``: one point per evaluation (``runtime/evaluate.py``), at the step after
   whose update it ran, from its ``metrics.jsonl`` line;
 - ``membership/members``, ``membership/epoch``: one point per membership epoch, at its
@@ -40,6 +41,7 @@ from perdure.metrics.view import Failure, RunView
 TRAIN = (
     ("train/loss", "loss"),
     ("train/lr", "lr"),
+    ("train/grad_norm", "grad_norm"),
     ("train/step_s", "step_s"),
     ("train/tokens_per_s", "tokens_per_s"),
 )
@@ -70,6 +72,9 @@ def train_points(metrics: Iterable[dict[str, Any]]) -> list[Point]:
             if name.startswith("lr/") and isinstance(v, int | float):
                 key = float(m["step"])
                 out.append(Point(f"train/{name}", int(m["step"]), float(v), key, float(m["t"])))
+            elif name.startswith("train/") and isinstance(v, int | float):  # Task.metrics
+                key = float(m["step"])
+                out.append(Point(name, int(m["step"]), float(v), key, float(m["t"])))
     return out
 
 

@@ -45,6 +45,10 @@ class Snapshot:
     """The step after which the last evaluation ran (None: none yet)."""
     evals: dict[str, float] = field(default_factory=dict)
     """That evaluation's metrics by name, less the ``eval/`` prefix (``loss``, ...)."""
+    train: dict[str, float] = field(default_factory=dict)
+    """The task's own metrics (``train/<name>`` less the prefix) at the last committed step."""
+    grad_norm: float | None = None
+    """The last committed step's gradient norm (before ``optim.grad_clip``)."""
     step_s: float | None = None
     tokens_per_s: float | None = None
     membership_epoch: int | None = None
@@ -168,6 +172,12 @@ def snapshot(
         },
         eval_step=int(last_eval["eval_step"]) if last_eval else None,
         evals=eval_metrics(last_eval),
+        train={
+            k[6:]: float(v)
+            for k, v in (last or {}).items()
+            if k.startswith("train/") and isinstance(v, int | float)
+        },
+        grad_norm=_num(last, "grad_norm"),
         step_s=_num(last, "step_s"),
         tokens_per_s=_num(last, "tokens_per_s"),
         membership_epoch=int(epochs[-1]["epoch"]) if epochs else None,

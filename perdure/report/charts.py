@@ -197,6 +197,21 @@ def eval_charts(evals: dict[str, list[tuple[int, float]]], all_steps: Sequence[i
     )
 
 
+def train_charts(train: dict[str, list[tuple[int, float]]], all_steps: Sequence[int]) -> str:
+    """One chart per task metric (``Task.metrics``) against the step."""
+    return "".join(
+        series_chart(
+            pts,
+            title=f"train/{name}",
+            y_label=name,
+            all_steps=all_steps,
+            css_class="chart train",
+            gaps=False,
+        )
+        for name, pts in sorted(train.items())
+    )
+
+
 def step_time_chart(metrics: Sequence[StepPoint], epochs: Sequence[EpochMark]) -> str:
     """Step wall time against step (log scale), each membership change marked."""
     pts = [(p.step, p.step_s) for p in metrics if p.step_s is not None]

@@ -68,6 +68,8 @@ class RunData:
     metrics: list[StepPoint] = field(default_factory=list)
     evals: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     """Each evaluation metric (``eval/<name>`` less the prefix) by step, in step order."""
+    train: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """The task's own metrics (``train/<name>`` less the prefix) by step, in step order."""
     events: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     config: dict[str, Any] = field(default_factory=dict)
@@ -179,6 +181,21 @@ def parse_evals(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]
     return {k: sorted(v.items()) for k, v in by_name.items()}
 
 
+def parse_train(rows: list[dict[str, Any]]) -> dict[str, list[tuple[int, float]]]:
+    """The step lines' task metrics (``train/<name>``, ``Task.metrics``) by name, sorted by
+    step; a step logged twice keeps its last line."""
+    by_name: dict[str, dict[int, float]] = {}
+    for row in rows:
+        step = integer(row.get("step"))
+        if step is None or "eval_step" in row:
+            continue
+        for key, value in row.items():
+            v = num(value) if key.startswith("train/") else None
+            if v is not None:
+                by_name.setdefault(key[6:], {})[step] = v
+    return {k: sorted(v.items()) for k, v in by_name.items()}
+
+
 def fault_marks(summary: dict[str, Any], events: list[dict[str, Any]]) -> list[FaultMark]:
     """Faults to mark on per-step plots.
 
@@ -239,6 +256,7 @@ def load_run(run_dir: str | Path) -> RunData:
         data.skipped_lines[METRICS] = skipped
     data.metrics = parse_metrics(metric_rows)
     data.evals = parse_evals(metric_rows)
+    data.train = parse_train(metric_rows)
     events, skipped = read_jsonl(root / EVENTS)
     if skipped:
         data.skipped_lines[EVENTS] = skipped

@@ -13,7 +13,13 @@ import os
 import tempfile
 from pathlib import Path
 
-from perdure.report.charts import eval_charts, loss_chart, slot_chart, step_time_chart
+from perdure.report.charts import (
+    eval_charts,
+    loss_chart,
+    slot_chart,
+    step_time_chart,
+    train_charts,
+)
 from perdure.report.load import RunData, epoch_marks, fault_marks, load_run
 from perdure.report.svg import esc
 from perdure.report.tables import (
@@ -98,6 +104,21 @@ def _eval_section(data: RunData) -> list[str]:
     ]
 
 
+def _train_section(data: RunData) -> list[str]:
+    """The task's own training metrics (``Task.metrics``; none logged: no section)."""
+    if not data.train:
+        return []
+    last = ", ".join(
+        f"train/{name} = {pts[-1][1]:.6g} (step {pts[-1][0]})"
+        for name, pts in sorted(data.train.items())
+    )
+    return [
+        "<h2>Training metrics</h2>",
+        f'<p class="note">Last: {esc(last)}.</p>',
+        train_charts(data.train, [p.step for p in data.metrics]),
+    ]
+
+
 def render_html(data: RunData) -> str:
     """The whole report page for parsed run data; a pure function of ``data``."""
     faults = fault_marks(data.summary, data.events)
@@ -118,6 +139,7 @@ def render_html(data: RunData) -> str:
         warn_html,
         "<h2>Loss</h2>",
         loss_chart(data.metrics, faults),
+        *_train_section(data),
         *_eval_section(data),
         "<h2>Step time and membership</h2>",
         step_time_chart(data.metrics, epochs),

@@ -46,7 +46,7 @@ from torch import nn
 
 from perdure.data import Dataset
 from perdure.runtime.config import EvalConfig
-from perdure.runtime.replica.task import Task
+from perdure.runtime.replica.task import Task, split_loss
 from perdure.runtime.replica.user_rng import SlotRng
 
 
@@ -124,10 +124,12 @@ class Evaluator:
 
     def _call(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         if self.task.eval_fn is None:
-            loss = _number("task.loss_fn", "loss", self.task.loss_fn(self.model, batch))
+            out = self.task.loss_fn(self.model, batch)
+            loss, extra = split_loss(out, tuple(self.task.metrics))
+            values = {"loss": _number("task.loss_fn", "loss", loss), **extra}
             if self.task.loss_reduction == "sum":
-                loss /= batch["weight"].shape[0]
-            return {"loss": loss}
+                values = {k: v / batch["weight"].shape[0] for k, v in values.items()}
+            return values
         got = self.task.eval_fn(self.model, batch)
         if isinstance(got, torch.Tensor):
             return {"loss": _number("task.eval_fn", "loss", got)}

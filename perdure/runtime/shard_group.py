@@ -237,13 +237,15 @@ class Shards:
             if j != self.mine:
                 p.grad = None
 
-    def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None:
+    def clip(self, params: Sequence[torch.Tensor], max_norm: float | None) -> float:
         """``clip_grad_norm_(params, max_norm, foreach=False)`` with each gradient correct
         on its range's owner only (a reduce-scatter): the same bits on this rank's own
         gradients. Each parameter's norm is taken by its owner, the vector of norms (one
         owner's value and zeros: an exact sum) is all-reduced over the group, and the total
         is torch's norm of that vector, as ``clip_grad_norm_`` stacks the norms (one
-        device and dtype, which the float32 slot buffer's gradients are)."""
+        device and dtype, which the float32 slot buffer's gradients are). Returns that
+        total (the norm before clipping); ``max_norm`` None: the norm only, nothing scaled
+        (one small all-reduce: the gradient norm is logged on every step)."""
         grads = [p.grad for p in params if p.grad is not None]
         owners_ = [self.grad_owner[id(p)] for p in params if p.grad is not None]
         dev = self.group.device
@@ -254,15 +256,18 @@ class Shards:
         pg, t = self.group.pg, self.timeout
         self.group.call(lambda: pg.allreduce([norms]).wait(t))
         if not grads:
-            return
+            return 0.0
         # on the first gradient's device, as torch stacks them (a CUDA model's norms must
         # not be summed up on the CPU of a gloo group: another kernel, other bits)
         total = torch.linalg.vector_norm(norms.to(grads[0].device), 2.0)
+        if max_norm is None:
+            return float(total)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for g, j in zip(grads, owners_, strict=True):
                 if j == self.mine:
                     g.mul_(coef.to(g.device))
+        return float(total)
 
     def sync_params(self) -> None:
         """After it: each shard's owner broadcasts its updated parameters to the group (as

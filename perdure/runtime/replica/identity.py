@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from perdure.runtime.replica.task import Task
+from perdure.runtime.replica.task import Task, split_loss
 from perdure.runtime.replica.user_rng import SlotRng
 
 REL_TOL = 1e-3
@@ -44,7 +44,7 @@ def measured_reduction(task: Task, batch: dict[str, torch.Tensor]) -> str | None
 
     def loss(rows: dict[str, torch.Tensor]) -> float:
         with rng.slot(0, 0, 0), torch.no_grad():  # the user's generators as in a slot
-            return float(task.loss_fn(model, rows))
+            return float(split_loss(task.loss_fn(model, rows), tuple(task.metrics))[0])
 
     try:
         whole = loss(batch)

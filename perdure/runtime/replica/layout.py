@@ -1,5 +1,8 @@
 """The flat slot buffer's layout:
-``[P gradient values | Q buffer moves | S non-finite flags | S losses]``.
+``[P gradient values | Q buffer moves | S non-finite flags | S losses | M x S metrics]``.
+
+The M x S metrics are the task's own (``Task.metrics``, returned by ``loss_fn`` beside the
+loss): metric ``m`` of slot ``s`` at ``m * S + s``, set by that slot alone, like its loss.
 
 One slot's gradient fills the first part, and the change its forward made to the model's
 buffers (BatchNorm's running statistics, a user's counters: see ``buffers.BufferRule``) the
@@ -28,10 +31,12 @@ class GradLayout:
     moves: int = 0
     """Q: buffer values a slot's forward may change (0 for a model without such buffers)."""
     device: str = "cpu"
+    metrics: int = 0
+    """M: the task's own metrics (``Task.metrics``), one value per slot each."""
 
     @property
     def size(self) -> int:
-        return self.numel + self.moves + 2 * self.slots
+        return self.numel + self.moves + (2 + self.metrics) * self.slots
 
     def new_buffer(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float32, device=self.device)
@@ -51,10 +56,16 @@ class GradLayout:
         return flat[start : start + self.slots]
 
     def losses(self, flat: torch.Tensor) -> torch.Tensor:
-        return flat[self.numel + self.moves + self.slots :]
+        start = self.numel + self.moves + self.slots
+        return flat[start : start + self.slots]
+
+    def user_metrics(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[M, S]``: each task metric's value per slot."""
+        start = self.numel + self.moves + 2 * self.slots
+        return flat[start:].view(self.metrics, self.slots)
 
     def tail(self, flat: torch.Tensor) -> torch.Tensor:
-        """Flags and losses together (cleared before a slot sets its own)."""
+        """Flags, losses and metrics together (cleared before a slot sets its own)."""
         return flat[self.numel + self.moves :]
 
     def bad_slots(self, flat: torch.Tensor) -> list[int]:

@@ -19,7 +19,7 @@ from torch import nn
 
 from perdure.runtime.replica.buffers import BufferRule
 from perdure.runtime.replica.layout import GradLayout
-from perdure.runtime.replica.task import LossFn
+from perdure.runtime.replica.task import LossFn, split_loss
 from perdure.runtime.replica.user_rng import SlotRng
 
 
@@ -30,11 +30,14 @@ def slot_seed(seed: int, step: int, slot: int) -> int:
 
 
 def to_tensors(batch: object) -> dict[str, torch.Tensor]:
-    """A loader batch (``tokens``, ``weight`` and the dataset's other ``fields``) as torch
-    tensors by name, zero-copy: what the task's ``loss_fn`` receives."""
-    tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)  # type: ignore[attr-defined]
+    """A loader batch (``tokens`` where the dataset has them, ``weight`` and the dataset's
+    other ``fields``) as torch tensors by name, zero-copy: what the task's ``loss_fn``
+    receives."""
     weight = np.ascontiguousarray(batch.weight, dtype=np.float32)  # type: ignore[attr-defined]
-    out = {"tokens": torch.from_numpy(tokens), "weight": torch.from_numpy(weight)}
+    out = {"weight": torch.from_numpy(weight)}
+    if getattr(batch, "tokens", None) is not None:
+        tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64)  # type: ignore[attr-defined]
+        out = {"tokens": torch.from_numpy(tokens), **out}
     for name, value in getattr(batch, "fields", {}).items():
         out[name] = torch.from_numpy(np.ascontiguousarray(value))
     return out
@@ -53,8 +56,10 @@ class SlotEngine:
         mean_loss: bool = False,
         precision: str = "fp32",
         buffers: torch.device | None = None,
+        metrics: tuple[str, ...] = (),
     ) -> None:
-        """``buffers``: the slot buffers' device (the data plane's; default the model's)."""
+        """``buffers``: the slot buffers' device (the data plane's; default the model's).
+        ``metrics``: the task's own metric names (``Task.metrics``), in their order."""
         self.model = model
         self.loss_fn = loss_fn
         self.seed = seed
@@ -74,8 +79,19 @@ class SlotEngine:
         first = next(model.parameters(), None)
         self.device = first.device if first is not None else torch.device("cpu")
         where = buffers or self.device
+        self.metrics = tuple(metrics)
+        for name in self.metrics:
+            if not isinstance(name, str) or not name.isidentifier() or name == "loss":
+                raise ValueError(f"Task.metrics: each name must be an identifier other than "
+                                 f"'loss' (got {name!r})")  # fmt: skip
+        if len(set(self.metrics)) != len(self.metrics):
+            raise ValueError(f"Task.metrics: names must be unique (got {list(self.metrics)})")
         self.layout = GradLayout(
-            self.offsets[-1], slots, moves=self.buffers.numel, device=str(where)
+            self.offsets[-1],
+            slots,
+            moves=self.buffers.numel,
+            device=str(where),
+            metrics=len(self.metrics),
         )
         self.numel = self.layout.numel
         self.size = self.layout.size
@@ -119,7 +135,7 @@ class SlotEngine:
         saved = self.buffers.snapshot()
         moves = None
         try:
-            loss = self._loss(batch)
+            loss, extra = self._loss(batch)
             loss.backward()
             moves = lay.buffer_moves(out)
         finally:
@@ -136,23 +152,28 @@ class SlotEngine:
         finite = self._finite and all_finite(lay.buffer_moves(out)) and np.isfinite(value)
         lay.flags(out)[slot] = 0.0 if finite else 1.0
         lay.losses(out)[slot] = value if np.isfinite(value) else 0.0
+        if self.metrics:
+            column = lay.user_metrics(out)[:, slot]
+            for i, name in enumerate(self.metrics):
+                v = extra[name]
+                column[i] = v if finite and math.isfinite(v) else 0.0
         if ready is not None:
             ready.advance(self.size)
         return value
 
-    def _loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The slot's loss as a sum over its samples (a mean is scaled by their count)."""
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The slot's loss as a sum over its samples (a mean is scaled by their count), and
+        the task's metrics, scaled alike."""
         if self.device.type != "cpu":
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with self.autocast():
-            loss = self.loss_fn(self.model, batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            kind = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(f"task.loss_fn: must return a scalar tensor (got {kind})")
+            loss, extra = split_loss(self.loss_fn(self.model, batch), self.metrics)
         loss = loss.float()
         if self.mean_loss:
-            loss = loss * batch["weight"].shape[0]
-        return loss
+            n = batch["weight"].shape[0]
+            loss = loss * n
+            extra = {k: float(np.float32(v) * np.float32(n)) for k, v in extra.items()}
+        return loss, extra
 
     def _copy(self, i: int, p: torch.Tensor, out: torch.Tensor) -> None:
         """Parameter ``i``'s gradient into ``out``, then freed: with the hooks, a rank
@@ -214,6 +235,12 @@ class SlotEngine:
 
     def slot_losses(self, flat: torch.Tensor) -> torch.Tensor:
         return self.layout.losses(flat)
+
+    def step_metrics(self, flat: torch.Tensor, batch: int) -> dict[str, float]:
+        """The task's metrics of a reduced buffer: each one's slot values summed in slot
+        order over the global batch, as the loss (``Trainer.apply``)."""
+        rows = self.layout.user_metrics(flat)
+        return {name: float(rows[i].sum()) / batch for i, name in enumerate(self.metrics)}
 
 
 class Progress(Protocol):

@@ -23,7 +23,7 @@ from perdure.runtime.config import OptimConfig, TaskConfig
 from perdure.runtime.replica.deferred import Init, build_deferred
 from perdure.runtime.replica.user_rng import seed_globals
 
-LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], torch.Tensor]
+LossFn = Callable[[nn.Module, dict[str, torch.Tensor]], "torch.Tensor | tuple[torch.Tensor, dict]"]
 EvalFn = Callable[[nn.Module, dict[str, torch.Tensor]], "torch.Tensor | dict[str, Any]"]
 OptimizerFactory = Callable[[Iterable[nn.Parameter], OptimConfig], torch.optim.Optimizer]
 SchedulerFactory = Callable[[torch.optim.Optimizer], Any]
@@ -70,6 +70,16 @@ class Task:
     """The dataset fields ``loss_fn`` reads besides ``weight`` (e.g. ``{"labels":
     FieldSpec("integer", (None,)), "loss_mask": FieldSpec(shape=(None,))}``): preflight
     refuses a dataset that lacks one or holds it with another dtype or shape."""
+    metrics: tuple[str, ...] = ()
+    """Names of the task's own training metrics: ``loss_fn`` then returns ``(loss,
+    {"accuracy": ..., ...})`` (a tuple, as a PyTorch training step returns its extras
+    beside the loss), each value a number or one-element tensor reduced over the slot's
+    samples like the loss (a sum, or a mean under ``loss_reduction = "mean"``); the keys
+    must be exactly these names. perdure adds the slot values in slot order and divides
+    by the global batch, as for the loss (so the bits do not depend on the membership),
+    and logs ``train/<name>`` to every sink (metrics.jsonl, TensorBoard, W&B, Prometheus
+    ``perdure_train{metric}``, the live view and the report). They are not
+    differentiated (detached)."""
     init: Init | None = None
     """With ``task.init = "per_module"``: ``init(name, module)`` initialises the direct
     parameters of the module ``name`` in place (under a generator seeded for that module)
@@ -164,3 +174,35 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int, base: float | None = No
     progress = min(1.0, (step - cfg.warmup_steps) / span)
     floor = cfg.min_lr_ratio * lr
     return floor + (lr - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class LossFnError(ValueError):
+    """``loss_fn`` returned something other than its declared shape (``split_loss``)."""
+
+
+def split_loss(
+    out: object, names: tuple[str, ...], where: str = "task.loss_fn"
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """``loss_fn``'s result as (the loss, its metrics by name): a scalar tensor, or
+    ``(loss, {name: value})`` with exactly ``names`` (``Task.metrics``); errors name both."""
+    extra: dict[str, float] = {}
+    if isinstance(out, tuple):
+        if len(out) != 2 or not isinstance(out[1], dict):
+            raise LossFnError(f"{where}: must return a scalar tensor or (loss, {{name: value}}) "
+                             f"(got a tuple of {len(out)})")  # fmt: skip
+        out, got = out
+        if tuple(sorted(got)) != tuple(sorted(names)):
+            raise LossFnError(f"{where}: returned metrics {sorted(got)}, Task.metrics declares "
+                             f"{sorted(names)}")  # fmt: skip
+        for k, v in got.items():
+            if isinstance(v, torch.Tensor) and v.numel() != 1:
+                raise LossFnError(f"{where}: metric {k!r} must be a number or one-element "
+                                 f"tensor (got shape {tuple(v.shape)})")  # fmt: skip
+            extra[k] = float(v.detach()) if isinstance(v, torch.Tensor) else float(v)
+    elif names:
+        raise LossFnError(f"{where}: Task.metrics declares {sorted(names)}, so it must return "
+                         "(loss, {name: value}) (got the loss alone)")  # fmt: skip
+    if not isinstance(out, torch.Tensor) or out.numel() != 1:
+        kind = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise LossFnError(f"{where}: must return a scalar tensor (got {kind})")
+    return out, extra

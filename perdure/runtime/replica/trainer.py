@@ -89,7 +89,7 @@ class ShardSeam(Protocol):
     @property
     def own_range(self) -> tuple[int, int] | None: ...
 
-    def clip(self, params: Sequence[torch.Tensor], max_norm: float) -> None: ...
+    def clip(self, params: Sequence[torch.Tensor], max_norm: float | None) -> float: ...
 
     def drop_foreign_grads(self) -> None: ...
 
@@ -142,6 +142,7 @@ class Trainer:
             mean_loss=mean,
             precision=train.precision,
             buffers=self.placement.buffers,
+            metrics=tuple(task.metrics),
         )
         data = config.data
         self.dataset = Dataset.open(
@@ -195,6 +196,12 @@ class Trainer:
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
+        self.user_metrics: dict[str, float] = {}
+        """The last applied step's ``Task.metrics`` by name (means over the batch)."""
+        self.grad_norm: float | None = None
+        """The last applied step's gradient norm (2-norm over every parameter's reduced,
+        mean gradient), taken before ``optim.grad_clip`` scales it: what
+        ``clip_grad_norm_`` returns; computed without a clip too. Logged, not state."""
         self._pending_optim: dict[str, Any] | None = None
         """With a checkpoint pending: its optimizer state, every tensor a ``meta``
         stand-in that ``_lazy`` reads by byte range once the shard that needs it is known."""
@@ -323,14 +330,20 @@ class Trainer:
         """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
+        self.user_metrics = self.engine.step_metrics(total, B)
         own = None if self.shards is None else self.shards.own_range
         self.engine.assign_grads(total, B, own)
         self.engine.apply_buffers(total)
         clip = self.config.optim.grad_clip
-        if clip is not None and self.shards is not None and self.shards.scattered:
-            self.shards.clip(list(self.model.parameters()), clip)  # own gradients only
+        if self.shards is not None and self.shards.scattered:  # own gradients only
+            self.grad_norm = self.shards.clip(list(self.model.parameters()), clip)
         elif clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip, foreach=False)
+            self.grad_norm = float(norm)
+        else:  # the same arithmetic as the clip's, without the scaling
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+            self.grad_norm = float(norm) if norm is not None else 0.0
         lr = self.recipe.set_lr(step)
         synced = self.shards is not None and self.gather is None
         if self.shards is not None:
@@ -770,7 +783,7 @@ def _check_model(named: dict[str, torch.Tensor], saved: dict[str, torch.Tensor],
 
 def _row(batch: Any, i: int) -> Any:
     class _One:
-        tokens = batch.tokens[i : i + 1]
+        tokens = None if batch.tokens is None else batch.tokens[i : i + 1]
         weight = batch.weight[i : i + 1]
         fields = {k: v[i : i + 1] for k, v in getattr(batch, "fields", {}).items()}  # noqa: RUF012
 
