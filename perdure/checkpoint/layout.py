@@ -42,7 +42,6 @@ DTYPE_SIZES = {
 """Bytes per element of each safetensors dtype the format allows (spec, section 4)."""
 
 _STEP_RE = re.compile(r"^step-(\d+)$")
-_TMP_RE = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
 
 
 def step_dir_name(step: int) -> str:
@@ -64,10 +63,4 @@ def part_file_name(rank: int, world: int) -> str:
 def step_of(path: str | Path) -> int | None:
     """The step of a committed-directory name, or None for anything else."""
     m = _STEP_RE.match(Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def tmp_step_of(path: str | Path) -> int | None:
-    """The step of a temporary directory name, or None for anything else."""
-    m = _TMP_RE.match(Path(path).name)
     return int(m.group(1)) if m else None

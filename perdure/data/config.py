@@ -14,7 +14,9 @@ class DataConfig:
 
     dataset: str = "runs/datasets/stdlib"
     """Directory or fsspec URL of a dataset built by ``perdure data build`` (holds
-    ``manifest.json``). Relative paths are resolved against the working directory."""
+    ``manifest.json``). A relative path is resolved against ``run.base_dir``: the config
+    file's directory for a TOML file (or its ``[run] base_dir``), the working directory
+    for a config built in code."""
     cache_dir: str | None = None
     """Local cache for remote shards; default: a ``cache/`` folder in the run directory."""
     cache_mb: int = 1024

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from perdure.chaos.config import ChaosConfig, check_targets
 from perdure.checkpoint.config import CheckpointConfig
 from perdure.config.build import build
-from perdure.config.digest import canonical_text, hash_canonical
+from perdure.config.digest import hash_canonical
 from perdure.config.errors import Checker, ConfigError
 from perdure.data.config import DataConfig
 from perdure.metrics.config import MetricsConfig
@@ -192,10 +192,6 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return value
-
-
-def canonical_json(config: RunConfig, identity: dict[str, Any] | None = None) -> str:
-    return canonical_text(canonical(config, identity))
 
 
 def config_hash(config: RunConfig, identity: dict[str, Any] | None = None) -> str:
