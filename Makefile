@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): requirements-dev.txt requirements-nodeps.txt pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ lint: $(STAMP)
 # stack (tests/conftest.py skips the interpreter's teardown unless PERDURE_TEST_TEARDOWN=1)
 test: lint
 	$(PY) -X faulthandler -m pytest -q
+
+# The unit tier, for the edit loop: no test that starts a process (tests/conftest.py).
+test-fast: $(STAMP)
+	PERDURE_TEST_TIER=unit $(PY) -X faulthandler -m pytest -q -m "not integration and not slow"
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import inspect
+import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,115 @@ from tests.runtime_support import build_small_dataset
 @pytest.fixture(scope="session")
 def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_small_dataset(tmp_path_factory.mktemp("data") / "stdlib-small")
+
+
+# -- the tiers --------------------------------------------------------------------------
+#
+# `make test-fast` runs the unit tier: the tests of modules that start no process (no
+# run, no spawned rank, no subprocess, no namespace, no Ray), for the edit loop. A module
+# is put in the integration tier by what its source calls (the hints below); in the unit
+# tier a test that starts a process anyway fails at once, naming the call, so a module the
+# hints miss is caught, not silently slow. `make test` (CI) runs both tiers.
+
+_INTEGRATION_HINTS = re.compile(
+    r"run_to_end|run_ranks|subprocess|multiprocessing|get_context|Popen|netns|\bray\b"
+    r"|launch\.api|LocalLauncher|\bspawn|fresh_clone|\brun\(|invoke\(\s*\w+,\s*\[\s*\"run"
+)
+
+# Tests whose calls into perdure start a process the hints cannot see (a data build's
+# workers, the C compiler of the fused kernels, git, a launcher behind the CLI): the unit
+# tier's guard found them; a new one is added here the same way.
+_STARTS_PROCESSES_INSIDE = frozenset(
+    {
+        "test_carried.py::test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima",
+        "test_carried.py::test_received_exponents_that_are_not_small_integers_are_refused",
+        "test_data_cli.py::test_build_into_an_existing_dir_fails_without_force",
+        "test_data_cli.py::test_build_prints_the_version_id_and_inspect_shows_it",
+        "test_data_cli.py::test_verify_passes_a_good_dataset_and_names_a_bad_shard",
+        "test_data_records.py::test_files_as_documents_are_the_same_on_two_processes",
+        "test_data_records.py::test_one_and_two_processes_give_byte_identical_shards",
+        "test_data_tokenizer.py::test_the_cli_builds_with_a_tokenizer_file_and_says_where_the_vocabulary_came_from",
+        "test_dcp.py::test_a_dcp_checkpoint_missing_a_model_tensor_is_refused_naming_it",
+        "test_dcp.py::test_a_dcp_checkpoint_of_another_shape_is_refused_naming_the_tensor",
+        "test_dcp.py::test_a_directory_that_is_not_dcp_is_refused_naming_it",
+        "test_dcp.py::test_the_import_cli_writes_step_0_and_names_the_resume_command",
+        "test_dcp.py::test_weights_only_dcp_import_keeps_the_runs_fresh_optimizer",
+        "test_exact_kernels.py::test_a_second_build_in_the_same_directory_reuses_the_first",
+        "test_exact_kernels.py::test_preflight_of_an_exact_run_builds_the_kernels_before_any_worker_starts",
+        "test_export.py::test_the_hf_example_exports_for_from_pretrained_bitwise",
+        "test_launch_crash.py::test_perdure_run_prints_a_repeating_worker_error_in_one_line",
+        "test_math_errors.py::test_a_non_finite_update_from_a_finite_gradient_is_a_math_error",
+        "test_math_errors.py::test_a_sane_config_never_trips_the_check",
+        "test_netns_regions.py::test_the_delay_router_adds_the_asked_round_trip_between_regions_and_none_inside_one",
+        "test_placement.py::test_a_checkpoint_records_the_placement_and_settings_in_force",
+        "test_preflight.py::test_a_checkpoint_of_another_config_is_refused_naming_the_flag",
+        "test_preflight.py::test_a_checkpoint_whose_tensors_do_not_fit_the_model_is_refused",
+        "test_preflight.py::test_a_resume_checkpoint_with_a_flipped_bit_is_refused_naming_the_file",
+        "test_provenance.py::test_outside_git_the_sha_is_explicitly_unknown",
+        "test_recipes.py::test_a_changed_custom_optimizer_is_a_changed_run",
+        "test_recipes.py::test_a_changed_dataset_is_a_changed_run",
+        "test_recipes.py::test_a_compiled_model_checkpoints_with_the_plain_modules_keys",
+        "test_recipes.py::test_the_preflight_computes_the_same_run_hash_as_every_worker",
+        "test_runtime_runs.py::test_a_warm_up_pass_does_not_change_the_next_steps_bits",
+        "test_streamed.py::test_a_missed_prediction_takes_the_outlier_lane_and_an_explosion_is_computed_again",
+        "test_streamed.py::test_received_exponents_that_are_not_an_int32_tensor_are_refused",
+    }
+)
+
+
+def _starts_processes(item: pytest.Item) -> bool:
+    """Whether the test's own code, its fixtures' or any function of its module they call
+    (transitively) names a way to start a process."""
+    todo: list[object] = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        todo += [d.func for d in (info.name2fixturedefs.get(name, ()) if info else ())]
+    seen: set[int] = set()
+    while todo:
+        f = todo.pop()
+        module = sys.modules.get(getattr(f, "__module__", "") or "")
+        if not callable(f) or id(f) in seen or module is None:
+            continue
+        seen.add(id(f))
+        if not module.__name__.startswith("tests.") or module.__name__ == __name__:
+            continue  # this file's fixtures start nothing (the guard names what it refuses)
+        try:
+            source = inspect.getsource(f)  # type: ignore[arg-type]
+        except (OSError, TypeError):
+            continue
+        if _INTEGRATION_HINTS.search(source):
+            return True
+        code = getattr(f, "__code__", None)
+        if code is not None:
+            todo += [getattr(module, n, None) for n in code.co_names]
+    return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        name = f"{Path(item.path).name}::{getattr(item, 'originalname', item.name)}"
+        if name in _STARTS_PROCESSES_INSIDE or _starts_processes(item):
+            item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tier_starts_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the unit tier (``PERDURE_TEST_TIER=unit``), starting a process is an error."""
+    import os
+
+    if os.environ.get("PERDURE_TEST_TIER") != "unit":
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "a unit-tier test started a process: add its module's call to "
+            "tests/conftest.py _INTEGRATION_HINTS"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
