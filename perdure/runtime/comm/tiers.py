@@ -20,10 +20,13 @@ through the epoch's store prefix), and they die with the epoch. Whether they are
 ``cluster.hierarchical_reduce``: not a math setting, since the sum is exact either way.
 
 The direct exchange folds in rank order; for integers and MAX any order gives the same
-bits, which is why it is only used here. The exact reduction sends its whole integer
-buffer through the tiers in one exchange (each exchange over the slow links costs round
-trips); limit: so nothing overlaps it there (the flat path overlaps one bucket's
-conversion with another's exchange).
+bits, which is why it is only used here. The ``step`` and ``carried`` forms send their
+whole integer buffer through the tiers in one exchange (each exchange over the slow links
+costs round trips); limit: so nothing overlaps it there. The streamed form sends it bucket
+by bucket behind the backward (:class:`TieredBuckets`): each bucket's three stages go out
+as soon as the one before is done, several buckets in flight at once, so the slow links
+carry the buckets while the backward computes the next ones, and a step pays one one-way
+delay after its last bucket, not one per bucket.
 """
 
 from __future__ import annotations
@@ -39,6 +42,10 @@ import torch.distributed as dist
 DIRECT_MAX = 16
 """Most leaders combined by a direct exchange (beyond, the backend's all-reduce)."""
 DIRECT_TAG = 0x7E1
+BUCKET_TAG = DIRECT_TAG + 1
+"""The first bucket's tag in :class:`TieredBuckets` (bucket ``i``: ``+ i % TAG_RANGE``), so
+that the buckets in flight never take each other's messages, nor the direct exchange's."""
+TAG_RANGE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,102 @@ def direct_allreduce(pg: Any, t: torch.Tensor, op: Any, timeout: timedelta) -> N
             t += other
         else:
             torch.maximum(t, other, out=t)
+
+
+class _Flight:
+    """One bucket between its stages: the local all-reduce, the leaders' exchange (the
+    sends and receives of a direct exchange, or the backend's all-reduce), the fold."""
+
+    def __init__(self, t: torch.Tensor, tag: int) -> None:
+        self.t, self.tag = t, tag
+        self.local: Any = None
+        self.cross: list[Any] | None = None
+        self.theirs: list[torch.Tensor] = []
+
+    def ready_to_cross(self) -> bool:
+        return self.local is None or bool(self.local.is_completed())
+
+
+class TieredBuckets:
+    """The two-tier SUM of an integer buffer, bucket by bucket as each is final (the
+    streamed reduction behind the backward): the same bits as :func:`tiered_allreduce`
+    of the whole buffer, since integer sums do not depend on the grouping.
+
+    :meth:`add` hands a bucket's local all-reduce to the region's group at once;
+    :meth:`poll` (never blocking: the caller's wait for the next bucket calls it) starts the
+    leaders' exchange of every bucket whose local stage is done, in bucket order, with a
+    tag of its own; :meth:`finish` waits for the buckets in order and broadcasts each from
+    its leader inside the region. Every member issues its region group's collectives in
+    one order (the all-reduces in bucket order, then the broadcasts in bucket order), as
+    gloo matches them by order; the leaders' exchange is point to point (matched by tag)
+    or, past ``DIRECT_MAX`` leaders, all-reduces issued in bucket order on every leader.
+
+    Limits: the broadcasts inside a region wait for the last bucket (a fast link; their
+    order must not depend on timing); a leader holds ``R - 1`` received copies of each
+    bucket in flight (the direct exchange's); the exchange of a bucket whose local stage
+    finishes while nobody polls starts at the next poll (the next bucket's wait polls every
+    few milliseconds, :mod:`readiness`)."""
+
+    def __init__(self, tiers: Tiers, timeout: timedelta) -> None:
+        self.tiers, self.timeout = tiers, timeout
+        cross = tiers.cross
+        self.direct = cross is not None and cross.size() <= DIRECT_MAX
+        self.flights: list[_Flight] = []
+        self.crossed = 0
+        """Buckets whose leaders' exchange is issued (a prefix: they go in order)."""
+
+    def add(self, t: torch.Tensor) -> None:
+        """Bucket ``t`` (a view of the buffer, final on this member) goes on the wire."""
+        f = _Flight(t, BUCKET_TAG + len(self.flights) % TAG_RANGE)
+        if self.tiers.local is not None:
+            f.local = self.tiers.local.allreduce([t], _opts(dist.ReduceOp.SUM))
+        self.flights.append(f)
+        self.poll()
+
+    def poll(self) -> None:
+        """Start the leaders' exchange of each bucket, in order, whose local stage is done."""
+        if self.tiers.cross is None:
+            return
+        while self.crossed < len(self.flights) and self.flights[self.crossed].ready_to_cross():
+            self._cross(self.flights[self.crossed])
+            self.crossed += 1
+
+    def finish(self) -> None:
+        """Every bucket summed over every member, in place; raises on a timeout or on an
+        aborted group (an abandoned step)."""
+        casts = []
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for i, f in enumerate(self.flights):
+            if f.local is not None:  # done before the bucket crosses or is overwritten
+                f.local.wait(self.timeout)
+            if self.tiers.cross is not None:
+                if i >= self.crossed:
+                    self._cross(f)
+                    self.crossed = i + 1
+                self._fold(f)
+            if self.tiers.local is not None:
+                casts.append(self.tiers.local.broadcast([f.t], opts))
+        for w in casts:
+            w.wait(self.timeout)
+
+    def _cross(self, f: _Flight) -> None:
+        cross = self.tiers.cross
+        if not self.direct:
+            f.cross = [cross.allreduce([f.t], _opts(dist.ReduceOp.SUM))]
+            return
+        rank, n = cross.rank(), cross.size()
+        f.theirs = [torch.empty_like(f.t) for _ in range(n - 1)]
+        f.cross = [cross.send([f.t], (rank + k) % n, f.tag) for k in range(1, n)]
+        f.cross += [cross.recv([f.theirs[k - 1]], (rank - k) % n, f.tag) for k in range(1, n)]
+
+    def _fold(self, f: _Flight) -> None:
+        """Wait for the bucket's exchange (its sends too: they read ``t``) and add in."""
+        for w in f.cross or []:
+            w.wait(self.timeout)
+        for other in f.theirs:
+            f.t += other
+        f.theirs = []
 
 
 def _opts(op: Any) -> dist.AllreduceOptions:
