@@ -56,15 +56,15 @@ for its outlier slots, as the ``step`` form does.
 
 Across regions (``cluster.hierarchical_reduce``, ``tiers.py``) the buckets stream too
 (``TieredBuckets``): each goes to its region's all-reduce as the backward finishes it, then
-to the leaders' direct exchange (a tag per bucket) as soon as its region's sum is done,
-several in flight; the broadcasts inside each region, then the MAX of the block maxima,
+to the leaders' direct exchange (a tag per bucket, the receives posted before the
+backward) as soon as its region's sum is done, several in flight; the MAX of the block
+maxima goes the same way beside the last bucket; the broadcasts inside each region
 follow the last bucket.
 
 Limits: the first step costs a second compute pass; a member's finished slots are not
-salvaged across a membership change (they are inside its accumulator); across regions
-the MAX of the block maxima is one more exchange after the last bucket (it needs every
-bucket's peaks), so a step pays two one-way delays over the slow links after its
-backward, one for the last bucket and one for the MAX.
+salvaged across a membership change (they are inside its accumulator); across regions a
+step still pays about one one-way delay over the slow links after its backward (the last
+bucket and the maxima, together).
 """
 
 from __future__ import annotations
@@ -378,17 +378,20 @@ class StreamedReducer:
         sc = self.scatter
         streams = pg is not None and tiers is None and self.summing
         ex = ScatterExchange(sc, self.ints, pg, None) if sc and self._scatters(pg, tiers) else None
+        flagged = torch.empty(self.peaks.numel() + 1, dtype=torch.int32)
         tiered = None
-        if pg is not None and tiers is not None and self.summing:
-            tiered = TieredBuckets(tiers, timeout)
+        if pg is not None and tiers is not None:  # the buckets, then the maxima and the flag
+            sums = [(self.exact._flat(self.ints, i), dist.ReduceOp.SUM) for i in self._buckets]
+            parts = (sums if self.summing else []) + [(flagged, dist.ReduceOp.MAX)]
+            tiered = TieredBuckets(tiers, parts, timeout)
         tick = tiered.poll if tiered is not None else _idle
         pending = []
         buckets = self._buckets
         for i in buckets:
             wait(self.exact._values(self.n, i)[1], tick)
             self._add_bucket(last, i)
-            if tiered is not None:  # its region's all-reduce now, the leaders' exchange next
-                tiered.add(self.exact._flat(self.ints, i))
+            if tiered is not None and self.summing:  # its region's all-reduce now
+                tiered.add()
             if ex is not None:
                 ex.send(*self.exact._values(self.n, i))
                 if window is not None:
@@ -397,11 +400,12 @@ class StreamedReducer:
                     window.allow(math.inf if nxt is None else self.exact._values(self.n, nxt)[1])
             elif streams:  # on the wire while the backward finishes the next bucket
                 pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
-        if tiered is not None:  # before the MAX: every member's region group, in one order
+        flagged[:-1] = maxima_of(self.peaks)
+        flagged[-1] = int(self.outliers.full)
+        if tiered is not None:  # the maxima beside the last bucket
+            tiered.add()
             tiered.finish()
-        full = torch.tensor([int(self.outliers.full)], dtype=torch.int32)
-        flagged = torch.cat([maxima_of(self.peaks), full])
-        if pg is not None:
+        elif pg is not None:
             self._max(pg, tiers, flagged, timeout)
         maxima, capped = flagged[:-1], bool(flagged[-1])
         for work in pending:
