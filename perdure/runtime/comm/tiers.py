@@ -165,7 +165,9 @@ class TieredBuckets:
     order must not depend on timing); a leader holds ``R - 1`` received copies of the
     buffer (the direct exchange's); a part whose local stage finishes while nobody polls
     is sent at the next poll (the next bucket's wait polls every few milliseconds,
-    ``readiness.py``)."""
+    ``readiness.py``); a pass that ends early (abandoned, failed) leaves its receives
+    posted, so its groups must serve no other pass: they do not, since an abandoned or
+    failed step ends the membership epoch, whose groups die with it (``worker.py``)."""
 
     def __init__(
         self, tiers: Tiers, parts: list[tuple[torch.Tensor, Any]], timeout: timedelta
