@@ -105,3 +105,19 @@ def test_a_sharded_carried_run_gives_the_unsharded_weights(
     train = {**_train(exact_ref["form"]), "shard_degree": 2}
     cfg = small_config(small_dataset, steps=STEPS, workers=4, train=train)
     assert run_to_end(cfg, tmp_path)["final_hash"] == exact_ref["final_hash"]
+
+
+@pytest.mark.parametrize("exact_ref", ["streamed"], indirect=True)
+def test_a_kill_in_a_three_region_streamed_run_keeps_the_one_workers_weights(
+    exact_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Buckets and block maxima streamed through the tiers (``comm/tiers.py``,
+    ``TieredBuckets``), a region's member killed midway: the membership changes, the
+    weights do not."""
+    kill = [{"kind": "kill", "target": "r1-0", "at_step": STEPS // 3}]
+    cfg = _cfg(exact_ref, small_dataset, workers=5, regions=3, chaos={"faults": kill})
+    assert cfg.cluster.hierarchical_reduce  # type: ignore[attr-defined]
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == exact_ref["final_hash"] and s["replica_hashes_agree"]
+    members = [e["plan"]["members"] for e in events(tmp_path, "epoch_started")]
+    assert "r1-0" in members[0] and "r1-0" not in members[-1], members

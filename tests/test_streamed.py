@@ -362,3 +362,64 @@ def test_received_exponents_that_are_not_an_int32_tensor_are_refused(small_datas
             tr.adopt(model, {**optim, "reduction": {"exponents": bad}}, extra)
     tr.adopt(model, {**optim, "reduction": {"exponents": _exps(-5, 3)}}, extra)
     assert tr.exponents is not None and tr.exponents.tolist() == [-5, 3]  # type: ignore[union-attr]
+
+
+# -- several regions -----------------------------------------------------------------------
+
+REGIONS = ["a", "a", "b", "c", "c"]  # b's leader alone in its region; 3 leaders exchange
+BY_RANK = [[0, 1], [2], [3, 4, 5], [6], [7]]
+WIDE = 2 * (1 << 20) + BLOCK + 17  # two full buckets, one of a block, a partial block
+
+
+def _few_low(maxima: torch.Tensor) -> torch.Tensor:
+    """:func:`_low` on every 257th block only, the rest predicted: under the outlier cap of
+    a wide buffer (a member keeps at most 1/64 of it)."""
+    some = torch.arange(maxima.numel()) % 257 == 0
+    return torch.where(some, _low(maxima), predict(None, maxima))
+
+
+def _region_rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
+    from perdure.runtime.comm.group import Comm
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, TIMEOUT)
+    comm = Comm(store, "r/", rank, world, TIMEOUT, lambda: False)
+    comm.add_tiers(store, REGIONS[rank])
+    assert comm.tiers is not None
+    bufs, mine = _slots(6, WIDE), BY_RANK[rank]
+
+    def one_pass(red: StreamedReducer, exps: torch.Tensor | None) -> Any:
+        buf = torch.empty(WIDE)
+        red.open(buf, exps, adds=len(mine) - 1)
+        for s in mine[:-1]:
+            buf.copy_(bufs[s])
+            red.add(buf)
+        buf.fill_(float("nan"))  # what is not final yet must never be read
+        ready = Readiness()
+        fut = red.finish(comm, buf, timeout=TIMEOUT, last=buf, ready=ready)
+        for lo in range(0, WIDE, 500_001):  # the 'backward', in pieces
+            hi = min(WIDE, lo + 500_001)
+            buf[lo:hi] = bufs[mine[-1]][lo:hi]
+            ready.advance(hi)
+            time.sleep(0.005)
+        return fut.result(timeout=60)
+
+    red = StreamedReducer(rank, world, slots=S, bits=32, block=BLOCK)
+    _, maxima = one_pass(red, None)
+    low, _ = one_pass(red, used(_few_low(maxima)))
+    out, _ = one_pass(red, used(predict(None, maxima)))
+    q.put((rank, maxima.tolist(), low.numpy().tobytes(), out.numpy().tobytes()))
+
+
+def test_buckets_streamed_across_regions_give_the_one_rank_bits_with_outliers_too() -> None:
+    """Five members in three regions (one alone in its own): each bucket of the last slot
+    goes through its region's all-reduce and the leaders' direct exchange as its
+    'backward' finishes it; the sums are the one-rank pass's bits, outlier lane included."""
+    got = {r: rest for r, *rest in run_ranks(_region_rank, len(REGIONS), len(REGIONS), 120)}
+    bufs = _slots(6, WIDE)
+    red = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
+    _, maxima = _pass(red, bufs, None)
+    want, _ = _pass(red, bufs, used(predict(None, maxima)))
+    low, _ = _pass(red, bufs, used(_few_low(maxima)))
+    assert low is not None and not torch.equal(low, want)
+    for r in range(len(REGIONS)):
+        assert got[r] == [maxima.tolist(), low.numpy().tobytes(), want.numpy().tobytes()], r

@@ -298,8 +298,9 @@ class PerduePolicyConfig:
     (the runtime's ``reduction_exponents = "streamed"``: each member's last slot's buckets
     on the wire as its backward finishes them, its earlier slots added locally, as DDP
     with ``no_sync`` micro-batches; the two-tier exchange of ``exact_hier`` goes after the
-    last slot, not bucketed), ``bucketed`` (the same with the two-tier exchange bucketed
-    too: not built yet) or ``last_slot`` (the pre-streaming step: step exponents, a MAX
+    last slot, not bucketed, as the runtime did before issue 33), ``bucketed`` (the same
+    with the two-tier exchange bucketed too: the runtime's form now, ``comm/tiers.py``
+    ``TieredBuckets``) or ``last_slot`` (the pre-streaming step: step exponents, a MAX
     round then the payload, once the last slot is done, hidden behind that slot's
     backward only). The chain is always ``last_slot``."""
     int_bytes: int = 4

@@ -54,10 +54,17 @@ a block whose maximum shrank by ``d`` bits more than the margin keeps ``d`` bits
 that step (the next prediction follows it); an outlier block keeps ``bits - 2 - headroom``
 for its outlier slots, as the ``step`` form does.
 
+Across regions (``cluster.hierarchical_reduce``, ``tiers.py``) the buckets stream too
+(``TieredBuckets``): each goes to its region's all-reduce as the backward finishes it, then
+to the leaders' direct exchange (a tag per bucket, the receives posted before the
+backward) as soon as its region's sum is done, several in flight; the MAX of the block
+maxima goes the same way beside the last bucket; the broadcasts inside each region
+follow the last bucket.
+
 Limits: the first step costs a second compute pass; a member's finished slots are not
-salvaged across a membership change (they are inside its accumulator); across regions
-(``tiers``) the integers go in one exchange after the last slot, as the two-tier
-reduction is not bucketed.
+salvaged across a membership change (they are inside its accumulator); across regions a
+step still pays about one one-way delay over the slow links after its backward (the last
+bucket and the maxima, together).
 """
 
 from __future__ import annotations
@@ -75,7 +82,7 @@ import torch.distributed as dist
 from perdure.runtime.comm.exact import ExactReducer, _bucket_ranges, _zero_non_finite
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.scatter import Scatter, ScatterExchange
-from perdure.runtime.comm.tiers import Tiers, tiered_allreduce
+from perdure.runtime.comm.tiers import TieredBuckets, Tiers, tiered_allreduce
 
 MARGIN = 3
 """Bits a block's prediction sits above the previous step's maximum: a block may grow 8x
@@ -83,6 +90,17 @@ from one step to the next before it takes the outlier lane (measured on the 5M t
 with 2 bits about 5 % of the blocks took it every step, 10 % more bytes on the wire)."""
 ZERO = -(1 << 20)
 """A block's maximum when its values are all zero; as a prediction: never seen non-zero."""
+
+
+def _idle() -> None:
+    """Nothing in flight to advance."""
+
+
+def _ticked(tick: Callable[[], None], abort: Callable[[], bool]) -> bool:
+    """``abort()``, after ``tick()``: the readiness wait's check, run every few
+    milliseconds while the backward computes, also moves the buckets in flight on."""
+    tick()
+    return abort()
 
 
 # -- the pure part: predictions and their verdict ------------------------------------------
@@ -267,9 +285,11 @@ class StreamedReducer:
         if window is not None:  # set before the backward writes: its first bucket only
             window.allow(self.exact._values(self.n, 0)[1])
 
-        def wait(upto: int) -> None:
+        def wait(upto: int, tick: Callable[[], None]) -> None:
+            """Until ``[0, upto)`` is final, ``tick`` (the buckets in flight advance) every
+            few milliseconds meanwhile."""
             if ready is not None:
-                ready.wait(upto, abort, t)
+                ready.wait(upto, lambda: _ticked(tick, abort), t)
 
         def run() -> tuple[torch.Tensor | None, torch.Tensor]:
             try:
@@ -345,7 +365,7 @@ class StreamedReducer:
         tiers: Tiers | None,
         out: torch.Tensor,
         last: torch.Tensor | None,
-        wait: Callable[[int], None],
+        wait: Callable[[int, Callable[[], None]], None],
         timeout: timedelta,
         send_delay_s: float,
         window: Readiness | None = None,
@@ -358,11 +378,20 @@ class StreamedReducer:
         sc = self.scatter
         streams = pg is not None and tiers is None and self.summing
         ex = ScatterExchange(sc, self.ints, pg, None) if sc and self._scatters(pg, tiers) else None
+        flagged = torch.empty(self.peaks.numel() + 1, dtype=torch.int32)
+        tiered = None
+        if pg is not None and tiers is not None:  # the buckets, then the maxima and the flag
+            sums = [(self.exact._flat(self.ints, i), dist.ReduceOp.SUM) for i in self._buckets]
+            parts = (sums if self.summing else []) + [(flagged, dist.ReduceOp.MAX)]
+            tiered = TieredBuckets(tiers, parts, timeout)
+        tick = tiered.poll if tiered is not None else _idle
         pending = []
         buckets = self._buckets
         for i in buckets:
-            wait(self.exact._values(self.n, i)[1])
+            wait(self.exact._values(self.n, i)[1], tick)
             self._add_bucket(last, i)
+            if tiered is not None and self.summing:  # its region's all-reduce now
+                tiered.add()
             if ex is not None:
                 ex.send(*self.exact._values(self.n, i))
                 if window is not None:
@@ -371,13 +400,14 @@ class StreamedReducer:
                     window.allow(math.inf if nxt is None else self.exact._values(self.n, nxt)[1])
             elif streams:  # on the wire while the backward finishes the next bucket
                 pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
-        full = torch.tensor([int(self.outliers.full)], dtype=torch.int32)
-        flagged = torch.cat([maxima_of(self.peaks), full])
-        if pg is not None:
+        flagged[:-1] = maxima_of(self.peaks)
+        flagged[-1] = int(self.outliers.full)
+        if tiered is not None:  # the maxima beside the last bucket
+            tiered.add()
+            tiered.finish()
+        elif pg is not None:
             self._max(pg, tiers, flagged, timeout)
         maxima, capped = flagged[:-1], bool(flagged[-1])
-        if pg is not None and tiers is not None and self.summing:
-            tiered_allreduce(tiers, self.ints, dist.ReduceOp.SUM, timeout)
         for work in pending:
             work.wait(timeout)
         if not self.summing:
