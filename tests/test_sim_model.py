@@ -107,7 +107,8 @@ def _host_context(system: str, *, spares: int = 0, ckpt_every: float = float("in
     )
     costs: object = {
         "perdure": lambda: scenario.perdure_costs(
-            scenario.PerduePolicyConfig(spares=spares), cal, env
+            # the runtime's default form: the streamed exact sum, no salvage
+            scenario.PerduePolicyConfig(spares=spares, reduction="exact_flat"), cal, env
         ),
         "torchrun": lambda: scenario.torchrun_costs(scenario.TorchrunPolicyConfig(), cal, env),
         "torchft": lambda: scenario.torchft_costs(scenario.TorchftPolicyConfig(), cal, env),
@@ -137,7 +138,7 @@ def _kill(after: int, delay: float = 0.05) -> Event:
     return Event(t=0.0, kind="worker_death", after_steps=after, delay_s=delay)
 
 
-def test_perdure_chain_redoes_the_in_flight_step_and_keeps_every_commit() -> None:
+def test_perdure_streamed_redoes_the_in_flight_step_and_keeps_every_commit() -> None:
     ctx = _host_context("perdure")
     c: perdure_policy.Costs = ctx.costs
     out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
@@ -148,13 +149,22 @@ def test_perdure_chain_redoes_the_in_flight_step_and_keeps_every_commit() -> Non
     assert out.probes[0].new_s == pytest.approx(c.reconfigure_s + 0.1)
 
 
-def test_exact_reduction_salvages_the_survivors_slots() -> None:
-    chain = _host_context("perdure")
-    exact = replace(chain, costs=replace(chain.costs, salvage=True))
+def test_a_form_with_a_buffer_per_slot_salvages_the_survivors_slots() -> None:
+    """The chain and the step form keep each finished slot; the streamed form does not."""
+    streamed = _host_context("perdure")
+    assert not streamed.costs.salvage
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    env = scenario.Environment(
+        one_way_s=0.0, wire_bps=1e12, storage_gbps=1e3, state_bytes=1e6, step_s=0.1
+    )
+    for reduction, overlap in (("chain", "bucketed"), ("exact_flat", "last_slot")):
+        p = scenario.PerduePolicyConfig(reduction=reduction, overlap=overlap)
+        assert scenario.perdure_costs(p, cal, env).salvage, (reduction, overlap)
+    salvaging = replace(streamed, costs=replace(streamed.costs, salvage=True))
     kill = [_kill(10)]
-    lost_chain = simulate(chain, POLICIES["perdure"], kill, until_steps=100).elapsed_s
-    lost_exact = simulate(exact, POLICIES["perdure"], kill, until_steps=100).elapsed_s
-    assert lost_chain - lost_exact == pytest.approx(0.05 * 2 / 3, rel=1e-6)
+    lost_streamed = simulate(streamed, POLICIES["perdure"], kill, until_steps=100).elapsed_s
+    lost_salvaged = simulate(salvaging, POLICIES["perdure"], kill, until_steps=100).elapsed_s
+    assert lost_streamed - lost_salvaged == pytest.approx(0.05 * 2 / 3, rel=1e-6)
 
 
 def test_a_warm_spare_avoids_the_join() -> None:

@@ -289,18 +289,19 @@ class PerduePolicyConfig:
     """perdure's settings (defaults: perdure's own, ``perdure.runtime.config``)."""
 
     reduction: Reduction = "chain"
-    """``chain`` (the left fold along the ranks; a death loses the in-flight step),
-    ``exact_flat`` or ``exact_hier`` (integer block sums through the backend's ring
-    all_reduce, flat or inside each region then one exchange across regions; a death
-    salvages the survivors' finished slots)."""
-    overlap: Overlap = "streamed"
-    """How the exact reduction overlaps the backward (``sim/steptime.py``): ``streamed``
-    (the runtime's ``reduction_exponents = "streamed"``: each member's last slot's buckets
-    on the wire as its backward finishes them, its earlier slots added locally, as DDP
-    with ``no_sync`` micro-batches; the two-tier exchange of ``exact_hier`` goes after the
-    last slot, not bucketed, as the runtime did before issue 33), ``bucketed`` (the same
-    with the two-tier exchange bucketed too: the runtime's form now, ``comm/tiers.py``
-    ``TieredBuckets``) or ``last_slot`` (the pre-streaming step: step exponents, a MAX
+    """``chain`` (the left fold along the ranks), ``exact_flat`` or ``exact_hier`` (integer
+    block sums through the backend's ring all_reduce, flat or inside each region then
+    across regions). A death salvages the survivors' finished slots with the chain and
+    with ``overlap = "last_slot"`` (the step form: a buffer per slot); the streamed forms
+    add a member's slots to one accumulator, so the in-flight step is lost."""
+    overlap: Overlap = "bucketed"
+    """How the exact reduction overlaps the backward (``sim/steptime.py``): ``bucketed``
+    (the runtime's default, ``reduction_exponents = "streamed"``: each member's last
+    slot's buckets on the wire as its backward finishes them, its earlier slots added
+    locally, as DDP with ``no_sync`` micro-batches, the two-tier exchange of
+    ``exact_hier`` bucketed too, ``comm/tiers.py`` ``TieredBuckets``), ``streamed`` (the
+    same with the two-tier exchange in one piece after the last slot, as the runtime did
+    before it was bucketed) or ``last_slot`` (the pre-streaming step: step exponents, a MAX
     round then the payload, once the last slot is done, hidden behind that slot's
     backward only). The chain is always ``last_slot``."""
     int_bytes: int = 4

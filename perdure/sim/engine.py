@@ -9,8 +9,8 @@ goes on until the run's time or step budget is spent. Nothing is random here: th
 failure history comes in as a list, drawn beforehand from a seeded generator.
 
 Progress is kept as a float: its fractional part is the in-flight step, which a policy
-may lose (the chain redoes a step a death interrupts) or keep (the exact reduction
-salvages the survivors' slots).
+may lose (the streamed exact reduction redoes a step a death interrupts: its slots are in
+one accumulator) or keep (the chain and the step form salvage the survivors' slots).
 """
 
 from __future__ import annotations

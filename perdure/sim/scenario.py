@@ -126,7 +126,9 @@ def perdure_costs(
         replace_after_s=p.replace_after_ms / 1000,
         start_s=cal.perdure_replacement_start_s,
         boundary_s=boundary_s(env.step_s, hb),
-        salvage=p.reduction != "chain",
+        # the forms that keep a buffer per slot (the chain, the step exponents) salvage a
+        # survivor's finished slots; the streamed form adds them to one accumulator
+        salvage=p.reduction == "chain" or p.overlap == "last_slot",
         reform_wait_s=p.reform_backoff_ms / 1000,
         swarm_s=env.state_bytes / env.wire_bps if p.state_copy == "swarm" else 0.0,
     )
