@@ -118,6 +118,25 @@ def test_a_killed_rank_initialised_per_module_is_absorbed_and_changes_no_bit(
 # -- a pending replica as the source of a shard it does not keep -------------------------
 
 
+def _copied_to_rank_1(tr: Trainer, comm: Comm, proc: int) -> int:
+    """Rank 0's state copied to rank 1 as the worker does it (``_transfer``); what each
+    rank then holds."""
+    job = CopyJob(
+        receivers=(1,),
+        source=0,
+        shard_degree=2,
+        layout=tr.copy_layout(),
+        offer=tr.export() if proc == 0 else None,
+        target=tr.copy_target(comm.device) if proc == 1 else None,
+        timeout=T,
+    )
+    got = SwarmCopy().copy(comm, job)
+    if got is None:
+        return ALL
+    tr.adopt(got.model, got.optimizer, got.extra)
+    return tr.held
+
+
 def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
     """Rank 0 holds every shard from the seed, virtually; rank 1 joins (it receives the
     run's state, then its shard), as the worker does it: ``_transfer``, then
@@ -131,20 +150,7 @@ def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
         optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
     )
     tr.shards = shards
-    job = CopyJob(
-        receivers=(1,),
-        source=0,
-        shard_degree=2,
-        layout=tr.copy_layout(),
-        offer=tr.export() if proc == 0 else None,
-        target=tr.copy_target(comm.device) if proc == 1 else None,
-        timeout=T,
-    )
-    got = SwarmCopy().copy(comm, job)
-    held = ALL
-    if got is not None:
-        tr.adopt(got.model, got.optimizer, got.extra)
-        held = tr.held
+    held = _copied_to_rank_1(tr, comm, proc)
     tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
     # bytes, not tensors: a tensor would travel as a handle to this process's memory
     params = {
@@ -208,20 +214,7 @@ def _joined_from_checkpoint(proc: int, port: int, dataset: str, ckpt: str, q: mp
         optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
     )
     tr.shards = shards
-    job = CopyJob(
-        receivers=(1,),
-        source=0,
-        shard_degree=2,
-        layout=tr.copy_layout(),
-        offer=tr.export() if proc == 0 else None,
-        target=tr.copy_target(comm.device) if proc == 1 else None,
-        timeout=T,
-    )
-    got = SwarmCopy().copy(comm, job)
-    held = ALL
-    if got is not None:
-        tr.adopt(got.model, got.optimizer, got.extra)
-        held = tr.held
+    held = _copied_to_rank_1(tr, comm, proc)
     tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
     params = {
         n: p.detach().numpy().tobytes() for n, p in tr.module.named_parameters() if resident(p)
