@@ -108,7 +108,9 @@ def _host_context(system: str, *, spares: int = 0, ckpt_every: float = float("in
     costs: object = {
         "perdure": lambda: scenario.perdure_costs(
             # the runtime's default form: the streamed exact sum, no salvage
-            scenario.PerduePolicyConfig(spares=spares, reduction="exact_flat"), cal, env
+            scenario.PerduePolicyConfig(spares=spares, reduction="exact_flat"),
+            cal,
+            env,
         ),
         "torchrun": lambda: scenario.torchrun_costs(scenario.TorchrunPolicyConfig(), cal, env),
         "torchft": lambda: scenario.torchft_costs(scenario.TorchftPolicyConfig(), cal, env),
