@@ -136,7 +136,17 @@ def test_a_scheduled_full_disk_costs_saves_not_the_run_nor_a_bit(
     clean: dict, small_dataset: Path, small_disk: Path, tmp_path: Path
 ) -> None:
     fault = {"kind": "disk_full", "target": "r0", "at_step": 4, "duration_s": 1.5}
-    cfg = _config(small_dataset, [fault], checkpoint={"every_steps": 2, "dir": str(small_disk)})
+    # every slot read 150 ms slower (no bit changes): the run outlasts the full disk on a
+    # quiet machine too, so the saves after it (the final one included) commit
+    slow = {
+        "kind": "slow_storage",
+        "target": "r0",
+        "at_step": 1,
+        "delay_ms": 150,
+        "duration_s": 600,
+    }
+    checkpoint = {"every_steps": 2, "dir": str(small_disk)}
+    cfg = _config(small_dataset, [fault, slow], checkpoint=checkpoint)
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == clean["final_hash"]
     failed = events(tmp_path / "run", ev.CHECKPOINT_FAILED)
