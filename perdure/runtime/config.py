@@ -98,8 +98,8 @@ class TrainConfig:
     ``reduction_bits`` and ``reduction_exponents``, DDP's bytes on the wire, streamed
     behind the backward. ``chain``: a pipelined chain along the ranks that adds the fp32
     slot gradients in slot order (a left fold over slots, whoever holds them), after the
-    backward; the default until the exact reduction matched DDP's step (docs/
-    performance.md section 16), kept for the runs and checkpoints made with it (set it to
+    backward; the default until the exact reduction matched DDP's step
+    (docs/performance.md section 16), kept for the runs and checkpoints made with it (set it to
     resume them: their config hash is unchanged). The reduction fixes the rounding of the
     sum, so it is part of the math. ``reduction_bits``, ``_block`` and ``_exponents`` are
     the exact reduction's: the chain ignores them."""
