@@ -11,23 +11,15 @@ import pytest
 
 from perdure.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from perdure.events import JsonLines, Tail, read_jsonl
+from tests.disk_support import small_tmpfs
 from tests.runtime_support import run_to_end, small_config
 
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 3 MiB tmpfs: room for a few checkpoints of the small model, not for the run."""
-    mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.decode()}")
-    try:
+    with small_tmpfs(tmp_path, 3) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_run_whose_checkpoint_disk_fills_up_ends_bitwise_equal_with_its_last_good_one(

@@ -5,8 +5,6 @@ absorbed, and where the bits cannot change the run ends with the clean run's fin
 from __future__ import annotations
 
 import shutil
-import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 from perdure import events as ev
 from perdure.checkpoint import latest_checkpoint, load_checkpoint
 from perdure.data import Dataset, SlotLoader
+from tests.disk_support import small_tmpfs
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 30
@@ -119,17 +118,8 @@ def test_scheduled_slow_storage_changes_no_bit_and_evicts_nobody(
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 4 MiB tmpfs for the checkpoints."""
-    mnt = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    mnt.mkdir()
-    made = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True
-    )
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {made.stderr.decode()}")
-    try:
+    with small_tmpfs(tmp_path, 4) as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
 def test_a_scheduled_full_disk_costs_saves_not_the_run_nor_a_bit(
