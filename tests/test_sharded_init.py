@@ -137,12 +137,10 @@ def _copied_to_rank_1(tr: Trainer, comm: Comm, proc: int) -> int:
     return tr.held
 
 
-def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
-    """Rank 0 holds every shard from the seed, virtually; rank 1 joins (it receives the
-    run's state, then its shard), as the worker does it: ``_transfer``, then
-    ``_exchange_shards``."""
-    config = _cfg(Path(dataset), 2, 2)
-    tr = Trainer(config)
+def _joined_as_the_worker_does(tr: Trainer, port: int, proc: int) -> tuple[Comm, Shards, int]:
+    """Rank 1 joins rank 0's replica group of two: the state copied (``_transfer``), then
+    the shards exchanged (``_exchange_shards``); the epoch's comm, the group and what this
+    rank holds."""
     store = torch.distributed.TCPStore("127.0.0.1", port, 2, proc == 0, T)
     comm = Comm(store, "e/", proc, 2, T, lambda: False)
     group = comm.subgroup(store, "shard0", proc, 2)
@@ -152,6 +150,16 @@ def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
     tr.shards = shards
     held = _copied_to_rank_1(tr, comm, proc)
     tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
+    return comm, shards, held
+
+
+def _joined(proc: int, port: int, dataset: str, q: mp.Queue) -> None:
+    """Rank 0 holds every shard from the seed, virtually; rank 1 joins (it receives the
+    run's state, then its shard), as the worker does it: ``_transfer``, then
+    ``_exchange_shards``."""
+    config = _cfg(Path(dataset), 2, 2)
+    tr = Trainer(config)
+    comm, shards, held = _joined_as_the_worker_does(tr, port, proc)
     # bytes, not tensors: a tensor would travel as a handle to this process's memory
     params = {
         n: p.detach().numpy().tobytes() for n, p in tr.module.named_parameters() if resident(p)
@@ -207,15 +215,7 @@ def _joined_from_checkpoint(proc: int, port: int, dataset: str, ckpt: str, q: mp
     tr = Trainer(config)
     if proc == 0:
         tr.load(ckpt)
-    store = torch.distributed.TCPStore("127.0.0.1", port, 2, proc == 0, T)
-    comm = Comm(store, "e/", proc, 2, T, lambda: False)
-    group = comm.subgroup(store, "shard0", proc, 2)
-    shards = Shards(
-        optimizer_params(tr.optimizer), k=2, rank=proc, group=group, timeout=T, module=tr.module
-    )
-    tr.shards = shards
-    held = _copied_to_rank_1(tr, comm, proc)
-    tr.keep_shard(*shards.exchange(comm, held, tr.whole_optimizer(), tr.filled))
+    comm, shards, held = _joined_as_the_worker_does(tr, port, proc)
     params = {
         n: p.detach().numpy().tobytes() for n, p in tr.module.named_parameters() if resident(p)
     }
