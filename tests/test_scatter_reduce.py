@@ -158,3 +158,70 @@ def test_the_carried_form_reduce_scattered_gives_the_flat_bits_and_every_rank_it
         assert sorted(spans) == [mine, (CARRIED_P, CARRIED_P + 7)]
         for (lo, hi), values in spans.items():
             assert torch.equal(values, want[lo:hi]), (first, rank, lo, hi)
+
+
+STREAMED_P, STREAMED_SLOTS = 5 * 256 + 40, [[0, 1], [2], [3, 4, 5], [6, 7]]
+"""A gradient part of five whole blocks and a partial one; two groups of k = 2 (ranks
+0-1, 2-3), each rank with its own slots (rank 1 with one: its integers in place)."""
+
+
+def _streamed_rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
+    from perdure.runtime.comm.readiness import Readiness
+    from perdure.runtime.comm.streamed import StreamedReducer, predict, used
+    from tests.test_streamed import _low, _slots, _Threaded
+
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, T)
+    comm = _Threaded()  # the comm thread: the backward hands the last slot over meanwhile
+    comm.pg = _pg(store, "all/", rank, world)
+    k, g, j, n = 2, rank // 2, rank % 2, STREAMED_P + 9
+    bufs = _slots(3, n)
+    group, cross = _pg(store, f"group{g}/", j, k), _pg(store, f"cross{j}/", g, world // k)
+    mine = STREAMED_SLOTS[rank]
+    for first in ("all_reduce", "reduce_scatter"):
+        ranges = ((0, 3 * 256 + 100), (3 * 256 + 100, STREAMED_P))  # a cut inside a block
+        sc = Scatter(group, cross, ranges, j, STREAMED_P, n, first)
+        red = StreamedReducer(rank, world, slots=S, bits=32, block=256, scatter=sc)
+
+        def one_pass(exps: Any, red: StreamedReducer = red) -> Any:
+            buf = torch.empty(n)
+            red.open(buf, exps, adds=len(mine) - 1)
+            for s in mine[:-1]:
+                buf.copy_(bufs[s])
+                red.add(buf)
+            ready = Readiness()
+            fut = red.finish(comm, buf, timeout=T, last=buf, ready=ready)
+            buf.copy_(bufs[mine[-1]])
+            ready.advance(n)
+            return fut.result(timeout=60)
+
+        _, maxima = one_pass(None)
+        for name, exps in (("low", used(_low(maxima))), ("predicted", used(predict(None, maxima)))):
+            out, _ = one_pass(exps)
+            q.put((first, name, rank, {s: out[s[0] : s[1]].clone() for s in sc.spans()}))
+
+
+@pytest.mark.timeout(120)
+def test_the_streamed_form_reduce_scattered_over_two_groups_gives_the_flat_bits_with_outliers() -> (
+    None
+):
+    """A prediction that every other block outgrows sends those blocks through the outlier
+    lane, whose main integers must be the ones summed over every group: they were once
+    read before the cross-group sum had landed, so each group kept its own (a run with
+    two groups diverged at its first predicted step)."""
+    from perdure.runtime.comm.streamed import StreamedReducer, predict, used
+    from tests.test_streamed import _low, _pass, _slots
+
+    got = run_ranks(_streamed_rank, 4, 16)
+    n = STREAMED_P + 9
+    bufs = _slots(3, n)
+    red = StreamedReducer(0, 1, slots=S, bits=32, block=256)
+    _, maxima = _pass(red, bufs, None)
+    want = {
+        "low": _pass(red, bufs, used(_low(maxima)))[0],
+        "predicted": _pass(red, bufs, used(predict(None, maxima)))[0],
+    }
+    assert not torch.equal(want["low"], want["predicted"])  # the lane rounds otherwise
+    assert len(got) == 16
+    for first, name, rank, spans in got:
+        for (lo, hi), values in spans.items():
+            assert torch.equal(values, want[name][lo:hi]), (first, name, rank, lo, hi)

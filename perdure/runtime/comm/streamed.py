@@ -414,10 +414,11 @@ class StreamedReducer:
             return None, maxima
         spans = ex.finish(timeout) if ex is not None else [(0, self.n)]
         over = torch.nonzero(maxima > self.exps).flatten()
-        # the outlier blocks' main integers, before an in-place conversion overwrites them
-        mains = None if capped else self._mains(over)
+        mains = None if capped else self._no_mains(over)
         back = self.exact._fused([out])
-        for lo, hi in spans:
+        for lo, hi in spans:  # each span once its sum is in (a scatter's: as they land)
+            if mains is not None:  # the outlier blocks' main integers, before an in-place
+                self._take_mains(over, mains, lo, hi)  # conversion overwrites them
             self._convert(out, lo, hi, back)
         if mains is None:
             return None, maxima
@@ -425,13 +426,25 @@ class StreamedReducer:
             self._outlier_lane(pg, tiers, over, maxima, mains, out, timeout)
         return out, maxima
 
-    def _mains(self, over: torch.Tensor) -> list[torch.Tensor]:
-        """The summed integers of the blocks ``over``, as int64 copies."""
+    def _no_mains(self, over: torch.Tensor) -> list[torch.Tensor]:
+        """Room for the summed integers of the blocks ``over``, as int64 (zeros)."""
         out = []
         for j in over.tolist():
             a, b = j * self.block, min(self.n, (j + 1) * self.block)
-            out.append(self.ints[a:b].to(torch.int64))
+            out.append(torch.zeros(b - a, dtype=torch.int64))
         return out
+
+    def _take_mains(self, over: torch.Tensor, mains: list[torch.Tensor], lo: int, hi: int) -> None:
+        """The parts inside ``[lo, hi)`` of the blocks ``over``'s summed integers: taken
+        span by span as each span's sum lands, never before (a reduce-scatter's spans are
+        summed as :meth:`ScatterExchange.finish` yields them; read earlier, a block held
+        a partial sum that depended on the exchange's timing). Outside the spans a
+        block's values are another shard's, dead here."""
+        for row, j in enumerate(over.tolist()):
+            a, b = j * self.block, min(self.n, (j + 1) * self.block)
+            x, y = max(a, lo), min(b, hi)
+            if x < y:
+                mains[row][x - a : y - a] = self.ints[x:y]
 
     def _convert(self, out: torch.Tensor, lo: int, hi: int, back: Any) -> None:
         """The sums of ``[lo, hi)`` into ``out``, exactly those values: the block-aligned
