@@ -10,7 +10,8 @@ one intra-op thread each, the exact reduction) of the tiny_lm task on the stdlib
 - ``k1``: unsharded (every rank a whole replica);
 - ``k2_optimizer``: ``train.shard_degree = 2``, the optimizer state sharded, the
   parameters whole;
-- ``k2_at_rest`` / ``k4_at_rest``: ``train.shard_params = true`` too;
+- ``k2_at_rest`` / ``k4_at_rest``: ``train.shard_params = true`` too (the gathers
+  prefetched, the default); ``*_no_prefetch``: each unit gathered at its use;
 - ``*_per_module``: the same with ``task.init = "per_module"`` (each rank makes only its
   shard; another initialisation, so compared with ``k1_per_module``).
 
@@ -42,6 +43,8 @@ VARIANTS = {
     "k2_optimizer": {"shard_degree": 2},
     "k2_at_rest": {"shard_degree": 2, "shard_params": True},
     "k4_at_rest": {"shard_degree": 4, "shard_params": True},
+    "k2_at_rest_no_prefetch": {"shard_degree": 2, "shard_params": True, "shard_prefetch": False},
+    "k4_at_rest_no_prefetch": {"shard_degree": 4, "shard_params": True, "shard_prefetch": False},
     "k1_per_module": {"shard_degree": 1, "init": "per_module"},
     "k2_at_rest_per_module": {"shard_degree": 2, "shard_params": True, "init": "per_module"},
     "k4_at_rest_per_module": {"shard_degree": 4, "shard_params": True, "init": "per_module"},
@@ -84,6 +87,7 @@ def point(name: str, steps: int, dataset: str) -> dict:
             max(e["init_peak_bytes"] / e["of"] for e in rest) if rest else 1.0
         ),
         "broadcasts_per_step": max(e["gathers"] for e in peak) / steps_run if peak else 0,
+        "prefetched_per_step": max(e["prefetched"] for e in peak) / steps_run if peak else 0,
     }
     if r["rc"]:
         out["error"] = r["stderr_tail"][-800:]

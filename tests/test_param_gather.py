@@ -40,7 +40,9 @@ def _slot_grads(task: Any, slot: int, gather: ParamGather | None) -> list[bytes]
     return [p.grad.numpy().tobytes() for p in model.parameters()]
 
 
-def _rank(name: str, unit_bytes: int | None, rank: int, world: int, port: int, q: Any) -> None:
+def _rank(
+    name: str, unit_bytes: int | None, prefetch: bool, rank: int, world: int, port: int, q: Any
+) -> None:
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -50,8 +52,14 @@ def _rank(name: str, unit_bytes: int | None, rank: int, world: int, port: int, q
     task = _task(name)
     params = list(task.model.parameters())
     owner = owners([p.numel() for p in params], world)
+    launch = (lambda t, src: dist.broadcast(t, src, async_op=True).wait) if prefetch else None
     gather = ParamGather(
-        params, owner, rank, lambda t, src: dist.broadcast(t, src), unit_bytes=unit_bytes
+        params,
+        owner,
+        rank,
+        lambda t, src: dist.broadcast(t, src),
+        unit_bytes=unit_bytes,
+        launch=launch,
     )
     at_rest = gather.held
     grads = [_slot_grads(task, s, gather) for s in range(SLOTS)]
@@ -59,24 +67,33 @@ def _rank(name: str, unit_bytes: int | None, rank: int, world: int, port: int, q
         p.untyped_storage().nbytes() == 0 for i, p in enumerate(params) if owner[i] != rank
     )
     per_slot = gather.gathers / SLOTS
-    q.put((rank, grads, at_rest, gather.peak_bytes, gather.held, foreign_freed, per_slot))
+    landed = not gather.flying and (gather.prefetched > 0) == prefetch
+    freed = foreign_freed and landed
+    q.put((rank, grads, at_rest, gather.peak_bytes, gather.held, freed, per_slot))
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(
-    ("name", "k", "unit_bytes"),
-    [("tiny_lm", 2, None), ("tiny_lm", 3, None), ("hf_lm", 2, None), ("tiny_lm", 2, 1 << 30)],
+    ("name", "k", "unit_bytes", "prefetch"),
+    [
+        ("tiny_lm", 2, None, True),
+        ("tiny_lm", 3, None, False),
+        ("hf_lm", 2, None, True),
+        ("tiny_lm", 2, 1 << 30, False),
+    ],
 )
 def test_gathered_gradients_equal_the_whole_replica_bit_for_bit(
-    name: str, k: int, unit_bytes: int | None
+    name: str, k: int, unit_bytes: int | None, prefetch: bool
 ) -> None:
     """The default units (a quarter of a shard's share), and the whole model as one unit
-    (every gather a bulk one: the forward's two broadcasts, the backward's by unit)."""
+    (every gather a bulk one: the forward's two broadcasts, the backward's by unit); with
+    the next unit prefetched (gloo's asynchronous broadcasts) or each gathered at use."""
     torch.set_num_threads(1)
     task = _task(name)
     want = [_slot_grads(task, s, None) for s in range(SLOTS)]
     total = sum(p.numel() * p.element_size() for p in task.model.parameters())
-    out = sorted(run_ranks(functools.partial(_rank, name, unit_bytes), k, k), key=lambda r: r[0])
+    ranks = functools.partial(_rank, name, unit_bytes, prefetch)
+    out = sorted(run_ranks(ranks, k, k), key=lambda r: r[0])
     n = len(list(task.model.parameters()))
     for rank, grads, at_rest, peak, held, freed, per_slot in out:
         assert grads == want, f"rank {rank} of {k}"
@@ -198,3 +215,52 @@ def test_reading_a_parameters_metadata_or_grad_does_not_gather_it() -> None:
         assert sent == []
         model.weight.sum()  # a read of the bytes does
         assert sent == [1]
+
+
+def test_a_units_forward_starts_the_next_units_broadcast_before_that_unit_runs() -> None:
+    """Prefetch: the second Linear's broadcast is launched inside the first one's
+    pre-hook and waited for only at its own; the backward's gathers prefetch the unit
+    before; the gradients are the whole model's and every flight lands by the slot's end."""
+    model = _mlp()
+    x = torch.ones(3, 4, requires_grad=True)  # so the backward needs the first weight too
+    model(x).sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    want = [p.detach().clone() for p in model.parameters()]
+    log: list[tuple[str, int]] = []
+
+    def fill(t: torch.Tensor, src: int) -> None:  # owner 1's bytes, as a peer sends them
+        w, b = (want[i].view(-1).view(torch.uint8) for i in (2, 3))
+        if src == 1 and t.numel() == 128:  # its unit: the weight at 0, the bias at 64
+            t[:64].copy_(w)
+            t[64:72].copy_(b)
+        elif src == 1:
+            t.copy_(w if t.numel() == 64 else b)
+
+    def launch(t: torch.Tensor, src: int) -> Any:
+        log.append(("launch", src))
+
+        def wait() -> None:
+            log.append(("wait", src))
+            fill(t, src)
+
+        return wait
+
+    def now(t: torch.Tensor, src: int) -> None:
+        log.append(("now", src))
+        fill(t, src)
+
+    params = list(model.parameters())
+    gather = ParamGather(params, [0, 0, 1, 1], 0, now, unit_bytes=0, launch=launch)
+    for p in params:
+        p.grad = None
+    with gather.active(model):
+        model(x).sum().backward()
+        assert not gather.flying
+    # unit 0 (its own) gathered, unit 1's launched at once and landed at its own hook
+    assert log[:3] == [("now", 0), ("launch", 1), ("wait", 1)]
+    # the backward: unit 1 gathered again, and unit 0 (the one before) prefetched there
+    assert log[3:6] == [("now", 1), ("launch", 0), ("wait", 0)], log
+    assert gather.prefetched == 2
+    got = [p.grad for p in params]
+    assert all(torch.equal(a, b) for a, b in zip(got, want_grads, strict=True))
+    assert params[2].untyped_storage().nbytes() == 0 and gather.held == (32 + 8) * 4

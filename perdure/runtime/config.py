@@ -156,6 +156,12 @@ class TrainConfig:
     re-running a non-finite slot holds the whole parameters for a moment (a checkpoint is
     read by shard: each rank reads only its tensors' byte ranges); a
     model whose use of parameters depends on the data (an expert router) cannot run so."""
+    shard_prefetch: bool = True
+    """With ``shard_params``: the next gather unit's broadcasts start while the current
+    unit computes, in the forward and in the backward (FSDP2's explicit prefetch;
+    ``runtime/param_gather.py``), so one unit's bytes are on the wire behind the other's
+    compute, at the cost of holding one more unit. Not part of the math: the same bytes
+    arrive, only earlier. ``false``: each unit is gathered when it is first used."""
     shard_reduce: Literal["auto", "whole", "scatter"] = "auto"
     """How a replica group's ranks get the step's gradient (``train.shard_degree`` > 1).
     ``scatter``: the integer sum is reduce-scattered inside the group (each rank receives

@@ -41,8 +41,19 @@ once a member holds its shard at an epoch's start; ``Trainer.compute_slots`` run
 slot inside ``active``; the step runner keeps every rank of a group at the same number of
 slots).
 
-Limits (this step): the gathers are not prefetched (the next unit's broadcasts could run
-while one computes, as FSDP2's do); an owner sends a multi-parameter unit from a copy laid
+**Prefetch** (FSDP2's explicit prefetch; given a ``launch``, ``train.shard_prefetch``):
+a unit's forward pre-hook, once its own parameters are in, starts the next unit's
+broadcasts (the next in the cut's order, the order a forward visits them), and a gather
+in the backward starts the previous unit's (its parameters the graph still holds markers
+of), so one unit's bytes are on the wire while the other computes. The group's comm
+thread runs them in the order they were launched, the same on every rank (a launch is a
+pure function of the same state machine); a parameter in flight is waited for, never
+gathered twice, where it is next needed (its unit's hook, a torch function, a free), and
+every flight is landed before the slot ends. At most two units are held beyond the
+shard; a prefetch the backward turns out not to need is only freed with the rest at the
+slot's end.
+
+Limits (this step): an owner sends a multi-parameter unit from a copy laid
 end to end (its parameters are not views of one flat storage); a model whose
 set of used parameters depends on the data (a router that skips experts) breaks the
 lockstep; double backward (``create_graph``) is not supported, since unpacked parameters
@@ -53,6 +64,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -62,6 +74,29 @@ from torch.overrides import TorchFunctionMode
 Broadcast = Callable[[torch.Tensor, int], None]
 """``broadcast(flat_uint8, src)``: the group's broadcast, in place, from rank ``src`` of
 the group (the owner's shard index: a group's rank ``j`` owns shard ``j``)."""
+
+Launch = Callable[[torch.Tensor, int], Callable[[], None]]
+"""``launch(flat_uint8, src)``: start the same broadcast on the group's comm thread and
+return its wait (which raises as ``broadcast`` would); the buffer must stay untouched
+until the wait returns."""
+
+
+@dataclass(frozen=True, eq=False)  # each flight is itself: hashed by identity
+class _Flight:
+    """One broadcast of some parameters of one owner, started and not yet landed."""
+
+    owner: int
+    idx: list[int]
+    wait: Callable[[], None]
+    flat: torch.Tensor | None
+    """A unit's buffer (the owner's copy, or where a receiver's bytes land); None where
+    the one parameter's own storage is the buffer."""
+    temp: int
+    """Bytes of the buffer beyond the parameters' own."""
+
+
+def _done() -> None:
+    return None
 
 
 class ParamGather:
@@ -75,12 +110,20 @@ class ParamGather:
         broadcast: Broadcast,
         *,
         unit_bytes: int | None = None,
+        launch: Launch | None = None,
     ) -> None:
+        """``launch``: the broadcast started on the group's comm thread; given, the next
+        unit is prefetched while one computes (see the module's doc)."""
         assert len(params) == len(owner), (len(params), len(owner))
         self.params = list(params)
         self.owner = list(owner)
         self.mine = mine
         self.broadcast = broadcast
+        self.launch = launch
+        self.flying: dict[int, _Flight] = {}
+        """Parameters whose broadcast is on the wire (a prefetch), by index."""
+        self.prefetched = 0
+        """Broadcasts started ahead of their use."""
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.nbytes = [p.numel() * p.element_size() for p in self.params]
         for p in self.params:
@@ -100,6 +143,8 @@ class ParamGather:
         self.pending = [0] * len(self.params)
         """Markers of each parameter the autograd graph holds and has not unpacked."""
         self.unit_of: list[list[int]] = [[i] for i in range(len(self.params))]
+        self.unit_pos = [-1] * len(self.params)
+        """The position in the cut of each parameter's unit (-1: none)."""
         self._cut: list[tuple[nn.Module, list[int]]] | None = None
         """The model's units, cut once (the first ``active``): a pure function of its
         structure."""
@@ -116,7 +161,12 @@ class ParamGather:
         return self.owner[i] != self.mine
 
     def release(self) -> None:
-        """Back to rest: every foreign parameter's storage freed."""
+        """Back to rest: every flight landed (or, failed, dropped) and every foreign
+        parameter's storage freed."""
+        for f in list(dict.fromkeys(self.flying.values())):
+            with contextlib.suppress(BaseException):  # the slot is over, or failing already
+                self._land(f)
+        self.flying.clear()
         for i in range(len(self.params)):
             self.free(i)
 
@@ -127,66 +177,100 @@ class ParamGather:
         self.gather_many([i])
 
     def gather_many(self, indices: Sequence[int]) -> None:
-        """Make parameters resident on every rank of the group: one broadcast per owner
-        of those at rest (in the order of the owners; the same on every rank, since
-        ``live`` is)."""
-        todo = list(dict.fromkeys(i for i in indices if not self.live[i]))
-        for j in sorted({self.owner[i] for i in todo}):
-            self._broadcast_from(j, [i for i in todo if self.owner[i] == j])
+        """Make parameters resident on every rank of the group: those in flight landed,
+        then one broadcast per owner of those still at rest (in the order of the owners;
+        the same on every rank, since ``live`` is)."""
+        self._land_any(indices)
+        for f in self._start_many(indices, self._now):
+            self._land(f)
 
-    def _broadcast_from(self, j: int, idx: list[int]) -> None:
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Start the broadcasts of those of ``indices`` at rest, without waiting (no-op
+        without a ``launch``)."""
+        if self.launch is None:
+            return
+        for f in self._start_many(indices, self.launch):
+            self.prefetched += 1
+            for i in f.idx:
+                self.flying[i] = f
+
+    def _start_many(self, indices: Sequence[int], launch: Launch) -> list[_Flight]:
+        todo = [i for i in dict.fromkeys(indices) if not self.live[i] and i not in self.flying]
+        return [
+            self._start(j, [i for i in todo if self.owner[i] == j], launch)
+            for j in sorted({self.owner[i] for i in todo})
+        ]
+
+    def _now(self, flat: torch.Tensor, src: int) -> Callable[[], None]:
+        self.broadcast(flat, src)
+        return _done
+
+    def _start(self, j: int, idx: list[int], launch: Launch) -> _Flight:
+        """Put owner j's parameters ``idx`` on the wire: in place where there is one
+        (into, or from, its own storage), else laid out in one buffer (``_layout``)."""
         ps = [self.params[i] for i in idx]
         with self._own_calls():
-            if len(ps) == 1:  # in place, into (or from) its own storage
-                temp = self._one(j, idx[0])
-            elif j == self.mine:
-                temp = self._send_many(j, ps)
+            if len(ps) == 1:
+                if j != self.mine:
+                    make_resident(ps[0])
+                try:
+                    wait = launch(_bytes(ps[0]), j)
+                except BaseException:  # a failed collective: nothing half-received stays
+                    if j != self.mine:
+                        free(ps[0])
+                    raise
+                f = _Flight(j, idx, wait, None, 0)
             else:
-                temp = self._receive_many(j, ps)
-        for i in idx:
-            self.live[i] = True
+                offsets, n = _layout(ps)
+                flat = torch.empty(n, dtype=torch.uint8, device=ps[0].device)
+                if j == self.mine:
+                    for p, a in zip(ps, offsets, strict=True):
+                        flat[a : a + p.numel() * p.element_size()].copy_(_bytes(p))
+                wait = launch(flat, j)  # a failure leaves every parameter as it was
+                mine = 0 if j == self.mine else sum(p.numel() * p.element_size() for p in ps)
+                f = _Flight(j, idx, wait, flat, n - mine)
         if j != self.mine:
             self.held += sum(self.nbytes[i] for i in idx)
-        self.gathers += 1
-        self.peak_bytes = max(self.peak_bytes, self.held + temp)
+        self.peak_bytes = max(self.peak_bytes, self.held + self._temp() + f.temp)
+        return f
 
-    def _one(self, j: int, i: int) -> int:
-        p = self.params[i]
-        if j != self.mine:
-            make_resident(p)
+    def _temp(self) -> int:
+        return sum(f.temp for f in dict.fromkeys(self.flying.values()))
+
+    def _land_any(self, indices: Sequence[int]) -> None:
+        for f in dict.fromkeys(self.flying[i] for i in indices if i in self.flying):
+            self._land(f)
+
+    def _land(self, f: _Flight) -> None:
+        """Wait for a broadcast; a receiver's parameters then view its buffer (``set_``,
+        no copy). A failure leaves them at rest."""
+        for i in f.idx:
+            self.flying.pop(i, None)
+        receiver = f.owner != self.mine
         try:
-            self.broadcast(_bytes(p), j)
-        except BaseException:  # a failed collective: nothing half-received stays
-            if j != self.mine:
-                free(p)
+            with self._own_calls():
+                f.wait()
+        except BaseException:
+            if receiver:
+                self.held -= sum(self.nbytes[i] for i in f.idx)
+                if f.flat is None:
+                    free(self.params[f.idx[0]])
             raise
-        return 0
-
-    def _send_many(self, j: int, ps: list[nn.Parameter]) -> int:
-        """The owner's side of a unit: its parameters laid out as ``_layout`` says, sent;
-        returns the temporary's bytes."""
-        offsets, n = _layout(ps)
-        flat = torch.empty(n, dtype=torch.uint8, device=ps[0].device)
-        for p, a in zip(ps, offsets, strict=True):
-            flat[a : a + p.numel() * p.element_size()].copy_(_bytes(p))
-        self.broadcast(flat, j)
-        return n
-
-    def _receive_many(self, j: int, ps: list[nn.Parameter]) -> int:
-        """A receiver's side of a unit: the bytes land in one buffer, and each parameter
-        becomes a view of it (``set_``, no copy); ``free`` gives it its own (empty)
-        storage back, and the buffer goes with its last view."""
-        offsets, n = _layout(ps)
-        flat = torch.empty(n, dtype=torch.uint8, device=ps[0].device)
-        self.broadcast(flat, j)  # a failure leaves every parameter as it was: at rest
-        storage = flat.untyped_storage()
-        with torch.no_grad():
-            for p, a in zip(ps, offsets, strict=True):
-                p.set_(storage, a // p.element_size(), p.shape, p.stride())
-        return n - sum(p.numel() * p.element_size() for p in ps)  # the padding
+        if receiver and f.flat is not None:
+            offsets, _ = _layout([self.params[i] for i in f.idx])
+            storage = f.flat.untyped_storage()
+            with self._own_calls(), torch.no_grad():
+                for i, a in zip(f.idx, offsets, strict=True):
+                    p = self.params[i]
+                    p.set_(storage, a // p.element_size(), p.shape, p.stride())
+        for i in f.idx:
+            self.live[i] = True
+        self.gathers += 1
 
     def free(self, i: int) -> None:
         """Drop parameter i (its storage, where this rank does not own it)."""
+        if i in self.flying:
+            self._land(self.flying[i])
         if not self.live[i]:
             return
         self.live[i] = False
@@ -237,14 +321,21 @@ class ParamGather:
     def _unit_hooks(self, model: nn.Module) -> list[Any]:
         if self._cut is None:
             self._cut = units(model, self.index, self.nbytes, self.unit_bytes)
-            for _, idx in reversed(self._cut):  # a parameter's unit: the first holding it
-                for i in idx:
-                    self.unit_of[i] = idx
-        return [m.register_forward_pre_hook(self._gatherer(idx)) for m, idx in self._cut]
+            for pos in reversed(range(len(self._cut))):  # a parameter's unit: the first
+                for i in self._cut[pos][1]:
+                    self.unit_of[i], self.unit_pos[i] = self._cut[pos][1], pos
+        return [
+            m.register_forward_pre_hook(self._gatherer(pos)) for pos, (m, _) in enumerate(self._cut)
+        ]
 
-    def _gatherer(self, indices: list[int]) -> Callable[..., None]:
+    def _gatherer(self, pos: int) -> Callable[..., None]:
+        assert self._cut is not None
+        cut = self._cut
+
         def hook(*_: Any) -> None:
-            self.gather_many(indices)
+            self.gather_many(cut[pos][1])
+            if pos + 1 < len(cut):
+                self.prefetch(cut[pos + 1][1])
 
         return hook
 
@@ -288,9 +379,23 @@ class ParamGather:
         i = x.param
         if not self.live[i]:  # with the rest of its unit that the backward still needs
             self.gather_many([i, *(u for u in self.unit_of[i] if self.pending[u] > 0)])
+            self._prefetch_before(self.unit_pos[i])
         self.pending[i] = max(0, self.pending[i] - 1)
         p = self.params[i]  # now possibly a view of another unit buffer: its own offset
         return p.detach().as_strided(x.shape, x.stride, p.storage_offset() + x.offset)
+
+    @property
+    def largest_unit(self) -> int:
+        """The parameter bytes of the largest gather unit (0 before the first slot): with
+        prefetch a rank holds at most its shard and two units' foreign bytes at once."""
+        return max((sum(self.nbytes[i] for i in idx) for _, idx in self._cut or []), default=0)
+
+    def _prefetch_before(self, pos: int) -> None:
+        """In the backward: the unit before ``pos`` (the one a backward reaches next), its
+        parameters the graph still holds markers of."""
+        if self._cut is None or pos <= 0:
+            return
+        self.prefetch([u for u in self._cut[pos - 1][1] if self.pending[u] > 0])
 
     def touch(self, func: Any, args: Any, kwargs: Any) -> None:
         if self.busy or func in _METADATA:  # see ``_own_calls``, ``_METADATA``

@@ -91,12 +91,15 @@ class Shards:
         timeout: timedelta,
         module: nn.Module | None = None,
         layout: Sequence[torch.Tensor] | None = None,
+        prefetch: bool = True,
     ) -> None:
         """``layout``: the parameters in the slot buffer's order (``SlotEngine.params``),
         to give each shard one contiguous range of it for a reduce-scatter
         (``train.shard_reduce = "scatter"``); ``ranges`` stays None where the ownership
         cannot be contiguous (gather units that interleave in that order)."""
         self.params = list(params)
+        self.prefetch = prefetch
+        """Sharded at rest: whether the gathers are prefetched (``train.shard_prefetch``)."""
         self.k, self.rank, self.group, self.timeout = k, rank, group, timeout
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self.unit_bytes: int | None = None
@@ -220,6 +223,7 @@ class Shards:
             self.mine,
             self._broadcast,
             unit_bytes=self.unit_bytes,
+            launch=self._launch if self.prefetch else None,
         )
 
     def _broadcast(self, flat: torch.Tensor, src: int) -> None:
@@ -228,6 +232,20 @@ class Shards:
         self.group.call(lambda: pg.broadcast(buf, src).wait(t))
         if buf is not flat:
             flat.copy_(buf)
+
+    def _launch(self, flat: torch.Tensor, src: int) -> Callable[[], None]:
+        """The broadcast started on the group's comm thread; returns its wait (which
+        leaves, raising, once the epoch changes: ``Comm.result``)."""
+        dev, pg, t = self.group.device, self.group.pg, self.timeout
+        buf = flat if flat.device == torch.device(dev) else flat.to(dev)
+        fut = self.group.submit(lambda: pg.broadcast(buf, src).wait(t))
+
+        def wait() -> None:
+            self.group.result(fut)
+            if buf is not flat:
+                flat.copy_(buf)
+
+        return wait
 
     # -- the step --------------------------------------------------------------------------
 

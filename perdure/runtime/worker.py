@@ -416,6 +416,7 @@ class Worker:
             timeout=self._timeout(),
             module=module,
             layout=layout,
+            prefetch=train.shard_prefetch,
         )
         tr.shards = self.shards
         if train.scatters:
@@ -565,6 +566,8 @@ class Worker:
                 "peak_bytes": gather.peak_bytes,
                 "of": sum(gather.nbytes),
                 "gathers": gather.gathers,
+                "prefetched": gather.prefetched,
+                "largest_unit_bytes": gather.largest_unit,
             }
         )
 
