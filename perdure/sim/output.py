@@ -32,7 +32,13 @@ COLOURS = {
 }
 
 
+DILOCO_COLOURS = {"10": "#ff7f0e", "50": "#9467bd", "200": "#8c564b"}
+"""DiLoCo's rows by H (other H: grey)."""
+
+
 def colour(label: str) -> str:
+    if label.startswith("diloco/H"):
+        return DILOCO_COLOURS.get(label.split("/")[1][1:], "#555555")
     return COLOURS.get(label, "#555555")
 
 
@@ -64,6 +70,32 @@ def step_table(rows: Sequence[Summary], memory: str) -> str:
             continue
         cells = " ".join(f"{r.step_parts.get(p, 0.0):9.3f}" for p in STEP_PARTS)
         lines.append(f"{r.policy:{w}s} {cells} {sum(r.step_parts.values()):9.3f}")
+    return "\n".join(lines)
+
+
+def throughput_table(rows: Sequence[Summary], sync: str) -> str:
+    """Tokens a second and bytes across regions per token, each against the synchronous
+    perdure row ``sync``: the sync-vs-DiLoCo comparison (throughput only)."""
+    w = max([18, *(len(r.policy) for r in rows)])
+    ref = next((r for r in rows if r.policy == sync), None)
+    lines = [
+        f"throughput and bytes across regions per token, against {sync} (the synchronous "
+        "step); DiLoCo's loss per token differs from the synchronous step's and is NOT "
+        "simulated: these are throughput, not quality",
+        f"{'policy':{w}s} {'step s':>7s} {'tokens/s':>10s} {'x sync':>6s} {'efficiency':>10s} "
+        f"{'goodput':>8s} {'cross B/token':>13s} {'x sync':>9s}",
+    ]
+    for r in rows:
+        speed = r.tokens_per_s / ref.tokens_per_s if ref and ref.tokens_per_s else math.nan
+        nbytes = (
+            r.cross_bytes_per_token / ref.cross_bytes_per_token
+            if ref and ref.cross_bytes_per_token
+            else math.nan
+        )
+        lines.append(
+            f"{r.policy:{w}s} {r.step_s:7.3f} {r.tokens_per_s:10.4g} {speed:6.3f} "
+            f"{r.efficiency:10.4f} {r.goodput:8.4f} {r.cross_bytes_per_token:13.1f} {nbytes:9.5f}"
+        )
     return "\n".join(lines)
 
 
@@ -149,6 +181,8 @@ def record(
             "seconds_per_failure": r.per_failure,
             "checkpoint_s": r.checkpoint_s,
             "step_parts": r.step_parts,
+            "tokens_per_s": r.tokens_per_s,
+            "cross_bytes_per_token": r.cross_bytes_per_token,
         }
 
     return {
