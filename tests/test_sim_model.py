@@ -459,7 +459,9 @@ def test_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None
     assert four[0] < none[0] < eight[0]
 
 
-@pytest.mark.parametrize("name", ["deployment-46", "llama3-405b", "seed-600b"])
+@pytest.mark.parametrize(
+    "name", ["deployment-46", "deployment-46-diloco", "llama3-405b", "seed-600b"]
+)
 def test_the_cost_table_accounts_for_every_second_a_run_loses(name: str) -> None:
     """Elapsed time minus the full-batch steps' fault-free time is the sum of the
     ledger's items and the checkpoints' blocking time: nothing lost goes uncharged, and
