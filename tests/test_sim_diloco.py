@@ -158,6 +158,25 @@ def test_a_lost_region_costs_a_copy_and_the_inner_steps_since_the_outer_step(
     assert out.elapsed_s - out.samples * out.step_s == pytest.approx(stall + reduced)
 
 
+def test_the_death_of_a_regions_last_worker_moves_its_replica_too() -> None:
+    """One worker a region (a replica group a region, as seed-600b.toml): its death
+    empties the region, so its replica moves and recomputes the round's 3 inner steps,
+    as a region's loss does; the replacement's join copies it home."""
+    step = _hand_diloco(10)
+    ctx = replace(_context(step), target=(1, 1))
+    c: diloco_policy.Costs = ctx.costs
+    death = Event(t=0.0, kind="worker_death", after_steps=13, region=1, replace_s=60.0)
+    out = simulate(ctx, POLICIES["diloco"], [death], until_steps=100)
+    # a replica alone on one worker: its 4 slots of 0.75 s, no reduction
+    assert step.replica_s(1) == pytest.approx(3.0, rel=1e-12)
+    items = out.ledger["worker_death"]
+    assert items["lost"] == pytest.approx(3 * 3.0, rel=1e-9)
+    assert items["copy"] == pytest.approx(
+        c.replica_copy_s + c.perdure.join_s - c.perdure.reconfigure_s, rel=1e-9
+    )
+    assert out.elapsed_s - out.samples * out.step_s == pytest.approx(sum(items.values()))
+
+
 def test_a_lost_regions_replica_goes_to_the_most_members_per_replica() -> None:
     cfg = load_sim_config(DILOCO)
     step = scenario.context(cfg, load_calibration(RESULTS), "diloco").step

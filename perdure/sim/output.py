@@ -32,13 +32,22 @@ COLOURS = {
 }
 
 
-DILOCO_COLOURS = {"10": "#ff7f0e", "50": "#9467bd", "200": "#8c564b"}
-"""DiLoCo's rows by H (other H: grey)."""
+DILOCO_COLOURS = {
+    "10": ("#fdae6b", "#e6550d", "#fdd0a2", "#a63603"),
+    "50": ("#bcbddc", "#756bb1", "#dadaeb", "#54278f"),
+    "200": ("#c7e9c0", "#74c476", "#e5f5e0", "#238b45"),
+}
+"""DiLoCo's rows: a hue by H (oranges, purples, greens), a shade by precision and
+overlap (fp32, int8, fp32/overlap, int8/overlap); other H: grey."""
 
 
 def colour(label: str) -> str:
     if label.startswith("diloco/H"):
-        return DILOCO_COLOURS.get(label.split("/")[1][1:], "#555555")
+        parts = label.split("/")
+        shades = DILOCO_COLOURS.get(parts[1][1:])
+        if shades is None:
+            return "#555555"
+        return shades[(parts[2] == "int8") + 2 * (parts[-1] == "overlap")]
     return COLOURS.get(label, "#555555")
 
 
@@ -256,7 +265,9 @@ def _png(s: Sweep, path: Path) -> Path:
 
 def svg_chart(s: Sweep, width: int = 640, height: int = 400) -> str:
     """A standalone SVG of :func:`plot_sweep` (no plotting library)."""
-    left, right, top, bottom = 64, 110, 24, 48
+    longest = max((len(p) for p in s.rows), default=0)
+    left, right, top, bottom = 64, max(110, 40 + 7 * longest), 24, 48
+    width += right - 110  # the legend's room: the plot keeps its width
     lo, hi = _extent(s)
     pad = (hi - lo) * 0.08 or 0.01
     y = Linear(lo - pad, hi + pad, height - bottom, top)
@@ -271,7 +282,7 @@ def svg_chart(s: Sweep, width: int = 640, height: int = 400) -> str:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-        f"<title>{esc('goodput against ' + s.label)}</title>",
+        f"<title>{esc(s.metric + ' against ' + s.label)}</title>",
         f'<rect width="{width}" height="{height}" fill="white"/>',
     ]
     for t in nice_ticks(lo - pad, hi + pad, 6):

@@ -7,15 +7,17 @@ The step is :class:`perdure.sim.diloco.DilocoStep`. What each failure costs:
   spares, redo of the in-flight step, joins). Conservative: perdure stalls every member,
   where under DiLoCo the other regions go on with their inner steps and wait only at the
   outer step (the same time when the struck region is the slowest);
-- a region is lost: its virtual replicas move to the survivors (``DilocoStep.placement``),
-  which fetch each moved replica's state as of the last outer step (a state copy at
-  perdure's measured rate and the cross-region wire: ``copy``) and recompute the inner
-  steps it had done since that outer step (``lost``: ``u`` inner steps of one replica's
-  share on its new host, ``u < H``); with ``overlap`` the previous outer step's exchange
-  may still be in flight when the region goes, and then its H inner steps are recomputed
-  too (``u + H``). Meanwhile the survivors host more replicas each: slower inner steps
-  (``reduced``) until the region is back and its workers join as perdure's do. The
-  coordinator's region fails over to the standby as perdure's does.
+- a region is lost (or its last worker dies): perdure's reaction (detection, the
+  coordinator's failover to the standby, an epoch change; the in-flight step), then its
+  virtual replicas move to the survivors (``DilocoStep.placement``), which fetch each
+  moved replica's state as of the last outer step (a state copy at perdure's measured
+  rate and the cross-region wire: ``copy``) and recompute the inner steps it had done
+  since that outer step (``lost``: ``u`` inner steps of one replica's share on its new
+  host, ``u < H``); with ``overlap`` the previous outer step's exchange may still be in
+  flight when the region goes, and then its H inner steps are recomputed too
+  (``u + H``). Meanwhile the survivors host more replicas each: slower inner steps
+  (``reduced``) until the region's workers are back and join as perdure's do (the
+  join's copy brings the replica home).
 
 Limits: where the replica's state at the last outer step is kept is not modelled (the
 copy is taken from a survivor: keeping one outside each region would add cross-region
@@ -33,7 +35,7 @@ from perdure.sim.diloco import DilocoStep
 from perdure.sim.engine import Context, State
 from perdure.sim.failures import Event
 from perdure.sim.policies import perdure
-from perdure.sim.policies.common import add_members, pay, pay_until, set_down
+from perdure.sim.policies.common import pay
 
 
 @dataclass(frozen=True)
@@ -57,36 +59,27 @@ def rounds_position(step: DilocoStep, s: State) -> float:
     return u
 
 
-def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
+def _move_orphans(ctx: Context, before: State, after: State) -> State:
+    """A region left without members (lost, or its last worker dead): its replicas move
+    to the survivors, which fetch each one's state as of the last outer step and
+    recompute its inner steps since then."""
+    emptied = any(b > 0 and a == 0 for b, a in zip(before.members, after.members, strict=True))
+    if not emptied:
+        return after
     c: Costs = ctx.costs
-    p = c.perdure
     step: DilocoStep = ctx.step  # type: ignore[assignment]
-    if s.down[e.region]:
-        return s, ()
-    before = s.members
-    u = rounds_position(step, s)
-    s = set_down(add_members(s, ctx, e.region, -ctx.target[e.region]), e.region, True)
-    back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
-    settle = 0.0
-    if e.region == ctx.coordinator and not s.coordinator_lost:
-        if ctx.standby is None or s.down[ctx.standby]:
-            return pay_until(s, back.t, "wait"), (back,)
-        s = s._replace(coordinator_lost=True)
-        settle = p.settle_s
-    recompute = step.recompute_s(before, s.members, u)
-    copy = c.replica_copy_s if recompute > 0 else 0.0
-    detect = p.horizon_s if e.silent else p.close_s
-    return pay(s, detection=detect, reform=settle + p.reconfigure_s, copy=copy, lost=recompute), (
-        back,
+    u = rounds_position(step, before)
+    return pay(
+        after, copy=c.replica_copy_s, lost=step.recompute_s(before.members, after.members, u)
     )
 
 
 def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
-    """The handler the engine calls: a region's loss is DiLoCo's own, the rest perdure's."""
+    """The handler the engine calls: perdure's reaction, then the moves of the replicas
+    of any region it left without members."""
     c: Costs = ctx.costs
-    if e.kind == "region_loss":
-        return _region_loss(ctx, s, e)
-    return perdure.policy(replace(ctx, costs=c.perdure), s, e)
+    after, follow = perdure.policy(replace(ctx, costs=c.perdure), s, e)
+    return _move_orphans(ctx, s, after), follow
 
 
 __all__ = ["Costs", "policy"]
