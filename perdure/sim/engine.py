@@ -246,8 +246,8 @@ def simulate(
         s, follow = handle(ctx, s, e)
         cause = e.cause or e.kind
         s = ledger.settle(cause, s)
-        degraded = s.members != ctx.target or s.batch < 1.0 or s.extra_lat_s > 0
-        if degraded and e.kind in FAILURES and (_worse(prior, s) or not s.degraded_by):
+        owns = _took_members(prior, s) or not _degraded(ctx, prior)
+        if e.kind in FAILURES and _degraded(ctx, s) and owns:
             s = s._replace(degraded_by=cause)
         for f in follow:
             _schedule(replace(f, cause=f.cause or cause), timed, triggers, seq)
@@ -268,12 +268,17 @@ def simulate(
     )
 
 
-def _worse(before: State, after: State) -> bool:
-    """Whether an event took members away, shrank the batch or added latency: the
-    failure then owns the time below full strength from there on (a link flap or a
-    spike during a region's loss leaves it to the region's loss, a spike adds its own)."""
+def _degraded(ctx: Context, s: State) -> bool:
+    return s.members != ctx.target or s.batch < 1.0 or s.extra_lat_s > 0
+
+
+def _took_members(before: State, after: State) -> bool:
+    """Whether an event took members away or shrank the batch. Such a failure owns the
+    time below full strength from then on; any failure owns it when it strikes a run at
+    full strength. So a link flap or a latency spike during a region's loss leaves the
+    slower steps to the region's loss (the spike's own part of them included)."""
     fewer = any(a < b for a, b in zip(after.members, before.members, strict=True))
-    return fewer or after.batch < before.batch or after.extra_lat_s > before.extra_lat_s
+    return fewer or after.batch < before.batch
 
 
 def _checkpoint_s(ctx: Context, s: State) -> float:
