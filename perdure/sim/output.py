@@ -96,14 +96,14 @@ def throughput_table(rows: Sequence[Summary], sync: str) -> str:
     ]
     for r in rows:
         speed = r.tokens_per_s / ref.tokens_per_s if ref and ref.tokens_per_s else math.nan
-        nbytes = (
-            r.cross_bytes_per_token / ref.cross_bytes_per_token
+        nbytes = (  # one region: nothing crosses
+            f"{r.cross_bytes_per_token / ref.cross_bytes_per_token:9.5f}"
             if ref and ref.cross_bytes_per_token
-            else math.nan
+            else f"{'-':>9s}"
         )
         lines.append(
             f"{r.policy:{w}s} {r.step_s:7.3f} {r.tokens_per_s:10.4g} {speed:6.3f} "
-            f"{r.efficiency:10.4f} {r.goodput:8.4f} {r.cross_bytes_per_token:13.1f} {nbytes:9.5f}"
+            f"{r.efficiency:10.4f} {r.goodput:8.4f} {r.cross_bytes_per_token:13.1f} {nbytes}"
         )
     return "\n".join(lines)
 
