@@ -23,8 +23,8 @@ direction), sums what it receives, and the sums are all-gathered inside the regi
   streaming DiLoCo's delayed update): the exchange runs behind the next H inner steps
   and is exposed only by what it lasts beyond them, ``max(0, outer - H x inner)``.
 - **Placement** (:meth:`DilocoStep.placement`): a region without members hosts nothing;
-  its replicas go, one by one, to the region with the most members per replica hosted
-  (ties: the first), which then computes their inner steps after its own.
+  its replicas go, one by one, to the region with the most members per replica once it
+  hosts one more (ties: the first), which then computes their inner steps after its own.
 
 Limits: the model's statistical efficiency is not simulated (DiLoCo's loss per token
 differs from the synchronous step's: the tokens/s here are throughput, not quality); the
