@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from perdure.cli import main
 from perdure.config import ConfigError
 from perdure.sim import load_calibration, load_sim_config, scenario
-from perdure.sim.config import DilocoPolicyConfig
+from perdure.sim.config import DilocoPolicyConfig, SweepConfig
 from perdure.sim.diloco import DilocoStep, home_replicas
 from perdure.sim.engine import Context, simulate
 from perdure.sim.failures import Event
@@ -21,6 +21,7 @@ from perdure.sim.policies import POLICIES
 from perdure.sim.policies import diloco as diloco_policy
 from perdure.sim.run import cross_bytes_per_token, sync_label, variants
 from perdure.sim.steptime import AnalyticStep, ComputeModel, Links
+from perdure.sim.sweep import run_sweeps
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -259,3 +260,26 @@ def test_diloco_defaults_to_one_replica_a_region() -> None:
     assert DilocoPolicyConfig().replicas is None
     assert home_replicas(4, 4) == (1, 1, 1, 1)
     assert home_replicas(6, 4) == (2, 2, 1, 1)
+
+
+def test_the_capacity_sweep_slows_only_the_outer_exchange_of_diloco() -> None:
+    """Between 400 and 10 Gbit/s across regions, DiLoCo's inner steps do not change;
+    its outer exchange's crossing of 1e9 x (4 + 4/256) bytes takes X / 1.25e9 s instead
+    of X / 50e9, once every H = 50 steps (the all-gather inside a region is the same)."""
+    cfg = load_sim_config(DILOCO)
+    sweeps = SweepConfig(
+        rate_scale=[],
+        checkpoint_minutes=[],
+        spares=[],
+        cross_region_latency_ms=[],
+        cross_region_gbps=[10.0, 400.0],
+        seeds=1,
+    )
+    (sweep,) = run_sweeps(replace(cfg, sweeps=sweeps), load_calibration(RESULTS))
+    assert sweep.name == "cross_region_gbps"
+    assert set(sweep.rows) == {label for label, _, _ in variants(cfg)}
+    slow, fast = sweep.rows["diloco/H50/fp32"]
+    x = 1e9 * (4 + 4 / 256)
+    assert slow.step_s - fast.step_s == pytest.approx(x * (1 / 1.25e9 - 1 / 50e9) / 50)
+    sync_slow, sync_fast = sweep.rows["perdure"]
+    assert sync_slow.step_s > 6 * sync_fast.step_s
