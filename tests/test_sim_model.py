@@ -459,7 +459,9 @@ def test_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None
     assert four[0] < none[0] < eight[0]
 
 
-@pytest.mark.parametrize("name", ["deployment-46", "llama3-405b", "seed-600b"])
+@pytest.mark.parametrize(
+    "name", ["deployment-46", "deployment-46-diloco", "llama3-405b", "seed-600b"]
+)
 def test_the_cost_table_accounts_for_every_second_a_run_loses(name: str) -> None:
     """Elapsed time minus the full-batch steps' fault-free time is the sum of the
     ledger's items and the checkpoints' blocking time: nothing lost goes uncharged, and
@@ -495,3 +497,26 @@ def test_the_step_by_dimension_sums_to_the_step() -> None:
     assert parts["reduction"] == pytest.approx(step.exposed_s((4,)))
     assert sum(parts.values()) == pytest.approx(step.seconds((4,)))
     assert parts["runtime"] == pytest.approx(0.02 * (sum(parts.values()) - parts["runtime"]))
+
+
+def test_a_spike_during_a_deaths_slower_steps_leaves_them_to_the_death() -> None:
+    """The time below full strength belongs to the failure that took members away: a
+    latency spike striking while a death's survivors run short does not take it over
+    (its own slowdown then counts to the death); striking a run at full strength, the
+    spike owns its slower steps."""
+    curve = ((1, 3.0), (2, 1.5), (3, 1.0))  # 2 members: steps 1.5x as long
+    ctx = replace(_host_context("perdure"), step=HostStep(0.1, 3, curve, 12, 3))
+    death = Event(t=1.0, kind="worker_death", replace_s=30.0)
+    spike = Event(t=5.0, kind="latency_spike", duration_s=1.0, extra_latency_s=0.02)
+    both = simulate(ctx, POLICIES["perdure"], [death, spike], until_steps=1000)
+    assert "latency_spike" not in both.ledger
+    alone = simulate(ctx, POLICIES["perdure"], [death], until_steps=1000)
+    # the spike's second: steps of 0.15 + 0.02 s where they would have been 0.15, each
+    # second then short of 0.1 / 0.17 full steps instead of 0.1 / 0.15
+    spike_s = 1.0 * (0.1 / 0.15 - 0.1 / 0.17)
+    assert both.ledger["worker_death"]["reduced"] == pytest.approx(
+        alone.ledger["worker_death"]["reduced"] + spike_s, rel=1e-9
+    )
+    first = replace(spike, t=0.2, duration_s=0.5)  # over before the death
+    early = simulate(ctx, POLICIES["perdure"], [first, death], until_steps=1000)
+    assert early.ledger["latency_spike"] == pytest.approx({"reduced": 0.5 * (1 - 0.1 / 0.12)})

@@ -36,14 +36,16 @@ def sim(
     validate: bool,
     demo_config: str,
 ) -> None:
-    """Simulate CONFIG's deployment and failures under perdure, torchrun and torchft,
-    calibrated on benchmarks/results/*.json; print each policy's goodput with an
-    interval over seeds, the validation table and the sweeps; write sim.json and plots."""
+    """Simulate CONFIG's deployment and failures under perdure, torchrun, torchft and
+    DiLoCo (when the config names it), calibrated on benchmarks/results/*.json; print each
+    policy's goodput with an interval over seeds, tokens/s and bytes across regions
+    against the synchronous step, the validation table and the sweeps; write sim.json
+    and plots."""
     from perdure.config import ConfigError
     from perdure.sim import output, sharding
     from perdure.sim.calibrate import CalibrationError, load_calibration
     from perdure.sim.config import load_sim_config
-    from perdure.sim.run import run_config
+    from perdure.sim.run import run_config, sync_label
     from perdure.sim.sweep import run_sweeps
     from perdure.sim.validate import validation
 
@@ -59,6 +61,7 @@ def sim(
     click.echo(output.goodput_table(summaries, cfg.workload.days, seeds or cfg.seeds))
     memory = sharding.memory_line(cfg.workload, cfg.deployment, cfg.policies.perdure.int_bytes)
     click.echo("\n" + output.step_table(summaries, memory))
+    click.echo("\n" + output.throughput_table(summaries, sync_label(cfg)))
     click.echo("\n" + output.cost_table(summaries))
     if rows:
         click.echo("\n" + output.validation_table(rows))

@@ -29,6 +29,7 @@ FailureKind = Literal[
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
 Reduction = Literal["chain", "exact_flat", "exact_hier"]
 Overlap = Literal["streamed", "bucketed", "last_slot"]
+Precision = Literal["fp32", "int8"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -386,10 +387,42 @@ class TorchftPolicyConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class DilocoPolicyConfig:
+    """DiLoCo across regions (``sim/diloco.py``, ``sim/policies/diloco.py``; the runtime's
+    ``[outer]``): R virtual replicas, each on one region's workers, run H inner steps
+    with only intra-region communication, then an outer step sums their pseudo-gradients
+    across regions. Inside a region the inner step is perdure's (``policies.perdure``:
+    its reduction, overlap, spares and recovery). The model's statistical efficiency
+    (loss per token) is not simulated."""
+
+    replicas: int | None = None
+    """R: virtual replicas, fixed whatever the membership; replica i is at home in region
+    ``i mod regions``; unset: one per region. At least the deployment's regions, and
+    ``workload.slots`` must be a multiple of it (a replica's batch is ``S / R`` slots)."""
+    inner_steps: int = 50
+    """H: inner steps per outer step."""
+    precision: Precision = "fp32"
+    """The pseudo-gradient on the cross-region wire: ``fp32`` (through the exact
+    reduction, the synchronous step's bytes a value) or ``int8`` (one byte a value and a
+    one-byte exponent per ``policies.perdure.exact_block`` values)."""
+    overlap: bool = False
+    """Apply the outer update one outer step late, so that the exchange runs behind the
+    next H inner steps (exposed only by what it lasts beyond them)."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        if self.replicas is not None:
+            c.positive("replicas", self.replicas)
+        c.positive("inner_steps", self.inner_steps)
+        c.one_of("precision", self.precision, ("fp32", "int8"))
+        c.done()
+
+
+@dataclass(kw_only=True, frozen=True)
 class PoliciesConfig:
     """The policies to simulate and the settings of each."""
 
-    run: list[Literal["perdure", "torchrun", "torchft"]] = field(
+    run: list[Literal["perdure", "torchrun", "torchft", "diloco"]] = field(
         default_factory=lambda: ["perdure", "torchrun", "torchft"]
     )
     """Which policies to simulate, in this order."""
@@ -402,6 +435,17 @@ class PoliciesConfig:
     """Also simulate each exact reduction of ``perdure_reductions`` with each of these
     overlap models (rows ``perdure/<reduction>/<overlap>``); empty: only
     ``perdure.overlap``."""
+    diloco: DilocoPolicyConfig = field(default_factory=DilocoPolicyConfig)
+    """DiLoCo's settings (simulated when ``run`` names ``diloco``)."""
+    diloco_inner_steps: list[int] = field(default_factory=list)
+    """Simulate DiLoCo once per H listed (rows ``diloco/H<H>/<precision>``); empty: only
+    ``diloco.inner_steps``."""
+    diloco_precisions: list[Precision] = field(default_factory=list)
+    """Simulate DiLoCo once per pseudo-gradient precision listed; empty: only
+    ``diloco.precision``."""
+    diloco_overlaps: list[bool] = field(default_factory=list)
+    """Simulate DiLoCo with and/or without the overlapped outer step (rows ending
+    ``/overlap`` for true); empty: only ``diloco.overlap``."""
     torchrun: TorchrunPolicyConfig = field(default_factory=TorchrunPolicyConfig)
     """torchrun's settings."""
     torchft: TorchftPolicyConfig = field(default_factory=TorchftPolicyConfig)
@@ -411,6 +455,10 @@ class PoliciesConfig:
         c = Checker()
         c.check(bool(self.run), "run", "must name at least one policy", self.run)
         c.check(len(set(self.run)) == len(self.run), "run", "names must be unique", self.run)
+        for i, h in enumerate(self.diloco_inner_steps):
+            c.positive(f"diloco_inner_steps[{i}]", h)
+        for i, p in enumerate(self.diloco_precisions):
+            c.one_of(f"diloco_precisions[{i}]", p, ("fp32", "int8"))
         c.done()
 
 
@@ -426,12 +474,19 @@ class SweepConfig:
     """perdure's warm spares."""
     cross_region_latency_ms: list[float] = field(default_factory=lambda: [5.0, 30.0, 100.0])
     """One-way cross-region latencies."""
+    cross_region_gbps: list[float] = field(default_factory=list)
+    """Capacities between two regions, Gbit/s (where DiLoCo's outer step pays off)."""
     seeds: int = 4
     """Seeds per sweep point."""
 
     def __post_init__(self) -> None:
         c = Checker()
-        for key in ("rate_scale", "checkpoint_minutes", "cross_region_latency_ms"):
+        for key in (
+            "rate_scale",
+            "checkpoint_minutes",
+            "cross_region_latency_ms",
+            "cross_region_gbps",
+        ):
             for i, v in enumerate(getattr(self, key)):
                 c.positive(f"{key}[{i}]", v)
         for i, v in enumerate(self.spares):
@@ -469,6 +524,8 @@ class SimConfig:
         c = Checker()
         c.positive("seeds", self.seeds)
         _check_replica(c, self)
+        if "diloco" in self.policies.run:
+            _check_diloco(c, self)
         names = [r.name for r in self.deployment.regions]
         for i, f in enumerate(self.failures):
             if f.region is not None:
@@ -503,6 +560,31 @@ def _check_replica(c: Checker, cfg: SimConfig) -> None:
         f"deployment.gpu_memory_gb = {d.gpu_memory_gb:g} GB; raise tp, pp or shard, "
         "or set recompute",
         f"params = {w.params:g}, tp = {w.tp}, pp = {w.pp}, shard = {w.shard}",
+    )
+
+
+def diloco_replicas(cfg: SimConfig) -> int:
+    """R: ``policies.diloco.replicas``, or one per region."""
+    r = cfg.policies.diloco.replicas
+    return len(cfg.deployment.regions) if r is None else r
+
+
+def _check_diloco(c: Checker, cfg: SimConfig) -> None:
+    """Every region hosts a replica at full strength; a replica's batch is whole slots."""
+    regions, replicas = len(cfg.deployment.regions), diloco_replicas(cfg)
+    c.check(
+        replicas >= regions,
+        "policies.diloco.replicas",
+        f"must be at least the deployment's {regions} regions (a region without a "
+        "replica would idle)",
+        replicas,
+    )
+    c.check(
+        cfg.workload.slots % replicas == 0,
+        "workload.slots",
+        f"must be a multiple of policies.diloco.replicas = {replicas} (a replica's batch "
+        "is S / R slots)",
+        cfg.workload.slots,
     )
 
 

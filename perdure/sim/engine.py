@@ -242,18 +242,18 @@ def simulate(
             _fire_trigger(heapq.heappop(triggers), s, timed, probes, seq)
             continue
         _, _, e = heapq.heappop(timed)
-        before = s.steps
+        prior = s
         s, follow = handle(ctx, s, e)
         cause = e.cause or e.kind
         s = ledger.settle(cause, s)
-        degraded = s.members != ctx.target or s.batch < 1.0 or s.extra_lat_s > 0
-        if degraded and e.kind in FAILURES:
+        owns = _took_members(prior, s) or not _degraded(ctx, prior)
+        if e.kind in FAILURES and _degraded(ctx, s) and owns:
             s = s._replace(degraded_by=cause)
         for f in follow:
             _schedule(replace(f, cause=f.cause or cause), timed, triggers, seq)
         if e.kind in FAILURES:
             ledger.counts[e.kind] = ledger.counts.get(e.kind, 0) + 1
-            _add_probe(e, s, before, triggers, probes, seq)
+            _add_probe(e, s, prior.steps, triggers, probes, seq)
     return Outcome(
         elapsed_s=s.t,
         steps=math.floor(s.steps + 1e-9),
@@ -266,6 +266,19 @@ def simulate(
         counts=ledger.counts,
         checkpoint_s=_checkpoint_s(ctx, s),
     )
+
+
+def _degraded(ctx: Context, s: State) -> bool:
+    return s.members != ctx.target or s.batch < 1.0 or s.extra_lat_s > 0
+
+
+def _took_members(before: State, after: State) -> bool:
+    """Whether an event took members away or shrank the batch. Such a failure owns the
+    time below full strength from then on; any failure owns it when it strikes a run at
+    full strength. So a link flap or a latency spike during a region's loss leaves the
+    slower steps to the region's loss (the spike's own part of them included)."""
+    fewer = any(a < b for a, b in zip(after.members, before.members, strict=True))
+    return fewer or after.batch < before.batch
 
 
 def _checkpoint_s(ctx: Context, s: State) -> float:

@@ -32,7 +32,22 @@ COLOURS = {
 }
 
 
+DILOCO_COLOURS = {
+    "10": ("#fdae6b", "#e6550d", "#fdd0a2", "#a63603"),
+    "50": ("#bcbddc", "#756bb1", "#dadaeb", "#54278f"),
+    "200": ("#c7e9c0", "#74c476", "#e5f5e0", "#238b45"),
+}
+"""DiLoCo's rows: a hue by H (oranges, purples, greens), a shade by precision and
+overlap (fp32, int8, fp32/overlap, int8/overlap); other H: grey."""
+
+
 def colour(label: str) -> str:
+    if label.startswith("diloco/H"):
+        parts = label.split("/")
+        shades = DILOCO_COLOURS.get(parts[1][1:])
+        if shades is None:
+            return "#555555"
+        return shades[(parts[2] == "int8") + 2 * (parts[-1] == "overlap")]
     return COLOURS.get(label, "#555555")
 
 
@@ -64,6 +79,32 @@ def step_table(rows: Sequence[Summary], memory: str) -> str:
             continue
         cells = " ".join(f"{r.step_parts.get(p, 0.0):9.3f}" for p in STEP_PARTS)
         lines.append(f"{r.policy:{w}s} {cells} {sum(r.step_parts.values()):9.3f}")
+    return "\n".join(lines)
+
+
+def throughput_table(rows: Sequence[Summary], sync: str) -> str:
+    """Tokens a second and bytes across regions per token, each against the synchronous
+    perdure row ``sync``: the sync-vs-DiLoCo comparison (throughput only)."""
+    w = max([18, *(len(r.policy) for r in rows)])
+    ref = next((r for r in rows if r.policy == sync), None)
+    lines = [
+        f"throughput and bytes across regions per token, against {sync} (the synchronous "
+        "step); DiLoCo's loss per token differs from the synchronous step's and is NOT "
+        "simulated: these are throughput, not quality",
+        f"{'policy':{w}s} {'step s':>7s} {'tokens/s':>10s} {'x sync':>6s} {'efficiency':>10s} "
+        f"{'goodput':>8s} {'cross B/token':>13s} {'x sync':>9s}",
+    ]
+    for r in rows:
+        speed = r.tokens_per_s / ref.tokens_per_s if ref and ref.tokens_per_s else math.nan
+        nbytes = (  # one region: nothing crosses
+            f"{r.cross_bytes_per_token / ref.cross_bytes_per_token:9.5f}"
+            if ref and ref.cross_bytes_per_token
+            else f"{'-':>9s}"
+        )
+        lines.append(
+            f"{r.policy:{w}s} {r.step_s:7.3f} {r.tokens_per_s:10.4g} {speed:6.3f} "
+            f"{r.efficiency:10.4f} {r.goodput:8.4f} {r.cross_bytes_per_token:13.1f} {nbytes}"
+        )
     return "\n".join(lines)
 
 
@@ -149,6 +190,8 @@ def record(
             "seconds_per_failure": r.per_failure,
             "checkpoint_s": r.checkpoint_s,
             "step_parts": r.step_parts,
+            "tokens_per_s": r.tokens_per_s,
+            "cross_bytes_per_token": r.cross_bytes_per_token,
         }
 
     return {
@@ -222,7 +265,9 @@ def _png(s: Sweep, path: Path) -> Path:
 
 def svg_chart(s: Sweep, width: int = 640, height: int = 400) -> str:
     """A standalone SVG of :func:`plot_sweep` (no plotting library)."""
-    left, right, top, bottom = 64, 110, 24, 48
+    longest = max((len(p) for p in s.rows), default=0)
+    left, right, top, bottom = 64, max(110, 40 + 7 * longest), 24, 48
+    width += right - 110  # the legend's room: the plot keeps its width
     lo, hi = _extent(s)
     pad = (hi - lo) * 0.08 or 0.01
     y = Linear(lo - pad, hi + pad, height - bottom, top)
@@ -237,7 +282,7 @@ def svg_chart(s: Sweep, width: int = 640, height: int = 400) -> str:
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="11">',
-        f"<title>{esc('goodput against ' + s.label)}</title>",
+        f"<title>{esc(s.metric + ' against ' + s.label)}</title>",
         f'<rect width="{width}" height="{height}" fill="white"/>',
     ]
     for t in nice_ticks(lo - pad, hi + pad, 6):

@@ -8,9 +8,10 @@ from dataclasses import dataclass, field, replace
 from perdure.sim import failures, scenario
 from perdure.sim.calibrate import Calibration
 from perdure.sim.config import SimConfig
-from perdure.sim.engine import Outcome, simulate
+from perdure.sim.diloco import DilocoStep
+from perdure.sim.engine import Context, Outcome, simulate
 from perdure.sim.policies import POLICIES
-from perdure.sim.steptime import AnalyticStep, step_parts
+from perdure.sim.steptime import AnalyticStep, cross_region_bytes, step_parts
 
 DAY = 86400.0
 
@@ -32,6 +33,11 @@ class Summary:
     outcomes: tuple[Outcome, ...]
     step_parts: dict[str, float] = field(default_factory=dict)
     """The fault-free step by dimension (``steptime.step_parts``; empty on a host)."""
+    tokens_per_s: float = 0.0
+    """Mean tokens trained a second of the run (full-batch steps x tokens a step over
+    the elapsed time; throughput, not quality: DiLoCo's loss per token differs)."""
+    cross_bytes_per_token: float = 0.0
+    """Bytes crossing a region boundary per token at full strength (every flow)."""
 
     @property
     def counts(self) -> dict[str, float]:
@@ -83,9 +89,50 @@ def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
                     pp = replace(p.perdure, reduction=red, overlap=ov)
                     label = f"perdure/{red}" + (f"/{ov}" if overlaps else "")
                     out.append((label, name, replace(cfg, policies=replace(p, perdure=pp))))
+        elif name == "diloco":
+            out += _diloco_variants(cfg)
         else:
             out.append((name, name, cfg))
     return out
+
+
+def sync_label(cfg: SimConfig) -> str:
+    """The row of perdure's configured synchronous step (the comparison's reference)."""
+    rows = [(label, c) for label, name, c in variants(cfg) if name == "perdure"]
+    same = [label for label, c in rows if c.policies.perdure == cfg.policies.perdure]
+    return (same or [label for label, _ in rows] or ["perdure"])[0]
+
+
+def _diloco_variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
+    """DiLoCo once per H, precision and overlap listed (``diloco/H<H>/<precision>``,
+    ``/overlap`` when the outer update is applied one outer step late)."""
+    p = cfg.policies
+    out = []
+    for h in p.diloco_inner_steps or [p.diloco.inner_steps]:
+        for prec in p.diloco_precisions or [p.diloco.precision]:
+            for ov in p.diloco_overlaps or [p.diloco.overlap]:
+                d = replace(p.diloco, inner_steps=h, precision=prec, overlap=ov)
+                label = f"diloco/H{h}/{prec}" + ("/overlap" if ov else "")
+                out.append((label, "diloco", replace(cfg, policies=replace(p, diloco=d))))
+    return out
+
+
+def _parts(ctx: Context) -> dict[str, float]:
+    if isinstance(ctx.step, AnalyticStep):
+        return step_parts(ctx.step, ctx.target)
+    if isinstance(ctx.step, DilocoStep):
+        return ctx.step.parts(ctx.target)
+    return {}
+
+
+def cross_bytes_per_token(cfg: SimConfig, ctx: Context) -> float:
+    """Bytes crossing a region boundary per token of the fault-free step."""
+    p, tokens = cfg.workload.params, cfg.workload.tokens_per_step
+    if isinstance(ctx.step, DilocoStep):
+        return ctx.step.cross_region_bytes(ctx.target, p) / tokens
+    if isinstance(ctx.step, AnalyticStep):
+        return cross_region_bytes(ctx.step, ctx.target, p) / tokens
+    return 0.0
 
 
 def run_policy(
@@ -114,7 +161,11 @@ def run_policy(
         restarts=statistics.fmean(o.restarts for o in outs),
         failures=statistics.fmean(n_failures),
         outcomes=tuple(outs),
-        step_parts=step_parts(ctx.step, ctx.target) if isinstance(ctx.step, AnalyticStep) else {},
+        step_parts=_parts(ctx),
+        tokens_per_s=statistics.fmean(
+            o.samples * cfg.workload.tokens_per_step / o.elapsed_s for o in outs
+        ),
+        cross_bytes_per_token=cross_bytes_per_token(cfg, ctx),
     )
 
 

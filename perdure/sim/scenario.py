@@ -20,8 +20,11 @@ from perdure.sim.config import (
     SimConfig,
     TorchftPolicyConfig,
     TorchrunPolicyConfig,
+    diloco_replicas,
 )
+from perdure.sim.diloco import DilocoStep, home_replicas
 from perdure.sim.engine import Context
+from perdure.sim.policies import diloco as diloco_policy
 from perdure.sim.policies import perdure as perdure_policy
 from perdure.sim.policies import torchft as torchft_policy
 from perdure.sim.policies import torchrun as torchrun_policy
@@ -205,7 +208,33 @@ def step_models(cfg: SimConfig, cal: Calibration) -> dict[str, StepModel]:
             streamed_bytes=cal.streamed_bytes,
         )
 
-    return {"perdure": model(p.reduction), "torchrun": model("ddp"), "torchft": model("ddp")}
+    return {
+        "perdure": model(p.reduction),
+        "torchrun": model("ddp"),
+        "torchft": model("ddp"),
+        "diloco": diloco_step(cfg, model(p.reduction)),
+    }
+
+
+def diloco_step(cfg: SimConfig, sync: AnalyticStep) -> DilocoStep:
+    """DiLoCo's step: one replica's inner step is perdure's synchronous step (``sync``)
+    on a batch of ``B / R`` tokens in ``S / R`` slots; the slot is the same."""
+    d, o = cfg.deployment, cfg.policies.diloco
+    r = diloco_replicas(cfg)
+    c = sync.compute
+    one = replace(c, tokens_per_step=c.tokens_per_step / r, slots=max(1, c.slots // r))
+    return DilocoStep(
+        replica=replace(sync, compute=one),
+        links=sync.links,
+        home=home_replicas(r, len(d.regions)),
+        inner_steps=o.inner_steps,
+        precision=o.precision,
+        int_bytes=sync.int_bytes,
+        block=sync.block,
+        values=c.grad_values,
+        overlap=o.overlap,
+        ideal=c.ideal_s,
+    )
 
 
 def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
@@ -223,10 +252,13 @@ def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
         ckpt_bytes=cfg.checkpoint.bytes_per_gpu,
     )
     every = max(1.0, round(cfg.checkpoint.every_minutes * 60 / step_s))
-    blocking, lag = checkpoint_cost(cfg, cal, name, env)
+    blocking, lag = checkpoint_cost(cfg, cal, "perdure" if name == "diloco" else name, env)
     costs: object
     if name == "perdure":
         costs = perdure_costs(cfg.policies.perdure, cal, env)
+    elif name == "diloco":
+        p = perdure_costs(cfg.policies.perdure, cal, env)
+        costs = diloco_policy.Costs(perdure=p, replica_copy_s=p.spare_copy_s)
     elif name == "torchrun":
         costs = torchrun_costs(cfg.policies.torchrun, cal, env)
     else:
@@ -238,7 +270,7 @@ def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
         workers_per_node=d.workers_per_node,
         coordinator=d.coordinator,
         standby=names.index(d.standby_region) if d.standby_region else None,
-        spares=cfg.policies.perdure.spares if name == "perdure" else 0,
+        spares=cfg.policies.perdure.spares if name in ("perdure", "diloco") else 0,
         ckpt_every_steps=every,
         ckpt_blocking_s=blocking,
         ckpt_lag_steps=lag / step_s,

@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 CHUNK_BYTES = 4 * 2**20
 """The chain's chunk: perdure's default ``CHUNK_ELEMS`` (1 Mi float32 values)."""
@@ -366,4 +367,48 @@ def interp(curve: tuple[tuple[int, float], ...], x: float) -> float:
     return pts[-1][1]
 
 
-StepModel = AnalyticStep | HostStep
+class StepModel(Protocol):
+    """What the engine and the policies read of a step model: :class:`AnalyticStep` (a
+    synchronous step on a deployment), :class:`HostStep` (this host's benchmarks) or
+    :class:`perdure.sim.diloco.DilocoStep` (inner steps per region, an outer step across)."""
+
+    def seconds(
+        self, members: tuple[int, ...], extra_lat_s: float = 0.0, starting: int = 0
+    ) -> float: ...
+
+    @property
+    def ideal_s(self) -> float: ...
+
+    @property
+    def slot_s(self) -> float: ...
+
+    def small_allreduce_s(self, members: tuple[int, ...]) -> float: ...
+
+
+def exact_value_bytes(int_bytes: int, block: int) -> float:
+    """Bytes per gradient value the exact reduction puts on the wire: its integer and a
+    4-byte block maximum per ``block`` values (the formula; the streamed form measured
+    1.005 x fp32's, ``Calibration.streamed_bytes``)."""
+    return int_bytes + 4 / block
+
+
+def cross_region_bytes(m: AnalyticStep, members: tuple[int, ...], params: float) -> float:
+    """Bytes that cross a region boundary in one synchronous step, summed over every flow
+    (``params``: the whole model's gradient values, every GPU's share together).
+
+    A ring over r regions (regions contiguous, DDP and ``exact_flat``) has r boundary
+    edges, each carrying ``2 (k-1)/k`` of the payload; the chain crosses each of its r-1
+    boundaries twice (up, then back down); the hierarchical exchange sends each region's
+    payload to each of the r-1 others: ``r (r-1)`` payloads."""
+    k, r = _spread(members)
+    if r <= 1:
+        return 0.0
+    if m.reduction in ("ddp", "chain"):
+        payload = params * m.grad_bytes
+    else:
+        payload = params * exact_value_bytes(m.int_bytes, m.block)
+    if m.reduction == "exact_hier":
+        return r * (r - 1) * payload
+    if m.reduction == "chain":
+        return 2 * (r - 1) * payload
+    return r * 2 * (k - 1) / k * payload

@@ -41,6 +41,10 @@ def _latency(cfg: SimConfig, v: float) -> SimConfig:
     return replace(cfg, deployment=replace(cfg.deployment, cross_region_latency_ms=v))
 
 
+def _cross_gbps(cfg: SimConfig, v: float) -> SimConfig:
+    return replace(cfg, deployment=replace(cfg.deployment, cross_region_gbps=v))
+
+
 Apply = Callable[[SimConfig, float], SimConfig]
 SWEEPS: dict[str, tuple[str, Apply, bool, str, tuple[str, ...], bool]] = {
     "rate_scale": ("failure rate x", _rate, True, "goodput", (), False),
@@ -49,6 +53,14 @@ SWEEPS: dict[str, tuple[str, Apply, bool, str, tuple[str, ...], bool]] = {
     "cross_region_latency_ms": (
         "cross-region latency, ms one way",
         _latency,
+        True,
+        "efficiency",
+        (),
+        True,
+    ),
+    "cross_region_gbps": (
+        "cross-region capacity, Gbit/s",
+        _cross_gbps,
         True,
         "efficiency",
         (),
@@ -79,8 +91,17 @@ def run_sweeps(cfg: SimConfig, cal: Calibration) -> list[Sweep]:
 
 
 def _one_reduction(cfg: SimConfig) -> SimConfig:
-    """perdure with its configured reduction only (labelled with it)."""
+    """perdure with its configured reduction only (labelled with it), DiLoCo with its
+    configured H, precision and overlap only."""
     p = cfg.policies
     return replace(
-        cfg, policies=replace(p, perdure_reductions=[p.perdure.reduction], perdure_overlaps=[])
+        cfg,
+        policies=replace(
+            p,
+            perdure_reductions=[p.perdure.reduction],
+            perdure_overlaps=[],
+            diloco_inner_steps=[],
+            diloco_precisions=[],
+            diloco_overlaps=[],
+        ),
     )
