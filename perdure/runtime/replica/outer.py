@@ -117,8 +117,9 @@ class OuterStep:
     ) -> bool:
         """Fill ``out`` with replica ``r``'s pseudo-gradient of outer step ``step`` (and
         its flag, its mean inner loss and metrics in its slot's entries); False if aborted.
-        The model holds the outer parameters again on return, and the inner optimizer no
-        state."""
+        On return the model holds the outer parameters again and the inner optimizer no
+        state and its groups' initial rates: a member that ran a replica and one that did
+        not (its slots salvaged) hold the same bits."""
         lay = self.engine.layout
         if self._scratch is None:
             self._scratch = lay.new_buffer()
@@ -127,6 +128,8 @@ class OuterStep:
         loss = 0.0
         metrics = torch.zeros(lay.metrics, dtype=torch.float32, device=out.device)
         finite = True
+        groups = self.recipe.optimizer.param_groups
+        rates = [g["lr"] for g in groups]
         self.recipe.optimizer.state.clear()
         try:
             for h in range(H):
@@ -146,9 +149,11 @@ class OuterStep:
             finite = finite and all_finite(grads)
             if finite and self.cfg.precision == "int8":
                 quantize_int8(grads, self.block)
-        finally:
+        finally:  # the state as every member holds it between outer steps
             self._restore(theta)
             self.recipe.optimizer.state.clear()
+            for g, lr in zip(groups, rates, strict=True):
+                g["lr"] = lr
         if ready is not None:
             ready.room(lay.size)
         if not finite:
