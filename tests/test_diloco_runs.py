@@ -18,10 +18,10 @@ STEPS = 8
 OUTER = {"replicas": 4, "inner_steps": 2}
 
 
-def _cfg(dataset: Path, workers: int, **sections: Any) -> Any:
+def _cfg(dataset: Path, workers: int, outer: dict = OUTER, **sections: Any) -> Any:
     return small_config(
         dataset, workers=workers, regions=workers, steps=STEPS, slots=4, batch=16,
-        outer=OUTER, **sections,
+        outer=outer, **sections,
     )  # fmt: skip
 
 
@@ -76,3 +76,12 @@ def test_a_resume_from_a_mid_run_checkpoint_retraces_the_run(
     half = diloco_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
     s = run_to_end(_cfg(small_dataset, 2), tmp_path, resume=str(half))
     assert s["final_hash"] == diloco_ref["final_hash"]
+
+
+def test_int8_pseudo_gradients_are_another_math_with_one_hash_on_one_and_four_workers(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    int8 = {**OUTER, "precision": "int8"}
+    one = run_to_end(_cfg(small_dataset, 1, int8), tmp_path / "one")
+    four = run_to_end(_cfg(small_dataset, 4, int8), tmp_path / "four")
+    assert one["final_hash"] == four["final_hash"] != diloco_ref["final_hash"]
