@@ -93,3 +93,29 @@ def test_outer_replicas_must_equal_the_slots_and_off_leaves_every_hash_as_it_was
     assert canonical(small_config(small_dataset, slots=4, outer={"replicas": 4}))["outer"] == {
         "replicas": 4
     }
+
+
+def test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step(
+    small_dataset: Path,
+) -> None:
+    """H = 1, inner SGD without momentum, outer lr 1 and no momentum: each replica's
+    pseudo-gradient is lr x its slot's mean gradient, so the outer step is the synchronous
+    step up to rounding (the same samples and randomness: replica r's inner step is slot
+    r of the synchronous step)."""
+    optim = {"name": "sgd", "momentum": 0.0, "schedule": "constant", "warmup_steps": 0,
+             "grad_clip": None, "lr": 0.05}  # fmt: skip
+    sync = Trainer(small_config(small_dataset, workers=1, steps=3, slots=4, optim=optim))
+    outer = Trainer(small_config(
+        small_dataset, workers=1, steps=3, slots=4, optim=optim,
+        outer={"replicas": 4, "inner_steps": 1, "lr": 1.0, "momentum": 0.0},
+    ))  # fmt: skip
+    start = [p.detach().clone() for p in sync.model.parameters()]
+    for t in range(3):
+        for tr in (sync, outer):
+            bufs = [tr.layout.new_buffer() for _ in range(4)]
+            assert tr.compute_slots(t, range(4), bufs)
+            tr.apply(t, torch.stack(bufs).sum(0))
+    pairs = list(zip(sync.model.parameters(), outer.model.parameters(), strict=True))
+    moved = max(float((p.detach() - s).abs().max()) for (p, _), s in zip(pairs, start, strict=True))
+    apart = max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)
+    assert moved > 1e-3 and apart < 1e-6, (moved, apart)
