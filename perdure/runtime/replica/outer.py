@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 from perdure.runtime.config import OuterConfig
-from perdure.runtime.replica.recipe import Recipe
+from perdure.runtime.replica.buffers import BufferRule
+from perdure.runtime.replica.recipe import Recipe, RecipeError
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 
 OUTER_KEY = "outer"
@@ -63,6 +64,25 @@ def quantize_int8(values: torch.Tensor, block: int) -> torch.Tensor:
     return values
 
 
+def check_outer(buffers: BufferRule, recipe: Recipe, replicas: int) -> None:
+    """What DiLoCo cannot run (the workers' check and the launcher's preflight): raises
+    :class:`RecipeError` naming the field, the rule and the value."""
+    if buffers.numel:
+        rule = (
+            "cannot be set for a model whose forward moves buffers (BatchNorm statistics, "
+            "counters): a virtual replica's inner steps would move them apart from the "
+            "outer parameters (not built for DiLoCo)"
+        )
+        raise RecipeError("outer.replicas", rule, f"{replicas}; buffers {buffers.names[:4]}")
+    if recipe.scheduler is not None:
+        rule = (
+            "cannot be set with a task that brings its own scheduler (Task.make_scheduler): "
+            "the inner steps of whichever member runs a replica would step it; use "
+            "optim.schedule instead (laid over train.steps x outer.inner_steps)"
+        )
+        raise RecipeError("outer.replicas", rule, replicas)
+
+
 class OuterStep:
     """A replica's inner steps and the outer optimizer, over the trainer's own model,
     slot engine, inner recipe and loader (the inner steps run on the model in place and
@@ -82,18 +102,7 @@ class OuterStep:
     ) -> None:
         """``batch(step, slot)``: the loader's samples of a synchronous step's slot;
         ``prefetch(step, slot)``: read them ahead."""
-        if engine.buffers.numel:
-            raise ValueError(
-                "outer.replicas: the task's model has buffers that its forward moves "
-                f"({', '.join(engine.buffers.names[:4])}): a virtual replica's inner steps "
-                "would move them apart from the outer parameters (not built for DiLoCo)"
-            )
-        if recipe.scheduler is not None:
-            raise ValueError(
-                "outer.replicas: the task brings its own scheduler (Task.make_scheduler), "
-                "which the inner steps of whichever member runs a replica would step: use "
-                "optim.schedule instead (laid over train.steps x outer.inner_steps)"
-            )
+        check_outer(engine.buffers, recipe, cfg.replicas)
         self.cfg, self.engine, self.recipe = cfg, engine, recipe
         self._batch, self._prefetch = batch, prefetch
         self.per_replica = global_batch // cfg.replicas
