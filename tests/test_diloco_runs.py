@@ -18,9 +18,12 @@ STEPS = 8
 OUTER = {"replicas": 4, "inner_steps": 2}
 
 
-def _cfg(dataset: Path, workers: int, outer: dict = OUTER, **sections: Any) -> Any:
+def _cfg(
+    dataset: Path, workers: int, outer: dict = OUTER, regions: int = 0, **sections: Any
+) -> Any:
+    """``workers`` in ``regions`` regions (default: one region each)."""
     return small_config(
-        dataset, workers=workers, regions=workers, steps=STEPS, slots=4, batch=16,
+        dataset, workers=workers, regions=regions or workers, steps=STEPS, slots=4, batch=16,
         outer=outer, **sections,
     )  # fmt: skip
 
@@ -53,17 +56,20 @@ def test_the_worker_and_region_count_do_not_change_the_hash(
 
 
 @pytest.mark.parametrize(
-    "fault",
+    "regions,fault",
     [
-        {"kind": "kill", "target": "r1-0", "at_step": 3},
-        {"kind": "region_down", "target": "r2", "at_step": 3},
+        (2, {"kind": "kill", "target": "r1-0", "at_step": 3}),
+        (4, {"kind": "region_down", "target": "r2", "at_step": 3}),
     ],
     ids=["worker", "region"],
 )
 def test_a_worker_or_region_killed_mid_run_does_not_change_the_hash(
-    diloco_ref: dict, small_dataset: Path, tmp_path: Path, fault: dict
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path, regions: int, fault: dict
 ) -> None:
-    s = run_to_end(_cfg(small_dataset, 4, chaos={"faults": [fault]}), tmp_path)
+    """A worker of one of two regions of two workers (the reduction in two tiers), or
+    the whole region of one of four."""
+    cfg = _cfg(small_dataset, 4, regions=regions, chaos={"faults": [fault]})
+    s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == diloco_ref["final_hash"] and s["replica_hashes_agree"]
     members = [e["plan"]["members"] for e in events(tmp_path, "epoch_started")]
     assert fault["target"].split("-")[0] + "-0" in members[0]
