@@ -1,0 +1,355 @@
+"""DiLoCo against the synchronous hierarchical step on four shaped regions: tokens per
+second, bytes across regions per token, and held-out loss against tokens and wall time.
+
+    .venv/bin/python benchmarks/bench_diloco.py            # sync, H = 10, 50, 200; fp32, int8
+    .venv/bin/python benchmarks/bench_diloco.py --quick    # sync, H = 50 fp32 and int8
+
+Needs root (namespaces, a TUN device, ``tc``). The hosts and the router are the tests'
+(``tests/netns_regions.py``): one bridge per region, every packet between regions goes
+through a router namespace and a user-space delay line (``--rtt-ms``), nothing added inside
+a region. The links between regions are shaped with tbf (``--rate-mbit``) on both ends
+of each region's link to the router: the router's side (what enters the region) and the
+bridge's side (what leaves it), so every region's uplink and downlink are held to the
+rate; links inside a region are not shaped. One worker per region on a host of its own,
+the coordinator on a host of its own in region r0; each run is a real cluster started
+with the documented commands from a TOML config (``cluster.regions`` lists the regions).
+
+Both modes train tiny_lm on the same data for the same tokens: the synchronous step
+``--steps`` times (the default reduction, exact with streamed exponents, in two tiers:
+``cluster.hierarchical_reduce``), DiLoCo ``--steps / H`` outer steps of H inner steps
+(``[outer]``, R = 4 virtual replicas: one per region). Measured per run:
+
+- tokens/s: tokens of the steps past the warm-up over their summed ``step_s``
+  (metrics.jsonl; a DiLoCo step is an outer step: H x the global batch's tokens);
+- bytes across regions: the tx byte counters of the router's four region links, sampled
+  every 0.25 s (everything that crossed a region boundary, both ways, the control plane
+  included); per token, the bytes from the first membership epoch's start (its
+  ``epoch_started`` event) to the final checkpoint's (``checkpoint_saved``), so the
+  start-up (joins, the store) and the shutdown are left out of both modes
+  (``cross_region_bytes`` keeps the whole run's);
+- held-out loss (``[eval]``, a second data set) at the same token counts, against tokens
+  and against the run's wall time so far (summed ``step_s``); the plot
+  ``benchmarks/results/diloco.svg`` shows both modes.
+
+The machine has 2 shared cores for 5 processes and the delay line: the absolute rates are
+this machine's; the ratio is what the wire makes of the same compute. Results:
+``benchmarks/results/diloco.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import PY, REPO, RESULTS, machine, write_result
+
+REGIONS = 4
+TOKEN = "bench-diloco-token"
+GOAL = (
+    "DiLoCo H = 50: >= 5x the synchronous step's tokens/s, held-out loss at equal tokens "
+    "within 5 %; bytes across regions per token <= 1/H of sync (fp32), <= 1/(4H) (int8)"
+)
+MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "max_len": 64}
+
+
+def modes(quick: bool, hs: list[int] | None) -> list[tuple[str, int, str]]:
+    """(name, H, precision); H = 1 is the synchronous step."""
+    out = [("sync", 1, "fp32")]
+    for h in hs if hs is not None else ([50] if quick else [10, 50, 200]):
+        out += [(f"diloco_h{h}_fp32", h, "fp32"), (f"diloco_h{h}_int8", h, "int8")]
+    return out
+
+
+def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int,
+               coordinator: str, ports: int, exponents: str = "step") -> Any:  # fmt: skip
+    """The run's config: the same model, data, batch and tokens in both modes (DiLoCo's
+    exponents ``step`` by default, as configs/diloco.toml: an outer step is rare, so one
+    small MAX round before its sum costs less than the streamed form's first outer step
+    computed twice)."""
+    from tests.runtime_support import small_config
+
+    outer_steps = max(1, steps // h)
+    sections: dict[str, Any] = {
+        "task": {"options": MODEL},
+        "cluster": {
+            "hierarchical_reduce": True,
+            "host": coordinator,
+            "channel_port": ports,
+            "port": ports + 1,
+            "replace_after_ms": -1,
+            "min_collective_timeout_ms": 60000,
+        },
+        "checkpoint": {"every_steps": 10**6, "keep_last": 1},
+        "eval": {
+            "dataset": str(held_out),
+            "every_steps": 1 if h > 1 else max(1, steps // 20),
+            "samples": 64,
+            "batch_size": 32,
+        },
+    }
+    if h > 1:
+        sections["outer"] = {"replicas": REGIONS, "inner_steps": h, "precision": precision}
+        sections["train"] = {"reduction_exponents": exponents}
+    return small_config(
+        dataset,
+        workers=REGIONS,
+        regions=REGIONS,
+        steps=outer_steps if h > 1 else steps,
+        slots=REGIONS if h > 1 else 8,
+        batch=16,
+        **sections,
+    )
+
+
+def shape(rs: Any, rate_mbit: float) -> list[str]:
+    """tbf on both ends of every region's link to the router (see the module's doc)."""
+    if rate_mbit <= 0:
+        return []
+    # The links carry 65000-byte frames (tests/netns_regions.MTU): the bucket must hold two.
+    q = ["root", "tbf", "rate", f"{rate_mbit:g}mbit", "burst", "160kb", "latency", "400ms"]
+    done = []
+    for r in range(REGIONS):
+        for pre, dev in ((["-n", rs.router], f"rv{r}"), ([], f"pdr{rs.tag}{r}")):
+            cmd = ["tc", *pre, "qdisc", "replace", "dev", dev, *q]
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=10)
+            done.append(" ".join(cmd))
+    return done
+
+
+def cross_bytes(rs: Any) -> int:
+    """Bytes the router has sent into the regions: every byte that crossed a boundary."""
+    out = subprocess.run(["ip", "-n", rs.router, "-s", "-j", "link", "show"], check=True,
+                         capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+    return sum(
+        link["stats64"]["tx"]["bytes"]
+        for link in json.loads(out)
+        if link["ifname"].startswith("rv")
+    )
+
+
+class Counter(threading.Thread):
+    """The router's byte counters sampled every ``period_s`` with their wall-clock time,
+    so the bytes of a window of the run (its training, not its start-up) can be told."""
+
+    def __init__(self, rs: Any, period_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.rs, self.period_s = rs, period_s
+        self.samples: list[tuple[float, int]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.time(), cross_bytes(self.rs)))
+            self.done.wait(self.period_s)
+
+    def stop(self) -> None:
+        self.done.set()
+        self.join(timeout=10)
+        self.samples.append((time.time(), cross_bytes(self.rs)))
+
+    def at(self, t: float) -> int:
+        """The counter's last reading at or before ``t`` (the first one if none)."""
+        before = [b for ts, b in self.samples if ts <= t]
+        return before[-1] if before else self.samples[0][1]
+
+
+def _start(rs: Any, i: int, argv: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PERDURE_RUN_TOKEN": TOKEN}
+    env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("PERDURE_PARENT_PID", None)
+    return rs.start(i, [PY, "-m", "perdure", *argv], env=env, cwd=cwd, log=log)
+
+
+def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup: int,
+            timeout_s: float) -> dict[str, Any]:  # fmt: skip
+    """One cluster run; its rates, bytes across regions and held-out curve."""
+    from perdure.events import read_jsonl
+    from tests.runtime_support import write_toml
+
+    path = write_toml(cfg, tmp / "run.toml")
+    run_dir, logs, coord = tmp / "run", tmp / "logs", rs.hosts[0].address
+    counter = Counter(rs)
+    counter.start()
+    procs = [_start(rs, 0, ["coordinator", "--config", str(path), "--run-dir", str(run_dir)],
+                    logs / "coordinator.log", tmp)]  # fmt: skip
+    for i in range(1, len(rs.hosts)):
+        r = rs.region_of[i]
+        argv = ["worker", "--coordinator", f"{coord}:{ports}", "--name", f"r{r}",
+                "--region", f"r{r}"]  # fmt: skip
+        procs.append(_start(rs, i, argv, logs / f"r{r}.log", tmp))
+    end = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < end:
+        time.sleep(0.2)
+    codes = [p.poll() for p in procs]
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    counter.stop()
+    crossed = counter.samples[-1][1] - counter.samples[0][1]
+    log = read_jsonl(run_dir / "events.jsonl")
+    started = [e["t"] for e in log if e["event"] == "epoch_started"]
+    ended = [e["t"] for e in log if e["event"] == "checkpoint_saved"] or [time.time()]
+    training = counter.at(max(ended)) - counter.at(started[0]) if started else None
+    lines = read_jsonl(run_dir / "metrics.jsonl") if (run_dir / "metrics.jsonl").exists() else []
+    steps = sorted((m for m in lines if "step_s" in m), key=lambda m: m["step"])
+    tokens_per_step = cfg.train.global_batch * seq_len(cfg) * h
+    timed = [m["step_s"] for m in steps[warmup:]]
+    wall, curve = 0.0, []
+    evals = {m["eval_step"]: m for m in lines if "eval_step" in m}
+    for m in steps:
+        wall += m["step_s"]
+        e = evals.get(m["step"])
+        if e is not None:
+            loss = e.get("eval/loss")
+            curve.append({"tokens": (m["step"] + 1) * tokens_per_step, "wall_s": round(wall, 3),
+                          "loss": loss})  # fmt: skip
+    total_tokens = len(steps) * tokens_per_step
+    return {
+        "mode": name,
+        "inner_steps": h,
+        "ok": codes == [0] * len(procs) and len(steps) == cfg.train.steps,
+        "exit_codes": codes,
+        "steps": len(steps),
+        "tokens": total_tokens,
+        "tokens_per_s": round(len(timed) * tokens_per_step / sum(timed), 1) if timed else None,
+        "step_s_median": statistics.median(timed) if timed else None,
+        "cross_region_bytes": crossed,
+        "cross_region_bytes_training": training,
+        "cross_region_bytes_per_token": (
+            round(training / total_tokens, 2) if total_tokens and training is not None else None
+        ),
+        "final_eval_loss": curve[-1]["loss"] if curve else None,
+        "curve": curve,
+    }
+
+
+def seq_len(cfg: Any) -> int:
+    from perdure.data import Dataset
+
+    return int(Dataset.open(cfg.data.dataset).seq_len)
+
+
+def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each DiLoCo row against the synchronous one: speed, bytes and loss ratios."""
+    sync = next(r for r in rows if r["inner_steps"] == 1)
+    for r in rows:
+        if r is sync or not r["ok"] or not sync["ok"]:
+            continue
+        r["speedup"] = round(r["tokens_per_s"] / sync["tokens_per_s"], 2)
+        r["bytes_per_token_vs_sync"] = round(
+            r["cross_region_bytes_per_token"] / sync["cross_region_bytes_per_token"], 5
+        )
+        r["bytes_bound"] = 1 / r["inner_steps"] / (4 if r["mode"].endswith("int8") else 1)
+        r["loss_vs_sync"] = round(r["final_eval_loss"] / sync["final_eval_loss"], 4)
+    h50 = [r for r in rows if r["inner_steps"] == 50 and "speedup" in r]
+    return {
+        "h50_speedup_ge_5": all(r["speedup"] >= 5 for r in h50) if h50 else None,
+        "h50_loss_within_5pct": all(r["loss_vs_sync"] <= 1.05 for r in h50) if h50 else None,
+        "bytes_bounds_met": all(
+            r["bytes_per_token_vs_sync"] <= r["bytes_bound"] for r in rows if "speedup" in r
+        ),
+    }
+
+
+def svg(rows: list[dict[str, Any]], path: Path) -> None:
+    """Held-out loss against tokens (left) and against wall time (right), one line a run."""
+    w, h, pad = 420, 300, 45
+    colours = ["#000000", "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    pts = [p for r in rows for p in r["curve"]]
+    if not pts:
+        return
+    lo, hi = min(p["loss"] for p in pts), max(p["loss"] for p in pts)
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{2 * w}" height="{h + 40}" '
+             'font-family="sans-serif" font-size="11">']  # fmt: skip
+    for panel, key, label in ((0, "tokens", "tokens"), (1, "wall_s", "wall time (s)")):
+        x0 = panel * w
+        xmax = max(p[key] for p in pts) or 1
+        parts.append(f'<rect x="{x0 + pad}" y="10" width="{w - 2 * pad}" height="{h - pad}" '
+                     'fill="none" stroke="#888"/>')  # fmt: skip
+        parts.append(f'<text x="{x0 + w / 2}" y="{h + 5}" text-anchor="middle">{label}</text>')
+        parts.append(f'<text x="{x0 + 5}" y="20">{hi:.2f}</text>')
+        parts.append(f'<text x="{x0 + 5}" y="{h - pad + 10}">{lo:.2f}</text>')
+        for i, r in enumerate(rows):
+            xy = [
+                (x0 + pad + (w - 2 * pad) * p[key] / xmax,
+                 10 + (h - pad) * (hi - p["loss"]) / ((hi - lo) or 1))
+                for p in r["curve"]
+            ]  # fmt: skip
+            line = " ".join(f"{x:.1f},{y:.1f}" for x, y in xy)
+            c = colours[i % len(colours)]
+            parts.append(f'<polyline fill="none" stroke="{c}" points="{line}"/>')
+            if panel == 0:
+                parts.append(f'<text x="{2 * w - 150}" y="{30 + 14 * i}" fill="{c}">'
+                             f'{r["mode"]}</text>')  # fmt: skip
+    parts.append("</svg>")
+    path.write_text("\n".join(parts) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--inner-steps", type=int, nargs="*", help="the H values (default 10 50 200)")
+    ap.add_argument("--steps", type=int, default=400, help="synchronous steps (tokens)")
+    ap.add_argument("--rate-mbit", type=float, default=20.0, help="each region's link")
+    ap.add_argument("--rtt-ms", type=float, default=40.0, help="between regions")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the rates")
+    ap.add_argument("--timeout-s", type=float, default=900, help="per run")
+    ap.add_argument("--exponents", choices=["step", "streamed"], default="step",
+                    help="DiLoCo's train.reduction_exponents")  # fmt: skip
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+
+    from tests.netns_regions import regions
+    from tests.runtime_support import build_dataset, build_small_dataset
+
+    rows: list[dict[str, Any]] = []
+    ports = 29700
+    with tempfile.TemporaryDirectory(prefix="bench-diloco-") as d:
+        dataset = build_small_dataset(Path(d) / "data")
+        held_out = Path(d) / "held_out"
+        stdlib = Path(os.__file__).parent
+        build_dataset([str(stdlib / "unittest")], str(held_out), seq_len=64, shard_mb=0.05,
+                      include="*.py")  # fmt: skip
+        with regions([2, 1, 1, 1], rtt_ms=a.rtt_ms) as rs:
+            shaped = shape(rs, a.rate_mbit)
+            for name, h, precision in modes(a.quick, a.inner_steps):
+                ports += 2
+                tmp = Path(d) / name
+                tmp.mkdir()
+                cfg = run_config(dataset, held_out, h, precision, a.steps,
+                                 rs.hosts[0].address, ports, a.exponents)  # fmt: skip
+                row = one_run(rs, cfg, name, h, tmp, ports, a.warmup if h == 1 else 1,
+                              a.timeout_s)  # fmt: skip
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
+    bars = derive(rows)
+    out = {
+        "machine": machine(),
+        "regions": REGIONS,
+        "rate_mbit": a.rate_mbit,
+        "rtt_ms": a.rtt_ms,
+        "shaping": shaped,
+        "sync_steps": a.steps,
+        "model": MODEL,
+        "goal": GOAL,
+        "bars": bars,
+        "rows": rows,
+    }
+    svg(rows, Path(a.out).with_suffix(".svg") if a.out else RESULTS / "diloco.svg")
+    print(write_result("diloco", out, a.out))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
