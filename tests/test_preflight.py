@@ -232,13 +232,3 @@ def test_diloco_with_a_tasks_scheduler_or_moving_buffers_is_refused_before_worke
     problems = _problems(cfg)
     assert [key for key, _, _ in problems] == ["outer.replicas"], problems
     assert says in problems[0][1]
-
-
-def test_diloco_with_streamed_exponents_gets_a_note_and_the_step_form_none(
-    small_dataset: Path,
-) -> None:
-    cfg = small_config(small_dataset, slots=4, outer={"replicas": 4, "inner_steps": 2})
-    notes = [n for n in preflight(cfg).notes if "outer.replicas" in n]
-    assert len(notes) == 1 and notes[0].startswith("train.reduction_exponents: 'streamed'")
-    step = with_overrides(cfg, train={"reduction_exponents": "step"})
-    assert not [n for n in preflight(step).notes if "outer.replicas" in n]

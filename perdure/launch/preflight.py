@@ -106,7 +106,6 @@ def preflight(
     report = Report()
     report.notes += missing_libraries(config.metrics)
     report.notes += _exact_kernels(config)
-    report.notes += _outer_notes(config)
     problems = _bounds(config, here=launcher == "local")
     task = _task(config, problems) if config.train.seed < MAX_SEED else None
     dataset = _dataset(config, problems, report, build_default, say)
@@ -139,22 +138,6 @@ def _exact_kernels(config: RunConfig) -> list[str]:
     return [
         "train.reduction: the exact reduction's fused kernels are off or cannot be built "
         "here (the log says why); the workers use the torch ops: the same bits, slower"
-    ]
-
-
-def _outer_notes(config: RunConfig) -> list[str]:
-    """DiLoCo with exponents carried from the previous step: a first step (and a missed
-    prediction past the outlier lane) is computed twice, every replica's inner steps
-    again, and no finished replica is kept across a failure. Valid, so a note."""
-    train = config.train
-    carried = train.reduction == "exact" and train.reduction_exponents != "step"
-    if not (config.outer.on and carried):
-        return []
-    return [
-        f"train.reduction_exponents: {train.reduction_exponents!r} with outer.replicas computes "
-        "the first outer step twice (every replica's inner steps again) and keeps no "
-        "finished replica across a failure; 'step' costs one small exchange per outer step "
-        "instead (configs/diloco.toml)"
     ]
 
 
