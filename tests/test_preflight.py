@@ -212,3 +212,23 @@ def test_a_vocabulary_the_undeclared_embedding_cannot_read_is_named_by_both_size
     rules = [rule for key, rule, _ in problems if key == "task.options"]
     assert any("vocabulary is 256 token ids" in r and "embedding 'tok' has 64 rows" in r
                for r in rules), problems  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "entry,says",
+    [
+        ("tests.recipe_task:with_scheduler", "brings its own scheduler"),
+        ("tests.buffer_task:make_task", "forward moves buffers"),
+    ],
+)
+def test_diloco_with_a_tasks_scheduler_or_moving_buffers_is_refused_before_workers_start(
+    small_dataset: Path, entry: str, says: str
+) -> None:
+    cfg = small_config(
+        small_dataset, slots=4, task={"entry": entry, "options": {}},
+        optim={"schedule": "constant", "warmup_steps": 0},
+        outer={"replicas": 4, "inner_steps": 2},
+    )  # fmt: skip
+    problems = _problems(cfg)
+    assert [key for key, _, _ in problems] == ["outer.replicas"], problems
+    assert says in problems[0][1]

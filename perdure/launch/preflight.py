@@ -238,13 +238,17 @@ def _recipe(
 ) -> dict[str, Any] | None:
     """The task's recipe as a worker builds it, its loss contract checked on the first
     slot's samples; returns the run's identity (None when the task or dataset failed)."""
+    from perdure.runtime.replica.buffers import BufferRule
     from perdure.runtime.replica.identity import check_loss_reduction, run_identity
+    from perdure.runtime.replica.outer import check_outer
     from perdure.runtime.replica.recipe import Recipe, RecipeError
 
     if task is None or ds is None:
         return None
     try:
         recipe = Recipe(task, config.optim, config.train.steps)
+        if config.outer.on:
+            check_outer(BufferRule(task.model), recipe, config.outer.replicas)
     except RecipeError as e:
         problems.append(Problem(e.field, e.rule, e.value))
         return None

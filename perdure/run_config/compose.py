@@ -32,6 +32,7 @@ from perdure.runtime.config import (
     ClusterConfig,
     EvalConfig,
     OptimConfig,
+    OuterConfig,
     TaskConfig,
     TrainConfig,
 )
@@ -64,6 +65,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    outer: OuterConfig = field(default_factory=OuterConfig)
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -99,7 +101,30 @@ class RunConfig:
             "with its parameters sharded at rest it holds only its shard",
             self.eval.every_steps,
         )
+        _check_outer(self, c)
         c.done()
+
+
+def _check_outer(config: RunConfig, c: Checker) -> None:
+    """DiLoCo's settings against the rest: a slot is a virtual replica, and one replica's
+    inner steps run whole on one worker (no replica groups, ``runtime/replica/outer.py``)."""
+    outer, train = config.outer, config.train
+    if not outer.on:
+        return
+    c.check(
+        outer.replicas == train.slots,
+        "outer.replicas",
+        f"must equal train.slots ({train.slots}): each slot of an outer step is one "
+        "virtual replica",
+        outer.replicas,
+    )
+    c.check(
+        train.shard_degree == 1,
+        "train.shard_degree",
+        "must be 1 with outer.replicas set: a virtual replica's inner steps run on one "
+        "worker (replica groups inside a region are not built for DiLoCo)",
+        train.shard_degree,
+    )
 
 
 def load_config(path: str | Path) -> RunConfig:

@@ -501,3 +501,53 @@ class EvalConfig:
         c.non_negative("samples", self.samples)
         c.positive("batch_size", self.batch_size)
         c.done()
+
+
+@dataclass(kw_only=True, frozen=True)
+class OuterConfig:
+    """DiLoCo across regions (``runtime/replica/outer.py``; docs/architecture.md, "DiLoCo"):
+    ``replicas`` fixed virtual replicas each run ``inner_steps`` steps of the task's own
+    optimizer from the outer parameters on data of their own, and one outer step (Nesterov
+    SGD) applies the mean of their pseudo-gradients (outer parameters minus a replica's).
+    A perdure step is then one outer step and its slots are the virtual replicas, so the
+    planner places replicas on members as it places slots, and the pseudo-gradients are
+    summed exactly (integers) whoever computed which: the run is a pure function of the
+    config as before. Off by default (``replicas = 0``: the synchronous step); every field
+    at its default is left out of the config hash, so runs made before it keep theirs."""
+
+    replicas: int = field(default=0, metadata=MATH_ADDED)
+    """R: virtual replicas, fixed whatever the membership; 0: off (the synchronous step).
+    Must equal ``train.slots`` (a slot is a replica); ``train.global_batch`` is then the
+    samples of one inner step over all replicas (B/R each), so an outer step reads
+    ``inner_steps`` x B samples: those of the synchronous run's steps
+    ``t * inner_steps .. (t + 1) * inner_steps - 1``, replica r taking slot r of each."""
+    inner_steps: int = field(default=50, metadata=MATH_ADDED)
+    """H: inner steps per outer step (DiLoCo's H). ``train.steps`` counts outer steps, and
+    the inner learning-rate schedule (``optim``) is laid over ``train.steps`` x H inner
+    steps."""
+    lr: float = field(default=0.7, metadata=MATH_ADDED)
+    """The outer optimizer's learning rate (DiLoCo: 0.7)."""
+    momentum: float = field(default=0.9, metadata=MATH_ADDED)
+    """The outer optimizer's Nesterov momentum (DiLoCo: 0.9)."""
+    precision: Literal["fp32", "int8"] = field(default="fp32", metadata=MATH_ADDED)
+    """A replica's pseudo-gradient as the reduction receives it. ``fp32``: as computed.
+    ``int8``: rounded to 8 bits (a sign and 7 bits, round-half-even) per block of
+    ``train.reduction_block`` values against the block's own maximum's power of two, a
+    pure function of the replica's values (INTELLECT-1's int8 pseudo-gradients, minus
+    their error feedback). Limit: the exact reduction still carries its own integers
+    (``train.reduction_bits``), so the wire bytes are those of ``fp32``; the math, not
+    the transport, is int8's here."""
+
+    def __post_init__(self) -> None:
+        c = Checker()
+        c.non_negative("replicas", self.replicas)
+        c.positive("inner_steps", self.inner_steps)
+        c.positive("lr", self.lr)
+        c.check(0 <= self.momentum < 1, "momentum", "must be in [0, 1)", self.momentum)
+        c.one_of("precision", self.precision, ("fp32", "int8"))
+        c.done()
+
+    @property
+    def on(self) -> bool:
+        """Whether the run steps as DiLoCo (``replicas`` > 0)."""
+        return self.replicas > 0

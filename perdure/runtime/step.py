@@ -156,6 +156,12 @@ class StepRunner:
             bad = self.tr.layout.bad_slots(total)
             if not bad:
                 return total
+            if self.tr.outer is not None:  # every member sees the same flags
+                raise MathError(
+                    f"step {t}: the pseudo-gradients of virtual replicas {bad} are not finite "
+                    "(outer.replicas: a non-finite inner step stops a DiLoCo run; its "
+                    "quarantine path is not built)"
+                )
             self.seams.salvage.clear()  # every slot of the step is computed again
             self._on_nonfinite(t, bad)
 

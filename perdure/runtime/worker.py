@@ -653,6 +653,7 @@ class Worker:
                 "lr": next(iter(lrs.values()), None),
                 **{f"lr/{group}": lr for group, lr in lrs.items()},
                 "grad_norm": self.trainer.grad_norm,
+                **self._outer_metrics(),
                 **{f"train/{k}": v for k, v in self.trainer.user_metrics.items()},
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 and tokens else None,
@@ -663,6 +664,13 @@ class Worker:
                 "worker": self.name,
             }
         )
+
+    def _outer_metrics(self) -> dict[str, Any]:
+        """With DiLoCo (``outer.replicas``) a step is an outer step: its loss is the
+        replicas' mean inner loss and ``grad_norm`` the mean pseudo-gradient's norm; the
+        line says so with the inner steps it stands for."""
+        outer = self.config.outer
+        return {"inner_steps": outer.inner_steps, "outer_lr": outer.lr} if outer.on else {}
 
     def _evaluate(self, ep: Epoch, t: int) -> None:
         """After step ``t`` committed: the held-out evaluation, when due

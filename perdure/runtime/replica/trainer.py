@@ -40,6 +40,7 @@ from perdure.runtime.replica.deferred import (
 )
 from perdure.runtime.replica.identity import run_identity
 from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.outer import OUTER_KEY, OuterStep
 from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
@@ -131,7 +132,9 @@ class Trainer:
         self.task = task  # its eval_fn: the worker's evaluation (runtime/evaluate.py)
         self.module = plain_module(task.model)
         """What checkpoints, state copies and fingerprints read: the plain module's keys."""
-        self.recipe = Recipe(task, config.optim, train.steps)
+        outer = config.outer
+        inner_steps = train.steps * outer.inner_steps if outer.on else train.steps
+        self.recipe = Recipe(task, config.optim, inner_steps)
         self.optimizer = self.recipe.optimizer
         mean = task.loss_reduction == "mean"
         self.engine = SlotEngine(
@@ -161,6 +164,26 @@ class Trainer:
             document_fields=data.document_fields,
             on_corrupt=data.on_corrupt,
         )
+        self.outer: OuterStep | None = None
+        """DiLoCo (``outer.replicas``): a slot is a virtual replica's inner steps and the
+        update is the outer step (``replica/outer.py``)."""
+        if outer.on:
+            self.outer = OuterStep(
+                outer,
+                self.engine,
+                self.recipe,
+                self.loader.batch,
+                global_batch=train.global_batch,
+                grad_clip=config.optim.grad_clip,
+                block=train.reduction_block,
+                prefetch=lambda step, slot: self.prefetch(step, range(slot, slot + 1), inner=True),
+            )
+        carried = train.reduction == "exact" and train.reduction_exponents != "step"
+        self._keep_replicas = outer.on and carried
+        """DiLoCo with exponents carried from the previous step: a member keeps its
+        replicas of the step in flight (``OuterStep.replica``), so the pass that a missed
+        prediction repeats, and a step redone in a new epoch, copy them (the step form
+        and the chain keep each slot's buffer already: ``runtime/salvage.py``)."""
         self.poison = sorted(poison)
         self.corrupt = sorted(corrupt)
         """Chaos: ``(shard, step)``: the shard's primary copy reads corrupt from that step."""
@@ -250,7 +273,9 @@ class Trainer:
 
     @property
     def tokens_per_step(self) -> int:
-        return self.config.train.global_batch * self.dataset.seq_len
+        """Tokens a step reads: with DiLoCo an outer step's, ``outer.inner_steps`` x B."""
+        inner = self.config.outer.inner_steps if self.outer is not None else 1
+        return inner * self.config.train.global_batch * self.dataset.seq_len
 
     def poison_due(self, step: int) -> None:
         """Fault injection: shards poisoned from a given step on (identically everywhere),
@@ -275,8 +300,14 @@ class Trainer:
         for i, (buf, slot) in enumerate(zip(bufs, slots, strict=True)):
             if should_abort():
                 return False
-            batch = to_tensors(self.loader.batch(step, slot))
             last = i == len(bufs) - 1
+            if self.outer is not None:  # a virtual replica's inner steps (DiLoCo)
+                key = (step, self.state_version) if self._keep_replicas else None
+                part = ready if last else None
+                if not self.outer.replica(step, slot, buf, should_abort, part, key):
+                    return False
+                continue
+            batch = to_tensors(self.loader.batch(step, slot))
             with self._gathered():
                 self.engine.compute(step, slot, batch, buf, ready=ready if last else None)
         return True
@@ -321,16 +352,26 @@ class Trainer:
             return
         self.engine.compute(0, 0, batch, self.engine.new_buffer())
 
-    def prefetch(self, step: int, slots: range) -> None:
-        """Read ``step``'s samples of ``slots`` in the background."""
+    def prefetch(self, step: int, slots: range, *, inner: bool = False) -> None:
+        """Read ``step``'s samples of ``slots`` in the background (with DiLoCo, an outer
+        step's first inner step, unless ``inner``: ``step`` is an inner step's)."""
+        if self.outer is not None and not inner:
+            step *= self.config.outer.inner_steps
         if self.config.data.prefetch_steps:
             self.loader.prefetch(step, list(slots))
 
     def apply(self, step: int, total: torch.Tensor) -> float:
-        """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss."""
+        """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss.
+        With DiLoCo, ``total`` is the sum of the replicas' pseudo-gradients and the update
+        the outer step; the loss is the inner steps' mean over every replica."""
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
         self.user_metrics = self.engine.step_metrics(total, B)
+        if self.outer is not None:
+            self.outer.apply(total)
+            self.grad_norm = self.outer.norm
+            self._check_update(step, self.config.outer.lr)
+            return self._committed(step, loss)
         own = None if self.shards is None else self.shards.own_range
         self.engine.assign_grads(total, B, own)
         self.engine.apply_buffers(total)
@@ -353,12 +394,19 @@ class Trainer:
         if self.shards is not None and synced:  # sharded at rest: nobody else keeps them
             self.shards.sync_params()
             self.torn = False
+        self._check_update(step, lr)
+        return self._committed(step, loss)
+
+    def _check_update(self, step: int, lr: float) -> None:
         if not self._params_finite():
             raise MathError(
                 f"step {step}: the optimizer made parameters non-finite from a finite gradient "
-                f"(lr at this step {lr:g}; check optim.lr, optim.weight_decay, optim.eps and "
-                "the model's own arithmetic)"
+                f"(lr at this step {lr:g}; check optim.lr, optim.weight_decay, optim.eps, "
+                "outer.lr and the model's own arithmetic)"
             )
+
+    def _committed(self, step: int, loss: float) -> float:
+        """The update of ``step`` is in: the next step's state."""
         self.next_step = step + 1
         self.state_version += 1
         if self._staged is not None:  # the next step's exponents come with this update
@@ -607,6 +655,8 @@ class Trainer:
         if exps is not None:
             kept = exps.clone() if isinstance(exps, torch.Tensor) else list(exps)
             state = {**state, REDUCTION_KEY: {"exponents": kept}}
+        if self.outer is not None:
+            state = {**state, OUTER_KEY: self.outer.state()}
         return state
 
     def _optimizer_for_save(self) -> dict[str, Any]:
@@ -619,6 +669,9 @@ class Trainer:
         reduction = state.pop(REDUCTION_KEY, None)
         exps = None if reduction is None else reduction.get("exponents")
         self.exponents, self._staged = self._checked_exponents(exps, source), None
+        outer = state.pop(OUTER_KEY, None)
+        if self.outer is not None:
+            self.outer.load(outer, source)
         self.recipe.load_state_dict(state, source=source)
 
     def _checked_exponents(self, exps: Any, source: str) -> list[int] | torch.Tensor | None:

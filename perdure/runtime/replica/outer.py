@@ -1,0 +1,275 @@
+"""DiLoCo's math on one replica: a virtual replica's inner steps, its pseudo-gradient, and
+the outer step (Nesterov SGD on the mean pseudo-gradient). No network.
+
+A perdure step is one *outer* step ``t``, and its S slots are the R virtual replicas
+(``outer.replicas == train.slots``). Computing slot ``r`` runs replica ``r``'s H inner
+steps from the outer parameters: inner step ``h`` is the synchronous run's step
+``t * H + h`` restricted to slot ``r`` (its samples, its ``(seed, step, slot)``
+randomness), with the task's own optimizer at the inner schedule's rate of that step.
+The slot buffer then holds the pseudo-gradient ``theta_t - theta_r`` where a gradient
+would be, and the exact reduction sums the R of them as integers, in any order, on any
+membership. So a replica is a pure function of ``(theta_t, t, r)`` and the config: the
+planner may place it on any member, move it to a survivor, or keep it across a failure
+(``runtime/salvage.py``), and not a bit changes.
+
+Deviation from DiLoCo: its workers keep their inner AdamW state from one outer step to
+the next; here every replica starts each outer step with a fresh inner optimizer state
+(as DiLoCo's ablations and "streaming DiLoCo" note, a reset costs little at moderate H).
+Kept state would be per-replica state that has to travel with the replica (a state copy
+per move, R optimizer states in every checkpoint); a reset makes a replica need nothing
+but the outer parameters, which every member already holds. Limits: the model's moving
+buffers (BatchNorm statistics) are refused, a task's own scheduler is refused (it would
+be stepped by whichever member ran a replica), and a non-finite pseudo-gradient stops the
+run (the synchronous step's quarantine path re-runs slots of one step, not inner steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from perdure.runtime.config import OuterConfig
+from perdure.runtime.replica.buffers import BufferRule
+from perdure.runtime.replica.recipe import Recipe, RecipeError
+from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
+
+OUTER_KEY = "outer"
+"""Beside the recipe's state in a checkpoint's optimizer field (and a state copy's): the
+outer optimizer's state, ``{"momentum": float32 tensor [P]}`` in the slot buffer's
+gradient order."""
+
+INT8_MAX = 127
+
+
+def quantize_int8(values: torch.Tensor, block: int) -> torch.Tensor:
+    """``values`` rounded, in place, to a sign and 7 bits per block of ``block`` values,
+    against the power of two of the block's largest magnitude (``m = f * 2**e`` with
+    ``0.5 <= f < 1``: the step is ``2**(e - 7)``, so the block's values land in
+    [-127, 127] steps, round-half-even). A pure function of the values: a replica's
+    rounding does not depend on the others', so no exchange comes first. Returns
+    ``values``."""
+    n = values.numel()
+    if n == 0:
+        return values
+    pad = (-n) % block
+    padded = torch.nn.functional.pad(values, (0, pad)).view(-1, block)
+    peak = padded.abs().amax(dim=1)
+    _, exp = torch.frexp(peak)
+    step = torch.ldexp(torch.ones_like(peak), (exp - 7).to(torch.float32))
+    q = torch.round(padded / step[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+    out = (q * step[:, None]).view(-1)[:n]
+    values.copy_(torch.where(peak.repeat_interleave(block)[:n] > 0, out, values))
+    return values
+
+
+def check_outer(buffers: BufferRule, recipe: Recipe, replicas: int) -> None:
+    """What DiLoCo cannot run (the workers' check and the launcher's preflight): raises
+    :class:`RecipeError` naming the field, the rule and the value."""
+    if buffers.numel:
+        rule = (
+            "cannot be set for a model whose forward moves buffers (BatchNorm statistics, "
+            "counters): a virtual replica's inner steps would move them apart from the "
+            "outer parameters (not built for DiLoCo)"
+        )
+        raise RecipeError("outer.replicas", rule, f"{replicas}; buffers {buffers.names[:4]}")
+    if recipe.scheduler is not None:
+        rule = (
+            "cannot be set with a task that brings its own scheduler (Task.make_scheduler): "
+            "the inner steps of whichever member runs a replica would step it; use "
+            "optim.schedule instead (laid over train.steps x outer.inner_steps)"
+        )
+        raise RecipeError("outer.replicas", rule, replicas)
+
+
+class OuterStep:
+    """A replica's inner steps and the outer optimizer, over the trainer's own model,
+    slot engine, inner recipe and loader (the inner steps run on the model in place and
+    put the outer parameters back after)."""
+
+    def __init__(
+        self,
+        cfg: OuterConfig,
+        engine: SlotEngine,
+        recipe: Recipe,
+        batch: Callable[[int, int], Any],
+        *,
+        global_batch: int,
+        grad_clip: float | None,
+        block: int,
+        prefetch: Callable[[int, int], None] = lambda step, slot: None,
+    ) -> None:
+        """``batch(step, slot)``: the loader's samples of a synchronous step's slot;
+        ``prefetch(step, slot)``: read them ahead."""
+        check_outer(engine.buffers, recipe, cfg.replicas)
+        self.cfg, self.engine, self.recipe = cfg, engine, recipe
+        self._batch, self._prefetch = batch, prefetch
+        self.per_replica = global_batch // cfg.replicas
+        self.grad_clip, self.block = grad_clip, block
+        self.params = engine.params
+        self.momentum = torch.zeros(engine.layout.numel, dtype=torch.float32)
+        """The outer optimizer's momentum, in the gradient order of the slot buffer."""
+        self._scratch: torch.Tensor | None = None
+        self._kept: dict[int, torch.Tensor] = {}
+        """Replicas computed under ``_kept_key`` (see :meth:`replica`): one slot buffer
+        each, so a member hosting k replicas holds k more buffers."""
+        self._kept_key: tuple[int, int] | None = None
+        self.norm = 0.0
+        """The last outer step's mean pseudo-gradient norm (logged as ``grad_norm``)."""
+
+    # -- one virtual replica ---------------------------------------------------------------
+
+    def replica(
+        self,
+        step: int,
+        r: int,
+        out: torch.Tensor,
+        abort: Callable[[], bool] = lambda: False,
+        ready: Progress | None = None,
+        key: tuple[int, int] | None = None,
+    ) -> bool:
+        """Fill ``out`` with replica ``r``'s pseudo-gradient of outer step ``step`` (and
+        its flag, its mean inner loss and metrics in its slot's entries); False if aborted.
+        On return the model holds the outer parameters again and the inner optimizer no
+        state and its groups' initial rates: a member that ran a replica and one that did
+        not (its slots salvaged) hold the same bits.
+
+        ``key`` (the step and the trainer's state version): keep the result and copy it
+        on a later call under the same key instead of running the inner steps again (a
+        reduction with carried exponents computes a step twice when its prediction
+        fails, the first step always, and a new epoch redoes the step in flight). A
+        replica is a pure function of the state the key names, so a copy is its bits."""
+        lay = self.engine.layout
+        result = self._kept.get(r) if key is not None and key == self._kept_key else None
+        if result is None:
+            result = self._run(step, r, abort)
+            if result is None:
+                return False
+            if key is not None:
+                if key != self._kept_key:
+                    self._kept, self._kept_key = {}, key
+                self._kept[r] = result
+        if ready is not None:
+            ready.room(lay.size)
+        out.copy_(result)
+        if ready is not None:
+            ready.advance(lay.size)
+        return True
+
+    def _run(self, step: int, r: int, abort: Callable[[], bool]) -> torch.Tensor | None:
+        """Replica ``r``'s inner steps of outer step ``step``: a slot buffer of its own
+        (see :meth:`replica`), or None if aborted."""
+        lay = self.engine.layout
+        if self._scratch is None:
+            self._scratch = lay.new_buffer()
+        out = lay.new_buffer()
+        theta = self._flat()
+        H = self.cfg.inner_steps
+        loss = 0.0
+        metrics = torch.zeros(lay.metrics, dtype=torch.float32, device=out.device)
+        finite = True
+        groups = self.recipe.optimizer.param_groups
+        rates = [g["lr"] for g in groups]
+        self.recipe.optimizer.state.clear()
+        try:
+            for h in range(H):
+                if abort():
+                    return None
+                s = step * H + h
+                if h + 1 < H:
+                    self._prefetch(s + 1, r)
+                finite = self._inner(s, r) and finite
+                if not finite:
+                    break
+                loss += float(lay.losses(self._scratch)[r])
+                metrics += lay.user_metrics(self._scratch)[:, r].to(metrics.device)
+            grads = lay.grads(out)
+            grads.copy_(theta.to(grads.device))
+            grads.sub_(self._flat().to(grads.device))
+            finite = finite and all_finite(grads)
+            if finite and self.cfg.precision == "int8":
+                quantize_int8(grads, self.block)
+        finally:  # the state as every member holds it between outer steps
+            self._restore(theta)
+            self.recipe.optimizer.state.clear()
+            for g, lr in zip(groups, rates, strict=True):
+                g["lr"] = lr
+        if not finite:
+            grads.zero_()
+        lay.flags(out)[r] = 0.0 if finite else 1.0
+        lay.losses(out)[r] = loss / H if finite else 0.0
+        if lay.metrics:
+            lay.user_metrics(out)[:, r] = metrics / H if finite else 0.0
+        return out
+
+    def _inner(self, s: int, r: int) -> bool:
+        """Inner step ``s`` of replica ``r``: slot ``r`` of synchronous step ``s``, its
+        mean gradient (clipped by ``optim.grad_clip``) and the inner optimizer's update at
+        the schedule's rate of ``s``. False if the gradient was not finite (no update)."""
+        buf = self._scratch
+        assert buf is not None
+        self.engine.compute(s, r, to_tensors(self._batch(s, r)), buf)
+        if self.engine.layout.flags(buf)[r] != 0:
+            return False
+        self.engine.assign_grads(buf, self.per_replica)
+        params = list(self.params)
+        if self.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip, foreach=False)
+        self.recipe.set_lr(s)
+        self.recipe.step()
+        for p in params:
+            p.grad = None
+        return True
+
+    def _flat(self) -> torch.Tensor:
+        """The parameters, flat in the slot buffer's gradient order (a copy)."""
+        return torch.cat([p.detach().reshape(-1).cpu() for p in self.params])
+
+    def _restore(self, theta: torch.Tensor) -> None:
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.copy_(theta[offset : offset + n].view_as(p))
+                p.grad = None
+                offset += n
+
+    # -- the outer step --------------------------------------------------------------------
+
+    def apply(self, total: torch.Tensor) -> None:
+        """The outer step from the reduced sum of the R pseudo-gradients: their mean
+        ``d`` (an IEEE division by R), ``m = momentum * m + d``, and each parameter moved
+        by ``-lr * (d + momentum * m)`` (torch's Nesterov SGD, on the flat buffer)."""
+        cfg = self.cfg
+        d = self.engine.layout.grads(total).cpu().div(cfg.replicas)
+        self.norm = float(torch.linalg.vector_norm(d))
+        self.momentum.mul_(cfg.momentum).add_(d)
+        step = d.add(self.momentum, alpha=cfg.momentum)
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                p.add_(step[offset : offset + n].view_as(p).to(p.device), alpha=-cfg.lr)
+                offset += n
+
+    # -- state -----------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return {"momentum": self.momentum.clone()}
+
+    def load(self, state: Any, source: str) -> None:
+        """The outer state saved beside the recipe's (:data:`OUTER_KEY`); ``None`` (a
+        checkpoint without it) is refused: it was not made by a DiLoCo run."""
+        m = state.get("momentum") if isinstance(state, dict) else None
+        want = self.momentum.shape
+        if not (isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.shape == want):
+            got = "none" if m is None else type(m).__name__
+            if isinstance(m, torch.Tensor):
+                got = f"{m.dtype} {list(m.shape)}"
+            raise ValueError(
+                f"{source}: optimizer.{OUTER_KEY}.momentum must be a float32 tensor of "
+                f"{want[0]} values, the outer optimizer's momentum (outer.replicas is set; "
+                f"got {got})"
+            )
+        self.momentum = m.detach().cpu().clone()

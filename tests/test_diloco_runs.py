@@ -1,0 +1,110 @@
+"""DiLoCo runs (``outer.replicas``, ``runtime/replica/outer.py``): R = 4 virtual replicas
+end with one final hash whatever hosts them (1, 2 or 4 workers, one region each), with a
+worker or a whole region killed mid-run, a member stopped mid-step (its replicas redone,
+the survivors' finished ones kept), and resumed from a mid-run checkpoint; the inner
+loss goes down on tiny_lm. The exponents' step form, as ``configs/diloco.toml`` has it
+(the int8 runs take the streamed default)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from perdure.checkpoint import load_checkpoint
+from perdure.events import read_jsonl
+from tests.runtime_support import events, run_to_end, small_config
+
+STEPS = 8
+OUTER = {"replicas": 4, "inner_steps": 2}
+
+
+def _cfg(
+    dataset: Path, workers: int, outer: dict = OUTER, regions: int = 0, **sections: Any
+) -> Any:
+    """``workers`` in ``regions`` regions (default: one region each)."""
+    train = {"reduction_exponents": "streamed" if outer.get("precision") else "step"}
+    return small_config(
+        dataset, workers=workers, regions=regions or workers, steps=STEPS, slots=4, batch=16,
+        outer=outer, train=train, **sections,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def diloco_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("diloco-ref")
+    return {**run_to_end(_cfg(small_dataset, 1), run_dir), "run_dir": run_dir}
+
+
+def test_one_worker_trains_the_four_replicas_and_the_inner_loss_goes_down(
+    diloco_ref: dict,
+) -> None:
+    lines = [m for m in read_jsonl(diloco_ref["run_dir"] / "metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in lines] == list(range(STEPS))
+    assert all(m["inner_steps"] == 2 and m["grad_norm"] > 0 for m in lines)
+    assert lines[-1]["loss"] < lines[0]["loss"] - 1.0, [m["loss"] for m in lines]
+    half = load_checkpoint(diloco_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}")
+    momentum = half.optimizer["outer"]["momentum"]
+    assert momentum.numel() == sum(t.numel() for t in half.model.values())
+    assert half.optimizer["state"] == {}  # the inner state starts afresh every outer step
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+def test_the_worker_and_region_count_do_not_change_the_hash(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path, workers: int
+) -> None:
+    s = run_to_end(_cfg(small_dataset, workers), tmp_path)
+    assert s["final_hash"] == diloco_ref["final_hash"] and s["replica_hashes_agree"]
+
+
+@pytest.mark.parametrize(
+    "regions,fault",
+    [
+        (2, {"kind": "kill", "target": "r1-0", "at_step": 3}),
+        (4, {"kind": "region_down", "target": "r2", "at_step": 3}),
+    ],
+    ids=["worker", "region"],
+)
+def test_a_worker_or_region_killed_mid_run_does_not_change_the_hash(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path, regions: int, fault: dict
+) -> None:
+    """A worker of one of two regions of two workers (the reduction in two tiers), or
+    the whole region of one of four."""
+    cfg = _cfg(small_dataset, 4, regions=regions, chaos={"faults": [fault]})
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == diloco_ref["final_hash"] and s["replica_hashes_agree"]
+    members = [e["plan"]["members"] for e in events(tmp_path, "epoch_started")]
+    assert fault["target"].split("-")[0] + "-0" in members[0]
+    assert len(members) > 1, members  # the replicas moved to another membership
+
+
+def test_a_member_stopped_mid_step_has_its_replica_redone_and_a_survivors_kept(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Three members (replicas [0, 2), [2, 3), [3, 4)); the last is stopped (SIGSTOP)
+    once step 3 has committed, so the others finish their replicas of step 4 and wait in
+    the reduction until it is evicted: the new epoch redoes step 4 and keeps them."""
+    fault = {"kind": "stop", "target": "r0-2", "at_step": 3}
+    cfg = _cfg(small_dataset, 3, regions=1, chaos={"faults": [fault]})
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == diloco_ref["final_hash"] and s["survivor_restarts"] == 0
+    salvaged = events(tmp_path, "slots_salvaged")
+    assert salvaged and all(e["worker"] in ("r0-0", "r0-1") for e in salvaged), salvaged
+
+
+def test_a_resume_from_a_mid_run_checkpoint_retraces_the_run(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    half = diloco_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
+    s = run_to_end(_cfg(small_dataset, 2), tmp_path, resume=str(half))
+    assert s["final_hash"] == diloco_ref["final_hash"]
+
+
+def test_int8_pseudo_gradients_are_another_math_with_one_hash_on_one_and_four_workers(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    int8 = {**OUTER, "precision": "int8"}
+    one = run_to_end(_cfg(small_dataset, 1, int8), tmp_path / "one")
+    four = run_to_end(_cfg(small_dataset, 4, int8), tmp_path / "four")
+    assert one["final_hash"] == four["final_hash"] != diloco_ref["final_hash"]

@@ -1,0 +1,139 @@
+"""DiLoCo's math on one replica, without processes (``runtime/replica/outer.py``): the
+int8 rounding, a virtual replica as a pure function of (outer parameters, step, replica),
+the outer step as torch's Nesterov SGD, and the settings that cannot go with it."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from perdure.config import ConfigError
+from perdure.run_config import RunConfig, canonical
+from perdure.runtime.replica.outer import quantize_int8
+from perdure.runtime.replica.trainer import Trainer
+from tests.runtime_support import small_config
+
+
+def _trainer(dataset: Path, **outer: object) -> Trainer:
+    cfg = small_config(
+        dataset, workers=1, steps=4, slots=4, batch=16,
+        outer={"replicas": 4, "inner_steps": 2, **outer},
+    )  # fmt: skip
+    return Trainer(cfg)
+
+
+def test_int8_rounds_each_block_to_seven_bits_below_its_own_peaks_power_of_two() -> None:
+    # block 1: peak 1.5 = 0.75 * 2**1, step 2**-6; block 2: peak 0.2 < 0.25, step 2**-9
+    x = torch.tensor([1.5, -0.5, 0.3, 1e-3, 0.2, -0.1, 0.0, 0.0, 0.0, 0.0])
+    got = quantize_int8(x.clone(), 4)
+    step1, step2 = 2.0**-6, 2.0**-9
+    want = [96 * step1, -32 * step1, 19 * step1, 0.0, 102 * step2, -51 * step2, 0, 0, 0, 0]
+    assert got.tolist() == want
+    assert (got[:4] / step1).abs().max() <= 127 and (got[4:8] / step2).abs().max() <= 127
+
+
+def test_a_replica_is_the_same_bits_in_any_order_and_leaves_the_outer_state_as_it_was(
+    small_dataset: Path,
+) -> None:
+    a, b = _trainer(small_dataset), _trainer(small_dataset)
+    before = a.digest()
+    bufs = {r: a.layout.new_buffer() for r in (0, 2, 3)}
+    for r in (3, 0, 2):
+        assert a.compute_slots(1, range(r, r + 1), [bufs[r]])
+    assert a.digest() == before  # parameters back, inner optimizer state empty
+    other = b.layout.new_buffer()
+    b.compute_slots(1, range(2, 3), [other])
+    assert torch.equal(other, bufs[2])
+    assert not torch.equal(bufs[0], bufs[2])  # replicas read data of their own
+    lay = a.layout
+    assert lay.flags(bufs[2]).tolist() == [0.0] * 4
+    assert [i for i, v in enumerate(lay.losses(bufs[2]).tolist()) if v] == [2]
+
+
+def test_a_kept_replica_is_copied_only_under_the_same_step_and_state_version(
+    small_dataset: Path,
+) -> None:
+    """The streamed exponents (the default) compute a step twice when a prediction
+    fails: the second pass copies the replica. The proof it is a copy: a change the
+    state version does not name (made here by hand) is not seen until it moves."""
+    tr = _trainer(small_dataset)
+    first, again, moved = (tr.layout.new_buffer() for _ in range(3))
+    assert tr.compute_slots(1, range(1, 2), [first])
+    with torch.no_grad():
+        tr.outer.params[0].add_(1.0)  # type: ignore[union-attr]
+    assert tr.compute_slots(1, range(1, 2), [again])
+    assert torch.equal(again, first)
+    tr.state_version += 1
+    assert tr.compute_slots(1, range(1, 2), [moved])
+    assert not torch.equal(moved, first)
+
+
+def test_the_outer_step_is_torchs_nesterov_sgd_on_the_mean_pseudo_gradient(
+    small_dataset: Path,
+) -> None:
+    tr = _trainer(small_dataset, lr=0.7, momentum=0.9)
+    params = tr.outer.params  # type: ignore[union-attr]
+    twins = [copy.deepcopy(p.detach()).requires_grad_(True) for p in params]
+    sgd = torch.optim.SGD(twins, lr=0.7, momentum=0.9, nesterov=True, foreach=False)
+    gen = torch.Generator().manual_seed(0)
+    for t in range(3):
+        total = tr.layout.new_buffer()
+        tr.layout.grads(total).copy_(torch.randn(tr.layout.numel, generator=gen))
+        mean = tr.layout.grads(total) / 4
+        offset = 0
+        for twin in twins:
+            twin.grad = mean[offset : offset + twin.numel()].view_as(twin).clone()
+            offset += twin.numel()
+        tr.apply(t, total)
+        sgd.step()
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in zip(params, twins, strict=True))
+    assert tr.next_step == 3
+
+
+def test_a_state_without_the_outer_momentum_is_refused_naming_it(small_dataset: Path) -> None:
+    tr = _trainer(small_dataset)
+    _, optim, _ = tr.export()
+    assert set(optim["outer"]) == {"momentum"}
+    del optim["outer"]
+    with pytest.raises(ValueError, match=r"optimizer\.outer\.momentum must be a float32 tensor"):
+        tr._load_optimizer(optim, "ckpt/step-4")
+
+
+def test_outer_replicas_must_equal_the_slots_and_off_leaves_every_hash_as_it_was(
+    small_dataset: Path,
+) -> None:
+    with pytest.raises(ConfigError, match=r"outer\.replicas.*must equal train\.slots \(8\)"):
+        small_config(small_dataset, slots=8, outer={"replicas": 4})
+    assert "outer" not in canonical(RunConfig())
+    assert canonical(small_config(small_dataset, slots=4, outer={"replicas": 4}))["outer"] == {
+        "replicas": 4
+    }
+
+
+def test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step(
+    small_dataset: Path,
+) -> None:
+    """H = 1, inner SGD without momentum, outer lr 1 and no momentum: each replica's
+    pseudo-gradient is lr x its slot's mean gradient, so the outer step is the synchronous
+    step up to rounding (the same samples and randomness: replica r's inner step is slot
+    r of the synchronous step)."""
+    optim = {"name": "sgd", "momentum": 0.0, "schedule": "constant", "warmup_steps": 0,
+             "grad_clip": None, "lr": 0.05}  # fmt: skip
+    sync = Trainer(small_config(small_dataset, workers=1, steps=3, slots=4, optim=optim))
+    outer = Trainer(small_config(
+        small_dataset, workers=1, steps=3, slots=4, optim=optim,
+        outer={"replicas": 4, "inner_steps": 1, "lr": 1.0, "momentum": 0.0},
+    ))  # fmt: skip
+    start = [p.detach().clone() for p in sync.model.parameters()]
+    for t in range(3):
+        for tr in (sync, outer):
+            bufs = [tr.layout.new_buffer() for _ in range(4)]
+            assert tr.compute_slots(t, range(4), bufs)
+            tr.apply(t, torch.stack(bufs).sum(0))
+    pairs = list(zip(sync.model.parameters(), outer.model.parameters(), strict=True))
+    moved = max(float((p.detach() - s).abs().max()) for (p, _), s in zip(pairs, start, strict=True))
+    apart = max(float((p.detach() - q.detach()).abs().max()) for p, q in pairs)
+    assert moved > 1e-3 and apart < 1e-6, (moved, apart)
