@@ -42,8 +42,9 @@ from perdure.runtime.control.address import Endpoints, coordinator_endpoints, ho
 from perdure.runtime.control.channel import LineSocket
 from perdure.runtime.control.door import Conn, Door, close_line
 from perdure.runtime.control.launched import launched_pid
-from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
+from perdure.runtime.control.lease import acquire_for_primary, holder_record
 from perdure.runtime.control.lease_agent import LeaseAgent
+from perdure.runtime.control.lease_backends import open_lease_store
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
