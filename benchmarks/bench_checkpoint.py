@@ -43,10 +43,9 @@ import torch
 
 from perdure.checkpoint import AsyncCheckpointer, CheckpointState, load_checkpoint, save_checkpoint
 from perdure.checkpoint.config import CheckpointConfig
-from perdure.checkpoint.crc import crc_segments
+from perdure.checkpoint.crc import checksum_pool, crc_segments
 from perdure.checkpoint.fsio import write_all
 from perdure.checkpoint.tensors import byte_view, flatten
-from perdure.checkpoint.writer import checksum_pool
 
 ROOT = Path(__file__).resolve().parent
 

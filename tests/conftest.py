@@ -54,6 +54,7 @@ _STARTS_PROCESSES_INSIDE = frozenset(
         "test_math_errors.py::test_a_sane_config_never_trips_the_check",
         "test_outer.py::test_a_replica_is_the_same_bits_in_any_order_and_leaves_the_outer_state_as_it_was",
         "test_outer.py::test_a_state_without_the_outer_momentum_is_refused_naming_it",
+        "test_outer.py::test_a_kept_replica_is_copied_only_under_the_same_step_and_state_version",
         "test_outer.py::test_the_outer_step_is_torchs_nesterov_sgd_on_the_mean_pseudo_gradient",
         "test_outer.py::test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step",
         "test_netns_regions.py::test_the_delay_router_adds_the_asked_round_trip_between_regions_and_none_inside_one",

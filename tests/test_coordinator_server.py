@@ -86,9 +86,9 @@ def test_a_send_failing_inside_a_start_is_handled_on_the_next_turn(tmp_path: Pat
 
 
 def _conn(i: int, line: FakeLine) -> Any:
-    from perdure.runtime.control.coordinator import _Conn
+    from perdure.runtime.control.door import Conn
 
-    return _Conn(i, line, "nonce", time.monotonic())  # type: ignore[arg-type]
+    return Conn(i, line, "nonce", time.monotonic())  # type: ignore[arg-type]
 
 
 def test_garbage_before_admission_is_counted_and_disconnected(tmp_path: Path) -> None:

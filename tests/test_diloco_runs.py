@@ -1,7 +1,9 @@
 """DiLoCo runs (``outer.replicas``, ``runtime/replica/outer.py``): R = 4 virtual replicas
 end with one final hash whatever hosts them (1, 2 or 4 workers, one region each), with a
-worker or a whole region killed mid-run, and resumed from a mid-run checkpoint; the
-inner loss goes down on tiny_lm."""
+worker or a whole region killed mid-run, a member stopped mid-step (its replicas redone,
+the survivors' finished ones kept), and resumed from a mid-run checkpoint; the inner
+loss goes down on tiny_lm. The exponents' step form, as ``configs/diloco.toml`` has it
+(the int8 runs take the streamed default)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ def _cfg(
     dataset: Path, workers: int, outer: dict = OUTER, regions: int = 0, **sections: Any
 ) -> Any:
     """``workers`` in ``regions`` regions (default: one region each)."""
+    train = {"reduction_exponents": "streamed" if outer.get("precision") else "step"}
     return small_config(
         dataset, workers=workers, regions=regions or workers, steps=STEPS, slots=4, batch=16,
-        outer=outer, **sections,
+        outer=outer, train=train, **sections,
     )  # fmt: skip
 
 
@@ -74,6 +77,20 @@ def test_a_worker_or_region_killed_mid_run_does_not_change_the_hash(
     members = [e["plan"]["members"] for e in events(tmp_path, "epoch_started")]
     assert fault["target"].split("-")[0] + "-0" in members[0]
     assert len(members) > 1, members  # the replicas moved to another membership
+
+
+def test_a_member_stopped_mid_step_has_its_replica_redone_and_a_survivors_kept(
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Three members (replicas [0, 2), [2, 3), [3, 4)); the last is stopped (SIGSTOP)
+    once step 3 has committed, so the others finish their replicas of step 4 and wait in
+    the reduction until it is evicted: the new epoch redoes step 4 and keeps them."""
+    fault = {"kind": "stop", "target": "r0-2", "at_step": 3}
+    cfg = _cfg(small_dataset, 3, regions=1, chaos={"faults": [fault]})
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == diloco_ref["final_hash"] and s["survivor_restarts"] == 0
+    salvaged = events(tmp_path, "slots_salvaged")
+    assert salvaged and all(e["worker"] in ("r0-0", "r0-1") for e in salvaged), salvaged
 
 
 def test_a_resume_from_a_mid_run_checkpoint_retraces_the_run(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from perdure.chaos.driver import ChaosDriver
-from perdure.launch import local
+from perdure.launch import local, store_client
 from perdure.launch.api import local_launcher
 from perdure.launch.base import ClusterControl, Launcher, Roster, WorkerState
 from perdure.launch.local import LocalLauncher, Proc
@@ -93,14 +93,14 @@ def test_posting_moves_to_the_standby_store_when_the_primary_is_gone(
 
     from perdure.runtime.control.store import AuthStore, StoreServer
 
-    monkeypatch.setattr(local, "STORE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(store_client, "STORE_TIMEOUT_S", 0.5)
     with socket.socket() as s:  # a port nobody listens on: the primary is gone
         s.bind(("127.0.0.1", 0))
         dead = s.getsockname()[1]
     server = StoreServer("127.0.0.1", 0, "tok")
     live = AuthStore("127.0.0.1", server.port, "tok", timedelta(seconds=5))
     addrs: list[tuple[str, int]] = []
-    client = local._StoreClient(addrs, "tok")
+    client = store_client.StoreClient(addrs, "tok")
     try:
         assert client.set("chaos/x", "1") is False  # no coordinator has published its ports
         addrs += [("127.0.0.1", dead), ("127.0.0.1", server.port)]
@@ -192,3 +192,24 @@ def test_the_live_view_shows_the_tasks_own_metrics_of_the_last_step(tmp_path: Pa
         view.tick()
         text = "".join(s.text for s in Console(width=120).render(view.render()))
     assert "train/accuracy 0.6250   train/hits 5.0000" in text
+
+
+def test_the_local_and_the_ray_launcher_share_the_run_loop_and_override_none_of_it() -> None:
+    """Each launcher is the shared loop with a spawner of its own: neither defines any
+    method but its constructor, and Ray's is no local launcher (issue 37: a change to the
+    local launcher must not silently change Ray's)."""
+    from perdure.launch.ray import RayLauncher, RaySpawner
+    from perdure.launch.spawner import Spawner
+    from perdure.launch.supervisor import Supervisor
+
+    for cls in (LocalLauncher, RayLauncher):
+        assert cls.__mro__[1:] == (Supervisor, object)
+        own = {k for k, v in vars(cls).items() if callable(v) or isinstance(v, property)}
+        assert own == {"__init__"}, cls
+    assert not issubclass(RayLauncher, LocalLauncher)
+    spawners: tuple[Spawner, Spawner] = (local.LocalSpawner(), RaySpawner(None))  # type: ignore[arg-type]
+    protocol = {n for n in vars(Spawner) if not n.startswith("_")}
+    assert protocol == {"start_coordinators", "prepare_workers", "start_worker", "tick",
+                        "exit_cause", "before_stop", "close"}  # fmt: skip
+    for spawner in spawners:
+        assert all(callable(getattr(spawner, n)) for n in protocol)

@@ -53,6 +53,24 @@ def test_a_replica_is_the_same_bits_in_any_order_and_leaves_the_outer_state_as_i
     assert [i for i, v in enumerate(lay.losses(bufs[2]).tolist()) if v] == [2]
 
 
+def test_a_kept_replica_is_copied_only_under_the_same_step_and_state_version(
+    small_dataset: Path,
+) -> None:
+    """The streamed exponents (the default) compute a step twice when a prediction
+    fails: the second pass copies the replica. The proof it is a copy: a change the
+    state version does not name (made here by hand) is not seen until it moves."""
+    tr = _trainer(small_dataset)
+    first, again, moved = (tr.layout.new_buffer() for _ in range(3))
+    assert tr.compute_slots(1, range(1, 2), [first])
+    with torch.no_grad():
+        tr.outer.params[0].add_(1.0)  # type: ignore[union-attr]
+    assert tr.compute_slots(1, range(1, 2), [again])
+    assert torch.equal(again, first)
+    tr.state_version += 1
+    assert tr.compute_slots(1, range(1, 2), [moved])
+    assert not torch.equal(moved, first)
+
+
 def test_the_outer_step_is_torchs_nesterov_sgd_on_the_mean_pseudo_gradient(
     small_dataset: Path,
 ) -> None:

@@ -12,12 +12,23 @@ from __future__ import annotations
 import functools
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 BLOCK = 64 << 20
 """File-aligned block size for threaded checksums and bounded reads and writes."""
 
 _POLY = 0xEDB88320
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def checksum_pool() -> ThreadPoolExecutor:
+    """Threads that sum CRC blocks while the caller reads or writes the next one (one
+    pool for the process: the writer and the loader share it)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="perdure-crc")
+    return _POOL
 
 
 def _times(mat: Sequence[int], vec: int) -> int:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from perdure.checkpoint.tensors import plain_tensors
+
 OPTIMIZER_KEY = "optimizer"
 """The top-level key of the optimizer state (torchtitan's)."""
 METADATA = ".metadata"
@@ -132,8 +134,6 @@ def write_dcp(
     layout, see :func:`optimizer_by_name`) under ``"optimizer"``, as a DCP checkpoint in
     the existing, empty directory ``out``."""
     import torch.distributed.checkpoint as dcp
-
-    from perdure.checkpoint.export import plain_tensors
 
     if OPTIMIZER_KEY in tensors:
         raise DcpError(f"model/{OPTIMIZER_KEY}: a model tensor has the name DCP's layout "

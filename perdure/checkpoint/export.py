@@ -31,17 +31,14 @@ from typing import Any
 
 import torch
 
+from perdure.checkpoint.dcp import write_dcp
+from perdure.checkpoint.tensors import plain_tensors
+
 FORMATS = ("safetensors", "torch", "dcp", "hf")
 
 
 class ExportError(ValueError):
     """The export cannot be made (an unknown format, a task without ``save_pretrained``)."""
-
-
-def plain_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, each with its own storage (safetensors refuses shared
-    storage, and a view would drag its base into a torch file)."""
-    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
 
 
 def write_safetensors(tensors: Mapping[str, torch.Tensor], out: Path) -> list[Path]:
@@ -101,8 +98,6 @@ def export_weights(
         elif fmt == "torch":
             write_torch(tensors, tmp)
         elif fmt == "dcp":
-            from perdure.checkpoint.dcp import write_dcp
-
             write_dcp(tensors, tmp, optimizer)
         else:
             assert build_model is not None

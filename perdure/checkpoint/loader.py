@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from perdure.checkpoint import codec, crc, layout, rules
+from perdure.checkpoint.crc import checksum_pool
 from perdure.checkpoint.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from perdure.checkpoint.fsio import readinto_all
 from perdure.checkpoint.manifest import read_manifest, split_checksum
@@ -34,7 +35,6 @@ from perdure.checkpoint.tensors import (
     model_of,
     unflatten_optimizer,
 )
-from perdure.checkpoint.writer import checksum_pool
 
 
 def load_checkpoint(

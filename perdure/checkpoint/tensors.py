@@ -138,3 +138,9 @@ def to_cpu_contiguous(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu":
         t = t.to("cpu")
     return t.contiguous()
+
+
+def plain_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, each with its own storage (safetensors refuses shared
+    storage, and a view would drag its base into a torch file)."""
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}

@@ -26,7 +26,6 @@ import shutil
 import time
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,8 @@ import torch
 
 from perdure.checkpoint import codec, crc, layout
 from perdure.checkpoint.config import CheckpointConfig
+from perdure.checkpoint.crc import checksum_pool
+from perdure.checkpoint.discovery import apply_retention
 from perdure.checkpoint.errors import CheckpointSaveError
 from perdure.checkpoint.fsio import fsync_dir, write_all, write_durable
 from perdure.checkpoint.hooks import crash_point
@@ -48,16 +49,6 @@ Exchange = Callable[[dict[str, Any]], list[dict[str, Any]]]
 """All-gather of JSON-able dicts over the W writers, in rank order. Every payload has a
 ``round`` key (e.g. ``step-1200/parts``), unique per collective; an implementation must
 pair the calls of the W ranks by it, because it may be called from several threads."""
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def checksum_pool() -> ThreadPoolExecutor:
-    """Threads that sum CRC blocks while the caller reads or writes the next one."""
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="perdure-crc")
-    return _POOL
 
 
 @dataclass
@@ -186,8 +177,6 @@ def write_checkpoint(
                 after_failure(str(status["error"]))
     _raise_errors(gather("commit", status), prep.step, own_error, "committing")
     if rank == 0 and retention is not None:
-        from perdure.checkpoint.discovery import apply_retention
-
         apply_retention(root, retention, newest_intact=final)
     return final
 

@@ -36,7 +36,8 @@ def demo(quick: bool, config_file: str | None, run_dir: str | None, live: bool |
     from rich.console import Console
 
     from perdure.launch.api import run
-    from perdure.launch.demo import DATASET, ensure_dataset, fault_table, reference
+    from perdure.launch.demo import fault_table, reference
+    from perdure.launch.demo_data import DATASET, ensure_dataset
     from perdure.report import write_report
     from perdure.run_config import dataset_path, load_config
 

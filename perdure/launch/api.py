@@ -8,13 +8,14 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from perdure import events as ev
 from perdure.checkpoint.config import CheckpointConfig, checkpoint_root
 from perdure.config.errors import ConfigError, Problem
 from perdure.launch.local import LocalLauncher
 from perdure.launch.lock import RunDirLock
+from perdure.launch.supervisor import Supervisor
 from perdure.run_config import RunConfig, config_hash, with_overrides
 
 
@@ -61,6 +62,10 @@ def resolve_resume(
     return str(p)
 
 
+L = TypeVar("L", bound=Supervisor)
+"""A launcher's type: :func:`with_chaos` returns the launcher it was given."""
+
+
 def local_launcher(
     config: RunConfig,
     run_dir: Path,
@@ -81,7 +86,7 @@ def local_launcher(
     return with_chaos(launcher, config)
 
 
-def with_chaos(launcher: LocalLauncher, config: RunConfig) -> LocalLauncher:
+def with_chaos(launcher: L, config: RunConfig) -> L:
     """``launcher`` with the fault schedule's driver attached when the schedule has faults."""
     if config.chaos.faults:
         from perdure.chaos.driver import ChaosDriver
@@ -110,7 +115,7 @@ def prepared(config: RunConfig, name: str) -> Iterator[Any]:
 
 def make_launcher(
     name: str, config: RunConfig, run_dir: Path, held: Any, **options: Any
-) -> LocalLauncher:
+) -> Supervisor:
     """Launcher ``name`` for ``config`` (``held``: what :func:`prepared` yielded)."""
     if name == "ray":
         from perdure.launch.ray import RayLauncher
@@ -193,7 +198,7 @@ def private_files() -> Iterator[None]:
         os.umask(old)
 
 
-def run_with_view(launcher: LocalLauncher, steps: int) -> dict[str, Any]:
+def run_with_view(launcher: Supervisor, steps: int) -> dict[str, Any]:
     """``launcher.run()`` with the live view attached as its last hook (after chaos, so
     that a tick's faults show in the same refresh)."""
     from perdure.launch.view import LiveView

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +20,6 @@ from rich.console import Console
 from rich.table import Table
 
 from perdure.run_config import RunConfig, config_hash, to_dict, with_overrides
-
-DATASET = Path("runs/datasets/demo-stdlib")
-
-
-def ensure_dataset(path: Path, console: Console, *, max_mb: float = 8.0) -> str:
-    """Build the demo corpus (the stdlib's own *.py files) once; return its version id."""
-    from perdure.data import Dataset, build_dataset
-
-    if not (path / "manifest.json").exists():
-        src = sysconfig.get_paths()["stdlib"]
-        console.print(f"building dataset {path} from {src} (*.py, {max_mb:g} MB) ...")
-        build_dataset([src], str(path), seq_len=128, shard_mb=0.5, include="*.py", max_mb=max_mb)
-    return Dataset.open(str(path)).version_id
 
 
 def reference_config(config: RunConfig) -> RunConfig:

@@ -379,16 +379,16 @@ def _eval(config: RunConfig, task: Task | None) -> list[Problem]:
 def _is_demo(url: str) -> bool:
     """Whether ``url`` is the demo's dataset (``runs/datasets/demo-stdlib`` under the
     config's base directory), which a run builds like the default one."""
-    from perdure.launch.demo import DATASET as DEMO_DATASET
+    from perdure.launch.demo_data import DATASET as DEMO_DATASET
 
     return "://" not in url and Path(url).as_posix().endswith("/" + DEMO_DATASET.as_posix())
 
 
 def build_demo_dataset(out: str) -> None:
-    """The demo's corpus (``launch.demo.ensure_dataset``'s recipe)."""
+    """The demo's corpus (``launch.demo_data.ensure_dataset``'s recipe)."""
     from rich.console import Console
 
-    from perdure.launch.demo import ensure_dataset
+    from perdure.launch.demo_data import ensure_dataset
 
     ensure_dataset(Path(out), Console(quiet=True))
 

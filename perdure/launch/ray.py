@@ -7,8 +7,9 @@ fits, where the launcher starts the replacement. Everything else stays perdure's
 the replacement joins through the coordinator's admission like any worker (the run does
 not restart), the data plane is gloo (NCCL on GPU) between the processes, not Ray's
 collectives, and the monitor loop, the crash rules, chaos, the live view and
-``summary.json`` are the local launcher's (this class inherits them), so a run on Ray
-writes the same events, summary and report, plus one ``process_placed`` event per start.
+``summary.json`` are the run loop every launcher shares (``launch/supervisor.py``; this
+module adds a :class:`RaySpawner`), so a run on Ray writes the same events, summary and
+report, plus one ``process_placed`` event per start.
 
 Each actor (:class:`ProcessHost`, in ``launch/ray_host.py``, a module that imports no
 torch) hosts one perdure process at a time, started from the actor as ``python -m perdure
@@ -52,9 +53,10 @@ from typing import Any
 import perdure
 from perdure import events as ev
 from perdure.config.errors import ConfigError, Problem
-from perdure.launch.local import LocalLauncher, Proc
 from perdure.launch.procs import coordinator_args, wait_ports
 from perdure.launch.ray_host import CALL_TIMEOUT_S, POLL_S, ProcessHost, bind_address
+from perdure.launch.spawner import Proc, RunContext, Started, coordinator_names, preload_modules
+from perdure.launch.supervisor import Supervisor
 from perdure.run_config import RunConfig, to_dict
 from perdure.run_config.launch import RayConfig
 from perdure.runtime.control.address import host_port
@@ -455,23 +457,12 @@ def coordinator_command(
     )
 
 
-class RayLauncher(LocalLauncher):
-    """Runs one training run on a Ray cluster; ``run()`` returns the summary.
+class RaySpawner:
+    """Starts the run's processes through one Ray actor each (a
+    :class:`~perdure.launch.spawner.Spawner`): a process's handle is a
+    :class:`RayProcess`, so a signal from a fault travels through its actor."""
 
-    The local launcher with its processes started by actors: ``_start_coordinators``,
-    ``_start_worker``, ``_stop_all`` and the fork server are replaced, the monitor loop,
-    crash rules, ``ClusterControl`` and ``Roster`` are inherited (a process's handle is a
-    :class:`RayProcess`, so a signal from a fault travels through its actor)."""
-
-    def __init__(
-        self,
-        config: RunConfig,
-        run_dir: str | Path,
-        *,
-        cluster: RayCluster,
-        **options: Any,
-    ) -> None:
-        super().__init__(config, run_dir, **options)
+    def __init__(self, cluster: RayCluster) -> None:
         self.cluster = cluster
         self.hosts: dict[str, Any] = {}
         """One actor per process name, created once: a replacement runs in the same
@@ -483,14 +474,15 @@ class RayLauncher(LocalLauncher):
 
     # -- actors ----------------------------------------------------------------------------
 
-    def _host(self, name: str, region: str, kind: str) -> Any:
+    def _host(self, ctx: RunContext, name: str, region: str, kind: str) -> Any:
         """The actor of process ``name``, created on first use."""
         import ray
 
         if name not in self.hosts:
-            rc = self.config.ray
+            rc = ctx.config.ray
             worker = kind in ("worker", "spare")
-            restarts = -1 if kind == "worker" and self.config.cluster.replace_after_ms >= 0 else 0
+            replaces = ctx.config.cluster.replace_after_ms >= 0
+            restarts = -1 if kind == "worker" and replaces else 0
             cls = ray.remote(ProcessHost).options(
                 num_cpus=rc.worker_cpus if worker else 0,
                 num_gpus=rc.worker_gpus if worker else 0,
@@ -498,19 +490,20 @@ class RayLauncher(LocalLauncher):
                 max_task_retries=0,
                 **placement(rc, region),
             )
-            zygote = str(self.run_dir / "logs" / f"zygote-{name}.log") if worker else None
+            zygote = str(ctx.run_dir / "logs" / f"zygote-{name}.log") if worker else None
             self.hosts[name] = cls.remote(
                 self._cwd,
                 code_paths(),
-                self.token,
+                ctx.token,
                 zygote,
-                run_dir=str(self.run_dir),
-                preload=self._preload(),
+                run_dir=str(ctx.run_dir),
+                preload=preload_modules(ctx.config),
             )
         return self.hosts[name]
 
     def _process(
         self,
+        ctx: RunContext,
         name: str,
         region: str,
         kind: str,
@@ -519,102 +512,96 @@ class RayLauncher(LocalLauncher):
         spec: WorkerSpec | None = None,
     ) -> RayProcess:
         return RayProcess(
-            self._host(name, region, kind),
+            self._host(ctx, name, region, kind),
             next(self._launches),
-            self.run_dir / "logs" / f"{name}.log",
+            ctx.log_of(name),
             args=args,
             spec=spec,
-            start_timeout_s=self.config.ray.start_timeout_s,
+            start_timeout_s=ctx.config.ray.start_timeout_s,
         )
 
-    def _place_workers(self) -> None:
+    def _place_workers(self, ctx: RunContext) -> None:
         """Create every worker's and spare's actor now, before the coordinators: Ray
         places them and their fork servers import torch while the coordinators start."""
-        cl = self.config.cluster
+        cl = ctx.config.cluster
         for region in cl.regions:
             for i in range(region.workers):
-                self._host(f"{region.name}-{i}", region.name, "worker")
+                self._host(ctx, f"{region.name}-{i}", region.name, "worker")
         for i in range(cl.spares):
-            self._host(f"spare-{i}", cl.regions[i % len(cl.regions)].name, "spare")
+            self._host(ctx, f"spare-{i}", cl.regions[i % len(cl.regions)].name, "spare")
 
     # -- processes -------------------------------------------------------------------------
 
-    def _start_zygote(self) -> None:
-        """No fork server on the driver: each worker's actor has its own."""
-
-    def _start_coordinators(self) -> None:
-        """The local launcher's, each coordinator started by its actor, listening on its
-        node's address (see :func:`coordinator_command`)."""
-        cfg_path = self.run_dir / "config.json"
-        cfg_path.write_text(json.dumps(to_dict(self.config), indent=2))
-        self._place_workers()
-        cl = self.config.cluster
-        names = [("coordinator", cl.coordinator_region or cl.regions[0].name)]
-        if cl.standby_region:
-            names.append(("standby", cl.standby_region))
-        for name, region in names:
-            node = self._node_of(name, region)
+    def start_coordinators(self, ctx: RunContext) -> Iterator[Started]:
+        """Each coordinator started by its actor, listening on its node's address (see
+        :func:`coordinator_command`), once every worker's actor is asked for."""
+        cfg_path = ctx.run_dir / "config.json"
+        cfg_path.write_text(json.dumps(to_dict(ctx.config), indent=2))
+        self._place_workers(ctx)
+        for name, region in coordinator_names(ctx.config.cluster):
+            node = self._node_of(ctx, name, region)
             args = coordinator_command(
                 cfg_path,
-                self.run_dir,
+                ctx.run_dir,
                 name,
                 node["node_ip"],
-                expected=cl.workers,
-                resume=self.resume,
-                allow_config_change=self.allow_config_change,
+                expected=ctx.config.cluster.workers,
+                resume=ctx.resume,
+                allow_config_change=ctx.allow_config_change,
             )
-            popen = self._process(name, region, "coordinator", args=args)
+            popen = self._process(ctx, name, region, "coordinator", args=args)
             proc = Proc(name, region, "coordinator", popen)
-            self.coordinators.append(proc)
             self._unlogged.append(proc)
-            timeout = self.config.ray.start_timeout_s
-            ports = wait_ports(self.run_dir / f"{name}.json", popen, timeout)
-            self.addresses.append(host_port(ports["host"], ports["channel_port"]))
-            self.store_addrs.append((ports["host"], int(ports["store_port"])))
+            timeout = ctx.config.ray.start_timeout_s
+            ports = wait_ports(ctx.run_dir / f"{name}.json", popen, timeout)
+            channel = host_port(ports["host"], ports["channel_port"])
+            yield Started(proc, channel, (ports["host"], int(ports["store_port"])))
 
-    def _node_of(self, name: str, region: str) -> dict[str, Any]:
+    def _node_of(self, ctx: RunContext, name: str, region: str) -> dict[str, Any]:
         import ray
 
-        host = self._host(name, region, "coordinator")
-        timeout = self.config.ray.start_timeout_s
+        host = self._host(ctx, name, region, "coordinator")
+        timeout = ctx.config.ray.start_timeout_s
         try:
             return dict(ray.get(host.node.remote(), timeout=timeout))
         except ray.exceptions.GetTimeoutError:
-            ask = placement(self.config.ray, region)
+            ask = placement(ctx.config.ray, region)
             raise TimeoutError(
                 f"the {name}'s actor was not placed within {timeout:g} s (it asks Ray for "
                 f"{ask}; see ray.start_timeout_s)"
             ) from None
 
-    def _start_worker(self, name: str, region: str, role: str = "worker", gen: int = 0) -> None:
-        log = self.run_dir / "logs" / f"{name}.log"
-        self._log_start[name] = log.stat().st_size if log.exists() else 0
+    def prepare_workers(self, ctx: RunContext) -> None:
+        """No fork server on the driver: each worker's actor has its own."""
+
+    def start_worker(
+        self, ctx: RunContext, name: str, region: str, role: str, gen: int, coordinators: list[str]
+    ) -> RayProcess:
         spec = WorkerSpec(
             name=name,
             region=region,
-            coordinators=list(self.addresses),
+            coordinators=list(coordinators),
             role=role,
             yield_cpu=gen > 0,
         )
         # the worker's data plane listens on its node's address: the actor sets spec.host
-        popen = self._process(name, region, role, spec=spec)
-        self.procs[name] = proc = Proc(name, region, role, popen, generation=gen)
-        self._unlogged.append(proc)
+        popen = self._process(ctx, name, region, role, spec=spec)
+        self._unlogged.append(Proc(name, region, role, popen, generation=gen))
+        return popen
 
-    def _tick(self) -> None:
-        self._log_placements()
-        super()._tick()
+    def tick(self, ctx: RunContext) -> None:
+        self._log_placements(ctx)
 
-    def _log_placements(self) -> None:
+    def _log_placements(self, ctx: RunContext) -> None:
         """One ``process_placed`` event per started process, once its actor reports it."""
         for proc in list(self._unlogged):
             assert isinstance(proc.popen, RayProcess)
             where = proc.popen.placed()
             if where is None:
-                self._warn_unplaced(proc)
+                self._warn_unplaced(ctx, proc)
                 continue
             self._unlogged.remove(proc)
-            self.events.write(
+            ctx.events.write(
                 {
                     "event": ev.PROCESS_PLACED,
                     "worker": proc.name,
@@ -624,7 +611,7 @@ class RayLauncher(LocalLauncher):
                 }
             )
 
-    def _warn_unplaced(self, proc: Proc) -> None:
+    def _warn_unplaced(self, ctx: RunContext, proc: Proc) -> None:
         """Say once, on stderr, that a process waits for Ray to place it (its region's
         nodes are full or gone): the run goes on without it meanwhile."""
         assert isinstance(proc.popen, RayProcess)
@@ -633,30 +620,44 @@ class RayLauncher(LocalLauncher):
             self._warned.add(proc.name)
             log.warning(
                 "%s has waited %.0f s for Ray to place it (it asks for %s)",
-                proc.name, waited, placement(self.config.ray, proc.region),
+                proc.name, waited, placement(ctx.config.ray, proc.region),
             )  # fmt: skip
 
-    def _exit_record(self, p: Proc) -> dict[str, Any]:
-        """The local launcher's, with Ray's word when the process died with its actor."""
-        record = super()._exit_record(p)
-        cause = p.popen.cause if isinstance(p.popen, RayProcess) else None
-        return {**record, "cause": cause} if cause else record
+    def exit_cause(self, p: Proc) -> str | None:
+        """Ray's word when the process died with its actor."""
+        return p.popen.cause if isinstance(p.popen, RayProcess) else None
 
-    def _stop_all(self) -> None:
-        """Stop every process through its actor as the local launcher does (SIGTERM to
-        workers, SIGINT to coordinators, SIGKILL after 10 s), then kill every actor."""
+    def before_stop(self, ctx: RunContext, procs: list[Proc]) -> None:
+        """Every handle stops resubmitting its start; the placements seen are logged."""
+        for p in procs:
+            if isinstance(p.popen, RayProcess):
+                p.popen.abandon()
+        self._log_placements(ctx)
+
+    def close(self) -> None:
+        """Kill every actor (and so any process it still hosts)."""
         import ray
 
-        try:
-            for p in [*self.procs.values(), *self.coordinators]:
-                if isinstance(p.popen, RayProcess):
-                    p.popen.abandon()
-            self._log_placements()
-            super()._stop_all()
-        finally:
-            for handle in self.hosts.values():
-                with contextlib.suppress(ray.exceptions.RayError, ValueError):
-                    ray.kill(handle, no_restart=True)
+        for handle in self.hosts.values():
+            with contextlib.suppress(ray.exceptions.RayError, ValueError):
+                ray.kill(handle, no_restart=True)
+
+
+class RayLauncher(Supervisor):
+    """Runs one training run on a Ray cluster; ``run()`` returns the summary. The shared
+    run loop (:class:`~perdure.launch.supervisor.Supervisor`: monitor, crash rules,
+    ``ClusterControl``, ``Roster``) with a :class:`RaySpawner`: nothing of the loop is
+    overridden here, and nothing of the local launcher is inherited."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run_dir: str | Path,
+        *,
+        cluster: RayCluster,
+        **options: Any,
+    ) -> None:
+        super().__init__(config, run_dir, RaySpawner(cluster), **options)
 
 
 __all__ = [
@@ -664,6 +665,7 @@ __all__ = [
     "RayClusterError",
     "RayLauncher",
     "RayProcess",
+    "RaySpawner",
     "connect",
     "coordinator_command",
     "device_problems",

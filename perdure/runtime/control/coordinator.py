@@ -7,12 +7,11 @@ order. A send that fails is queued as a :class:`~policy.Closed` event for the ne
 nothing the server does re-enters the policy.
 
 Nothing a peer sends can stop it: a line that is not a valid message disconnects that
-peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), a
-connection that has not answered its challenge within ``ADMISSION_S`` of its accept is
-dropped, and at most ``MAX_UNADMITTED`` connections may wait for admission at once (a new
-one drops the oldest: a flood cannot keep a worker out, whose hello takes one round trip).
-What is refused before authentication, here and at the store, is counted and logged once
-per interval (``control/refusals.py``), so no flood grows the event log by more.
+peer (and is logged), a line without a newline is bounded (``protocol.MAX_LINE``), and
+connections that have not said hello yet wait at the door (``control/door.py``: a
+deadline, a bound, counted refusals). What is refused before authentication, at the door
+and at the store, is logged once per interval (``control/refusals.py``), so no flood
+grows the event log by more.
 
 The run's lease (``control/lease.py``) is set up here: a primary acquires it before it
 serves (a new generation, installed in the run directory's fence), a standby starts
@@ -30,7 +29,7 @@ import selectors
 import socket
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from perdure import events as ev
 from perdure.events import Tail
@@ -40,33 +39,19 @@ from perdure.runlog import Mergers, part, writer_id
 from perdure.runtime.control import policy as pol
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import Endpoints, coordinator_endpoints, host_port
-from perdure.runtime.control.channel import LineSocket, verify
+from perdure.runtime.control.channel import LineSocket
+from perdure.runtime.control.door import Conn, Door, close_line
 from perdure.runtime.control.launched import launched_pid
-from perdure.runtime.control.lease import acquire_for_primary, holder_record, open_lease_store
+from perdure.runtime.control.lease import acquire_for_primary, holder_record
 from perdure.runtime.control.lease_agent import LeaseAgent
-from perdure.runtime.control.refusals import Refusals
+from perdure.runtime.control.lease_backends import open_lease_store
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
 
 TICK_S = 0.01
-ADMISSION_S = 10.0
-"""Seconds a new connection has to answer its challenge."""
-MAX_UNADMITTED = 256
-SEND_TIMEOUT_S = 5.0
 RUN_END_POLL_S = 0.5
 """How often an idle standby looks for the run's end in the merged event log."""
-"""A send to a worker that does not read (its buffers full) fails after this long."""
-
-
-@dataclass
-class _Conn:
-    """A connection not yet admitted."""
-
-    id: int
-    line: LineSocket
-    nonce: str
-    since: float
 
 
 class Coordinator:
@@ -103,11 +88,15 @@ class Coordinator:
         self._ended = Tail(f"{run_dir}/events.jsonl", from_end=True)
         self._ended_check = 0.0
         self.store = StoreServer(bind, self.endpoints.store_port, token)
-        self.refusals = Refusals("channel")
         self.server = _listen(bind, self.endpoints.channel_port, "--channel-port")
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ, None)
+        self.door = Door(
+            self.server, self.sel, token,
+            challenge=lambda: (self.policy.generation, self.policy.serving),
+            post=self._on_hello, launched=self._launched,
+        )  # fmt: skip
         expected = expected_workers if expected_workers is not None else config.cluster.workers
         settings = pol.Settings(
             config=config,
@@ -120,7 +109,6 @@ class Coordinator:
             allow_config_change=allow_config_change,
         )
         self.lines: dict[str, LineSocket] = {}
-        self.unadmitted: dict[int, _Conn] = {}
         self.queue: deque[pol.Event] = deque()
         self.policy = self._lease(settings, primary)
         self.metrics = MetricsService(
@@ -128,7 +116,6 @@ class Coordinator:
             standby=standby, active=lambda: not standby or self.policy.took_over,
         )  # fmt: skip
         self.finished = False
-        self._next_conn = 0
 
     def _lease(self, settings: pol.Settings, primary: str | None) -> pol.Policy:
         """Acquire (a primary) or watch (a standby) the run's lease; the policy over it."""
@@ -166,6 +153,11 @@ class Coordinator:
     def workers(self) -> dict[str, pol.Member]:
         return self.policy.workers
 
+    @property
+    def unadmitted(self) -> dict[int, Conn]:
+        """The connections at the door (``door.py``), by id."""
+        return self.door.unadmitted
+
     # -- main loop -------------------------------------------------------------------------
 
     def serve(self, deadline_s: float | None = None) -> None:
@@ -187,7 +179,7 @@ class Coordinator:
                 for key, _ in self.sel.select(timeout=TICK_S):
                     self._on_readable(key)
                 now = time.monotonic()
-                self._expire_admissions(now)
+                self.door.expire(now)
                 self._log_refusals(now)
                 self.queue.append(pol.Tick(now))
                 self._drain()
@@ -240,9 +232,9 @@ class Coordinator:
         elif isinstance(effect, pol.Reject):
             self._reject(effect)
         elif isinstance(effect, pol.CountRefusal):
-            conn = self.unadmitted.get(effect.conn)
+            conn = self.door.unadmitted.get(effect.conn)
             if conn is not None:
-                self._drop(conn, effect.reason)
+                self.door.drop(conn, effect.reason)
         elif isinstance(effect, pol.Disconnect):
             self._disconnect(effect.worker)
         elif isinstance(effect, pol.FindCheckpoint):
@@ -262,7 +254,7 @@ class Coordinator:
             self.queue.append(pol.Closed(worker, f"send failed: {e}", time.monotonic()))
 
     def _accept_worker(self, effect: pol.Accept) -> None:
-        conn = self.unadmitted.pop(effect.conn, None)
+        conn = self.door.take(effect.conn)
         if conn is None:
             return
         self.lines[effect.worker] = conn.line
@@ -270,7 +262,7 @@ class Coordinator:
         self._send(effect.worker, effect.welcome)
 
     def _reject(self, effect: pol.Reject) -> None:
-        conn = self.unadmitted.pop(effect.conn, None)
+        conn = self.door.take(effect.conn)
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.line.send(p.Refused(reason=effect.reason, retry=effect.retry))
@@ -297,7 +289,7 @@ class Coordinator:
 
     def _on_readable(self, key: selectors.SelectorKey) -> None:
         if key.data is None:
-            self._accept()
+            self.door.accept()
             return
         sock = key.fileobj
         assert isinstance(sock, socket.socket)
@@ -306,7 +298,7 @@ class Coordinator:
         except OSError:
             data = b""
         if isinstance(key.data, int):
-            self._on_admission_bytes(key.data, data)
+            self.door.on_bytes(key.data, data)
         else:
             self._on_worker_bytes(key.data, data)
 
@@ -332,54 +324,8 @@ class Coordinator:
                 self.queue.append(pol.Closed(worker, f"protocol error: sent {msg.type}", now))
                 return
 
-    def _accept(self) -> None:
-        try:
-            sock, _ = self.server.accept()
-        except OSError:
-            return
-        if len(self.unadmitted) >= MAX_UNADMITTED:  # a flood: the oldest goes
-            self._drop(next(iter(self.unadmitted.values())), "too many unadmitted connections")
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(SEND_TIMEOUT_S)
-        line = LineSocket(sock)
-        conn = _Conn(self._next_conn, line, secrets.token_hex(16), time.monotonic())
-        self._next_conn += 1
-        try:
-            line.send(
-                p.Challenge(
-                    nonce=conn.nonce,
-                    generation=self.policy.generation,
-                    serving=self.policy.serving,
-                )
-            )
-        except OSError:
-            sock.close()
-            return
-        self.unadmitted[conn.id] = conn
-        self.sel.register(sock, selectors.EVENT_READ, conn.id)
-
-    def _on_admission_bytes(self, conn_id: int, data: bytes) -> None:
-        conn = self.unadmitted.get(conn_id)
-        if conn is None:
-            return
-        if not data:
-            self._drop(conn, None)
-            return
-        try:
-            msgs = conn.line.feed(data)
-        except p.ProtocolError as e:
-            self._drop(conn, f"protocol error: {e}")
-            return
-        if not msgs:
-            return
-        hello = msgs[0]
-        if not isinstance(hello, p.Hello):
-            self._drop(conn, f"protocol error: expected hello, got {hello.type}")
-            return
-        conn.line.queued = []
-        authentic = verify(self.token, conn.nonce, hello.mac)
-        pid = self._launched(hello.name) if authentic else None
-        self.queue.append(pol.Joined(conn.id, hello, authentic, time.monotonic(), pid))
+    def _on_hello(self, joined: pol.Joined) -> None:
+        self.queue.append(joined)
         self._drain()
 
     def _launched(self, name: str) -> int | None:
@@ -389,36 +335,19 @@ class Coordinator:
 
     def _log_refusals(self, now: float, final: bool = False) -> None:
         """One record per door and interval for what was refused before authentication."""
-        for door in (self.refusals, self.store.refusals):
+        for door in (self.door.refusals, self.store.refusals):
             record = door.take(now, final=final)
             if record is not None:
                 self.events.write(record)
 
-    def _expire_admissions(self, now: float) -> None:
-        for conn in [c for c in self.unadmitted.values() if now - c.since > ADMISSION_S]:
-            self._drop(conn, f"no hello within {ADMISSION_S:g} s")
-
-    def _drop(self, conn: _Conn, reason: str | None) -> None:
-        """Close a connection that was never admitted; count why (logged once per
-        interval with the others), unless it just closed."""
-        self.unadmitted.pop(conn.id, None)
-        if reason is not None:
-            self.refusals.note(reason, time.monotonic())
-            with contextlib.suppress(OSError):
-                conn.line.send(p.Refused(reason=reason))
-        self._close(conn.line)
-
     def _close(self, line: LineSocket) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(line.sock)
-        line.close()
+        close_line(self.sel, line)
 
     def _shutdown(self) -> None:
         self.agent.close()  # lands a queued EndLease before the process goes
         for line in list(self.lines.values()):
             line.close()
-        for conn in list(self.unadmitted.values()):
-            conn.line.close()
+        self.door.close()
         self.server.close()
         self.sel.close()
         self.store.close()

@@ -3,7 +3,7 @@
 A worker name is claimed by whoever says it in an authenticated hello. When two live
 processes claim one name (a stale process that still holds the run token, a replacement
 started while the old process's channel hangs), the coordinator asks this record which of
-them the launcher started, and that one keeps the name (``policy.Policy._claim``). The
+them the launcher started, and that one keeps the name (``admission.claim``). The
 launcher writes it (atomically: a temporary file, then a rename) each time it starts a
 worker; the coordinator reads it only when a name is contested.
 

@@ -288,25 +288,6 @@ def holder_record(instance: str, channel: str, role: str) -> dict[str, Any]:
     }
 
 
-def open_lease_store(
-    backend: str,
-    *,
-    run_dir: str | Path,
-    ttl_s: float,
-    token: str,
-    etcd_endpoints: list[str],
-    etcd_prefix: str,
-) -> LeaseStore:
-    """The run's lease in the configured backend (``cluster.ha_backend``)."""
-    if backend == "embedded":
-        return FileLease(run_dir, ttl_s)
-    if backend == "etcd":
-        from perdure.runtime.control.etcd import EtcdLease
-
-        return EtcdLease(etcd_endpoints, etcd_prefix, token, ttl_s)
-    raise ValueError(f"cluster.ha_backend must be 'embedded' or 'etcd' (got {backend!r})")
-
-
 __all__ = [
     "SAFETY",
     "FileLease",
@@ -318,5 +299,4 @@ __all__ = [
     "Lost",
     "acquire_for_primary",
     "holder_record",
-    "open_lease_store",
 ]

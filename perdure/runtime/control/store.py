@@ -9,7 +9,7 @@ challenge with an HMAC of the run token, like the control channel. Workers talk 
 through :class:`AuthStore`, a ``torch.distributed.Store`` subclass, so ``PrefixStore``,
 ``ProcessGroupGloo`` and ``ProcessGroupNCCL`` use it as they would a ``TCPStore``.
 
-Wire format (owned by this module): frames of a 4-byte big-endian length and a body; a
+Wire format (``store_wire.py``): frames of a 4-byte big-endian length and a body; a
 body is a JSON header line and then raw bytes (the values). Admission: the server sends a
 frame ``{"nonce"}``, the client answers with exactly ``AUTH_BYTES`` raw bytes
 (``AUTH_MAGIC`` and the hex HMAC of the nonce; a fixed size, so that nothing larger is
@@ -28,7 +28,6 @@ members takes W+1 operations per member; see ``benchmarks/bench_store.py``).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import secrets
 import selectors
@@ -42,14 +41,23 @@ from typing import Any
 
 import torch.distributed as dist
 
-from perdure.runtime.control.channel import mac, verify
+from perdure.runtime.control.channel import verify
 from perdure.runtime.control.refusals import Refusals
+from perdure.runtime.control.store_wire import (
+    AUTH_BYTES,
+    AUTH_MAGIC,
+    StoreProtocolError,
+    as_bytes,
+    as_int,
+    frame,
+    handshake,
+    parse_request,
+    recv_frame,
+    send_frame,
+)
 
 log = logging.getLogger("perdure.store")
 
-MAX_FRAME = 64 << 20
-"""Bytes in one frame (the checkpoint commit's payloads are the largest values)."""
-MAX_KEYS = 4096
 MAX_CLIENTS = 1024
 """Authenticated clients at once (a thread each)."""
 MAX_PENDING = 64
@@ -59,13 +67,6 @@ that is needed to keep one out (and its client retries, ``RETRY_S``)."""
 ADMISSION_S = 5.0
 """From accept to a checked answer, whatever the peer sends meanwhile (a deadline, not a
 per-read timeout: dribbling one byte at a time does not extend it)."""
-AUTH_MAGIC = b"PDS1"
-"""The answer's first bytes: this format's version (a TCPStore's bytes fail here)."""
-AUTH_BYTES = len(AUTH_MAGIC) + 64
-"""The client's answer to the challenge: ``AUTH_MAGIC`` and the hex HMAC of the nonce.
-Fixed size: the server reads no more than this from a peer before checking it."""
-MAX_HANDSHAKE_FRAME = 4096
-"""The client's bound on the server's challenge and verdict frames."""
 BACKLOG = 1024
 SELECT_S = 0.1
 ACCEPT_BATCH = 256
@@ -75,62 +76,6 @@ it before its verdict (dropped as the oldest pending one under a flood): at most
 timeout. A refusal or a closed port fails at once."""
 IDLE_S = 3600.0
 """A connection that sends nothing for this long is closed (workers reconnect)."""
-_OPS = ("set", "get", "add", "check", "wait", "delete_key", "compare_set", "num_keys")
-
-
-class StoreProtocolError(ValueError):
-    """A frame that is not a valid request or reply."""
-
-
-# -- frames ----------------------------------------------------------------------------------
-
-
-def _frame(header: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> bytes:
-    head = json.dumps({**header, "sizes": [len(b) for b in blobs]}).encode() + b"\n"
-    body = head + b"".join(blobs)
-    return struct.pack(">I", len(body)) + body
-
-
-def _send_frame(sock: socket.socket, header: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
-    sock.sendall(_frame(header, blobs))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks, got = [], 0
-    while got < n:
-        chunk = sock.recv(min(n - got, 1 << 20))
-        if not chunk:
-            raise ConnectionError("the store connection closed")
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
-def _recv_frame(sock: socket.socket, limit: int = MAX_FRAME) -> tuple[dict[str, Any], list[bytes]]:
-    (size,) = struct.unpack(">I", _recv_exact(sock, 4))
-    if size > limit:
-        raise StoreProtocolError(f"frame of {size} bytes exceeds {limit}")
-    body = _recv_exact(sock, size)
-    head, sep, rest = body.partition(b"\n")
-    try:
-        header = json.loads(head.decode("utf-8")) if sep else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        header = None
-    if not isinstance(header, dict):
-        raise StoreProtocolError("a frame starts with a JSON object line")
-    sizes = header.get("sizes", [])
-    valid = isinstance(sizes, list) and len(sizes) <= 2 * MAX_KEYS
-    if (
-        not valid
-        or not all(isinstance(s, int) and s >= 0 for s in sizes)
-        or sum(sizes) != len(rest)
-    ):
-        raise StoreProtocolError("frame sizes do not match its body")
-    blobs, at = [], 0
-    for s in sizes:
-        blobs.append(rest[at : at + s])
-        at += s
-    return header, blobs
 
 
 # -- the server ------------------------------------------------------------------------------
@@ -236,7 +181,7 @@ class StoreServer:
         try:
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.send(_frame({"nonce": nonce}))  # a few dozen bytes: an empty buffer takes it
+            sock.send(frame({"nonce": nonce}))  # a few dozen bytes: an empty buffer takes it
         except OSError:
             sock.close()
             return
@@ -286,10 +231,10 @@ class StoreServer:
         with contextlib.suppress(OSError):
             if crowded:  # the door was crowded, not the answer wrong: it may try again
                 error = f"not admitted ({reason})"
-                pend.sock.send(_frame({"ok": False, "error": error, "retry": True}))
+                pend.sock.send(frame({"ok": False, "error": error, "retry": True}))
             else:
                 error = reason if reason == "bad run token" else f"bad run token ({reason})"
-                pend.sock.send(_frame({"ok": False, "error": error}))
+                pend.sock.send(frame({"ok": False, "error": error}))
         pend.sock.close()
 
     def _hand_over(self, pend: _Pending, now: float) -> None:
@@ -302,7 +247,7 @@ class StoreServer:
             self.refusals.note(f"{MAX_CLIENTS} clients already connected", now)
             with contextlib.suppress(OSError):
                 error = f"the store serves {MAX_CLIENTS} clients already"
-                pend.sock.send(_frame({"ok": False, "error": error}))
+                pend.sock.send(frame({"ok": False, "error": error}))
             pend.sock.close()
             return
         threading.Thread(target=self._serve, args=(pend.sock,), daemon=True).start()
@@ -313,11 +258,11 @@ class StoreServer:
         try:
             sock.setblocking(True)
             sock.settimeout(IDLE_S)
-            _send_frame(sock, {"ok": True})
+            send_frame(sock, {"ok": True})
             while not self._closed.is_set():
-                header, blobs = _recv_frame(sock)
+                header, blobs = recv_frame(sock)
                 reply, out = self._execute(header, blobs)
-                _send_frame(sock, reply, tuple(out))
+                send_frame(sock, reply, tuple(out))
         except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
             log.debug("store client closed: %s", e)
         finally:
@@ -330,7 +275,7 @@ class StoreServer:
         self, header: dict[str, Any], blobs: list[bytes]
     ) -> tuple[dict[str, Any], list[bytes]]:
         try:
-            op, keys = _request(header, blobs)
+            op, keys = parse_request(header, blobs)
             return self._run(op, keys, header, blobs)
         except StoreProtocolError as e:
             return {"ok": False, "error": str(e), "timeout": False}, []
@@ -344,14 +289,14 @@ class StoreServer:
         if op == "set":
             b.set(keys[0], blobs[0])  # type: ignore[arg-type]  # bytes are accepted
         elif op == "get":  # wait first: HashStore.get would block for its own timeout
-            b.wait(keys, timedelta(milliseconds=_int(header.get("timeout_ms"), lo=1)))
+            b.wait(keys, timedelta(milliseconds=as_int(header.get("timeout_ms"), lo=1)))
             return {"ok": True}, [b.get(keys[0])]
         elif op == "add":
-            return {"ok": True, "n": b.add(keys[0], _int(header.get("n")))}, []
+            return {"ok": True, "n": b.add(keys[0], as_int(header.get("n")))}, []
         elif op == "check":
             return {"ok": True, "n": int(b.check(keys))}, []
         elif op == "wait":
-            b.wait(keys, timedelta(milliseconds=_int(header.get("timeout_ms"), lo=1)))
+            b.wait(keys, timedelta(milliseconds=as_int(header.get("timeout_ms"), lo=1)))
         elif op == "delete_key":
             return {"ok": True, "n": int(b.delete_key(keys[0]))}, []
         elif op == "compare_set":
@@ -360,35 +305,6 @@ class StoreServer:
         else:
             return {"ok": True, "n": b.num_keys()}, []
         return {"ok": True}, []
-
-
-def _request(header: dict[str, Any], blobs: list[bytes]) -> tuple[str, list[str]]:
-    op, keys = header.get("op"), header.get("keys", [])
-    if op not in _OPS:
-        raise StoreProtocolError(f"unknown store operation {str(op)[:40]!r}")
-    if (
-        not isinstance(keys, list)
-        or len(keys) > MAX_KEYS
-        or not all(isinstance(k, str) for k in keys)
-    ):
-        raise StoreProtocolError("keys must be a list of strings")
-    need = {
-        "set": (1, 1),
-        "compare_set": (1, 2),
-        "get": (1, 0),
-        "add": (1, 0),
-        "delete_key": (1, 0),
-    }
-    n_keys, n_blobs = need.get(op, (len(keys), 0))
-    if (op in need and len(keys) != n_keys) or len(blobs) != n_blobs:
-        raise StoreProtocolError(f"{op}: wrong number of keys or values")
-    return op, keys
-
-
-def _int(value: Any, lo: int = -(1 << 62)) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value < 1 << 62:
-        raise StoreProtocolError(f"expected an integer, got {str(value)[:40]}")
-    return value
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -423,7 +339,7 @@ class AuthStore(dist.Store):
                 msg = f"store {self.host}:{self.port} unreachable: {e}"
                 raise dist.DistNetworkError(msg) from e
             try:
-                reply = _handshake(sock, token)
+                reply = handshake(sock, token)
             except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
                 reply = {"ok": False, "error": f"unreachable: {e}", "retry": True}
             if not reply.get("ok") and reply.get("retry") is True:  # a crowded door
@@ -443,7 +359,7 @@ class AuthStore(dist.Store):
     # -- the Store interface ---------------------------------------------------------------
 
     def set(self, key: str, value: Any) -> None:
-        self._call({"op": "set", "keys": [key]}, (_bytes(value),))
+        self._call({"op": "set", "keys": [key]}, (as_bytes(value),))
 
     def get(self, key: str) -> bytes:
         ms = self._ms(None)
@@ -453,7 +369,7 @@ class AuthStore(dist.Store):
         return int(self._call({"op": "add", "keys": [key], "n": int(value)})[0]["n"])
 
     def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        blobs = (_bytes(expected), _bytes(desired))
+        blobs = (as_bytes(expected), as_bytes(desired))
         return self._call({"op": "compare_set", "keys": [key]}, blobs)[1][0]
 
     def check(self, keys: list[str]) -> bool:
@@ -495,33 +411,11 @@ class AuthStore(dist.Store):
         with self._lock:
             try:
                 self._sock.settimeout(extra_s + 10.0)
-                _send_frame(self._sock, header, blobs)
-                reply, out = _recv_frame(self._sock)
+                send_frame(self._sock, header, blobs)
+                reply, out = recv_frame(self._sock)
             except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
                 self.close()
                 raise dist.DistNetworkError(f"store {self.host}:{self.port}: {e}") from e
         if not reply.get("ok"):
             raise dist.DistStoreError(str(reply.get("error")))
         return reply, out
-
-
-def _handshake(sock: socket.socket, token: str) -> dict[str, Any]:
-    """Answer the server's challenge; its verdict's header."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    header, _ = _recv_frame(sock, MAX_HANDSHAKE_FRAME)
-    nonce = header.get("nonce")
-    if not isinstance(nonce, str):
-        raise StoreProtocolError("the server's first frame is not a challenge")
-    sock.sendall(AUTH_MAGIC + mac(token, nonce).encode())
-    reply, _ = _recv_frame(sock, MAX_HANDSHAKE_FRAME)
-    return reply
-
-
-def _bytes(value: Any) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, str):
-        return value.encode()
-    if isinstance(value, list | bytearray):
-        return bytes(value)
-    raise TypeError(f"store values are bytes or str, not {type(value).__name__}")

@@ -111,6 +111,10 @@ class OuterStep:
         self.momentum = torch.zeros(engine.layout.numel, dtype=torch.float32)
         """The outer optimizer's momentum, in the gradient order of the slot buffer."""
         self._scratch: torch.Tensor | None = None
+        self._kept: dict[int, torch.Tensor] = {}
+        """Replicas computed under ``_kept_key`` (see :meth:`replica`): one slot buffer
+        each, so a member hosting k replicas holds k more buffers."""
+        self._kept_key: tuple[int, int] | None = None
         self.norm = 0.0
         """The last outer step's mean pseudo-gradient norm (logged as ``grad_norm``)."""
 
@@ -123,15 +127,43 @@ class OuterStep:
         out: torch.Tensor,
         abort: Callable[[], bool] = lambda: False,
         ready: Progress | None = None,
+        key: tuple[int, int] | None = None,
     ) -> bool:
         """Fill ``out`` with replica ``r``'s pseudo-gradient of outer step ``step`` (and
         its flag, its mean inner loss and metrics in its slot's entries); False if aborted.
         On return the model holds the outer parameters again and the inner optimizer no
         state and its groups' initial rates: a member that ran a replica and one that did
-        not (its slots salvaged) hold the same bits."""
+        not (its slots salvaged) hold the same bits.
+
+        ``key`` (the step and the trainer's state version): keep the result and copy it
+        on a later call under the same key instead of running the inner steps again (a
+        reduction with carried exponents computes a step twice when its prediction
+        fails, the first step always, and a new epoch redoes the step in flight). A
+        replica is a pure function of the state the key names, so a copy is its bits."""
+        lay = self.engine.layout
+        result = self._kept.get(r) if key is not None and key == self._kept_key else None
+        if result is None:
+            result = self._run(step, r, abort)
+            if result is None:
+                return False
+            if key is not None:
+                if key != self._kept_key:
+                    self._kept, self._kept_key = {}, key
+                self._kept[r] = result
+        if ready is not None:
+            ready.room(lay.size)
+        out.copy_(result)
+        if ready is not None:
+            ready.advance(lay.size)
+        return True
+
+    def _run(self, step: int, r: int, abort: Callable[[], bool]) -> torch.Tensor | None:
+        """Replica ``r``'s inner steps of outer step ``step``: a slot buffer of its own
+        (see :meth:`replica`), or None if aborted."""
         lay = self.engine.layout
         if self._scratch is None:
             self._scratch = lay.new_buffer()
+        out = lay.new_buffer()
         theta = self._flat()
         H = self.cfg.inner_steps
         loss = 0.0
@@ -143,7 +175,7 @@ class OuterStep:
         try:
             for h in range(H):
                 if abort():
-                    return False
+                    return None
                 s = step * H + h
                 if h + 1 < H:
                     self._prefetch(s + 1, r)
@@ -163,19 +195,13 @@ class OuterStep:
             self.recipe.optimizer.state.clear()
             for g, lr in zip(groups, rates, strict=True):
                 g["lr"] = lr
-        if ready is not None:
-            ready.room(lay.size)
         if not finite:
-            lay.grads(out).zero_()
-        lay.buffer_moves(out).zero_()
-        lay.tail(out).zero_()
+            grads.zero_()
         lay.flags(out)[r] = 0.0 if finite else 1.0
         lay.losses(out)[r] = loss / H if finite else 0.0
         if lay.metrics:
             lay.user_metrics(out)[:, r] = metrics / H if finite else 0.0
-        if ready is not None:
-            ready.advance(lay.size)
-        return True
+        return out
 
     def _inner(self, s: int, r: int) -> bool:
         """Inner step ``s`` of replica ``r``: slot ``r`` of synchronous step ``s``, its

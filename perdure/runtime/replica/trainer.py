@@ -178,6 +178,12 @@ class Trainer:
                 block=train.reduction_block,
                 prefetch=lambda step, slot: self.prefetch(step, range(slot, slot + 1), inner=True),
             )
+        carried = train.reduction == "exact" and train.reduction_exponents != "step"
+        self._keep_replicas = outer.on and carried
+        """DiLoCo with exponents carried from the previous step: a member keeps its
+        replicas of the step in flight (``OuterStep.replica``), so the pass that a missed
+        prediction repeats, and a step redone in a new epoch, copy them (the step form
+        and the chain keep each slot's buffer already: ``runtime/salvage.py``)."""
         self.poison = sorted(poison)
         self.corrupt = sorted(corrupt)
         """Chaos: ``(shard, step)``: the shard's primary copy reads corrupt from that step."""
@@ -296,7 +302,9 @@ class Trainer:
                 return False
             last = i == len(bufs) - 1
             if self.outer is not None:  # a virtual replica's inner steps (DiLoCo)
-                if not self.outer.replica(step, slot, buf, should_abort, ready if last else None):
+                key = (step, self.state_version) if self._keep_replicas else None
+                part = ready if last else None
+                if not self.outer.replica(step, slot, buf, should_abort, part, key):
                     return False
                 continue
             batch = to_tensors(self.loader.batch(step, slot))
