@@ -142,3 +142,66 @@ def test_the_loss_scale_reaches_tensorboard_the_snapshot_and_prometheus(
     [family] = [f for f in RunCollector(lambda: snap, lambda: True, "primary", STEPS).collect()
                 if f.name == "perdure_loss_scale"]  # fmt: skip
     assert [x.value for x in family.samples] == [scales[-1][1]]
+
+
+def _fp16_trainer(ds: Path, **train: Any) -> Any:
+    from perdure.runtime.replica.trainer import Trainer
+
+    cfg = small_config(ds, workers=1, steps=STEPS, slots=2, batch=4, train={**FP16, **train})
+    return Trainer(cfg)
+
+
+def test_the_scale_is_state_in_a_checkpoint_and_a_state_copy_and_changes_only_by_an_update(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """A backed-off scale is the step's until its update commits it (an abandoned attempt
+    starts again from the committed one); then a checkpoint and a state copy carry it."""
+    from perdure.checkpoint import save_checkpoint
+
+    init = 2.0**12  # it fits: the backed-off step applies a finite gradient
+    a, b = (_fp16_trainer(small_dataset, loss_scale_init=init) for _ in range(2))
+    try:
+        a.begin_step()
+        a.back_off(0, [1])
+        assert a.engine.scale == init / 2 and a.checkpoint_state({}).optimizer["loss_scale"] == {
+            "scale": init, "clean": 0}  # fmt: skip
+        a.begin_step()  # the attempt was abandoned: the committed scale again
+        assert a.engine.scale == init and a.take_scale_changes() == []
+        a.back_off(0, [0, 1])
+        bufs = [a.layout.new_buffer() for _ in range(2)]
+        assert a.compute_slots(0, range(2), bufs)
+        assert a.layout.bad_slots(bufs[0] + bufs[1]) == []
+        a.apply(0, bufs[0] + bufs[1])
+        assert a.take_scale_changes() == [
+            {"step": 0, "old": init, "new": init / 2, "reason": "overflow", "slots": [0, 1]}
+        ]
+        after = {"scale": init / 2, "clean": 1}
+        assert a.step_loss_scale == init / 2 and a.engine.scale == init / 2
+        path = save_checkpoint(tmp_path, a.checkpoint_state({}))
+        assert load_checkpoint(path).optimizer["loss_scale"] == after
+        b.adopt(*a.export())
+        assert b.loss_scale == a.loss_scale and b.engine.scale == init / 2
+        c = _fp16_trainer(small_dataset, loss_scale_init=init)
+        try:
+            c.load(path)
+            assert c.loss_scale == a.loss_scale and c.engine.scale == init / 2
+        finally:
+            c.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_an_overflow_at_the_minimum_scale_stops_the_run_naming_the_field(
+    small_dataset: Path,
+) -> None:
+    from perdure.runtime.replica.trainer import MathError
+
+    t = _fp16_trainer(small_dataset, loss_scale_init=4.0, loss_scale_min=4.0)
+    try:
+        t.begin_step()
+        with pytest.raises(MathError, match=r"slots \[3\] overflows float16 at the minimum "
+                           r"loss scale \(train\.loss_scale_min = 4\.0\)"):  # fmt: skip
+            t.back_off(7, [3])
+    finally:
+        t.close()
