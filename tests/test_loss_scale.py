@@ -133,3 +133,17 @@ def test_the_scale_is_undone_exactly_and_keeps_values_that_scale_1_flushes_to_ze
     assert torch.equal(at12, at16) and at12.dtype == torch.float32
     unscaled = _slot(1.0)[1]
     assert int((unscaled == 0).sum()) > int((at12 == 0).sum())
+
+
+def test_autocast_follows_the_precision_and_refuses_an_unknown_one_naming_the_field() -> None:
+    from perdure.runtime.replica.slots import autocast_for
+
+    lin = torch.nn.Linear(4, 4)
+    x = torch.ones(2, 4)
+    got = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        with autocast_for("cpu", precision)():
+            got[precision] = lin(x).dtype
+    assert got == {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    with pytest.raises(ValueError, match=r"train\.precision: must be 'fp32', 'bf16' or 'fp16'"):
+        autocast_for("cpu", "fp8")
