@@ -116,6 +116,12 @@ SLOTS_SALVAGED: Final = "slots_salvaged"
 EXPONENTS_REFIT: Final = "exponents_refit"
 """A step's carried exponents (``train.reduction_exponents = "carried"``) did not fit its
 gradients: every member computed the step again against the step's true exponents."""
+LOSS_SCALE: Final = "loss_scale"
+"""The loss scale changed (``train.precision = "fp16"``, ``runtime/replica/loss_scale.py``):
+``step``, ``old`` and ``new`` scale, ``reason`` (``overflow``: the ``slots`` whose gradient
+overflowed float16, the step computed again at ``new``; ``growth``: after
+``train.loss_scale_growth_interval`` clean steps, ``new`` from step ``step + 1`` on).
+Logged by rank 0 when the step commits."""
 COLLECTIVE_FAILED: Final = "collective_failed"
 """A member's collective failed (peer closed, timeout, link drop)."""
 REPLICA_DIVERGED: Final = "replica_diverged"
@@ -196,6 +202,7 @@ NAMES: frozenset[str] = frozenset(
         STEP_ABANDONED,
         SLOTS_SALVAGED,
         EXPONENTS_REFIT,
+        LOSS_SCALE,
         COLLECTIVE_FAILED,
         REPLICA_DIVERGED,
         SUSPECT_WORKER,

@@ -113,6 +113,11 @@ def test_outer_replicas_must_equal_the_slots_and_off_leaves_every_hash_as_it_was
     }
 
 
+def test_fp16_with_outer_replicas_is_refused_naming_the_precision(small_dataset: Path) -> None:
+    with pytest.raises(ConfigError, match=r"train\.precision.*cannot be 'fp16' with outer"):
+        small_config(small_dataset, slots=4, train={"precision": "fp16"}, outer={"replicas": 4})
+
+
 def test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step(
     small_dataset: Path,
 ) -> None:

@@ -19,10 +19,10 @@ Reading checks the checkpoint against the model first (every model key present, 
 tensor of the model's shape and dtype) and names the first key that fails, before any
 tensor data is read.
 
-Limits: the task's own scheduler state and the exact reduction's carried exponents are
-not the optimizer's, so they are not exported (an imported run starts them fresh); the
-whole state passes through this process's memory (a conversion tool, not a run's load
-path); the optimizer part is read with torch's private ``_EmptyStateDictLoadPlanner``
+Limits: the task's own scheduler state, the exact reduction's carried exponents and the
+fp16 loss scale are not the optimizer's, so they are not exported (an imported run starts
+them fresh); the whole state passes through this process's memory (a conversion tool, not
+a run's load path); the optimizer part is read with torch's private ``_EmptyStateDictLoadPlanner``
 (as torch's own ``dcp_to_torch_save`` does), which the pinned torch version keeps.
 """
 

@@ -25,4 +25,21 @@ def math_unless(sibling: str, value: object, hashed_as: object) -> dict[str, obj
     return {"math": True, "inert_unless": (sibling, value, hashed_as)}
 
 
-__all__ = ["MATH", "MATH_ADDED", "Checker", "ConfigError", "Problem", "build", "math_unless"]
+def math_only_if(sibling: str, value: object) -> dict[str, object]:
+    """Metadata of a math field that exists for one setting of the field ``sibling`` of
+    the same section (``train.loss_scale_*`` under ``train.precision = "fp16"``): it
+    enters the config hash only while ``sibling`` equals ``value`` (then always, at its
+    default too), and is left out otherwise, so that it changes no other run's hash."""
+    return {"math": True, "only_if": (sibling, value)}
+
+
+__all__ = [
+    "MATH",
+    "MATH_ADDED",
+    "Checker",
+    "ConfigError",
+    "Problem",
+    "build",
+    "math_only_if",
+    "math_unless",
+]

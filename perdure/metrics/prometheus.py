@@ -13,7 +13,8 @@ path answers with the metrics (as ``prometheus_client`` does); ``/favicon.ico`` 
 
 Metric names (all prefixed ``perdure_``): ``step``, ``steps_target``,
 ``steps_committed_total``, ``loss``, ``learning_rate`` (the first param group's),
-``group_learning_rate{group}``, ``grad_norm``, ``step_seconds``,
+``group_learning_rate{group}``, ``grad_norm``, ``loss_scale`` (``fp16`` only),
+``step_seconds``,
 ``tokens_per_second``, ``members``, ``membership_epoch``, ``membership_changes_total``,
 ``faults_injected_total{kind,class}``, ``failures_observed_total{kind,scheduled}``,
 ``goodput``, ``eval_step``, ``eval{metric}`` (the last evaluation's metrics),
@@ -71,6 +72,11 @@ class RunCollector:
                 "grad_norm",
                 "Gradient norm of the last committed step, before optim.grad_clip.",
                 s.grad_norm,
+            ),
+            (
+                "loss_scale",
+                "Loss scale of the last committed step (train.precision = fp16 only).",
+                s.loss_scale,
             ),
             ("step_seconds", "Wall time of the last committed step.", s.step_s),
             ("tokens_per_second", "Tokens per second of the last committed step.", s.tokens_per_s),

@@ -2,7 +2,8 @@
 
 Tags (x axis: the training step; wall time: when the record was logged):
 
-- ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/step_s``,
+- ``train/loss``, ``train/lr``, ``train/grad_norm``, ``train/loss_scale`` (``fp16``
+  only), ``train/step_s``,
   ``train/tokens_per_s``, and the task's own ``train/<name>`` (``Task.metrics``): one point
   per committed step, from ``metrics.jsonl``;
 - ``eval/<name>``: one point per evaluation (``runtime/evaluate.py``), at the step after
@@ -42,6 +43,7 @@ TRAIN = (
     ("train/loss", "loss"),
     ("train/lr", "lr"),
     ("train/grad_norm", "grad_norm"),
+    ("train/loss_scale", "loss_scale"),
     ("train/step_s", "step_s"),
     ("train/tokens_per_s", "tokens_per_s"),
 )

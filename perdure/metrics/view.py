@@ -49,6 +49,8 @@ class Snapshot:
     """The task's own metrics (``train/<name>`` less the prefix) at the last committed step."""
     grad_norm: float | None = None
     """The last committed step's gradient norm (before ``optim.grad_clip``)."""
+    loss_scale: float | None = None
+    """The last committed step's loss scale (``train.precision = "fp16"`` only)."""
     step_s: float | None = None
     tokens_per_s: float | None = None
     membership_epoch: int | None = None
@@ -178,6 +180,7 @@ def snapshot(
             if k.startswith("train/") and isinstance(v, int | float)
         },
         grad_norm=_num(last, "grad_norm"),
+        loss_scale=_num(last, "loss_scale"),
         step_s=_num(last, "step_s"),
         tokens_per_s=_num(last, "tokens_per_s"),
         membership_epoch=int(epochs[-1]["epoch"]) if epochs else None,

@@ -125,6 +125,13 @@ def _check_outer(config: RunConfig, c: Checker) -> None:
         "worker (replica groups inside a region are not built for DiLoCo)",
         train.shard_degree,
     )
+    c.check(
+        train.precision != "fp16",
+        "train.precision",
+        "cannot be 'fp16' with outer.replicas set: the loss scale's overflow verdict is a "
+        "step's, and an outer step's inner steps run inside one slot (use 'bf16' or 'fp32')",
+        train.precision,
+    )
 
 
 def load_config(path: str | Path) -> RunConfig:
@@ -190,7 +197,9 @@ def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict
         math = {
             f.name: _plain(_hashed(value, f))
             for f in dataclasses.fields(value)
-            if f.metadata.get("math") and not _default_left_out(f, getattr(value, f.name))
+            if f.metadata.get("math")
+            and not _default_left_out(f, getattr(value, f.name))
+            and not _absent(value, f)
         }
         if math:
             out[section.name] = math
@@ -202,6 +211,12 @@ def canonical(config: RunConfig, identity: dict[str, Any] | None = None) -> dict
 def _default_left_out(f: dataclasses.Field[Any], value: Any) -> bool:
     """A ``MATH_ADDED`` field at its default: not in the hash (``perdure.config``)."""
     return f.metadata.get("hash_default") is False and value == f.default
+
+
+def _absent(section: Any, f: dataclasses.Field[Any]) -> bool:
+    """A ``math_only_if`` field whose sibling has another value: not in the hash."""
+    only = f.metadata.get("only_if")
+    return only is not None and getattr(section, only[0]) != only[1]
 
 
 def _hashed(section: Any, f: dataclasses.Field[Any]) -> Any:

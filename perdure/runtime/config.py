@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from perdure.config import MATH, MATH_ADDED, Checker, math_unless
+from perdure.config import MATH, MATH_ADDED, Checker, math_only_if, math_unless
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -127,12 +128,37 @@ class TrainConfig:
     last slot goes on the wire as soon as its backward has finished it, as DDP's do. 32 or 64 bits:
     with 32, DDP's bytes on the wire (plus one int32 per block). A step whose prediction
     misses, and the first step, are computed twice."""
-    precision: Literal["fp32", "bf16"] = field(default="fp32", metadata=MATH)
+    precision: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=MATH)
     """Arithmetic of the forward pass. ``bf16``: the forward and the loss run under
     ``torch.autocast`` in bfloat16 (matmuls, convolutions; reductions and norms stay fp32
     as autocast decides), the backward follows its casts; parameters, their gradients,
-    the optimizer state and the reduction stay fp32. The bits still depend only on the
+    the optimizer state and the reduction stay fp32. ``fp16``: the same in float16, for
+    GPUs without bfloat16 (CPU autocast accepts float16 too), with a deterministic dynamic
+    loss scale (``loss_scale_*``, ``runtime/replica/loss_scale.py``): float16's range is
+    narrow, so the loss is multiplied by the scale before the backward and the reduced
+    gradient divided by it (exactly: a power of two). The bits still depend only on the
     slots, never on who computed them."""
+    loss_scale_init: float = field(default=65536.0, metadata=math_only_if("precision", "fp16"))
+    """``fp16`` only: the loss scale of the first step (torch's ``GradScaler`` default,
+    2**16). A power of two in [``loss_scale_min``, 2**64], so that multiplying the loss
+    and dividing the gradient by it are exact."""
+    loss_scale_growth_interval: int = field(
+        default=2000, metadata=math_only_if("precision", "fp16")
+    )
+    """``fp16`` only: after this many steps in a row without an overflow, the scale is
+    multiplied by ``loss_scale_growth_factor`` (torch's default, 2000)."""
+    loss_scale_growth_factor: float = field(default=2.0, metadata=math_only_if("precision", "fp16"))
+    """``fp16`` only: what the scale is multiplied by when it grows; a power of two >= 2."""
+    loss_scale_backoff_factor: float = field(
+        default=0.5, metadata=math_only_if("precision", "fp16")
+    )
+    """``fp16`` only: what the scale is multiplied by on an overflow (a slot whose loss is
+    finite and whose gradient is not), before the step is computed again; a power of two
+    < 1."""
+    loss_scale_min: float = field(default=1.0, metadata=math_only_if("precision", "fp16"))
+    """``fp16`` only: the floor of the scale; a power of two in [2**-24, 2**64]. A slot
+    that overflows at the floor stops the run (the gradient itself exceeds float16: use
+    ``bf16`` or ``fp32``), rather than blame its data or its worker."""
     shard_degree: int = 1
     """Ranks per replica group (HSDP-style sharding, ``runtime/shard_group.py``): the
     optimizer state is split over the k ranks of each group, each rank keeping and updating
@@ -235,7 +261,29 @@ class TrainConfig:
             "must be in [1, 1048576]",
             self.reduction_block,
         )
+        self._check_loss_scale(c)
         c.done()
+
+    def _check_loss_scale(self, c: Checker) -> None:
+        """The loss scale's fields (checked whatever the precision: a typo is a typo)."""
+        low, high = 2.0**-24, 2.0**64
+        fits = _power_of_two(self.loss_scale_min) and low <= self.loss_scale_min <= high
+        c.check(fits, "loss_scale_min", "must be a power of two in [2**-24, 2**64]",
+                self.loss_scale_min)  # fmt: skip
+        init = self.loss_scale_init
+        ok = _power_of_two(init) and max(low, self.loss_scale_min) <= init <= high
+        c.check(ok, "loss_scale_init",
+                f"must be a power of two in [train.loss_scale_min ({self.loss_scale_min!r}), "
+                "2**64]", init)  # fmt: skip
+        ok = type(self.loss_scale_growth_interval) is int and self.loss_scale_growth_interval > 0
+        c.check(ok, "loss_scale_growth_interval", "must be an integer > 0",
+                self.loss_scale_growth_interval)  # fmt: skip
+        grow = self.loss_scale_growth_factor
+        c.check(_power_of_two(grow) and 2 <= grow <= 2.0**16, "loss_scale_growth_factor",
+                "must be a power of two in [2, 65536]", grow)  # fmt: skip
+        back = self.loss_scale_backoff_factor
+        c.check(_power_of_two(back) and 2.0**-16 <= back < 1, "loss_scale_backoff_factor",
+                "must be a power of two in [2**-16, 1)", back)  # fmt: skip
 
     @property
     def slot_size(self) -> int:
@@ -247,6 +295,13 @@ class TrainConfig:
         each shard's range can be contiguous."""
         possible = self.reduction == "exact"
         return self.shard_degree > 1 and self.shard_reduce != "whole" and possible
+
+
+def _power_of_two(x: object) -> bool:
+    """A finite float (or int) > 0 whose mantissa is 1: 2**k for an integer k."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return False
+    return math.isfinite(x) and x > 0 and math.frexp(x)[0] == 0.5
 
 
 @dataclass(kw_only=True, frozen=True)

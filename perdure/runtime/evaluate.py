@@ -38,7 +38,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -46,6 +46,7 @@ from torch import nn
 
 from perdure.data import Dataset
 from perdure.runtime.config import EvalConfig
+from perdure.runtime.replica.slots import autocast_for
 from perdure.runtime.replica.task import Task, split_loss
 from perdure.runtime.replica.user_rng import SlotRng
 
@@ -151,9 +152,9 @@ class Evaluator:
                 m.training = training
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.precision != "bf16":
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        """The training forward's autocast (``fp16`` needs no loss scale: no backward)."""
+        made = autocast_for(self.device, self.precision)()
+        return cast(contextlib.AbstractContextManager[Any], made)
 
 
 def _number(where: str, name: str, value: Any) -> float:

@@ -80,8 +80,12 @@ def train_step(run: StepRunner, t: int, end: StepEnd) -> float:
        the last one's buckets on the wire behind its backward;
     3. wait for the buckets: the exact sum of every member's slots;
     4. non-finite check: bad slots re-run elsewhere, quarantined or blamed, recomputed;
-    5. the optimizer on this rank's shard (clipped, the LR of step ``t``);
-    6. commit: metrics, fingerprints, a due checkpoint (``end.after_update``).
+       under ``fp16`` an overflow (finite loss, non-finite gradient) backs the loss scale
+       off instead and the step is computed again at the new scale;
+    5. the optimizer on this rank's shard (the sum divided by the loss scale under
+       ``fp16``, clipped, the LR of step ``t``);
+    6. commit: the step's loss-scale events, metrics, fingerprints, a due checkpoint
+       (``end.after_update``).
 
     Steps 1-4 are :meth:`StepRunner.gradient`; every decision in them is a function of
     the slots, so the result is the same bits on every membership. Returns the loss."""
@@ -90,6 +94,7 @@ def train_step(run: StepRunner, t: int, end: StepEnd) -> float:
     total = run.gradient(t, t0)  # 1-4
     end.before_update()
     loss = tr.apply(t, total)  # 5
+    run.log_scale_changes()
     end.after_update(t, loss, time.monotonic() - t0)  # 6
     return loss
 
@@ -145,6 +150,7 @@ class StepRunner:
         #    loss has a plan of its own for it), and the next step's samples read ahead.
         self.slots = self.plan_at(t).slots_of(self.rank)
         self.tr.prefetch(t + 1, self.plan_at(t + 1).slots_of(self.rank))
+        self.tr.begin_step()  # at the committed loss scale (fp16)
         while True:
             # 2. Forward and backward of each slot (per-slot seeds); the reducer takes each
             #    finished slot, and the last slot's buckets go on the wire as its backward
@@ -152,8 +158,10 @@ class StepRunner:
             #    the same bits on every member whoever computed which slot.
             total = self._attempt(t, t0)
             # 4. The non-finite check: the sum's flags name the slots; each is re-run on
-            #    another member to tell bad data (quarantine) from a bad worker (suspect).
-            bad = self.tr.layout.bad_slots(total)
+            #    another member to tell bad data (quarantine) or an overflow (fp16: the
+            #    loss scale backs off) from a bad worker (suspect).
+            lay = self.tr.layout
+            bad = lay.bad_slots(total)
             if not bad:
                 return total
             if self.tr.outer is not None:  # every member sees the same flags
@@ -163,7 +171,7 @@ class StepRunner:
                     "quarantine path is not built)"
                 )
             self.seams.salvage.clear()  # every slot of the step is computed again
-            self._on_nonfinite(t, bad)
+            self._on_nonfinite(t, bad, set(lay.overflow_slots(total)))
 
     def _attempt(self, t: int, t0: float) -> torch.Tensor:
         if self.reducer.carried:
@@ -331,22 +339,45 @@ class StepRunner:
 
     # -- non-finite slots ------------------------------------------------------------------
 
-    def _on_nonfinite(self, t: int, bad: list[int]) -> None:
-        """Re-run each bad slot on another member to tell bad data from a bad worker."""
+    def _on_nonfinite(self, t: int, bad: list[int], overflow: set[int]) -> None:
+        """Re-run each bad slot on another member to tell bad data from a bad worker, and
+        the first overflowing one (``overflow``, under ``fp16``), whole, to tell an
+        overflow (reproduced: the loss scale backs off) from a bad worker. An overflow
+        never quarantines data nor blames a worker that reported it truly: every decision
+        here is a function of the reduced flags and verdicts, the same on every
+        membership.
+
+        One overflowing slot is re-run, not each: a reproduced one proves the overflow
+        (the scale must back off whatever the others are), and the step is then computed
+        again, every slot at the new scale; an unreproduced one makes its owner a suspect
+        and the step is computed again at the same scale, where the next flagged slot is
+        tried. So the scale's path is the data's, at the cost of one slot per overflow."""
         per = self.tr.config.train.slot_size
         vec = torch.zeros(self.tr.config.train.slots * per, device=self.comm.device)
         plan = self.plan_at(t)
         owner = {s: r for r in range(self.size) for s in plan.slots_of(r)}
+        probe = min(overflow, default=None)
         with self.tr.params_whole():  # the reruns are on some ranks only
             for s in bad:
-                if (owner[s] + 1) % self.size == self.rank:
-                    flags = self.tr.rerun_flags(t, s)  # FINITE, NON_FINITE or WITHHELD each
-                    vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
+                if (owner[s] + 1) % self.size != self.rank or (s in overflow and s != probe):
+                    continue
+                if s == probe:  # 1: it overflows here too
+                    vec[s * per] = float(self.tr.rerun_overflows(t, s))
+                    continue
+                flags = self.tr.rerun_flags(t, s)  # FINITE, NON_FINITE or WITHHELD each
+                vec[s * per : (s + 1) * per] = torch.tensor(flags, dtype=torch.float32)
         verdict = self._reduce([vec]).cpu()
         found: dict[int, list[int]] = {}
+        overflowed = False
         for s in bad:
             flags = [round(float(x)) for x in verdict[s * per : (s + 1) * per]]
-            if any(flags):
+            if s == probe and flags[0]:
+                overflowed = True
+            elif s == probe:
+                self._suspect(t, s, self.plan.members[owner[s]])
+            elif s in overflow:
+                continue  # decided by the probe's verdict
+            elif any(flags):
                 found[s] = flags
             else:
                 self._suspect(t, s, self.plan.members[owner[s]])
@@ -354,15 +385,27 @@ class StepRunner:
         # the member that re-ran it: WITHHELD) is the storage's fault: never the model's.
         withheld = any(WITHHELD in flags for flags in found.values())
         if len(found) == self.tr.config.train.slots and not withheld:
+            fp16 = self.tr.config.train.precision == "fp16"
             raise MathError(
                 f"step {t}: every slot's gradient is non-finite, on every worker that re-ran "
                 "it: the model or the optimizer, not the data (check the loss function and "
-                "optim settings)"
-            )
+                "optim settings"
+                + ("; under train.precision = 'fp16' also a forward beyond float16's range, "
+                   "which no loss scale cures: try 'bf16')" if fp16 else ")")
+            )  # fmt: skip
         if found:
             for entry in self.tr.quarantine(t, found):
                 if self.rank == 0:
                     self.seams.events.write({"event": ev.DECISION, **entry})
+        if overflowed:
+            self.tr.back_off(t, sorted(overflow))  # logged when the step commits
+
+    def log_scale_changes(self) -> None:
+        """The applied step's loss-scale changes (``loss_scale`` events), by rank 0: every
+        member made the same ones."""
+        for change in self.tr.take_scale_changes():
+            if self.rank == 0:
+                self.seams.events.write({"event": ev.LOSS_SCALE, **change})
 
     def _suspect(self, step: int, slot: int, worker: str) -> None:
         """A non-finite slot that did not reproduce elsewhere: the worker, not the data.

@@ -646,6 +646,8 @@ class Worker:
         assert self.trainer is not None
         tokens = self.trainer.tokens_per_step
         lrs = self.trainer.recipe.lrs  # the rates the optimizer used: a scheduler's own
+        used = self.trainer.step_loss_scale  # fp16 only: the scale the step's gradient had
+        scale = {} if used is None else {"loss_scale": used}
         self.metrics.write(
             {
                 "step": t,
@@ -654,6 +656,7 @@ class Worker:
                 **{f"lr/{group}": lr for group, lr in lrs.items()},
                 "grad_norm": self.trainer.grad_norm,
                 **self._outer_metrics(),
+                **scale,
                 **{f"train/{k}": v for k, v in self.trainer.user_metrics.items()},
                 "step_s": round(step_s, 6),
                 "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 and tokens else None,

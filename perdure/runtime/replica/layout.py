@@ -6,7 +6,7 @@ loss): metric ``m`` of slot ``s`` at ``m * S + s``, set by that slot alone, like
 
 One slot's gradient fills the first part, and the change its forward made to the model's
 buffers (BatchNorm's running statistics, a user's counters: see ``buffers.BufferRule``) the
-second; it sets only its own flag and loss. Summed over
+second; it sets only its own flag (0, :data:`BAD` or :data:`OVERFLOW`) and loss. Summed over
 slots by the reduction, the tail tells every replica which slots were non-finite and what
 each slot's loss was, with no extra message. Everything that reads or writes a slot
 buffer (the slot engine, the step runner, the reducer, the trainer's update) goes through
@@ -18,6 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+BAD = 1.0
+"""A slot's flag: its loss is non-finite, or (without a loss scale) any of its values:
+the data path (re-run elsewhere, quarantine or blame: ``step.StepRunner``)."""
+OVERFLOW = 2.0
+"""A slot's flag under a loss scale (``train.precision = "fp16"``): its loss is finite and
+its gradient is not: the scale's, never the data's or the worker's
+(``replica/loss_scale.py``)."""
 
 
 @dataclass(frozen=True)
@@ -69,5 +77,9 @@ class GradLayout:
         return flat[self.numel + self.moves :]
 
     def bad_slots(self, flat: torch.Tensor) -> list[int]:
-        """The slots whose flag is set in a reduced buffer."""
+        """The slots whose flag is set in a reduced buffer (either kind)."""
         return [int(i) for i in torch.nonzero(self.flags(flat)).flatten()]
+
+    def overflow_slots(self, flat: torch.Tensor) -> list[int]:
+        """The slots flagged :data:`OVERFLOW` in a reduced buffer."""
+        return [int(i) for i in torch.nonzero(self.flags(flat) == OVERFLOW).flatten()]

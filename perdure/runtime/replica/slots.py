@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from perdure.runtime.replica.buffers import BufferRule
-from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.layout import BAD, OVERFLOW, GradLayout
 from perdure.runtime.replica.task import LossFn, split_loss
 from perdure.runtime.replica.user_rng import SlotRng
 
@@ -70,6 +70,9 @@ class SlotEngine:
         self.rng = SlotRng(loss_fn, model)
         """The user's generators around each slot (``user_rng``)."""
         self.autocast = _autocast(model, precision)
+        self.scale: float | None = 1.0 if precision == "fp16" else None
+        """The loss scale the backward runs at (``replica/loss_scale.py``: the trainer sets
+        it); None: no scale (``fp32``, ``bf16``), and a non-finite gradient is ``BAD``."""
         # Reversed: backward produces the last layers' gradients first, so the reduction can
         # stream the front of the buffer while the rest of the backward runs.
         self.params = [p for p in model.parameters() if p.requires_grad][::-1]
@@ -136,7 +139,7 @@ class SlotEngine:
         moves = None
         try:
             loss, extra = self._loss(batch)
-            loss.backward()
+            (loss if self.scale is None else loss * self.scale).backward()
             moves = lay.buffer_moves(out)
         finally:
             for h in hooks:
@@ -150,7 +153,8 @@ class SlotEngine:
         # each gradient was checked as it was copied: a streaming reduction may already
         # have rewritten the buffer's front (non-finite values zeroed, integers in place)
         finite = self._finite and all_finite(lay.buffer_moves(out)) and np.isfinite(value)
-        lay.flags(out)[slot] = 0.0 if finite else 1.0
+        overflow = self.scale is not None and np.isfinite(value)  # the scale's, not the data's
+        lay.flags(out)[slot] = 0.0 if finite else OVERFLOW if overflow else BAD
         lay.losses(out)[slot] = value if np.isfinite(value) else 0.0
         if self.metrics:
             column = lay.user_metrics(out)[:, slot]
@@ -210,10 +214,11 @@ class SlotEngine:
         ]
 
     def assign_grads(
-        self, flat: torch.Tensor, batch: int, own: tuple[int, int] | None = None
+        self, flat: torch.Tensor, batch: float, own: tuple[int, int] | None = None
     ) -> None:
         """Point each parameter's ``.grad`` at ``flat[:P] / batch`` (in place): the slot
-        losses are sums over samples, so this is the gradient of the mean loss. A division,
+        losses are sums over samples, so this is the gradient of the mean loss (``batch``:
+        B, or B times the loss scale under ``fp16``). A division,
         not a multiplication by ``1 / batch``, which is inexact for most batch sizes.
         ``own``: the value range that holds the sum (a reduce-scatter's: the rest is the
         local partial, which is neither divided nor read, so its pages stay untouched)."""
@@ -264,13 +269,22 @@ def all_finite(x: torch.Tensor) -> bool:
     return math.isfinite(float(x.sum())) or bool(torch.isfinite(x).all())
 
 
-def _autocast(model: nn.Module, precision: str) -> Callable[[], Any]:
-    """A context factory for the forward: autocast to bfloat16 on the model's device type
-    for ``bf16``, nothing for ``fp32``."""
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""``train.precision``'s autocast dtypes (``fp32``: none)."""
+
+
+def autocast_for(device: torch.device | str, precision: str) -> Callable[[], Any]:
+    """A context factory for a forward: autocast to ``precision``'s dtype on ``device``'s
+    type, nothing for ``fp32`` (the slots' and the evaluation's alike)."""
     if precision == "fp32":
         return contextlib.nullcontext
-    if precision != "bf16":
-        raise ValueError(f"train.precision: must be 'fp32' or 'bf16' (got {precision!r})")
+    if precision not in AUTOCAST:
+        raise ValueError(f"train.precision: must be 'fp32', 'bf16' or 'fp16' (got {precision!r})")
+    kind = torch.device(device).type
+    return lambda: torch.autocast(device_type=kind, dtype=AUTOCAST[precision])
+
+
+def _autocast(model: nn.Module, precision: str) -> Callable[[], Any]:
+    """:func:`autocast_for` on the model's device."""
     first = next(model.parameters(), None)
-    kind = first.device.type if first is not None else "cpu"
-    return lambda: torch.autocast(device_type=kind, dtype=torch.bfloat16)
+    return autocast_for(first.device if first is not None else "cpu", precision)

@@ -39,7 +39,15 @@ from perdure.runtime.replica.deferred import (
     resident_bytes,
 )
 from perdure.runtime.replica.identity import run_identity
-from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.layout import BAD, OVERFLOW, GradLayout
+from perdure.runtime.replica.loss_scale import (
+    BACKED_OFF,
+    GREW,
+    LOSS_SCALE_KEY,
+    LossScale,
+    ScaleRule,
+    scale_event,
+)
 from perdure.runtime.replica.outer import OUTER_KEY, OuterStep
 from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
 from perdure.runtime.replica.recipe import Recipe
@@ -219,6 +227,21 @@ class Trainer:
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
+        self.scale_rule = ScaleRule.of(train)
+        rule = self.scale_rule
+        self.loss_scale: LossScale | None = None if rule is None else rule.initial()
+        """The loss scale's committed state (``train.precision = "fp16"``, else None):
+        state of the run, changed only by an update (``apply``), in checkpoints and state
+        copies beside the optimizer's (``loss_scale.LOSS_SCALE_KEY``)."""
+        self._scale_now = self.loss_scale
+        """The scale of the step in flight: the committed one, backed off by the step's
+        overflows (``back_off``); ``begin_step`` returns to the committed one."""
+        self.scale_changes: list[dict[str, Any]] = []
+        """The step in flight's scale changes (``loss_scale`` events), kept until its update
+        commits them (``take_scale_changes``): a step abandoned and redone logs them once."""
+        self.step_loss_scale: float | None = None
+        """The scale the last applied step's gradient was computed at. Logged."""
+        self._set_engine_scale()
         self.user_metrics: dict[str, float] = {}
         """The last applied step's ``Task.metrics`` by name (means over the batch)."""
         self.grad_norm: float | None = None
@@ -360,10 +383,63 @@ class Trainer:
         if self.config.data.prefetch_steps:
             self.loader.prefetch(step, list(slots))
 
+    # -- the loss scale (fp16) ------------------------------------------------------------
+
+    def _set_engine_scale(self) -> None:
+        self.engine.scale = None if self._scale_now is None else self._scale_now.scale
+
+    def begin_step(self) -> None:
+        """A step's first attempt (in this epoch): at the committed scale. Where an
+        abandoned attempt had backed it off, the slots it kept were computed at another
+        scale: ``state_version`` moves on, so they are not reused."""
+        if self._scale_now != self.loss_scale:
+            self.state_version += 1
+        self._scale_now, self.scale_changes = self.loss_scale, []
+        self._set_engine_scale()
+
+    def back_off(self, step: int, slots: list[int]) -> None:
+        """``slots`` of ``step`` overflowed (confirmed on a re-run): the smaller scale, for
+        the step's next attempt. At ``train.loss_scale_min`` a :class:`MathError`."""
+        now, rule = self._scale_now, self.scale_rule
+        assert now is not None and rule is not None, "an overflow without a loss scale"
+        new = now.backed_off(rule)
+        if new is None:
+            raise MathError(
+                f"step {step}: the gradient of slots {slots} overflows float16 at the minimum "
+                f"loss scale (train.loss_scale_min = {rule.min_scale!r}) with a finite loss: "
+                "the gradient itself exceeds float16's range (use train.precision = 'bf16' "
+                "or 'fp32', or lower train.loss_scale_min)"
+            )
+        self.scale_changes.append(scale_event(step, now.scale, new.scale, BACKED_OFF, slots))
+        self._scale_now = new
+        self.state_version += 1  # the slots' gradients depend on it
+        self._set_engine_scale()
+
+    def take_scale_changes(self) -> list[dict[str, Any]]:
+        """The applied step's scale changes (each a ``loss_scale`` event's fields)."""
+        out, self.scale_changes = self.scale_changes, []
+        return out
+
+    def _commit_scale(self, step: int) -> None:
+        """After ``step``'s update: one more clean step, a growth when due."""
+        now, rule = self._scale_now, self.scale_rule
+        if now is None or rule is None:
+            return
+        new = now.applied(rule)
+        if new.scale != now.scale:
+            self.scale_changes.append(scale_event(step, now.scale, new.scale, GREW, []))
+        self.loss_scale = self._scale_now = new
+        self._set_engine_scale()
+
+    # -- the update -------------------------------------------------------------------------
+
     def apply(self, step: int, total: torch.Tensor) -> float:
         """Apply the slot-ordered gradient sum of ``step``; returns the step's mean loss.
         With DiLoCo, ``total`` is the sum of the replicas' pseudo-gradients and the update
-        the outer step; the loss is the inner steps' mean over every replica."""
+        the outer step; the loss is the inner steps' mean over every replica. Under a loss
+        scale S the gradient sum is divided by ``B * S`` at once (S a power of two: the
+        product is exact, and one rounding is what dividing by S, exactly, and then by B
+        gives wherever the quotient by S is a normal float)."""
         B = self.config.train.global_batch
         loss = float(self.engine.slot_losses(total).sum()) / B
         self.user_metrics = self.engine.step_metrics(total, B)
@@ -373,7 +449,9 @@ class Trainer:
             self._check_update(step, self.config.outer.lr)
             return self._committed(step, loss)
         own = None if self.shards is None else self.shards.own_range
-        self.engine.assign_grads(total, B, own)
+        scale = None if self._scale_now is None else self._scale_now.scale
+        self.step_loss_scale = scale
+        self.engine.assign_grads(total, B if scale is None else B * scale, own)
         self.engine.apply_buffers(total)
         clip = self.config.optim.grad_clip
         if self.shards is not None and self.shards.scattered:  # own gradients only
@@ -409,6 +487,7 @@ class Trainer:
         """The update of ``step`` is in: the next step's state."""
         self.next_step = step + 1
         self.state_version += 1
+        self._commit_scale(step)
         if self._staged is not None:  # the next step's exponents come with this update
             self.exponents, self._staged = self._staged, None
         return loss
@@ -439,8 +518,16 @@ class Trainer:
                 continue
             one = to_tensors(_row(batch, i))
             self.engine.compute(step, slot, one, buf)
-            flags.append(NON_FINITE if self.layout.flags(buf)[slot] != 0 else FINITE)
+            flags.append(NON_FINITE if self.layout.flags(buf)[slot] == BAD else FINITE)
         return flags
+
+    def rerun_overflows(self, step: int, slot: int) -> bool:
+        """Re-run a slot flagged as an overflow, whole, at the step's scale: does it
+        overflow here too? (A slot's bits are the same on every worker: an overflow that
+        does not reproduce is a fault of the worker that reported it.)"""
+        buf = self.engine.new_buffer()
+        self.engine.compute(step, slot, to_tensors(self.loader.batch(step, slot)), buf)
+        return bool(self.layout.flags(buf)[slot] == OVERFLOW)
 
     def quarantine(self, step: int, found: dict[int, list[int]]) -> list[dict[str, Any]]:
         """Quarantine the shards of the bad samples of several slots at once: a
@@ -657,6 +744,8 @@ class Trainer:
             state = {**state, REDUCTION_KEY: {"exponents": kept}}
         if self.outer is not None:
             state = {**state, OUTER_KEY: self.outer.state()}
+        if self.loss_scale is not None:
+            state = {**state, LOSS_SCALE_KEY: self.loss_scale.to_dict()}
         return state
 
     def _optimizer_for_save(self) -> dict[str, Any]:
@@ -664,8 +753,10 @@ class Trainer:
         return state if self.shards is None else self.shards.skeleton(state)
 
     def _load_optimizer(self, state: dict[str, Any], source: str) -> None:
-        """The recipe's state, and the carried exponents saved beside it (if any)."""
+        """The recipe's state, and the carried exponents and the loss scale saved beside
+        it (if any)."""
         state = dict(state)
+        self._load_scale(state.pop(LOSS_SCALE_KEY, None), source)
         reduction = state.pop(REDUCTION_KEY, None)
         exps = None if reduction is None else reduction.get("exponents")
         self.exponents, self._staged = self._checked_exponents(exps, source), None
@@ -673,6 +764,17 @@ class Trainer:
         if self.outer is not None:
             self.outer.load(outer, source)
         self.recipe.load_state_dict(state, source=source)
+
+    def _load_scale(self, saved: Any, source: str) -> None:
+        """The loss scale saved with the state; none saved (a state of a run without
+        ``fp16``, loaded with a config change): the initial one."""
+        rule = self.scale_rule
+        if rule is None:
+            return
+        got = rule.initial() if saved is None else LossScale.from_dict(saved, rule, source)
+        self.loss_scale = self._scale_now = got
+        self.scale_changes = []
+        self._set_engine_scale()
 
     def _checked_exponents(self, exps: Any, source: str) -> list[int] | torch.Tensor | None:
         form = self.config.train.reduction_exponents
@@ -751,6 +853,7 @@ class Trainer:
         for p in self.module.parameters():
             free(p)
         state = dict(ckpt.optimizer)
+        self._load_scale(lazy.resolve(state.pop(LOSS_SCALE_KEY, None)), path)
         reduction = lazy.resolve(state.pop(REDUCTION_KEY, None))
         exps = None if reduction is None else reduction.get("exponents")
         self.exponents, self._staged = self._checked_exponents(exps, path), None
