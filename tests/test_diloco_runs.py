@@ -101,10 +101,32 @@ def test_a_resume_from_a_mid_run_checkpoint_retraces_the_run(
     assert s["final_hash"] == diloco_ref["final_hash"]
 
 
-def test_int8_pseudo_gradients_are_another_math_with_one_hash_on_one_and_four_workers(
-    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+INT8 = {**OUTER, "precision": "int8"}
+
+
+@pytest.fixture(scope="module")
+def int8_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("diloco-int8")
+    return {**run_to_end(_cfg(small_dataset, 1, INT8), run_dir), "run_dir": run_dir}
+
+
+def test_int8_is_another_math_with_one_hash_on_one_worker_and_two_resumed(
+    diloco_ref: dict, int8_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
-    int8 = {**OUTER, "precision": "int8"}
-    one = run_to_end(_cfg(small_dataset, 1, int8), tmp_path / "one")
-    four = run_to_end(_cfg(small_dataset, 4, int8), tmp_path / "four")
-    assert one["final_hash"] == four["final_hash"] != diloco_ref["final_hash"]
+    """int8 puts int8 records on the wire (``comm/int8_gather.py``): 1 worker, and 2
+    resumed from its step-4 checkpoint, end with one hash, not fp32's."""
+    half = int8_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
+    two = run_to_end(_cfg(small_dataset, 2, INT8), tmp_path, resume=str(half))
+    assert two["final_hash"] == int8_ref["final_hash"] != diloco_ref["final_hash"]
+
+
+def test_int8_on_four_workers_with_one_killed_keeps_the_one_workers_hash(
+    int8_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Two regions of two workers (the all-gather is flat over them); r1-0 dies at step
+    3 and its replica moves to a survivor."""
+    fault = {"kind": "kill", "target": "r1-0", "at_step": 3}
+    cfg = _cfg(small_dataset, 4, INT8, regions=2, chaos={"faults": [fault]})
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == int8_ref["final_hash"] and s["replica_hashes_agree"]
+    assert len(events(tmp_path, "epoch_started")) > 1
