@@ -3,7 +3,8 @@ end with one final hash whatever hosts them (1, 2 or 4 workers, one region each)
 worker or a whole region killed mid-run, a member stopped mid-step (its replicas redone,
 the survivors' finished ones kept), and resumed from a mid-run checkpoint; the inner
 loss goes down on tiny_lm. The exponents' step form, as ``configs/diloco.toml`` has it
-(the int8 runs take the streamed default)."""
+(the int8 runs take the streamed default, which their all-gather does not use). int8 (its
+int8 records on the wire) keeps one hash on 1 worker, 2 resumed, and 4 with one killed."""
 
 from __future__ import annotations
 

@@ -37,16 +37,27 @@ def _reduce(hosts: list[list[int]], bufs: list[torch.Tensor]) -> torch.Tensor:
     return gather.total(payloads, R)
 
 
-def test_a_records_payload_is_a_quarter_of_the_exact_reductions_plus_its_exponents() -> None:
+def test_a_records_payload_is_a_quarter_of_the_exact_reductions_plus_its_index_and_tail() -> None:
     gather = Int8Gather(LAYOUT, BLOCK)
     blocks = -(-P // BLOCK)
-    overhead = 2 * blocks + 4 + 4 * (2 + M)  # int16 exponents, int32 index, float32 tail
-    assert gather.record_bytes == P + overhead == 10_000 + 80 + 4 + 12
+    assert gather.record_bytes == P + blocks + 4 + 4 * (2 + M) == 10_000 + 40 + 4 + 12
     payload = gather.pack([2], [_replicas()[2]], 1)
     assert payload.dtype == torch.uint8 and payload.numel() == gather.payload_bytes(1)
-    exact = 4 * LAYOUT.size  # the exact reduction's int32 per value (reduction_bits = 32)
-    assert payload.numel() - overhead <= exact / 4
-    assert exact == 4 * (P + (2 + M) * R)
+    # the exact reduction (reduction_bits = 32): an int32 per value, one per block's maximum
+    exact = 4 * LAYOUT.size + 4 * blocks
+    assert exact == 4 * (P + (2 + M) * R) + 4 * blocks
+    overhead = 4 + 4 * (2 + M) - (2 + M) * R  # the index and tail, less the buffer's tail
+    assert payload.numel() == exact // 4 + overhead and overhead == 4
+    assert gather.payload_bytes(2) == 2 * gather.record_bytes
+
+
+def test_int8_exponents_hold_every_normal_peak_and_round_subnormal_blocks_coarser() -> None:
+    x = torch.tensor([3.0e38, -1.0, 2.0**-126, 2.0**-140, 2.0**-149, 0.0])
+    q, e = encode_int8(x, 2)
+    assert e.dtype == torch.int8 and (e.int() + 1).tolist() == [128, -125, -127]
+    # 3e38 = 0.88 * 2**128: step 2**121, q = 113; -1.0 rounds to 0 beside it
+    assert decode_int8(q, e, 2)[:3].tolist() == [113 * 2.0**121, 0.0, 2.0**-126]
+    assert decode_int8(q, e, 2)[3:].tolist() == [0.0, 0.0, 0.0]  # below 2**-135: zero
 
 
 def test_the_gathered_sum_is_the_same_bits_whoever_hosts_which_replica() -> None:

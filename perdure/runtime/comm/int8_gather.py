@@ -5,7 +5,7 @@ The exact reduction carries integers of ``train.reduction_bits`` (4 or 8 bytes a
 an int8 pseudo-gradient through it would cost fp32's bytes. Here each member puts its
 hosted replicas on the wire as *records* of one replica each::
 
-    [replica index: int32 | its tail: (2 + M) float32 | exponents: int16 per block | P int8]
+    [replica index: int32 | its tail: (2 + M) float32 | exponents: int8 per block | P int8]
 
 (the tail: its non-finite flag, its mean inner loss and its M task metrics, the slot
 buffer's entries that only that replica sets). One all-gather over the epoch's members
@@ -18,12 +18,19 @@ member whichever member hosted which replica, then rounds the sum to float32. Th
 are placed, not summed (one replica sets each entry). So a reduced buffer is a pure
 function of the R replicas, as the exact reduction's is.
 
-Bytes: a member sends ``width`` records and receives ``(W - 1) x width`` (gloo's ring);
-with one replica per member that is ``(W - 1) x (P + 2 ceil(P / block) + 4 (3 + M))``
-bytes in, against ``2 (W - 1) / W x 4 (P + (2 + M) S)`` for the exact reduction's ring
-all-reduce of 32-bit integers. Limits: the all-gather is flat over the members, not in
-the tiers of ``cluster.hierarchical_reduce`` (a region with k members receives its
-records k times), and it does not start before the last replica is done.
+Bytes: a member sends ``width`` records and receives ``(W - 1) x width`` (gloo's ring
+all-gather). A record is ``P + ceil(P / block) + 4 (3 + M)`` bytes: a quarter of what the
+exact reduction sends of one slot buffer with ``train.reduction_bits = 32`` (``4 (P + (2 +
+M) S)`` bytes of integers and 4 per block of maxima), plus ``4 + 4 (2 + M) - (2 + M) S``.
+Across regions, with one worker per region (the synchronous step's tiers then exchange
+every leader's whole buffer with every other leader: ``(W - 1)`` buffers into each
+region), a region receives ``(W - 1)`` records where the synchronous step receives
+``(W - 1)`` integer buffers: a quarter of its bytes per step, for H steps' tokens. Limits:
+the all-gather is flat over the members, not in the tiers of
+``cluster.hierarchical_reduce`` (a region with k members receives every record k times,
+where the tiers' region receives each buffer once), a member hosting fewer replicas than
+the busiest sends unused records (gloo's all-gather takes equal sizes), and the gather
+starts once the last replica is done (nothing overlaps it).
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ class Int8Gather:
     @property
     def record_bytes(self) -> int:
         """One replica's record: index, tail, exponents and values."""
-        return _INDEX + 4 * self.tail + 2 * self.blocks + self.layout.numel
+        return _INDEX + 4 * self.tail + self.blocks + self.layout.numel
 
     def payload_bytes(self, width: int) -> int:
         """What one member sends per outer step: ``width`` records."""
@@ -84,7 +91,7 @@ class Int8Gather:
         for rec, slot, buf in zip(recs[: len(slots)], slots, bufs, strict=True):
             q, exp = encode_int8(self.layout.grads(buf), self.block)
             a = _INDEX + 4 * self.tail
-            b = a + 2 * self.blocks
+            b = a + self.blocks
             rec[:_INDEX] = torch.tensor([slot], dtype=torch.int32).view(torch.uint8)
             rec[_INDEX:a] = self._tail_of(buf, slot).view(torch.uint8)
             rec[a:b] = exp.view(torch.uint8)
@@ -115,10 +122,10 @@ class Int8Gather:
         total = lay.new_buffer()
         acc = torch.zeros(lay.numel, dtype=torch.float64)
         a = _INDEX + 4 * self.tail
-        b = a + 2 * self.blocks
+        b = a + self.blocks
         for r in range(replicas):
             rec = found[r]
-            exp = rec[a:b].clone().view(torch.int16)
+            exp = rec[a:b].clone().view(torch.int8)
             acc += decode_int8(rec[b:].clone().view(torch.int8), exp, self.block)
             tail = rec[_INDEX:a].clone().view(torch.float32).to(total.device)
             lay.flags(total)[r], lay.losses(total)[r] = tail[0], tail[1]

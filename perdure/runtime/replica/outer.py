@@ -45,28 +45,34 @@ gradient order."""
 INT8_MAX = 127
 
 
+EXP_MIN, EXP_MAX = -127, 128
+"""The block exponents an int8 record holds (one byte, ``e - 1``): float32's every normal
+peak; a block whose peak is below ``2**-128`` (subnormal) is rounded against ``2**-134``."""
+
+
 def encode_int8(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``values`` as int8 DiLoCo puts them on the wire: per block of ``block`` values, the
     exponent ``e`` of the block's largest magnitude (``m = f * 2**e`` with
-    ``0.5 <= f < 1``; 0 for a block of zeros) as an int16, and each value as the int8
-    ``round(v / 2**(e - 7))`` (round-half-even, clamped to [-127, 127]; the peak lands in
-    [64, 127]). Computed in float64, where ``2**(e - 7)`` never underflows, so the
-    quotient is exact before its rounding. A pure function of the values: a replica's
-    rounding does not depend on the others', so no exchange comes first. Returns
-    ``(q int8 [n], e int16 [ceil(n / block)])``."""
+    ``0.5 <= f < 1``; 0 for a block of zeros; at least :data:`EXP_MIN`) stored as the int8
+    ``e - 1``, and each value as the int8 ``round(v / 2**(e - 7))`` (round-half-even,
+    clamped to [-127, 127]; the peak lands in [64, 127]). Computed in float64, where
+    ``2**(e - 7)`` never underflows, so the quotient is exact before its rounding. A pure
+    function of the values: a replica's rounding does not depend on the others', so no
+    exchange comes first. Returns ``(q int8 [n], e - 1 int8 [ceil(n / block)])``."""
     n = values.numel()
     pad = (-n) % block
     padded = torch.nn.functional.pad(values.detach().cpu().double(), (0, pad)).view(-1, block)
     _, exp = torch.frexp(padded.abs().amax(dim=1))
+    exp = exp.clamp(EXP_MIN, EXP_MAX)
     step = torch.ldexp(torch.ones_like(padded[:, 0]), exp.double() - 7)
     q = torch.round(padded / step[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    return q.view(-1)[:n].to(torch.int8), exp.to(torch.int16)
+    return q.view(-1)[:n].to(torch.int8), (exp - 1).to(torch.int8)
 
 
 def decode_int8(q: torch.Tensor, exp: torch.Tensor, block: int) -> torch.Tensor:
     """:func:`encode_int8`'s values back, exactly, as float64 (``q * 2**(e - 7)``)."""
     n = q.numel()
-    step = torch.ldexp(torch.ones(exp.numel(), dtype=torch.float64), exp.double() - 7)
+    step = torch.ldexp(torch.ones(exp.numel(), dtype=torch.float64), exp.double() - 6)
     return (q.double() * step.repeat_interleave(block)[:n]).view(-1)
 
 
