@@ -86,7 +86,7 @@ def test_a_member_stopped_mid_step_has_its_replica_redone_and_a_survivors_kept(
     """Three members (replicas [0, 2), [2, 3), [3, 4)); the last is stopped (SIGSTOP)
     once step 3 has committed, so the others finish their replicas of step 4 and wait in
     the reduction until it is evicted: the new epoch redoes step 4 and keeps them."""
-    fault = {"kind": "stop", "target": "r0-2", "at_step": 3}
+    fault = {"kind": "hang", "target": "r0-2", "at_step": 3, "duration_s": 3.0}
     cfg = _cfg(small_dataset, 3, regions=1, chaos={"faults": [fault]})
     s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == diloco_ref["final_hash"] and s["survivor_restarts"] == 0
