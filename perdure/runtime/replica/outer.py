@@ -118,7 +118,6 @@ class OuterStep:
         *,
         global_batch: int,
         grad_clip: float | None,
-        block: int,
         prefetch: Callable[[int, int], None] = lambda step, slot: None,
     ) -> None:
         """``batch(step, slot)``: the loader's samples of a synchronous step's slot;
@@ -127,7 +126,7 @@ class OuterStep:
         self.cfg, self.engine, self.recipe = cfg, engine, recipe
         self._batch, self._prefetch = batch, prefetch
         self.per_replica = global_batch // cfg.replicas
-        self.grad_clip, self.block = grad_clip, block
+        self.grad_clip = grad_clip
         self.params = engine.params
         self.momentum = torch.zeros(engine.layout.numel, dtype=torch.float32)
         """The outer optimizer's momentum, in the gradient order of the slot buffer."""

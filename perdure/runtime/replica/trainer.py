@@ -175,7 +175,6 @@ class Trainer:
                 self.loader.batch,
                 global_batch=train.global_batch,
                 grad_clip=config.optim.grad_clip,
-                block=train.reduction_block,
                 prefetch=lambda step, slot: self.prefetch(step, range(slot, slot + 1), inner=True),
             )
         carried = train.reduction == "exact" and train.reduction_exponents != "step"
