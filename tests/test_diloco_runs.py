@@ -3,7 +3,8 @@ end with one final hash whatever hosts them (1, 2 or 4 workers, one region each)
 worker or a whole region killed mid-run, a member stopped mid-step (its replicas redone,
 the survivors' finished ones kept), and resumed from a mid-run checkpoint; the inner
 loss goes down on tiny_lm. The exponents' step form, as ``configs/diloco.toml`` has it
-(the int8 runs take the streamed default)."""
+(the int8 runs take the streamed default, which their all-gather does not use). int8 (its
+int8 records on the wire) keeps one hash on 1 worker, 2 resumed, and 4 with one killed."""
 
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ def test_a_member_stopped_mid_step_has_its_replica_redone_and_a_survivors_kept(
     """Three members (replicas [0, 2), [2, 3), [3, 4)); the last is stopped (SIGSTOP)
     once step 3 has committed, so the others finish their replicas of step 4 and wait in
     the reduction until it is evicted: the new epoch redoes step 4 and keeps them."""
-    fault = {"kind": "stop", "target": "r0-2", "at_step": 3}
+    fault = {"kind": "hang", "target": "r0-2", "at_step": 3, "duration_s": 3.0}
     cfg = _cfg(small_dataset, 3, regions=1, chaos={"faults": [fault]})
     s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == diloco_ref["final_hash"] and s["survivor_restarts"] == 0
@@ -101,10 +102,32 @@ def test_a_resume_from_a_mid_run_checkpoint_retraces_the_run(
     assert s["final_hash"] == diloco_ref["final_hash"]
 
 
-def test_int8_pseudo_gradients_are_another_math_with_one_hash_on_one_and_four_workers(
-    diloco_ref: dict, small_dataset: Path, tmp_path: Path
+INT8 = {**OUTER, "precision": "int8"}
+
+
+@pytest.fixture(scope="module")
+def int8_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("diloco-int8")
+    return {**run_to_end(_cfg(small_dataset, 1, INT8), run_dir), "run_dir": run_dir}
+
+
+def test_int8_is_another_math_with_one_hash_on_one_worker_and_two_resumed(
+    diloco_ref: dict, int8_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
-    int8 = {**OUTER, "precision": "int8"}
-    one = run_to_end(_cfg(small_dataset, 1, int8), tmp_path / "one")
-    four = run_to_end(_cfg(small_dataset, 4, int8), tmp_path / "four")
-    assert one["final_hash"] == four["final_hash"] != diloco_ref["final_hash"]
+    """int8 puts int8 records on the wire (``comm/int8_gather.py``): 1 worker, and 2
+    resumed from its step-4 checkpoint, end with one hash, not fp32's."""
+    half = int8_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
+    two = run_to_end(_cfg(small_dataset, 2, INT8), tmp_path, resume=str(half))
+    assert two["final_hash"] == int8_ref["final_hash"] != diloco_ref["final_hash"]
+
+
+def test_int8_on_four_workers_with_one_killed_keeps_the_one_workers_hash(
+    int8_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """Two regions of two workers (the all-gather is flat over them); r1-0 dies at step
+    3 and its replica moves to a survivor."""
+    fault = {"kind": "kill", "target": "r1-0", "at_step": 3}
+    cfg = _cfg(small_dataset, 4, INT8, regions=2, chaos={"faults": [fault]})
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == int8_ref["final_hash"] and s["replica_hashes_agree"]
+    assert len(events(tmp_path, "epoch_started")) > 1

@@ -585,13 +585,15 @@ class OuterConfig:
     momentum: float = field(default=0.9, metadata=MATH_ADDED)
     """The outer optimizer's Nesterov momentum (DiLoCo: 0.9)."""
     precision: Literal["fp32", "int8"] = field(default="fp32", metadata=MATH_ADDED)
-    """A replica's pseudo-gradient as the reduction receives it. ``fp32``: as computed.
-    ``int8``: rounded to 8 bits (a sign and 7 bits, round-half-even) per block of
-    ``train.reduction_block`` values against the block's own maximum's power of two, a
-    pure function of the replica's values (INTELLECT-1's int8 pseudo-gradients, minus
-    their error feedback). Limit: the exact reduction still carries its own integers
-    (``train.reduction_bits``), so the wire bytes are those of ``fp32``; the math, not
-    the transport, is int8's here."""
+    """A replica's pseudo-gradient as the outer step receives it. ``fp32``: as computed,
+    summed by the exact reduction (``train.reduction``). ``int8``: rounded to 8 bits (a sign
+    and 7 bits, round-half-even) per block of ``train.reduction_block`` values against the
+    power of two of the block's own maximum, a pure function of the replica's values
+    (INTELLECT-1's int8 pseudo-gradients, minus their error feedback), and put on the wire
+    as such: an all-gather of every replica's int8 values and one-byte block exponents,
+    which every member decodes and adds in replica order (``comm/int8_gather.py``), a
+    quarter of the exact reduction's 32-bit bytes. Limit: the all-gather is flat over the
+    members, not in ``cluster.hierarchical_reduce``'s tiers."""
 
     def __post_init__(self) -> None:
         c = Checker()

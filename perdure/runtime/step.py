@@ -20,6 +20,7 @@ import torch
 from perdure import events as ev
 from perdure.events import JsonLines
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
+from perdure.runtime.comm.int8_gather import Int8Gather
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import CarriedReduction, Reducer, make_reducer
 from perdure.runtime.plan import Plan
@@ -134,6 +135,12 @@ class StepRunner:
         group = [r for r in range(self.size) if group_of(r, k) == group_of(rank, k)]
         self.passes = max(len(plan.slots_of(r)) for r in group) if self.lockstep else 0
         self._scratch: torch.Tensor | None = None
+        outer = trainer.config.outer
+        self.int8: Int8Gather | None = None
+        """int8 DiLoCo: the pseudo-gradients go through an all-gather of int8 records,
+        not the reducer (``comm/int8_gather.py``)."""
+        if outer.on and outer.precision == "int8":
+            self.int8 = Int8Gather(trainer.layout, train.reduction_block)
 
     @property
     def size(self) -> int:
@@ -174,6 +181,8 @@ class StepRunner:
             self._on_nonfinite(t, bad, set(lay.overflow_slots(total)))
 
     def _attempt(self, t: int, t0: float) -> torch.Tensor:
+        if self.int8 is not None:
+            return self._gather_int8(t, t0, self.int8)
         if self.reducer.carried:
             return self._carried(t, t0, cast(CarriedReduction, self.reducer))
         tr, slots = self.tr, self.slots
@@ -193,6 +202,25 @@ class StepRunner:
         if computed:  # compute speed only: a slow link shows in the heartbeats' lag
             self.timer.record(time.monotonic() - t0, computed)
         self._log_salvage(t)
+        return self.comm.result(fut)
+
+    def _gather_int8(self, t: int, t0: float, gather: Int8Gather) -> torch.Tensor:
+        """int8 DiLoCo: this member's replicas, each in a buffer of its own and kept as the
+        step form keeps slots (salvage), then the all-gather of their int8 records and the
+        replica-order sum on every member (``comm/int8_gather.py``)."""
+        tr, slots = self.tr, self.slots
+        abort = lambda: self.seams.should_stop(t)  # noqa: E731
+        if len(self.bufs) != len(slots):
+            self.bufs = [tr.layout.new_buffer() for _ in slots]
+        computed = self._fill(t, (t, tr.state_version), range(len(slots)), abort, None)
+        if computed:
+            self.timer.record(time.monotonic() - t0, computed)
+        self._log_salvage(t)
+        self._injected_drop()
+        plan = self.plan_at(t)
+        width = max(len(plan.slots_of(r)) for r in range(self.size))
+        delay, timeout = self.seams.delay_s(), self.seams.timeout()
+        fut = gather.start(self.comm, slots, self.bufs, width, timeout, delay)
         return self.comm.result(fut)
 
     def _take(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> bool:

@@ -8,7 +8,9 @@ steps from the outer parameters: inner step ``h`` is the synchronous run's step
 randomness), with the task's own optimizer at the inner schedule's rate of that step.
 The slot buffer then holds the pseudo-gradient ``theta_t - theta_r`` where a gradient
 would be, and the exact reduction sums the R of them as integers, in any order, on any
-membership. So a replica is a pure function of ``(theta_t, t, r)`` and the config: the
+membership (with ``outer.precision = "int8"`` every member instead gathers the R
+pseudo-gradients as int8 (:func:`encode_int8`) and sums them in replica order:
+``comm/int8_gather.py``). So a replica is a pure function of ``(theta_t, t, r)`` and the config: the
 planner may place it on any member, move it to a survivor, or keep it across a failure
 (``runtime/salvage.py``), and not a bit changes.
 
@@ -43,24 +45,43 @@ gradient order."""
 INT8_MAX = 127
 
 
-def quantize_int8(values: torch.Tensor, block: int) -> torch.Tensor:
-    """``values`` rounded, in place, to a sign and 7 bits per block of ``block`` values,
-    against the power of two of the block's largest magnitude (``m = f * 2**e`` with
-    ``0.5 <= f < 1``: the step is ``2**(e - 7)``, so the block's values land in
-    [-127, 127] steps, round-half-even). A pure function of the values: a replica's
-    rounding does not depend on the others', so no exchange comes first. Returns
-    ``values``."""
+EXP_MIN, EXP_MAX = -127, 128
+"""The block exponents an int8 record holds (one byte, ``e - 1``): float32's every normal
+peak; a block whose peak is below ``2**-128`` (subnormal) is rounded against ``2**-134``."""
+
+
+def encode_int8(values: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``values`` as int8 DiLoCo puts them on the wire: per block of ``block`` values, the
+    exponent ``e`` of the block's largest magnitude (``m = f * 2**e`` with
+    ``0.5 <= f < 1``; 0 for a block of zeros; at least :data:`EXP_MIN`) stored as the int8
+    ``e - 1``, and each value as the int8 ``round(v / 2**(e - 7))`` (round-half-even,
+    clamped to [-127, 127]; the peak lands in [64, 127]). Computed in float64, where
+    ``2**(e - 7)`` never underflows, so the quotient is exact before its rounding. A pure
+    function of the values: a replica's rounding does not depend on the others', so no
+    exchange comes first. Returns ``(q int8 [n], e - 1 int8 [ceil(n / block)])``."""
     n = values.numel()
-    if n == 0:
-        return values
     pad = (-n) % block
-    padded = torch.nn.functional.pad(values, (0, pad)).view(-1, block)
-    peak = padded.abs().amax(dim=1)
-    _, exp = torch.frexp(peak)
-    step = torch.ldexp(torch.ones_like(peak), (exp - 7).to(torch.float32))
+    padded = torch.nn.functional.pad(values.detach().cpu().double(), (0, pad)).view(-1, block)
+    _, exp = torch.frexp(padded.abs().amax(dim=1))
+    exp = exp.clamp(EXP_MIN, EXP_MAX)
+    step = torch.ldexp(torch.ones_like(padded[:, 0]), exp.double() - 7)
     q = torch.round(padded / step[:, None]).clamp_(-INT8_MAX, INT8_MAX)
-    out = (q * step[:, None]).view(-1)[:n]
-    values.copy_(torch.where(peak.repeat_interleave(block)[:n] > 0, out, values))
+    return q.view(-1)[:n].to(torch.int8), (exp - 1).to(torch.int8)
+
+
+def decode_int8(q: torch.Tensor, exp: torch.Tensor, block: int) -> torch.Tensor:
+    """:func:`encode_int8`'s values back, exactly, as float64 (``q * 2**(e - 7)``)."""
+    n = q.numel()
+    step = torch.ldexp(torch.ones(exp.numel(), dtype=torch.float64), exp.double() - 6)
+    return (q.double() * step.repeat_interleave(block)[:n]).view(-1)
+
+
+def quantize_int8(values: torch.Tensor, block: int) -> torch.Tensor:
+    """``values`` rounded, in place, to what int8 DiLoCo's wire carries of them
+    (:func:`encode_int8` then :func:`decode_int8`, as float32). Returns ``values``."""
+    if values.numel():
+        q, exp = encode_int8(values, block)
+        values.copy_(decode_int8(q, exp, block).to(values.dtype))
     return values
 
 
@@ -97,7 +118,6 @@ class OuterStep:
         *,
         global_batch: int,
         grad_clip: float | None,
-        block: int,
         prefetch: Callable[[int, int], None] = lambda step, slot: None,
     ) -> None:
         """``batch(step, slot)``: the loader's samples of a synchronous step's slot;
@@ -106,7 +126,7 @@ class OuterStep:
         self.cfg, self.engine, self.recipe = cfg, engine, recipe
         self._batch, self._prefetch = batch, prefetch
         self.per_replica = global_batch // cfg.replicas
-        self.grad_clip, self.block = grad_clip, block
+        self.grad_clip = grad_clip
         self.params = engine.params
         self.momentum = torch.zeros(engine.layout.numel, dtype=torch.float32)
         """The outer optimizer's momentum, in the gradient order of the slot buffer."""
@@ -188,8 +208,6 @@ class OuterStep:
             grads.copy_(theta.to(grads.device))
             grads.sub_(self._flat().to(grads.device))
             finite = finite and all_finite(grads)
-            if finite and self.cfg.precision == "int8":
-                quantize_int8(grads, self.block)
         finally:  # the state as every member holds it between outer steps
             self._restore(theta)
             self.recipe.optimizer.state.clear()

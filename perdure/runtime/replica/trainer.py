@@ -183,15 +183,15 @@ class Trainer:
                 self.loader.batch,
                 global_batch=train.global_batch,
                 grad_clip=config.optim.grad_clip,
-                block=train.reduction_block,
                 prefetch=lambda step, slot: self.prefetch(step, range(slot, slot + 1), inner=True),
             )
         carried = train.reduction == "exact" and train.reduction_exponents != "step"
-        self._keep_replicas = outer.on and carried
+        self._keep_replicas = outer.on and carried and outer.precision == "fp32"
         """DiLoCo with exponents carried from the previous step: a member keeps its
         replicas of the step in flight (``OuterStep.replica``), so the pass that a missed
         prediction repeats, and a step redone in a new epoch, copy them (the step form
-        and the chain keep each slot's buffer already: ``runtime/salvage.py``)."""
+        and the chain keep each slot's buffer already: ``runtime/salvage.py``, and so does
+        int8's gather, whatever the exponents' form)."""
         self.poison = sorted(poison)
         self.corrupt = sorted(corrupt)
         """Chaos: ``(shard, step)``: the shard's primary copy reads corrupt from that step."""

@@ -1,0 +1,162 @@
+"""int8 DiLoCo's outer reduction (``outer.precision = "int8"``): an all-gather of the
+replicas' int8 pseudo-gradients, summed by every member in replica order.
+
+The exact reduction carries integers of ``train.reduction_bits`` (4 or 8 bytes a value);
+an int8 pseudo-gradient through it would cost fp32's bytes. Here each member puts its
+hosted replicas on the wire as *records* of one replica each::
+
+    [replica index: int32 | its tail: (2 + M) float32 | exponents: int8 per block | P int8]
+
+(the tail: its non-finite flag, its mean inner loss and its M task metrics, the slot
+buffer's entries that only that replica sets). One all-gather over the epoch's members
+brings every record to every member; gloo's all-gather needs equal sizes, so each member
+sends as many records as the plan gives its busiest member (every member knows the plan,
+so no count is exchanged first), the unused ones with index -1. Every member then decodes
+the R pseudo-gradients (``int8 x 2**(e - 7)``, exact in float64) and adds them in replica
+index order in float64: the same inputs in the same order, so the same bits on every
+member whichever member hosted which replica, then rounds the sum to float32. The tails
+are placed, not summed (one replica sets each entry). So a reduced buffer is a pure
+function of the R replicas, as the exact reduction's is.
+
+Bytes: a member sends ``width`` records and receives ``(W - 1) x width`` (gloo's ring
+all-gather). A record is ``P + ceil(P / block) + 4 (3 + M)`` bytes: a quarter of what the
+exact reduction sends of one slot buffer with ``train.reduction_bits = 32`` (``4 (P + (2 +
+M) S)`` bytes of integers and 4 per block of maxima), plus ``4 + 4 (2 + M) - (2 + M) S``.
+Across regions, with one worker per region (the synchronous step's tiers then exchange
+every leader's whole buffer with every other leader: ``(W - 1)`` buffers into each
+region), a region receives ``(W - 1)`` records where the synchronous step receives
+``(W - 1)`` integer buffers: a quarter of its bytes per step, for H steps' tokens. Limits:
+the all-gather is flat over the members, not in the tiers of
+``cluster.hierarchical_reduce`` (a region with k members receives every record k times,
+where the tiers' region receives each buffer once), a member hosting fewer replicas than
+the busiest sends unused records (gloo's all-gather takes equal sizes), and the gather
+starts once the last replica is done (nothing overlaps it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from perdure.runtime.replica.layout import GradLayout
+from perdure.runtime.replica.outer import decode_int8, encode_int8
+
+_INDEX = 4
+"""Bytes of a record's replica index (int32; -1: an unused record)."""
+
+
+class Int8Gather:
+    """Records of one epoch's layout: packing, the all-gather and the replica-order sum."""
+
+    def __init__(self, layout: GradLayout, block: int) -> None:
+        if layout.moves:
+            raise ValueError(
+                f"outer.precision = 'int8' needs a model whose forward moves no buffers "
+                f"(got {layout.moves} buffer values): a record carries the pseudo-gradient "
+                "and the tail only"
+            )
+        self.layout, self.block = layout, block
+        self.blocks = -(-layout.numel // block)
+        self.tail = 2 + layout.metrics
+        """Tail entries of one replica: its flag, its loss and its M metrics."""
+
+    @property
+    def record_bytes(self) -> int:
+        """One replica's record: index, tail, exponents and values."""
+        return _INDEX + 4 * self.tail + self.blocks + self.layout.numel
+
+    def payload_bytes(self, width: int) -> int:
+        """What one member sends per outer step: ``width`` records."""
+        return width * self.record_bytes
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _tail_of(self, buf: torch.Tensor, slot: int) -> torch.Tensor:
+        lay = self.layout
+        parts = [lay.flags(buf)[slot : slot + 1], lay.losses(buf)[slot : slot + 1]]
+        return torch.cat([*parts, lay.user_metrics(buf)[:, slot]]).float().cpu()
+
+    def pack(self, slots: Sequence[int], bufs: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+        """This member's records (``slots[i]``'s pseudo-gradient in ``bufs[i]``), padded
+        with unused ones to ``width``: a uint8 tensor of ``payload_bytes(width)``."""
+        if len(slots) > width:
+            raise ValueError(f"{len(slots)} replicas do not fit in {width} records")
+        out = torch.zeros(self.payload_bytes(width), dtype=torch.uint8)
+        recs = out.view(width, self.record_bytes)
+        recs[:, :_INDEX] = torch.tensor([-1], dtype=torch.int32).view(torch.uint8)
+        for rec, slot, buf in zip(recs[: len(slots)], slots, bufs, strict=True):
+            q, exp = encode_int8(self.layout.grads(buf), self.block)
+            a = _INDEX + 4 * self.tail
+            b = a + self.blocks
+            rec[:_INDEX] = torch.tensor([slot], dtype=torch.int32).view(torch.uint8)
+            rec[_INDEX:a] = self._tail_of(buf, slot).view(torch.uint8)
+            rec[a:b] = exp.view(torch.uint8)
+            rec[b:] = q.view(torch.uint8)
+        return out
+
+    def total(self, gathered: Sequence[torch.Tensor], replicas: int) -> torch.Tensor:
+        """The reduced slot buffer from every member's payload: the R pseudo-gradients
+        decoded and added in replica order (float64, then float32), the tails placed.
+        Raises if a replica is missing or sent twice (a plan that members disagree on)."""
+        lay, found = self.layout, {}
+        for payload in gathered:
+            for rec in payload.cpu().view(-1, self.record_bytes):
+                r = int(rec[:_INDEX].clone().view(torch.int32))
+                if r < 0:
+                    continue
+                if r in found or r >= replicas:
+                    raise RuntimeError(
+                        f"int8 gather: replica {r} sent twice or out of [0, {replicas}): the "
+                        "members disagree on the plan (a bug)"
+                    )
+                found[r] = rec
+        if sorted(found) != list(range(replicas)):
+            raise RuntimeError(
+                f"int8 gather: replicas {sorted(set(range(replicas)) - set(found))} missing: "
+                "the members disagree on the plan (a bug)"
+            )
+        total = lay.new_buffer()
+        acc = torch.zeros(lay.numel, dtype=torch.float64)
+        a = _INDEX + 4 * self.tail
+        b = a + self.blocks
+        for r in range(replicas):
+            rec = found[r]
+            exp = rec[a:b].clone().view(torch.int8)
+            acc += decode_int8(rec[b:].clone().view(torch.int8), exp, self.block)
+            tail = rec[_INDEX:a].clone().view(torch.float32).to(total.device)
+            lay.flags(total)[r], lay.losses(total)[r] = tail[0], tail[1]
+            lay.user_metrics(total)[:, r] = tail[2:]
+        lay.grads(total).copy_(acc.to(torch.float32))
+        return total
+
+    # -- the exchange ----------------------------------------------------------------------
+
+    def start(
+        self,
+        comm: Any,
+        slots: Sequence[int],
+        bufs: Sequence[torch.Tensor],
+        width: int,
+        timeout: timedelta,
+        send_delay_s: float = 0.0,
+    ) -> Any:
+        """Start the all-gather of this member's records on ``comm``'s thread; its result
+        (``comm.result``) is the reduced buffer (:meth:`total`). ``width``: the records
+        of the plan's busiest member; ``send_delay_s``: an injected link latency."""
+        mine = self.pack(slots, bufs, width).to(comm.device)
+        replicas = self.layout.slots
+
+        def run() -> torch.Tensor:
+            if send_delay_s:
+                time.sleep(send_delay_s)
+            outs = [mine]
+            if comm.size > 1:
+                outs = [torch.empty_like(mine) for _ in range(comm.size)]
+                comm.pg.allgather([outs], [mine]).wait(timeout)
+            return self.total(outs, replicas)
+
+        return comm.submit(run)
