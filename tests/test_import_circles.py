@@ -13,6 +13,7 @@ import ast
 from pathlib import Path
 
 import perdure
+from tests.test_layering import _cycle as circle  # the one cycle finder
 
 PKG = Path(perdure.__file__).parent
 
@@ -68,29 +69,6 @@ def folder_graphs(root: Path = PKG) -> dict[str, dict[str, set[str]]]:
                 ):
                     edges.add(first)
     return graphs
-
-
-def circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle of ``graph`` (its units in order, the first repeated), or None."""
-    state: dict[str, int] = {}
-    stack: list[str] = []
-
-    def visit(n: str) -> list[str] | None:
-        state[n] = 1
-        stack.append(n)
-        for m in sorted(graph.get(n, ())):
-            if state.get(m) == 1:
-                return [*stack[stack.index(m) :], m]
-            if m not in state and (found := visit(m)):
-                return found
-        stack.pop()
-        state[n] = 2
-        return None
-
-    for n in sorted(graph):
-        if n not in state and (found := visit(n)):
-            return found
-    return None
 
 
 def test_no_folder_of_perdure_has_an_import_circle() -> None:
