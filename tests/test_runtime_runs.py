@@ -165,7 +165,11 @@ def test_graceful_stop_and_a_later_join_do_not_change_final_weights(
     assert [e["worker"] for e in events(run, "left")] == ["r1-0"]
     epochs = events(run, "epoch_started")
     without = next(e for e in epochs if "r1-0" not in e["plan"]["members"])
-    assert without["start_step"] >= steps // 3 and without["receivers"] == []
+    # the survivors keep their state; only one still inside the step the leaver had just
+    # committed when the leave was announced abandons it (should_stop: that step is at or
+    # past the announcement's ``after``) and copies a peer's (seen once in a full run)
+    caught = {e["worker"] for e in events(run, "step_abandoned") if e["epoch"] < without["epoch"]}
+    assert without["start_step"] >= steps // 3 and set(without["receivers"]) <= caught
     rejoined = [e for e in events(run, "state_received") if e["worker"] == "r1-0"]
     assert rejoined and rejoined[0]["next_step"] > without["start_step"]
 
