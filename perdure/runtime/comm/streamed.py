@@ -418,33 +418,33 @@ class StreamedReducer:
         back = self.exact._fused([out])
         for lo, hi in spans:  # each span once its sum is in (a scatter's: as they land)
             if mains is not None:  # the outlier blocks' main integers, before an in-place
-                self._take_mains(over, mains, lo, hi)  # conversion overwrites them
+                self._take_mains(mains, lo, hi)  # conversion overwrites them
             self._convert(out, lo, hi, back)
         if mains is None:
             return None, maxima
         if over.numel():
-            self._outlier_lane(pg, tiers, over, maxima, mains, out, timeout)
+            self._outlier_lane(pg, tiers, over, maxima, [m for _, m in mains], out, timeout)
         return out, maxima
 
-    def _no_mains(self, over: torch.Tensor) -> list[torch.Tensor]:
-        """Room for the summed integers of the blocks ``over``, as int64 (zeros)."""
+    def _no_mains(self, over: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """Room for the summed integers of the blocks ``over``, as int64 (zeros), each
+        with the block's first value's index: the block ranges are taken once a step."""
         out = []
         for j in over.tolist():
             a, b = j * self.block, min(self.n, (j + 1) * self.block)
-            out.append(torch.zeros(b - a, dtype=torch.int64))
+            out.append((a, torch.zeros(b - a, dtype=torch.int64)))
         return out
 
-    def _take_mains(self, over: torch.Tensor, mains: list[torch.Tensor], lo: int, hi: int) -> None:
-        """The parts inside ``[lo, hi)`` of the blocks ``over``'s summed integers: taken
+    def _take_mains(self, mains: list[tuple[int, torch.Tensor]], lo: int, hi: int) -> None:
+        """The parts inside ``[lo, hi)`` of the outlier blocks' summed integers: taken
         span by span as each span's sum lands, never before (a reduce-scatter's spans are
         summed as :meth:`ScatterExchange.finish` yields them; read earlier, a block held
         a partial sum that depended on the exchange's timing). Outside the spans a
         block's values are another shard's, dead here."""
-        for row, j in enumerate(over.tolist()):
-            a, b = j * self.block, min(self.n, (j + 1) * self.block)
-            x, y = max(a, lo), min(b, hi)
+        for a, main in mains:
+            x, y = max(a, lo), min(a + main.numel(), hi)
             if x < y:
-                mains[row][x - a : y - a] = self.ints[x:y]
+                main[x - a : y - a] = self.ints[x:y]
 
     def _convert(self, out: torch.Tensor, lo: int, hi: int, back: Any) -> None:
         """The sums of ``[lo, hi)`` into ``out``, exactly those values: the block-aligned
