@@ -1,4 +1,4 @@
-"""Evaluation during a run (``runtime/evaluate.py``): the task's eval_fn over a held-out
+"""Evaluation during a run (``runtime/member/evaluate.py``): the task's eval_fn over a held-out
 data set every N steps, in every sink, never changing the training's bits."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from perdure.data import Dataset, build_dataset
 from perdure.events import read_jsonl
 from perdure.run_config import config_from_dict, config_hash
 from perdure.runtime.config import EvalConfig, TaskConfig
-from perdure.runtime.evaluate import EvalError, Evaluator, due, eval_ids
+from perdure.runtime.member.evaluate import EvalError, Evaluator, due, eval_ids
 from perdure.runtime.replica.task import build_task
 from tests.runtime_support import events, run_to_end, small_config
 

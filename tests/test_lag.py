@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from perdure.runtime.control.lag import LinkLag, bench_pays, excess_over_peers
-from perdure.runtime.wchaos import DelayedLink
+from perdure.runtime.member.wchaos import DelayedLink
 
 OFFSET = 123.0
 """The sender's clock runs this far behind ours: the floor takes it out."""

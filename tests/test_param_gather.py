@@ -1,4 +1,4 @@
-"""Parameters sharded at rest and gathered while a slot runs (``runtime/param_gather.py``):
+"""Parameters sharded at rest and gathered while a slot runs (``runtime/replica/param_gather.py``):
 the gradients are the whole replica's, bit for bit, and a rank holds about 1/k of them."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from perdure.runtime.param_gather import ParamGather
+from perdure.runtime.replica.param_gather import ParamGather
 from perdure.runtime.shard_plan import owners
 from tests.gloo_support import run_ranks
 
@@ -193,7 +193,7 @@ def test_units_are_the_largest_modules_within_the_budget() -> None:
     params = list(model.parameters())
     index = {id(p): i for i, p in enumerate(params)}
     nbytes = [p.numel() * 4 for p in params]
-    from perdure.runtime.param_gather import units
+    from perdure.runtime.replica.param_gather import units
 
     assert [idx for _, idx in units(model, index, nbytes, 1 << 20)] == [[0, 1, 2, 3]]
     cut = units(model, index, nbytes, 200)  # the first Linear is 160 bytes, the second 72

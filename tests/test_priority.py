@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from perdure.runtime import priority
-from perdure.runtime.priority import autogroup_nice, normal_priority, thread_ids
+from perdure.runtime.member import priority
+from perdure.runtime.member.priority import autogroup_nice, normal_priority, thread_ids
 
 linux_root = [
     pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="per-thread nice is Linux's"),
@@ -55,7 +55,7 @@ def test_normal_priority_resets_threads_started_while_niced() -> None:
 
 PROBE = """
 import os
-from perdure.runtime.priority import autogroup_nice, normal_priority, yield_cpu
+from perdure.runtime.member.priority import autogroup_nice, normal_priority, yield_cpu
 
 yield_cpu()
 print(autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))

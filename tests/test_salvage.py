@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from perdure.runtime.salvage import SlotSalvage
+from perdure.runtime.replica.salvage import SlotSalvage
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 18

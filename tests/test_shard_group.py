@@ -15,7 +15,7 @@ from torch import nn
 
 from perdure.checkpoint import state_digest
 from perdure.runtime.comm.group import Comm
-from perdure.runtime.shard_group import Shards, optimizer_params
+from perdure.runtime.member.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import ALL, group_of, shard_of
 
 WORLD, K, FIRST, THEN = 4, 2, 3, 2

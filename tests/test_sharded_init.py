@@ -18,9 +18,9 @@ from perdure.launch.preflight import PreflightError, preflight
 from perdure.run_config import RunConfig
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.swarm import CopyJob, SwarmCopy
+from perdure.runtime.member.shard_group import Shards, optimizer_params
 from perdure.runtime.replica.deferred import resident
 from perdure.runtime.replica.trainer import Trainer
-from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import ALL, NONE
 from tests.runtime_support import events, run_to_end, sharded_config, small_config, summary
 

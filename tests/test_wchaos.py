@@ -10,7 +10,7 @@ import pytest
 
 from perdure import events as ev
 from perdure.chaos.config import ChaosConfig, FaultConfig
-from perdure.runtime.wchaos import ChaosState
+from perdure.runtime.member.wchaos import ChaosState
 
 
 class Store:

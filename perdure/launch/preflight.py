@@ -349,7 +349,7 @@ def _eval(config: RunConfig, task: Task | None) -> list[Problem]:
     first evaluation."""
     from perdure.data import DataError, Dataset
     from perdure.run_config import resolve_path
-    from perdure.runtime.evaluate import Evaluator
+    from perdure.runtime.member.evaluate import Evaluator
 
     cfg = config.eval
     if not cfg.every_steps:

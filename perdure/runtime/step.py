@@ -24,8 +24,8 @@ from perdure.runtime.comm.int8_gather import Int8Gather
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import CarriedReduction, Reducer, make_reducer
 from perdure.runtime.plan import Plan
+from perdure.runtime.replica.salvage import SlotSalvage
 from perdure.runtime.replica.trainer import WITHHELD, MathError, Trainer
-from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_plan import group_of
 
 
@@ -58,7 +58,7 @@ class Seams:
     suspects: dict[str, int] = field(default_factory=dict)
     """Non-reproduced non-finite slots per worker, kept across epochs."""
     salvage: SlotSalvage = field(default_factory=SlotSalvage)
-    """Finished slots of the step in flight, kept across epochs (``runtime/salvage.py``)."""
+    """Finished slots of the step in flight, kept across epochs (``runtime/replica/salvage.py``)."""
 
 
 @dataclass(frozen=True)

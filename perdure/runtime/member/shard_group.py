@@ -44,7 +44,7 @@ from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.scatter import Scatter
 from perdure.runtime.comm.swarm import CopyJob, Received, SwarmCopy
 from perdure.runtime.comm.transfer import broadcast_state, pack_skeleton, unpack_skeleton
-from perdure.runtime.param_gather import ParamGather, make_resident, unit_budget, units
+from perdure.runtime.replica.param_gather import ParamGather, make_resident, unit_budget, units
 from perdure.runtime.shard_plan import (
     ALL,
     contiguous_owners,
