@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from perdure.checkpoint import load_checkpoint, save_checkpoint, state_digest
 from perdure.checkpoint.dcp import DcpError, write_dcp
 from perdure.cli import main
-from perdure.runtime.dcp_import import import_dcp, whole
+from perdure.runtime.replica.dcp_import import import_dcp, whole
 from perdure.runtime.replica.trainer import Trainer
 from tests.dcp_support import fsdp_round_trip
 from tests.runtime_support import run_to_end, sharded_config, small_config, summary

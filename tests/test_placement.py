@@ -1,4 +1,4 @@
-"""Where a replica's tensors live (``runtime/placement.py``): the CPU here; ``cuda`` refused
+"""Where a replica's tensors live (``runtime/replica/placement.py``): the CPU here; ``cuda`` refused
 before any worker starts on a host without CUDA, naming the field; the CUDA placements'
 choices checked with CUDA's presence faked (no GPU runs them here: see the module doc)."""
 
@@ -13,9 +13,9 @@ import torch
 from perdure.config import ConfigError
 from perdure.launch.preflight import PreflightError
 from perdure.run_config import RunConfig, with_overrides
-from perdure.runtime import placement as pl
 from perdure.runtime.entry import WorkerSpec
-from perdure.runtime.placement import Placement
+from perdure.runtime.replica import placement as pl
+from perdure.runtime.replica.placement import Placement
 from tests.runtime_support import run_to_end, small_config
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this host has CUDA")

@@ -155,7 +155,7 @@ def _bounds(config: RunConfig, here: bool = True) -> list[Problem]:
                 out.append(Problem(f"{section}.{f.name}", f"must be at most {MAX_MS} ms", v))
     t = config.train
     if t.device == "cuda" and here:
-        from perdure.runtime.placement import cuda_problem
+        from perdure.runtime.replica.placement import cuda_problem
 
         problem = cuda_problem()
         if problem is not None:

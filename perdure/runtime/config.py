@@ -206,7 +206,7 @@ class TrainConfig:
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
     """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
     in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
-    ``runtime/placement.py``, and ``cluster.data_plane`` for where the slot buffers and
+    ``runtime/replica/placement.py``, and ``cluster.data_plane`` for where the slot buffers and
     the collectives live). Kernels differ in their bits between devices, so it is part of
     the math. Checked before any worker starts: ``cuda`` on a host without CUDA is
     refused. Limit: the CUDA paths have not run on a GPU yet."""

@@ -54,8 +54,8 @@ from perdure.runtime.member.metrics import Evaluation, step_line
 from perdure.runtime.member.priority import normal_priority
 from perdure.runtime.member.shard_group import Shards, optimizer_params
 from perdure.runtime.member.wchaos import ChaosState, DiskFiller
-from perdure.runtime.placement import Placement
 from perdure.runtime.plan import Plan
+from perdure.runtime.replica.placement import Placement
 from perdure.runtime.replica.salvage import SlotSalvage
 from perdure.runtime.replica.trainer import MathError, Trainer
 from perdure.runtime.shard_plan import NONE, group_of, shard_of

@@ -12,7 +12,7 @@ from perdure.data.retry import ReadPolicy
 from perdure.run_config import RunConfig, resolve_path
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.evaluate import EvalError, Evaluator, due, evaluate_logged
-from perdure.runtime.placement import Placement
+from perdure.runtime.replica.placement import Placement
 from perdure.runtime.replica.trainer import MathError, Trainer
 
 

@@ -28,7 +28,6 @@ from perdure.data import DataError, Dataset, DataState, SlotLoader
 from perdure.data.retry import ReadPolicy
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path, resolve_path
-from perdure.runtime.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.deferred import (
     SeedInit,
     at_rest,
@@ -50,6 +49,7 @@ from perdure.runtime.replica.loss_scale import (
 from perdure.runtime.replica.outer import OUTER_KEY, OuterStep
 from perdure.runtime.replica.param_gather import ParamGather
 from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
+from perdure.runtime.replica.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import Task, build_task, plain_module
