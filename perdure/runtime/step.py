@@ -121,7 +121,7 @@ class StepRunner:
         self.verdicts = reducer
         """The reducer of the reruns' verdicts: the flat one where ``reducer`` scatters
         the slot buffers (a verdict is needed whole on every rank)."""
-        if getattr(reducer, "scatter", None) is not None:
+        if reducer.scatters:
             self.verdicts = make_reducer(trainer.config.train, rank, len(plan.members))
         self.first = first
         self.slots = plan.slots_of(rank)

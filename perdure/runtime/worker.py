@@ -39,7 +39,7 @@ from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
-from perdure.runtime.comm.reducer import make_reducer
+from perdure.runtime.comm.reducer import make_reducer, uses_tiers
 from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed, SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
@@ -245,7 +245,7 @@ class Worker:
                 interface=self.interface,
                 device=self.placement.buffers,
             )
-            if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
+            if uses_tiers(self.config.train, self.config.cluster.hierarchical_reduce):
                 comm.add_tiers(store, self.region)
             self._shard_group(store, comm, rank)
         except (Abandoned, CommFailed) as e:
