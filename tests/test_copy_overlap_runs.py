@@ -10,6 +10,7 @@ from perdure.runtime.plan import Plan
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 60
+BUFFER_TASK = {"entry": "tests.buffer_task:make_task", "options": {"d": 16}}
 
 
 def test_a_spare_copies_behind_the_survivors_step_and_the_weights_do_not_change(
@@ -52,3 +53,29 @@ def test_a_spare_copies_behind_the_survivors_step_and_the_weights_do_not_change(
     }
     assert sum(e["bytes"] for e in sent) == got["bytes"]
     assert sorted(got["holders"]) == holders
+
+
+def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_survivors_step(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """BatchNorm and a counter move their buffers in every slot's forward (and are put back
+    after it): the holders serve clones of the committed buffers while they compute, so
+    the spare's replica and the final parameters are still the one-worker run's. (Whether
+    a range is read mid-forward here is up to timing; ``test_copy_overlap`` checks the
+    clones against a forward directly.)"""
+    steps = 30
+    faults = [{"kind": "kill", "target": "r0-1", "at_step": steps // 3}]
+    cfg = small_config(
+        small_dataset,
+        workers=3,
+        steps=steps,
+        task=BUFFER_TASK,
+        cluster={"spares": 1},
+        chaos={"faults": faults},
+    )
+    one = small_config(small_dataset, workers=1, steps=steps, task=BUFFER_TASK)
+    ref = run_to_end(one, tmp_path / "ref")
+    s = run_to_end(cfg, tmp_path / "run")
+    assert s["final_hash"] == ref["final_hash"]
+    [got] = [e for e in events(tmp_path / "run", "state_received") if e["worker"] == "spare-0"]
+    assert got["mode"] == "overlapped" and got["overlapped_step"] == got["next_step"]
