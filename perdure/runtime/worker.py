@@ -40,7 +40,7 @@ from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer, uses_tiers
-from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed, SwarmCopy
+from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy, StateCopyFailed, SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.channel import UNACKED_S
@@ -48,6 +48,7 @@ from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
 from perdure.runtime.member import saves
+from perdure.runtime.member.copy_overlap import CopyServer, committed_offer, is_overlapped, receive
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.heartbeat import Heartbeat
 from perdure.runtime.member.metrics import Evaluation, step_line
@@ -335,6 +336,11 @@ class Worker:
         return timedelta(seconds=max(c.min_collective_timeout_ms / 1000, 2 * horizon, step))
 
     def _transfer(self, ep: Epoch) -> None:
+        """The epoch's state copy (``comm/swarm.py``): blocking, at the epoch's start, or
+        overlapped with its first step (``copy_overlap.py``; the coordinator planned that
+        step with no slot on a receiver, ``copy_rule.overlaps``). A receiver copies at
+        once either way; an overlapping holder leaves the copy to a server thread and
+        passes its gate before the first step's reduction."""
         if ep.start.recover:
             self._reload(ep.start.reload)
             return
@@ -345,35 +351,87 @@ class Worker:
         assert tr is not None
         members = ep.plan.members
         receiving = self.name in receivers
+        overlapped = is_overlapped(ep.runner.first and ep.runner.first[1], receivers)
+        offer = None
+        if not receiving:
+            offer = tr.export()
+            if overlapped:
+                offer = committed_offer(offer, list(tr.module.parameters()))
         job = CopyJob(
             receivers=tuple(sorted(members.index(r) for r in receivers)),
             source=members.index(ep.start.source),
             shard_degree=self.config.train.shard_degree,
             layout=tr.copy_layout(),
-            offer=None if receiving else tr.export(),
+            offer=offer,
             target=tr.copy_target(ep.comm.device) if receiving else None,
             timeout=self._timeout(),
         )
+        mode = "overlapped" if overlapped else "blocking"
         t0 = time.monotonic()
-        got = self.state_copy.copy(ep.comm, job)
-        if got is not None:
-            try:
-                tr.adopt(got.model, got.optimizer, got.extra)
-            except Exception as e:  # a peer's structure that does not load: refused
-                raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
-            self.has_state = True
-            self.events.write(
-                {
-                    "event": ev.STATE_RECEIVED,
-                    "worker": self.name,
-                    "from": members[got.template],
-                    "holders": [members[h] for h in got.holders],
-                    "bytes": got.nbytes,
-                    "refetched": got.refetched,
-                    "seconds": round(time.monotonic() - t0, 4),
-                    "next_step": tr.next_step,
-                }
-            )
+        if overlapped and not receiving:
+            server = CopyServer(lambda: self._copy_comm(ep), self.state_copy, job)
+            ep.copy, step = server, tr.next_step
+            ep.runner.gate = lambda: self._sent(ep, server, mode, step)
+            return
+        got: Received | None = None
+        if overlapped:
+            got = receive(lambda: self._copy_comm(ep), self.state_copy, job)
+        else:
+            got = self.state_copy.copy(ep.comm, job)
+        if got is None:
+            stats = dict(getattr(self.state_copy, "stats", {}) or {})
+            self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
+            return
+        try:
+            tr.adopt(got.model, got.optimizer, got.extra)
+        except Exception as e:  # a peer's structure that does not load: refused
+            raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
+        self.has_state = True
+        self.events.write(
+            {
+                "event": ev.STATE_RECEIVED,
+                "worker": self.name,
+                "epoch": ep.number,
+                "from": members[got.template],
+                "holders": [members[h] for h in got.holders],
+                "bytes": got.nbytes,
+                "refetched": got.refetched,
+                "seconds": round(time.monotonic() - t0, 4),
+                "next_step": tr.next_step,
+                "mode": mode,
+                "overlapped_step": ep.start.start_step if overlapped else None,
+            }
+        )
+
+    def _copy_comm(self, ep: Epoch) -> Comm:
+        """The overlapped copy's process group: the epoch's members under
+        ``<prefix>copy/``, over a store connection of its own (the server thread's)."""
+        return ep.comm.subgroup(self._store(), "copy", ep.rank, ep.size)
+
+    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
+        """A holder's gate: its copy served, before the first step's reduction."""
+        sent = server.wait(lambda: self._should_stop(self.inflight))
+        ep.copy = None
+        seconds = sent.pop("seconds")
+        self._sent_event(ep, mode, step, seconds, sent)
+
+    def _sent_event(
+        self, ep: Epoch, mode: str, step: int, seconds: float, stats: dict[str, Any]
+    ) -> None:
+        self.events.write(
+            {
+                "event": ev.STATE_SENT,
+                "worker": self.name,
+                "epoch": ep.number,
+                "to": list(ep.start.receivers),
+                "next_step": step,
+                "bytes": stats.get("bytes_sent", 0),
+                "ranges": stats.get("ranges_sent", 0),
+                "seconds": seconds,
+                "mode": mode,
+                "overlapped_step": ep.start.start_step if mode == "overlapped" else None,
+            }
+        )
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and
@@ -494,6 +552,8 @@ class Worker:
             )
 
     def _close_epoch(self, ep: Epoch) -> None:
+        if ep.copy is not None:
+            ep.copy.close()
         ep.comm.close()
         if self.shards is not None:
             self.shards.close()
@@ -533,6 +593,7 @@ class Worker:
             # generation only if the fence still allows it when the step begins.
             self.fence.check(ep.generation, f"step {t}")
             self._step(ep, t)
+        ep.runner.open_gate()  # a copy still served (no step ran): before the final save's
         self._finish(ep)
 
     def _step(self, ep: Epoch, t: int) -> None:

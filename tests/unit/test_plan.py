@@ -10,6 +10,7 @@ from perdure.runtime.plan import (
     apportion,
     chain_order,
     group_order,
+    idle_plan,
     make_plan,
     rebalance,
     redo_cost,
@@ -127,3 +128,62 @@ def test_the_redo_plan_has_the_least_cost_and_then_computes_the_fewest_slots(cas
     assert redo_cost(kept, lag, got) == least
     if got != plan.ranges:
         assert total(got) == min(total(r) for r in every if redo_cost(kept, lag, r) == least)
+
+
+def test_an_idle_plan_gives_the_receivers_no_slot_and_the_holders_every_slot_in_order() -> None:
+    """The receivers of an overlapped copy (``runtime/member/copy_overlap.py``) compute nothing of
+    the epoch's first step: empty ranges in their ranks, the holders' ranges contiguous
+    over all S slots, shares as the epoch's plan weighs them."""
+    plan = make_plan(["a", "s", "b", "t"], 12)
+    none = [set(), set(), set(), set()]
+    idle = idle_plan(plan, none, ["s", "t"])
+    assert idle.members == plan.members
+    assert idle.ranges == ((0, 6), (6, 6), (6, 12), (12, 12))
+    assert [len(idle.slots_of(r)) for r in range(4)] == [6, 0, 6, 0]
+    weighed = idle_plan(make_plan(["a", "s", "b"], 12, [2.0, 1.0, 1.0]), none[:3], ["s"])
+    assert weighed.ranges == ((0, 8), (8, 8), (8, 12))
+
+
+def test_an_idle_plan_keeps_the_holders_salvaged_slots_beside_them() -> None:
+    """After a death mid-step a holder's finished slots stay its own (``redo_plan`` over
+    the holders): a kept {0..3} and b kept {8..11}; the lost member's slots 4..7 are split
+    between them, the spare idle."""
+    plan = make_plan(["a", "s", "b"], 12)
+    kept = [set(range(4)), set(), set(range(8, 12))]
+    idle = idle_plan(plan, kept, ["s"])
+    assert idle.ranges == ((0, 6), (6, 6), (6, 12))
+    assert idle_plan(plan, kept, ["s"], plan_kept=False).ranges == ((0, 6), (6, 6), (6, 12))
+    # a kept 0..4: it takes more of the rest than b, who recomputes all of its range
+    first = idle_plan(plan, [set(range(5)), set(), set()], ["s"])
+    assert redo_cost([set(range(5)), set()], [0, 0], (first.ranges[0], first.ranges[2])) == 4
+
+
+def test_an_idle_plan_needs_a_holder() -> None:
+    with pytest.raises(ValueError, match="every member"):
+        idle_plan(make_plan(["a", "b"], 4), [set(), set()], ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    ("train", "outer", "why"),
+    [
+        ({}, {}, None),
+        ({"reduction_exponents": "carried", "reduction_bits": 64}, {}, None),
+        ({"reduction": "chain"}, {}, "train.reduction = 'chain'"),
+        ({"reduction_exponents": "step"}, {}, "train.reduction_exponents = 'step'"),
+        ({"shard_degree": 2}, {}, "train.shard_degree = 2"),
+        ({"slots": 4, "global_batch": 8}, {"replicas": 4}, "outer.replicas = 4"),
+    ],
+)
+def test_a_copy_overlaps_only_the_exact_reduction_with_carried_exponents_unsharded(
+    train: dict, outer: dict, why: str | None
+) -> None:
+    """``copy_rule``: the exact reduction with carried or streamed exponents, shard_degree
+    1 and no DiLoCo overlap the copy with the first step; anything else blocks, and says
+    which setting made it block."""
+    from perdure.run_config import RunConfig, with_overrides
+    from perdure.runtime.control.copy_rule import overlap_refusal, overlaps
+
+    cfg = with_overrides(RunConfig(), train=train, outer=outer)
+    got = overlap_refusal(cfg.train, cfg.outer)
+    assert (got is None) == (why is None) == overlaps(cfg.train, cfg.outer)
+    assert why is None or (got is not None and got.startswith(why))

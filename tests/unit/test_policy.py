@@ -14,10 +14,12 @@ from perdure.runtime.control import protocol as p
 from perdure.runtime.plan import Plan
 
 
-def make_policy(workers: int = 3, slots: int = 6, **cluster: Any) -> pol.Policy:
+def make_policy(
+    workers: int = 3, slots: int = 6, train: dict[str, Any] | None = None, **cluster: Any
+) -> pol.Policy:
     config = with_overrides(
         RunConfig(),
-        train={"slots": slots, "global_batch": 2 * slots, "steps": 100},
+        train={"slots": slots, "global_batch": 2 * slots, "steps": 100, **(train or {})},
         cluster={"regions": [{"name": "r0", "workers": workers}], **cluster},
     )
     settings = pol.Settings(
@@ -610,11 +612,10 @@ def test_a_spare_from_another_region_is_ordered_with_its_region() -> None:
     assert pending is not None and pending.members == ["w1", "w2", "s0"]
 
 
-def test_a_step_redone_after_a_death_is_planned_from_the_slots_the_survivors_kept() -> None:
-    """w0 and w2 report their own slots of step 5 finished (``kept``); the spare in w1's
-    rank starts late. The redone step gives the spare one slot and the survivors the rest
-    beside their own; the epoch's plan, from step 6 on, stays the even one."""
-    d = running(3, slots=6)
+def _spare_replaces_w1(train: dict[str, Any] | None = None) -> p.Start:
+    """w0 and w2 report their own slots of step 5 finished (``kept``) when w1 dies; the
+    spare s0 takes w1's rank and receives state. The spare's Start."""
+    d = running(3, slots=6, train=train)
     d.admit("s0")
     d.tick()
     d.recv("w0", p.Heartbeat(next_step=5, prepared=True))
@@ -626,9 +627,26 @@ def test_a_step_redone_after_a_death_is_planned_from_the_slots_the_survivors_kep
     d.tick()
     start = d.starts()["s0"]
     assert Plan.from_dict(start.plan).ranges == ((0, 2), (2, 4), (4, 6))
+    assert d.logged(ev.EPOCH_STARTED)[-1].get("first") == start.first
+    return start
+
+
+def test_a_step_redone_after_a_death_is_planned_from_the_slots_the_survivors_kept() -> None:
+    """A copy that blocks (the chain): the spare starts late, so the redone step gives it
+    one slot and the survivors the rest beside their own; the epoch's plan, from step 6
+    on, stays the even one."""
+    start = _spare_replaces_w1({"reduction": "chain"})
     assert start.first is not None
     assert Plan.from_dict(start.first).ranges == ((0, 3), (3, 4), (4, 6))
-    assert d.logged(ev.EPOCH_STARTED)[-1]["first"] == start.first
+
+
+def test_a_spare_that_copies_behind_the_first_step_has_no_slot_of_it() -> None:
+    """The default (the exact reduction, streamed exponents): the spare copies while the
+    survivors compute step 5 (``copy_rule.overlaps``), so that step gives it no slot and
+    the survivors every slot, each beside the ones it kept (``plan.idle_plan``)."""
+    start = _spare_replaces_w1()
+    assert start.first is not None
+    assert Plan.from_dict(start.first).ranges == ((0, 3), (3, 3), (3, 6))
 
 
 def test_a_redo_nobody_kept_slots_of_follows_the_epochs_plan() -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from perdure.checkpoint import AsyncCheckpointer
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.control import protocol as p
+from perdure.runtime.member.copy_overlap import CopyServer
 from perdure.runtime.plan import Plan
 from perdure.runtime.step import StepRunner
 
@@ -24,6 +25,8 @@ class Epoch:
     comm: Comm
     runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
+    copy: CopyServer | None = None
+    """A holder's overlapped state copy, served behind the first step (``copy_overlap``)."""
 
     @property
     def generation(self) -> int:
