@@ -160,7 +160,7 @@ def main() -> int:
     stdlib = sysconfig.get_paths()["stdlib"]
     mb = 4 if quick else 10
     t_build = _time(lambda: build_dataset([stdlib], str(work / "ds128"), seq_len=128,
-                                          shard_mb=1, include="*.py", max_mb=mb))  # fmt: skip
+                                          part_mb=1, include="*.py", max_mb=mb))  # fmt: skip
     results: dict = {
         "machine": {
             "python": sys.version.split()[0],
@@ -172,7 +172,7 @@ def main() -> int:
         "throughput": [bench_throughput(work / "ds128", 512, 8, 20 if quick else 60, repeats)],
     }
     if not quick:
-        build_dataset([stdlib], str(work / "ds1024"), seq_len=1024, shard_mb=4,
+        build_dataset([stdlib], str(work / "ds1024"), seq_len=1024, part_mb=4,
                       include="*.py", max_mb=mb)  # fmt: skip
         for batch in (256, 2048):  # 32 and 256 samples of 1025 tokens per slot
             results["throughput"].append(

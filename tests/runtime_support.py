@@ -23,7 +23,7 @@ def build_small_dataset(out: Path) -> Path:
             [str(STDLIB / "json"), str(STDLIB / "email")],
             str(out),
             seq_len=64,
-            shard_mb=0.05,
+            part_mb=0.05,
             include="*.py",
         )
     return out

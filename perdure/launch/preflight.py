@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.config.errors import ConfigError, Problem
 from perdure.data.config import DataConfig
 from perdure.metrics.config import missing_libraries
@@ -535,8 +537,8 @@ def _sizes(config: RunConfig, ds: Dataset) -> list[Problem]:
         rule = f"must be at most the dataset's {ds.num_samples} samples ({ds.url})"
         out.append(Problem("train.global_batch", rule, b))
     for i, f in enumerate(config.chaos.faults):
-        if f.kind in ("poison_shard", "corrupt_shard") and int(f.target) >= ds.num_shards:
-            rule = f"must be a shard of {ds.url}, in [0, {ds.num_shards})"
+        if f.kind in (POISON_PART, CORRUPT_PART) and int(f.target) >= ds.num_parts:
+            rule = f"must be a part of {ds.url}, in [0, {ds.num_parts})"
             out.append(Problem(f"chaos.faults[{i}].target", rule, f.target))
     return out
 

@@ -28,6 +28,8 @@ from typing import Any
 import torch.distributed as dist
 
 from perdure import events as ev
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.checkpoint import (
     config_override_entry,
 )
@@ -518,9 +520,9 @@ class Worker:
         trainer = Trainer(
             config,
             cache_dir=str(self.run_dir / "cache"),
-            poison=_schedule(config, "poison_shard"),
+            poison=_schedule(config, POISON_PART),
             placement=self.placement,
-            corrupt=_schedule(config, "corrupt_shard"),
+            corrupt=_schedule(config, CORRUPT_PART),
         )
         trainer.loader.read_delay_s = self.chaos.storage_delay_s  # the slow_storage fault
         return trainer
@@ -609,13 +611,13 @@ class Worker:
         self._log_repairs()
 
     def _log_repairs(self) -> None:
-        """A ``shard_repaired`` event for each shard the data store served after a failed
+        """A ``part_repaired`` event for each part the data store served after a failed
         read (read again, or a mirror's copy) since the last step."""
         if self.trainer is None:
             return
         for record in self.trainer.take_repairs():
-            log.warning("%s: shard %s repaired via %s", self.name, record["shard"], record["via"])
-            self.events.write({"event": ev.SHARD_REPAIRED, "worker": self.name, **record})
+            log.warning("%s: part %s repaired via %s", self.name, record["part"], record["via"])
+            self.events.write({"event": ev.PART_REPAIRED, "worker": self.name, **record})
 
     def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         """After step ``t``'s update: its metrics line, a due evaluation, the replicas'
@@ -685,6 +687,6 @@ def _drop(line: dict[str, Any]) -> None:
 
 
 def _schedule(config: RunConfig, kind: str) -> list[tuple[int, int]]:
-    """``(shard, step)`` of the schedule's faults of a data kind that every loader applies
-    at exactly its step (``poison_shard``, ``corrupt_shard``)."""
+    """``(part, step)`` of the schedule's faults of a data kind that every loader applies
+    at exactly its step (``poison_part``, ``corrupt_part``)."""
     return [(int(f.target), int(f.at_step or 0)) for f in config.chaos.faults if f.kind == kind]

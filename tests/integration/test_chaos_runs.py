@@ -16,7 +16,7 @@ from perdure.runtime.control.detector import PhiAccrual
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 400
-POISON = {"kind": "poison_shard", "target": "3", "at_step": 40}
+POISON = {"kind": "poison_part", "target": "3", "at_step": 40}
 
 
 def _config(dataset: Path, faults: list[dict[str, Any]], **cluster: Any) -> Any:
@@ -121,14 +121,14 @@ def test_region_loss_with_its_coordinator_is_absorbed_by_the_standby(
     assert reasons[0] == "start" and reasons[1] in ("takeover", "ready timeout")
 
 
-def test_poisoned_shard_is_quarantined_exactly_as_in_the_reference(
+def test_poisoned_part_is_quarantined_exactly_as_in_the_reference(
     poison_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     faults = [POISON, {"kind": "kill", "target": "r0-0", "at_step": 30}]
     s = run_to_end(_config(small_dataset, faults), tmp_path)
-    _assert_absorbed(s, poison_ref, ["kill", "poison_shard"])
+    _assert_absorbed(s, poison_ref, ["kill", "poison_part"])
     assert _decisions(s) == _decisions(poison_ref) != []
-    assert all(d["shards"] == [3] for d in _decisions(s))
+    assert all(d["parts"] == [3] for d in _decisions(s))
 
 
 def test_resume_after_a_quarantine_reproduces_it(
@@ -160,7 +160,7 @@ def test_all_four_classes_in_one_run_change_no_bit(
         {"kind": "region_down", "target": "r0", "at_step": 360, "duration_s": 1.0},
     ]
     s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=100)
-    _assert_absorbed(s, poison_ref, ["poison_shard", "kill", "delay", "region_down"])
+    _assert_absorbed(s, poison_ref, ["poison_part", "kill", "delay", "region_down"])
     assert _decisions(s) == _decisions(poison_ref), s["faults"]
 
 

@@ -13,7 +13,7 @@ def _build(tmp_path: Path, *extra: str) -> tuple[Path, str]:
     src = write_corpus(tmp_path / "src")
     out = tmp_path / "ds"
     r = CliRunner().invoke(main, ["data", "build", str(src), "--out", str(out), "--seq-len",
-                                  "31", "--shard-mb", "0.001", *extra])  # fmt: skip
+                                  "31", "--part-mb", "0.001", *extra])  # fmt: skip
     assert r.exit_code == 0, r.output
     return out, r.output
 
@@ -29,7 +29,7 @@ def test_build_prints_the_version_id_and_inspect_shows_it(tmp_path: Path) -> Non
     assert r.exit_code == 0 and "version id" in r.output
 
 
-def test_verify_passes_a_good_dataset_and_names_a_bad_shard(tmp_path: Path) -> None:
+def test_verify_passes_a_good_dataset_and_names_a_bad_part(tmp_path: Path) -> None:
     out, _ = _build(tmp_path)
     r = CliRunner().invoke(main, ["data", "verify", str(out)])
     assert r.exit_code == 0 and "ok" in r.output

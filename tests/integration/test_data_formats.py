@@ -1,4 +1,4 @@
-"""The formats large runs arrive in: a Megatron indexed dataset and MDS shards written by
+"""The formats large runs arrive in: a Megatron indexed dataset and MDS parts written by
 their own libraries import to the same samples as the same tokens imported as ``.npy``, and
 a run on each trains to bitwise-equal final weights."""
 
@@ -36,7 +36,7 @@ def imported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("formats")
     docs = _docs()
     np.save(root / "tokens.npy", np.concatenate(docs).astype(np.int64))
-    kw = {"seq_len": SEQ, "vocab_size": 256, "tokenizer": "bytes", "shard_mb": 0.05}
+    kw = {"seq_len": SEQ, "vocab_size": 256, "tokenizer": "bytes", "part_mb": 0.05}
     out = {"npy": root / "npy", "megatron": root / "megatron", "mds": root / "mds"}
     import_arrays({"tokens": [str(root / "tokens.npy")]}, str(out["npy"]), **kw)
     write_megatron(root / "meg", docs, np.int32)

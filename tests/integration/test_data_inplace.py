@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from perdure.data import DataError, Dataset
-from perdure.data.errors import ShardError
+from perdure.data.errors import PartError
 from perdure.data.importer import import_arrays
 from perdure.data.inplace import import_in_place
 from tests.formats_support import write_megatron
@@ -44,7 +44,7 @@ def test_an_in_place_import_writes_only_its_manifest_and_reads_the_same_samples(
         m = import_in_place([str(tmp_path / src)], str(out), seq_len=SEQ, dtype="uint16",
                             vocab_size=300)  # fmt: skip
         assert [p.name for p in out.iterdir()] == ["manifest.json"]
-        assert m.format_version == 3 and m.shards[0].source is not None
+        assert m.format_version == 3 and m.parts[0].source is not None
         assert np.array_equal(_all(out), _all(tmp_path / "copy"))
     assert copy.num_samples == m.num_samples
 
@@ -57,7 +57,7 @@ def test_a_changed_file_is_refused_with_its_name(tmp_path: Path) -> None:
     changed[5] += 1
     changed.tofile(tmp_path / "t.bin")
     ds = Dataset.open(str(tmp_path / "o"))
-    with pytest.raises(ShardError, match=r"t.bin\): changed since"):
+    with pytest.raises(PartError, match=r"t.bin\): changed since"):
         ds.read(np.arange(2))
     ds.close()
     tokens[:-1].tofile(tmp_path / "t.bin")
@@ -83,7 +83,7 @@ def test_a_run_on_an_in_place_megatron_import_trains_bitwise_equal_to_a_copy(
     write_megatron(tmp_path / "meg", list(docs), np.uint8)
     np.save(tmp_path / "tokens.npy", tokens)
     import_arrays({"tokens": [str(tmp_path / "tokens.npy")]}, str(tmp_path / "npy"),
-                  seq_len=SEQ, vocab_size=256, tokenizer="bytes", shard_mb=0.05)  # fmt: skip
+                  seq_len=SEQ, vocab_size=256, tokenizer="bytes", part_mb=0.05)  # fmt: skip
     cmd = [sys.executable, "-m", "perdure", "data", "import", "--format", "megatron",
            "--in-place", str(tmp_path / "meg"), "--out", str(tmp_path / "mp"), "--seq-len",
            str(SEQ), "--vocab-size", "256", "--tokenizer-name", "bytes"]  # fmt: skip

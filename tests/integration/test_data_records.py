@@ -1,5 +1,5 @@
 """Text records in (``perdure data build --text-field``): the same records in any container
-give byte-identical shards and version ids; bad records are named or counted; the shards do
+give byte-identical parts and version ids; bad records are named or counted; the parts do
 not depend on the process count; an interrupted build, killed with a real signal, resumes
 to the same bytes."""
 
@@ -22,7 +22,7 @@ from tests.records_support import stdlib_records, train_bpe, write_all
 BPE = "perdure.data.hf:tokenizer_json"
 
 
-def _shards(out: Path) -> dict[str, bytes]:
+def _parts(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir()) if p.name != "manifest.json"}
 
 
@@ -38,15 +38,15 @@ def containers(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], di
     return records, write_all(tmp_path_factory.mktemp("records"), records)
 
 
-def test_five_containers_of_the_same_records_build_byte_identical_shards(
+def test_five_containers_of_the_same_records_build_byte_identical_parts(
     containers: tuple[list[dict], dict[str, Path]], tmp_path: Path
 ) -> None:
     records, paths = containers
     built = {}
     for kind, src in paths.items():
         m = build_dataset([str(src)], str(tmp_path / kind), text_field="text", seq_len=63,
-                          shard_mb=0.05)  # fmt: skip
-        built[kind] = (m.version_id, _shards(tmp_path / kind))
+                          part_mb=0.05)  # fmt: skip
+        built[kind] = (m.version_id, _parts(tmp_path / kind))
         assert m.sources["documents"] == len(records)
     first = built["jsonl"]
     assert len(first[1]) > 2
@@ -122,7 +122,7 @@ def test_skipped_bad_records_are_counted_in_the_manifest(tmp_path: Path) -> None
     assert ref.version_id == m.version_id
 
 
-def test_one_and_two_processes_give_byte_identical_shards(
+def test_one_and_two_processes_give_byte_identical_parts(
     containers: tuple[list[dict], dict[str, Path]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(build_mod, "CHUNK_BYTES", 8192)  # many chunks
@@ -132,9 +132,9 @@ def test_one_and_two_processes_give_byte_identical_shards(
     for n in (1, 2):
         out = tmp_path / f"p{n}"
         m = build_dataset([str(paths["parquet"])], str(out), text_field="text", tokenizer=BPE,
-                          tokenizer_file=str(tok), seq_len=31, shard_mb=0.02,
+                          tokenizer_file=str(tok), seq_len=31, part_mb=0.02,
                           processes=n)  # fmt: skip
-        got.append((m.version_id, _shards(out)))
+        got.append((m.version_id, _parts(out)))
     assert len(got[0][1]) > 2
     assert got[0] == got[1]
 
@@ -143,17 +143,17 @@ def test_files_as_documents_are_the_same_on_two_processes(tmp_path: Path) -> Non
     from tests.unit.test_data_support import write_corpus
 
     src = write_corpus(tmp_path / "src", files=30)
-    one = build_dataset([str(src)], str(tmp_path / "a"), seq_len=15, shard_mb=0.01)
-    two = build_dataset([str(src)], str(tmp_path / "b"), seq_len=15, shard_mb=0.01, processes=2)
+    one = build_dataset([str(src)], str(tmp_path / "a"), seq_len=15, part_mb=0.01)
+    two = build_dataset([str(src)], str(tmp_path / "b"), seq_len=15, part_mb=0.01, processes=2)
     assert one.version_id == two.version_id
-    assert _shards(tmp_path / "a") == _shards(tmp_path / "b")
+    assert _parts(tmp_path / "a") == _parts(tmp_path / "b")
 
 
 DRIVER = """
 import sys
 import perdure.data.build as b
 b.CHUNK_BYTES = 2048
-b.build_dataset([sys.argv[1]], sys.argv[2], text_field="text", seq_len=31, shard_mb=0.01,
+b.build_dataset([sys.argv[1]], sys.argv[2], text_field="text", seq_len=31, part_mb=0.01,
                 tokenizer="tests.tokenizer_support:slow_bytes", processes=int(sys.argv[3]),
                 resume=sys.argv[4] == "1")
 """
@@ -177,7 +177,7 @@ def test_a_killed_build_resumed_gives_the_same_bytes(
     proc = _driver(src, out, procs, False)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if state.exists() and json.loads(state.read_text())["sink"]["shards"]:
+        if state.exists() and json.loads(state.read_text())["sink"]["parts"]:
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
@@ -186,7 +186,7 @@ def test_a_killed_build_resumed_gives_the_same_bytes(
     assert 0 < done["records"] < len(records) and not out.exists()
     resumed = _driver(src, out, procs, True)
     assert resumed.wait(timeout=120) == 0
-    assert _shards(out) == _shards(tmp_path / "ref")
+    assert _parts(out) == _parts(tmp_path / "ref")
     assert (
         json.loads((out / "manifest.json").read_text())["version_id"]
         == json.loads((tmp_path / "ref" / "manifest.json").read_text())["version_id"]

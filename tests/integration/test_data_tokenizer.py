@@ -67,7 +67,7 @@ def test_a_changed_tokenizer_file_is_a_changed_dataset_version(tmp_path: Path) -
     vocab.write_text("\n".join([*SPECIAL, *WORDS, "omega"]) + "\n")
     b = build_dataset([str(src)], str(tmp_path / "b"), tokenizer_file=str(vocab), **kw)
     assert a.version_id == again.version_id
-    assert [s.sha256 for s in a.shards] == [s.sha256 for s in b.shards]
+    assert [s.sha256 for s in a.parts] == [s.sha256 for s in b.parts]
     assert a.build["vocab_size"] == b.build["vocab_size"] == 12
     assert a.version_id != b.version_id
     ident = a.build["tokenizer_identity"]

@@ -30,7 +30,7 @@ def held_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Another part of the stdlib than the training data: never trained on."""
     out = tmp_path_factory.mktemp("eval") / "held-out"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    build_dataset([str(stdlib / "logging")], str(out), seq_len=64, shard_mb=0.05, include="*.py")
+    build_dataset([str(stdlib / "logging")], str(out), seq_len=64, part_mb=0.05, include="*.py")
     return out
 
 

@@ -29,7 +29,7 @@ CLASSES = {  # the design's kinds; the registry may hold more (a new kind is one
     "comm_error": "hardware",
     "delay": "network",
     "region_down": "partial_cluster_loss",
-    "poison_shard": "data",
+    "poison_part": "data",
 }
 
 
@@ -41,7 +41,7 @@ def test_the_registry_holds_each_kind_once_in_a_module_of_its_name() -> None:
         assert fault.target in get_args(Target)
         assert type(fault).__doc__, f"{kind}: the docstring is its config documentation"
     assert {"comm_error", "delay"} <= faults.in_process_kinds()
-    assert not {"kill", "hang", "stop", "region_down", "poison_shard"} & faults.in_process_kinds()
+    assert not {"kill", "hang", "stop", "region_down", "poison_part"} & faults.in_process_kinds()
 
 
 def test_the_report_reads_its_classes_from_the_registry() -> None:
@@ -129,9 +129,9 @@ def test_each_kind_checks_its_own_fields() -> None:
     assert _problems(kind="delay", target="a", at_step=1) == [
         ("delay_ms", "must be a finite number > 0", 0)
     ]
-    rule = "poison_shard needs a step trigger (the reference run must poison the same samples)"
-    assert _problems(kind="poison_shard", target="x", at_s=1.0) == [
-        ("target", "must be a shard index", "x"),
+    rule = "poison_part needs a step trigger (the reference run must poison the same samples)"
+    assert _problems(kind="poison_part", target="x", at_s=1.0) == [
+        ("target", "must be a dataset part index", "x"),
         ("at_step", rule, 1.0),
     ]
 
@@ -195,9 +195,9 @@ def test_in_process_kinds_are_posted_under_their_targets_key() -> None:
     assert c.calls == []
 
 
-def test_a_poisoned_shard_is_left_to_the_loaders() -> None:
+def test_a_poisoned_part_is_left_to_the_loaders() -> None:
     c = FakeControl()
-    assert faults.REGISTRY["poison_shard"].inject(_fault("poison_shard", "3"), c) == []
+    assert faults.REGISTRY["poison_part"].inject(_fault("poison_part", "3"), c) == []
     assert c.calls == [] and c.posted == {}
 
 
@@ -249,8 +249,8 @@ def test_a_delay_that_evicts_its_target_is_not_absorbed() -> None:
     assert row["absorbed"] is False
 
 
-def test_a_poisoned_shard_starts_with_its_step_and_is_seen_as_a_quarantine() -> None:
-    events, metrics = _log("poison_shard", "3", {"event": ev.DECISION, "shards": [3]})
+def test_a_poisoned_part_starts_with_its_step_and_is_seen_as_a_quarantine() -> None:
+    events, metrics = _log("poison_part", "3", {"event": ev.DECISION, "parts": [3]})
     (row,) = fault_report(events, metrics)
     # step 4 (the one before at_step 5) committed at t = 9.5: the loaders poisoned step 5 then
     assert row["injected_t"] == 9.5 and row["detect_s"] == 0.75

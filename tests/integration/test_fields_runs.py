@@ -41,7 +41,7 @@ def fields_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"tokens": [str(root / "train.bin")], "labels": [str(root / "labels.npy")],
          "loss_mask": [str(root / "mask.bin")]},
         str(root / "ds"), seq_len=SEQ, dtype="uint16", dtypes={"loss_mask": "uint8"},
-        vocab_size=VOCAB, shard_mb=0.05,
+        vocab_size=VOCAB, part_mb=0.05,
     )  # fmt: skip
     return root / "ds"
 
@@ -123,14 +123,14 @@ def test_preflight_refuses_a_dataset_without_a_field_the_task_needs(
     assert any("needs field 'loss_mask'" in r for r in rules)
 
 
-def test_a_poisoned_shard_of_a_fields_dataset_is_rerun_sample_by_sample_and_quarantined(
+def test_a_poisoned_part_of_a_fields_dataset_is_rerun_sample_by_sample_and_quarantined(
     fields_dataset: Path, tmp_path: Path
 ) -> None:
     """The per-sample rerun slices every field (trainer._row): were one lost, loss_fn
     would raise in the rerun and the run would fail instead of quarantining."""
-    poison = {"kind": "poison_shard", "target": "1", "at_step": 4}
+    poison = {"kind": "poison_part", "target": "1", "at_step": 4}
     cfg = with_overrides(_config(fields_dataset, 2), chaos={"faults": [poison]})
     s = run_to_end(cfg, tmp_path)
     assert s["steps"] == STEPS and s["survivor_restarts"] == 0
     [d] = [d for d in s["decisions"] if d["kind"] == "quarantine"]
-    assert d["shards"] == [1] and "reproduced on rerun" in d["reason"]
+    assert d["parts"] == [1] and "reproduced on rerun" in d["reason"]

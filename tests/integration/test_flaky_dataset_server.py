@@ -111,7 +111,7 @@ def local(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
 
 
 @pytest.fixture
-def lost_shard(small_dataset: Path) -> Iterator[FlakyServer]:
+def lost_part(small_dataset: Path) -> Iterator[FlakyServer]:
     server = FlakyServer(small_dataset.parent, fail=0.0, stall=0.0, stall_s=0.0,
                          lost="shard-00002.bin")  # fmt: skip
     try:
@@ -121,7 +121,7 @@ def lost_shard(small_dataset: Path) -> Iterator[FlakyServer]:
 
 
 @pytest.fixture
-def torn_shard(small_dataset: Path) -> Iterator[FlakyServer]:
+def torn_part(small_dataset: Path) -> Iterator[FlakyServer]:
     server = FlakyServer(small_dataset.parent, fail=0.0, stall=0.0, stall_s=0.0,
                          torn="shard-00005.bin")  # fmt: skip
     try:
@@ -142,8 +142,8 @@ def test_a_failing_request_is_tried_again_with_exponential_backoff_then_fails_na
         raise ConnectionResetError("reset by peer")
 
     policy = ReadPolicy(attempts=5, backoff_s=0.2, max_backoff_s=1.0)
-    with pytest.raises(ReadFailed, match=r"shard 7: failed 5 tries, the last with Connection"):
-        with_retries(broken, "shard 7", policy, sleep=pauses.append)
+    with pytest.raises(ReadFailed, match=r"part 7: failed 5 tries, the last with Connection"):
+        with_retries(broken, "part 7", policy, sleep=pauses.append)
     assert len(calls) == 5 and pauses == [0.2, 0.4, 0.8, 1.0]
 
 
@@ -168,7 +168,7 @@ def test_a_missing_file_is_final_at_once_and_a_request_that_recovers_returns() -
 # -- the server ------------------------------------------------------------------------------
 
 
-def test_every_shard_read_over_http_from_the_flaky_server_has_the_manifests_bytes(
+def test_every_part_read_over_http_from_the_flaky_server_has_the_manifests_bytes(
     flaky: FlakyServer, small_dataset: Path, tmp_path: Path
 ) -> None:
     url = f"{flaky.url}/{small_dataset.name}"
@@ -178,9 +178,9 @@ def test_every_shard_read_over_http_from_the_flaky_server_has_the_manifests_byte
         Dataset.open(url, cache_dir=str(tmp_path), policy=policy) as there,
     ):
         assert there.version_id == here.version_id
-        for k in range(there.num_shards):
+        for k in range(there.num_parts):
             assert there.store.rows(k).tobytes() == here.store.rows(k).tobytes()
-        assert there.store.bad_shards() == {} and there.store.take_repairs() == []
+        assert there.store.bad_parts() == {} and there.store.take_repairs() == []
     assert flaky.counts["failed"] > 0  # the server did fail some: the test can fail
 
 
@@ -216,10 +216,10 @@ def test_a_run_whose_deadline_cuts_the_stalls_ends_bitwise_equal_too(
     assert s["final_hash"] == local["final_hash"]
 
 
-def test_a_shard_the_server_never_serves_follows_the_corrupt_path_to_a_mirror(
-    lost_shard: FlakyServer, small_dataset: Path, tmp_path: Path
+def test_a_part_the_server_never_serves_follows_the_corrupt_path_to_a_mirror(
+    lost_part: FlakyServer, small_dataset: Path, tmp_path: Path
 ) -> None:
-    url = f"{lost_shard.url}/{small_dataset.name}"
+    url = f"{lost_part.url}/{small_dataset.name}"
     policy = ReadPolicy(attempts=3, timeout_s=1.0, backoff_s=0.01)
     with (
         Dataset.open(str(small_dataset)) as here,
@@ -229,21 +229,21 @@ def test_a_shard_the_server_never_serves_follows_the_corrupt_path_to_a_mirror(
     ):
         assert there.store.rows(2).tobytes() == here.store.rows(2).tobytes()
         [repair] = there.store.take_repairs()
-    assert repair["shard"] == 2 and repair["via"] == str(small_dataset)
+    assert repair["part"] == 2 and repair["via"] == str(small_dataset)
     assert repair["found"] is None and repair["file"] == f"{url}/shard-00002.bin"
     assert repair["error"].startswith("cannot be read (3 tries; last: ClientResponseError")
 
 
 def test_a_download_with_a_flipped_byte_is_read_again_and_served_with_the_manifests_bytes(
-    torn_shard: FlakyServer, small_dataset: Path, tmp_path: Path
+    torn_part: FlakyServer, small_dataset: Path, tmp_path: Path
 ) -> None:
-    url = f"{torn_shard.url}/{small_dataset.name}"
+    url = f"{torn_part.url}/{small_dataset.name}"
     with (
         Dataset.open(str(small_dataset)) as here,
         Dataset.open(url, cache_dir=str(tmp_path), policy=ReadPolicy(timeout_s=2.0)) as there,
     ):
         assert there.store.rows(5).tobytes() == here.store.rows(5).tobytes()
         [repair] = there.store.take_repairs()
-        want = here.manifest.shards[5].sha256
-    assert (repair["shard"], repair["via"], repair["manifest"]) == (5, "reread", want)
-    assert repair["found"] not in (None, want) and torn_shard.torn_once == []
+        want = here.manifest.parts[5].sha256
+    assert (repair["part"], repair["via"], repair["manifest"]) == (5, "reread", want)
+    assert repair["found"] not in (None, want) and torn_part.torn_once == []

@@ -66,14 +66,14 @@ def test_a_batch_larger_than_the_dataset_is_refused(small_dataset: Path) -> None
     assert key == "train.global_batch" and "at most the dataset's" in rule and value == 2**40
 
 
-@pytest.mark.parametrize("kind", ["poison_shard", "corrupt_shard"])
-def test_a_poisoned_or_corrupted_shard_past_the_last_one_is_refused(
+@pytest.mark.parametrize("kind", ["poison_part", "corrupt_part"])
+def test_a_poisoned_or_corrupted_part_past_the_last_one_is_refused(
     small_dataset: Path, kind: str
 ) -> None:
     fault = {"kind": kind, "target": "999", "at_step": 3}
     cfg = small_config(small_dataset, chaos={"faults": [fault]})
     [(key, rule, value)] = _problems(cfg)
-    assert key == "chaos.faults[0].target" and "must be a shard of" in rule and value == "999"
+    assert key == "chaos.faults[0].target" and "must be a part of" in rule and value == "999"
 
 
 def test_a_duration_past_what_timers_can_wait_is_refused(small_dataset: Path) -> None:

@@ -56,7 +56,7 @@ def test_a_changed_dataset_is_a_changed_run(small_dataset: Path, tmp_path: Path)
 
     other = tmp_path / "other"
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    build_dataset([str(stdlib / "json")], str(other), seq_len=64, shard_mb=0.05, include="*.py")
+    build_dataset([str(stdlib / "json")], str(other), seq_len=64, part_mb=0.05, include="*.py")
     base = small_config(small_dataset, workers=1)
     moved = small_config(other, workers=1)
     assert _hash(base) != _hash(moved)

@@ -172,7 +172,7 @@ def test_a_poisoned_shard_is_quarantined_with_the_unsharded_runs_decisions(
     """The non-finite slots are re-run on other ranks than their own (the reruns hold
     the whole parameters for a moment); the quarantine and the bits are the unsharded
     run's."""
-    poison = {"chaos": {"faults": [{"kind": "poison_shard", "target": "3", "at_step": 5}]}}
+    poison = {"chaos": {"faults": [{"kind": "poison_part", "target": "3", "at_step": 5}]}}
     ref = run_to_end(_cfg(small_dataset, 2, 1, **poison), tmp_path / "ref")
     s = run_to_end(_cfg(small_dataset, 4, 2, **poison), tmp_path / "run")
     decisions = [

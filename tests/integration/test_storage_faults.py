@@ -1,4 +1,4 @@
-"""The storage fault kinds of the chaos registry, injected by a schedule: a corrupt shard
+"""The storage fault kinds of the chaos registry, injected by a schedule: a corrupt part
 (repaired from a mirror, or quarantined as ``corrupt``), slow storage and a full disk are
 absorbed, and where the bits cannot change the run ends with the clean run's final hash."""
 
@@ -36,8 +36,8 @@ def _fault(s: dict, kind: str) -> dict:
     return f
 
 
-def _first_use_from(dataset: Path, shard: int, step: int) -> dict:
-    """The first step from ``step`` on whose samples include ``shard``: its slots and
+def _first_use_from(dataset: Path, part: int, step: int) -> dict:
+    """The first step from ``step`` on whose samples include ``part``: its slots and
     those samples (slots of 2, global batch 16, as ``small_config``)."""
     with (
         Dataset.open(str(dataset)) as ds,
@@ -45,50 +45,50 @@ def _first_use_from(dataset: Path, shard: int, step: int) -> dict:
     ):
         for t in range(step, step + 1000):
             hit = {s: loader.samples(t, s) for s in range(8)}
-            hit = {s: ids[ds.shard_of(ids) == shard] for s, ids in hit.items()}
+            hit = {s: ids[ds.part_of(ids) == part] for s, ids in hit.items()}
             hit = {s: ids for s, ids in hit.items() if ids.size}
             if hit:
                 samples = sorted(int(i) for ids in hit.values() for i in ids)
                 return {"step": t, "slots": sorted(hit), "samples": samples}
-    raise AssertionError(f"shard {shard} unused after step {step}")
+    raise AssertionError(f"part {part} unused after step {step}")
 
 
-# -- corrupt_shard ---------------------------------------------------------------------------
+# -- corrupt_part ---------------------------------------------------------------------------
 
 
-def test_a_scheduled_corrupt_shard_with_a_mirror_ends_with_the_clean_runs_final_hash(
+def test_a_scheduled_corrupt_part_with_a_mirror_ends_with_the_clean_runs_final_hash(
     clean: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     mirror = tmp_path / "mirror"
     shutil.copytree(small_dataset, mirror)
-    fault = {"kind": "corrupt_shard", "target": "4", "at_step": 5}
+    fault = {"kind": "corrupt_part", "target": "4", "at_step": 5}
     cfg = _config(small_dataset, [fault], data={"mirrors": [str(mirror)]})
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == clean["final_hash"]
-    repairs = events(tmp_path / "run", ev.SHARD_REPAIRED)
-    assert repairs and {(r["shard"], r["via"]) for r in repairs} == {(4, str(mirror))}
+    repairs = events(tmp_path / "run", ev.PART_REPAIRED)
+    assert repairs and {(r["part"], r["via"]) for r in repairs} == {(4, str(mirror))}
     assert all(r["found"] != r["manifest"] for r in repairs)
     assert events(tmp_path / "run", ev.DECISION) == []
-    assert _fault(s, "corrupt_shard")["absorbed"]
-    [seen] = [f for f in s["failures"] if f["kind"] == "corrupt_shard"]  # one per shard
-    assert (seen["shards"], seen["scheduled"], seen["absorbed"]) == ([4], True, True)
+    assert _fault(s, "corrupt_part")["absorbed"]
+    [seen] = [f for f in s["failures"] if f["kind"] == "corrupt_part"]  # one per part
+    assert (seen["parts"], seen["scheduled"], seen["absorbed"]) == ([4], True, True)
 
 
-def test_a_scheduled_corrupt_shard_with_no_mirror_is_quarantined_as_corrupt_at_its_next_use(
+def test_a_scheduled_corrupt_part_with_no_mirror_is_quarantined_as_corrupt_at_its_next_use(
     small_dataset: Path, tmp_path: Path
 ) -> None:
-    shard, at = 4, 5
-    fault = {"kind": "corrupt_shard", "target": str(shard), "at_step": at}
+    part, at = 4, 5
+    fault = {"kind": "corrupt_part", "target": str(part), "at_step": at}
     cfg = _config(small_dataset, [fault], data={"on_corrupt": "quarantine"})
     s = run_to_end(cfg, tmp_path / "run")
-    use = _first_use_from(small_dataset, shard, at)
+    use = _first_use_from(small_dataset, part, at)
     [d] = events(tmp_path / "run", ev.DECISION)
-    got = {k: d[k] for k in ("step", "kind", "shards", "samples", "slots")}
-    assert got == {"kind": "corrupt", "shards": [shard], **use}
-    assert d["reason"].startswith(f"no good copy (data.on_corrupt = 'quarantine'): shard {shard}")
-    assert _fault(s, "corrupt_shard")["absorbed"]
-    [seen] = [f for f in s["failures"] if f["kind"] == "corrupt_shard"]
-    assert (seen["shards"], seen["scheduled"], seen["absorbed"]) == ([shard], True, True)
+    got = {k: d[k] for k in ("step", "kind", "parts", "samples", "slots")}
+    assert got == {"kind": "corrupt", "parts": [part], **use}
+    assert d["reason"].startswith(f"no good copy (data.on_corrupt = 'quarantine'): part {part}")
+    assert _fault(s, "corrupt_part")["absorbed"]
+    [seen] = [f for f in s["failures"] if f["kind"] == "corrupt_part"]
+    assert (seen["parts"], seen["scheduled"], seen["absorbed"]) == ([part], True, True)
 
 
 # -- slow_storage ----------------------------------------------------------------------------
@@ -164,12 +164,12 @@ def _problems(cls: Any, **fields: Any) -> list[tuple[str, str, object]]:
 def test_each_storage_kind_states_its_own_rules() -> None:
     from perdure.chaos.config import FaultConfig
 
-    assert _problems(FaultConfig, kind="corrupt_shard", target="2", at_s=1.0) == [
-        ("at_step", "corrupt_shard needs a step trigger (every loader applies it at that step)",
+    assert _problems(FaultConfig, kind="corrupt_part", target="2", at_s=1.0) == [
+        ("at_step", "corrupt_part needs a step trigger (every loader applies it at that step)",
          1.0),
     ]  # fmt: skip
-    assert _problems(FaultConfig, kind="corrupt_shard", target="r0-1", at_step=1) == [
-        ("target", "must be a shard index", "r0-1")
+    assert _problems(FaultConfig, kind="corrupt_part", target="r0-1", at_step=1) == [
+        ("target", "must be a dataset part index", "r0-1")
     ]
     assert _problems(FaultConfig, kind="slow_storage", target="r0-1", at_step=1) == [
         ("delay_ms", "must be a finite number > 0", 0)

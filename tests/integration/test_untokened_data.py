@@ -40,14 +40,14 @@ def arrays(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def image_dataset(arrays: Path) -> Path:
-    """Imported through the CLI, as a user would, into shards of about 100 samples."""
+    """Imported through the CLI, as a user would, into parts of about 100 samples."""
     out = arrays / "ds"
     r = CliRunner().invoke(main, [
-        "data", "import", "--out", str(out), "--shard-mb", str(100 * 72 / (1 << 20)),
+        "data", "import", "--out", str(out), "--part-mb", str(100 * 72 / (1 << 20)),
         "--field", f"images={arrays / 'images.npy'}", "--field", f"labels={arrays / 'labels.npy'}",
     ])  # fmt: skip
     assert r.exit_code == 0, r.output
-    assert f"{N} samples (images: uint8 [8, 8], labels: int64 []) in 7 shards" in r.output
+    assert f"{N} samples (images: uint8 [8, 8], labels: int64 []) in 7 parts" in r.output
     assert "vocabulary" not in r.output
     return out
 
@@ -63,7 +63,7 @@ def test_images_and_labels_import_with_no_tokens_field(image_dataset: Path) -> N
         ],
         "row_bytes": 72,
     }
-    assert data["build"] == {"samples_per_shard": 100}
+    assert data["build"] == {"samples_per_shard": 100}  # its old name: it enters the id
     with Dataset.open(str(image_dataset)) as ds:
         m = ds.manifest
         assert not m.tokens and m.fields == (
@@ -93,7 +93,7 @@ def test_an_npz_pair_is_the_same_dataset_as_the_npy_pair(
 ) -> None:
     z = str(arrays / "digits.npz")
     m = import_arrays({"images": [z], "labels": [z]}, str(tmp_path / "z"),
-                      shard_mb=100 * 72 / (1 << 20))  # fmt: skip
+                      part_mb=100 * 72 / (1 << 20))  # fmt: skip
     with Dataset.open(str(image_dataset)) as ds:
         assert m.version_id == ds.version_id
 

@@ -7,31 +7,31 @@ import numpy as np
 import pytest
 
 from perdure.data import DataError, Dataset, build_dataset
-from tests.unit.test_data_support import ROW, SEQ_LEN, SHARD_MB, make_dataset, write_corpus
+from tests.unit.test_data_support import PART_MB, ROW, SEQ_LEN, make_dataset, write_corpus
 
 
-def _shard_bytes(out: Path) -> dict[str, bytes]:
+def _part_bytes(out: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(out.iterdir())}
 
 
 def test_same_sources_give_same_version_id_and_byte_identical_files(tmp_path: Path) -> None:
     a = write_corpus(tmp_path / "here")
     b = write_corpus(tmp_path / "elsewhere" / "mounted")
-    ma = build_dataset([str(a)], str(tmp_path / "A"), seq_len=SEQ_LEN, shard_mb=SHARD_MB)
-    mb = build_dataset([str(b)], str(tmp_path / "B"), seq_len=SEQ_LEN, shard_mb=SHARD_MB)
+    ma = build_dataset([str(a)], str(tmp_path / "A"), seq_len=SEQ_LEN, part_mb=PART_MB)
+    mb = build_dataset([str(b)], str(tmp_path / "B"), seq_len=SEQ_LEN, part_mb=PART_MB)
     assert ma.version_id == mb.version_id
     assert ma.version_id.startswith("sha256:")
-    assert _shard_bytes(tmp_path / "A") == _shard_bytes(tmp_path / "B")
+    assert _part_bytes(tmp_path / "A") == _part_bytes(tmp_path / "B")
 
 
 def test_one_byte_change_gives_a_different_version_id(tmp_path: Path) -> None:
     src = write_corpus(tmp_path / "src")
-    m1 = build_dataset([str(src)], str(tmp_path / "one"), seq_len=SEQ_LEN, shard_mb=SHARD_MB)
+    m1 = build_dataset([str(src)], str(tmp_path / "one"), seq_len=SEQ_LEN, part_mb=PART_MB)
     f = src / "d1" / "f04.txt"
     data = bytearray(f.read_bytes())
     data[100] = ord("Z") if data[100] != ord("Z") else ord("Y")
     f.write_bytes(bytes(data))
-    m2 = build_dataset([str(src)], str(tmp_path / "two"), seq_len=SEQ_LEN, shard_mb=SHARD_MB)
+    m2 = build_dataset([str(src)], str(tmp_path / "two"), seq_len=SEQ_LEN, part_mb=PART_MB)
     assert m1.version_id != m2.version_id
 
 
@@ -49,7 +49,7 @@ def test_samples_are_the_token_stream_cut_into_rows_with_a_separator_per_file(
 ) -> None:
     src = write_corpus(tmp_path / "src", files=3)
     out = tmp_path / "ds"
-    m = build_dataset([str(src)], str(out), seq_len=SEQ_LEN, shard_mb=SHARD_MB)
+    m = build_dataset([str(src)], str(out), seq_len=SEQ_LEN, part_mb=PART_MB)
     files = sorted(src.rglob("*.txt"), key=lambda p: p.relative_to(src).as_posix())
     stream = b"".join(f.read_bytes() + b"\x00" for f in files)
     n = len(stream) // ROW
@@ -58,7 +58,7 @@ def test_samples_are_the_token_stream_cut_into_rows_with_a_separator_per_file(
     with Dataset.open(str(out)) as ds:
         assert np.array_equal(ds.read(np.arange(n)), expected)
     assert m.dtype == "uint8" and m.sample_shape == (ROW,)
-    assert all(s.samples == 16 for s in m.shards[:-1])
+    assert all(s.samples == 16 for s in m.parts[:-1])
 
 
 def test_glob_and_include_select_files(tmp_path: Path) -> None:
@@ -126,9 +126,9 @@ def test_too_little_data_and_a_missing_source_are_errors_naming_them(tmp_path: P
     assert not (tmp_path / "o").exists()
 
 
-def test_shards_are_raw_little_endian_arrays_numpy_can_memory_map(tmp_path: Path) -> None:
+def test_parts_are_raw_little_endian_arrays_numpy_can_memory_map(tmp_path: Path) -> None:
     out, m = make_dataset(tmp_path)
-    s = m.shards[1]
+    s = m.parts[1]
     mm = np.memmap(out / s.file, dtype="<u1", mode="r").reshape(-1, ROW)
     assert mm.shape == (s.samples, ROW)
     assert os.path.getsize(out / s.file) == s.bytes

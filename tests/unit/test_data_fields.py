@@ -19,16 +19,26 @@ from tests.unit.test_data_support import copy_to_memory, make_dataset
 
 TINY_VERSION_ID = "sha256:10ab8a1f1fcfee22144a315434ef72bc452b7c9ed94a8af6ba58978dfcf47ce4"
 TINY_MANIFEST_SHA256 = "a88a096076e996a60a1cde558337bbcd6adc7d0e200fc779263612459c2508c1"
-"""tests.unit.test_data_support.make_dataset's, as built before fields existed (commit 3cd0df0)."""
+"""tests.unit.test_data_support.make_dataset's, as built before fields existed (commit 3cd0df0),
+when the part files were listed under ``shards``."""
 
 
-def test_the_tiny_tokens_only_dataset_keeps_its_version_id_and_manifest_bytes(
+def test_the_tiny_tokens_only_dataset_keeps_its_version_id_and_its_old_manifest_loads(
     tmp_path: Path,
 ) -> None:
     out, m = make_dataset(tmp_path)
     assert m.version_id == TINY_VERSION_ID and m.format_version == 1
-    assert hashlib.sha256((out / "manifest.json").read_bytes()).hexdigest() == TINY_MANIFEST_SHA256
+    written = json.loads((out / "manifest.json").read_text())
+    assert "shards" not in written and [p["file"] for p in written["parts"]] == [
+        f"shard-{k:05d}.bin" for k in range(len(m.parts))
+    ]
+    old = dict(written)
+    old["shards"] = old.pop("parts")
+    text = json.dumps(old, indent=2, sort_keys=True) + "\n"
+    assert hashlib.sha256(text.encode()).hexdigest() == TINY_MANIFEST_SHA256  # only the key moved
+    (out / "manifest.json").write_text(text)
     with Dataset.open(str(out)) as ds, SlotLoader(ds, seed=0, global_batch=8, slots=2) as ld:
+        assert ds.manifest == m and ds.version_id == TINY_VERSION_ID
         b = ld.batch(0, 0)
         assert b.fields == {} and set(to_tensors(b)) == {"tokens", "weight"}
 
@@ -42,7 +52,7 @@ def _two_fields(tmp: Path, name: str = "ds") -> Path:
         str(tmp / name),
         seq_len=15,
         dtype="uint16",
-        shard_mb=5 * 80 / (1 << 20),
+        part_mb=5 * 80 / (1 << 20),
     )
     return tmp / name
 
@@ -78,7 +88,7 @@ def test_a_fields_manifest_round_trips_and_declares_each_field(tmp_path: Path) -
         (lambda d: d["sample"]["fields"][1].update(name="weight"), "sample.fields[1].name"),
         (lambda d: d["sample"]["fields"][1].update(name="tokens"), "field names must be unique"),
         (lambda d: d["sample"]["fields"][1].update(shape=[0]), "sample.fields[1].shape"),
-        (lambda d: d["sample"]["fields"][1].update(shape=[8]), r"shards\[0\]\.bytes"),
+        (lambda d: d["sample"]["fields"][1].update(shape=[8]), r"parts\[0\]\.bytes"),
         (lambda d: d["sample"]["fields"].reverse(), "sample.fields[0].name"),
         (lambda d: d["sample"].update(row_bytes=7), "sample.row_bytes"),
         (lambda d: d["build"].update(vocab_size=9), "version_id: does not match"),
@@ -106,16 +116,16 @@ def test_fields_stream_from_a_remote_url_like_a_local_one(tmp_path: Path) -> Non
             assert np.array_equal(x.fields["loss_mask"], y.fields["loss_mask"])
 
 
-def test_a_corrupt_shard_of_a_fields_dataset_serves_zeros_with_weight_nan(tmp_path: Path) -> None:
+def test_a_corrupt_part_of_a_fields_dataset_serves_zeros_with_weight_nan(tmp_path: Path) -> None:
     out = _two_fields(tmp_path)
-    shard = out / "shard-00001.bin"
-    data = bytearray(shard.read_bytes())
+    part = out / "shard-00001.bin"
+    data = bytearray(part.read_bytes())
     data[0] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    part.write_bytes(bytes(data))
     with Dataset.open(str(out)) as ds, SlotLoader(ds, seed=1, global_batch=24, slots=1) as ld:
         b = ld.batch(0, 0)
-        hit = b.shards == 1
-        assert b.bad_shards == (1,) and hit.any() and np.isnan(b.weight[hit]).all()
+        hit = b.parts == 1
+        assert b.bad_parts == (1,) and hit.any() and np.isnan(b.weight[hit]).all()
         assert (b.tokens[hit] == 0).all() and (b.fields["loss_mask"][hit] == 0).all()
         assert np.isfinite(b.weight[~hit]).all()
 

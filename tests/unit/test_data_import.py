@@ -35,7 +35,7 @@ def test_a_raw_token_file_reads_back_bitwise_cut_into_samples_with_the_tail_drop
     tokens[3] = vocab - 1  # the largest id occurs: the vocabulary is exactly vocab
     (tmp_path / "train.bin").write_bytes(tokens.astype(np.dtype(dtype).newbyteorder("<")).tobytes())
     m = import_arrays({"tokens": [str(tmp_path / "train.bin")]}, str(tmp_path / "ds"),
-                      seq_len=SEQ, dtype=dtype, shard_mb=3 * ROW * 4 / (1 << 20))  # fmt: skip
+                      seq_len=SEQ, dtype=dtype, part_mb=3 * ROW * 4 / (1 << 20))  # fmt: skip
     rows = _rows(tmp_path / "ds")
     assert rows.shape == (10, ROW) and np.array_equal(rows.reshape(-1), tokens[: 10 * ROW])
     assert m.sources["dropped_tail"] == {"tokens": 7} and m.sources["vocab_size_from"] == "max_id"
@@ -43,7 +43,7 @@ def test_a_raw_token_file_reads_back_bitwise_cut_into_samples_with_the_tail_drop
     assert m.sources["inputs"] == [
         {"field": "tokens", "file": "train.bin", "dtype": dtype, "shape": [10 * ROW + 7]}
     ]
-    assert m.format_version == 1 and len(m.shards) > 1
+    assert m.format_version == 1 and len(m.parts) > 1
 
 
 def test_npy_files_import_as_streams_or_as_samples_and_agree(tmp_path: Path) -> None:
@@ -86,7 +86,7 @@ def test_a_multi_field_import_serves_each_field_bitwise_beside_the_tokens(tmp_pa
         {"tokens": [str(tmp_path / "t.bin")], "loss_mask": [str(tmp_path / "m.bin")],
          "labels": [str(tmp_path / "labels.npy")], "score": [str(tmp_path / "score.npy")]},
         str(tmp_path / "ds"), seq_len=SEQ, dtype="uint16", dtypes={"loss_mask": "uint8"},
-        shard_mb=7 * 100 / (1 << 20),
+        part_mb=7 * 100 / (1 << 20),
     )  # fmt: skip
     assert m.format_version == 2 and [f.name for f in m.fields] == [
         "tokens", "loss_mask", "labels", "score"]  # fmt: skip

@@ -38,10 +38,10 @@ def test_a_wrong_dtype_is_an_error_naming_the_file_field_and_value(tmp_path: Pat
     assert "manifest.json" in msg and "sample.dtype" in msg and "'float32'" in msg
 
 
-def test_a_dtype_that_does_not_fit_the_shard_sizes_is_an_error(tmp_path: Path) -> None:
+def test_a_dtype_that_does_not_fit_the_part_sizes_is_an_error(tmp_path: Path) -> None:
     out, _ = make_dataset(tmp_path)
     _edit_manifest(out, lambda d: d["sample"].update(dtype="uint16"))
-    with pytest.raises(DataError, match=r"shards\[0\]\.bytes: must equal samples x row bytes"):
+    with pytest.raises(DataError, match=r"parts\[0\]\.bytes: must equal samples x row bytes"):
         Dataset.open(str(out))
 
 
@@ -51,13 +51,13 @@ def test_every_problem_of_a_manifest_is_reported_at_once(tmp_path: Path) -> None
     def edit(d: dict) -> None:
         d["format_version"] = 99
         d["seq_len"] = -1
-        d["shards"][2]["sha256"] = "xyz"
+        d["parts"][2]["sha256"] = "xyz"
 
     _edit_manifest(out, edit)
     with pytest.raises(DataError) as info:
         Dataset.open(str(out))
     msg = str(info.value)
-    for field in ("format_version", "seq_len", "shards[2].sha256"):
+    for field in ("format_version", "seq_len", "parts[2].sha256"):
         assert field in msg
 
 
@@ -68,14 +68,14 @@ def test_a_manifest_edited_by_hand_no_longer_matches_its_version_id(tmp_path: Pa
         Dataset.open(str(out))
 
 
-def test_a_missing_shard_is_an_error_naming_the_file(tmp_path: Path) -> None:
+def test_a_missing_part_is_an_error_naming_the_file(tmp_path: Path) -> None:
     out, _ = make_dataset(tmp_path)
     (out / "shard-00003.bin").unlink()
-    with pytest.raises(DataError, match=r"ds/shard-00003\.bin: shard file missing"):
+    with pytest.raises(DataError, match=r"ds/shard-00003\.bin: part file missing"):
         Dataset.open(str(out))
 
 
-def test_a_truncated_shard_is_an_error_naming_the_file(tmp_path: Path) -> None:
+def test_a_truncated_part_is_an_error_naming_the_file(tmp_path: Path) -> None:
     out, _ = make_dataset(tmp_path)
     f = out / "shard-00001.bin"
     f.write_bytes(f.read_bytes()[:-5])

@@ -57,7 +57,7 @@ def test_any_assignment_of_slots_to_workers_yields_the_same_samples(tmp_path: Pa
                     e = expected[(t, s)]
                     assert np.array_equal(b.sample_ids, e.sample_ids)
                     assert np.array_equal(b.tokens, e.tokens)
-                    assert np.array_equal(b.shards, e.shards)
+                    assert np.array_equal(b.parts, e.parts)
         for loader in loaders:
             loader.close()
 
@@ -69,7 +69,7 @@ def test_a_batch_holds_int64_tokens_and_metadata(tmp_path: Path) -> None:
         assert b.tokens.dtype == np.int64 and b.tokens.shape == (B // S, m.seq_len + 1)
         assert np.array_equal(b.positions, slot_positions(3, 2, B, S))
         assert np.array_equal(b.tokens, loader.dataset.read(b.sample_ids).astype(np.int64))
-        assert np.array_equal(b.shards, loader.dataset.shard_of(b.sample_ids))
+        assert np.array_equal(b.parts, loader.dataset.part_of(b.sample_ids))
         assert b.weight.dtype == np.float32 and b.finite
 
 
@@ -122,8 +122,8 @@ def test_a_data_state_round_trips_through_json_and_rejects_bad_fields(tmp_path: 
     assert d["position"] == 9 * B
     with pytest.raises(DataError, match="step must be an integer >= 0"):
         DataState.from_dict({**d, "step": -1})
-    with pytest.raises(DataError, match=r"quarantine\.entries\[0\]\.shards"):
-        DataState.from_dict({**d, "quarantine": {"entries": [{"step": 1, "shards": "x"}]}})
+    with pytest.raises(DataError, match=r"quarantine\.entries\[0\]\.parts"):
+        DataState.from_dict({**d, "quarantine": {"entries": [{"step": 1, "parts": "x"}]}})
 
 
 def test_bad_slot_arguments_are_errors(tmp_path: Path) -> None:

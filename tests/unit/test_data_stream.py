@@ -19,11 +19,11 @@ def test_a_dataset_streams_from_memory_urls_like_a_local_one(tmp_path: Path) -> 
         assert np.array_equal(mem.read(ids), local.read(ids))
 
 
-def test_only_the_shards_a_read_needs_are_downloaded(tmp_path: Path) -> None:
+def test_only_the_parts_a_read_needs_are_downloaded(tmp_path: Path) -> None:
     out, _ = make_dataset(tmp_path)
     url = copy_to_memory(out, "memory://stream/needed")
     with Dataset.open(url, cache_dir=str(tmp_path / "c")) as ds:
-        lo, hi = ds.shard_range(4)
+        lo, hi = ds.part_range(4)
         ds.read(np.arange(lo, hi))
         ds.read(np.array([lo]))
         assert ds.store.downloads == 1
@@ -33,27 +33,27 @@ def test_only_the_shards_a_read_needs_are_downloaded(tmp_path: Path) -> None:
 def test_the_cache_stays_within_its_bound_evicting_the_least_recently_used(tmp_path: Path) -> None:
     out, m = make_dataset(tmp_path)
     url = copy_to_memory(out, "memory://stream/lru")
-    shard_bytes = m.shards[0].bytes
+    part_bytes = m.parts[0].bytes
     cache = tmp_path / "c"
-    with Dataset.open(url, cache_dir=str(cache), cache_mb=3 * shard_bytes / (1 << 20)) as ds:
+    with Dataset.open(url, cache_dir=str(cache), cache_mb=3 * part_bytes / (1 << 20)) as ds:
 
         def touch(k: int) -> None:
-            ds.read(np.array([ds.shard_range(k)[0]]))
+            ds.read(np.array([ds.part_range(k)[0]]))
 
         for k in (0, 1, 2, 0, 3):  # 1 is least recently used when 3 arrives
             touch(k)
             on_disk = sum(p.stat().st_size for p in cache.rglob("*.bin"))
-            assert on_disk <= 3 * shard_bytes
+            assert on_disk <= 3 * part_bytes
         names = sorted(p.name for p in cache.rglob("*.bin"))
         assert names == ["shard-00000.bin", "shard-00002.bin", "shard-00003.bin"]
         assert ds.store.evictions == 1
-        touch(1)  # evicted shards come back, downloaded and verified again
+        touch(1)  # evicted parts come back, downloaded and verified again
         assert ds.store.downloads == 5
         assert np.array_equal(ds.read(np.arange(ds.num_samples)), Dataset.open(str(out)).read(
             np.arange(ds.num_samples)))  # fmt: skip
 
 
-def test_a_corrupt_remote_shard_fails_its_checksum_on_first_read(tmp_path: Path) -> None:
+def test_a_corrupt_remote_part_fails_its_checksum_on_first_read(tmp_path: Path) -> None:
     out, _ = make_dataset(tmp_path)
     url = copy_to_memory(out, "memory://stream/corrupt")
     fs = fsspec.filesystem("memory")
@@ -64,8 +64,8 @@ def test_a_corrupt_remote_shard_fails_its_checksum_on_first_read(tmp_path: Path)
     with Dataset.open(url, cache_dir=str(tmp_path / "c")) as ds:
         loader = SlotLoader(ds, seed=0, global_batch=ds.num_samples - ds.num_samples % 4, slots=4)
         batches = [loader.batch(0, s) for s in range(4)]
-        assert any(b.bad_shards == (1,) for b in batches)
-        assert [e.shards for e in loader.pending_quarantine()] == [(1,)]
+        assert any(b.bad_parts == (1,) for b in batches)
+        assert [e.parts for e in loader.pending_quarantine()] == [(1,)]
         rows = sum(b.tokens.shape[0] for b in batches)
         assert rows == loader.global_batch and batches[0].tokens.shape[1] == ROW
         loader.close()
@@ -81,10 +81,10 @@ def test_prefetched_batches_equal_foreground_ones_and_never_go_stale(tmp_path: P
             for s in (0, 1):
                 assert np.array_equal(pre.batch(t, s).tokens, ref.batch(t, s).tokens)
         pre.prefetch(21, [0, 1])
-        shard = int(ref.batch(21, 0).shards[0])
-        pre.quarantine([shard], 21, "after prefetch")  # the read-ahead is now stale
-        ref.quarantine([shard], 21, "after prefetch")
-        assert shard not in pre.batch(21, 0).shards
+        part = int(ref.batch(21, 0).parts[0])
+        pre.quarantine([part], 21, "after prefetch")  # the read-ahead is now stale
+        ref.quarantine([part], 21, "after prefetch")
+        assert part not in pre.batch(21, 0).parts
         assert np.array_equal(pre.batch(21, 0).sample_ids, ref.batch(21, 0).sample_ids)
         assert pre._prefetcher.pending() <= 2 * 2
     assert not [t for t in threading.enumerate() if t.name.startswith("perdure-prefetch")]

@@ -10,8 +10,8 @@ from perdure.data import Manifest, build_dataset
 
 SEQ_LEN = 15
 ROW = SEQ_LEN + 1
-SHARD_MB = 16 * ROW / (1 << 20)
-"""16 samples of 16 one-byte tokens per shard: many small shards."""
+PART_MB = 16 * ROW / (1 << 20)
+"""16 samples of 16 one-byte tokens per part: many small parts."""
 
 
 def write_corpus(root: Path, files: int = 8, size: int = 600, seed: int = 0) -> Path:
@@ -31,7 +31,7 @@ def make_dataset(tmp: Path, name: str = "ds", **kw: object) -> tuple[Path, Manif
     if not corpus.exists():
         write_corpus(corpus)
     out = tmp / name
-    opts: dict = {"seq_len": SEQ_LEN, "shard_mb": SHARD_MB, **kw}
+    opts: dict = {"seq_len": SEQ_LEN, "part_mb": PART_MB, **kw}
     return out, build_dataset([str(corpus)], str(out), **opts)
 
 

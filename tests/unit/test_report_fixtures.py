@@ -2,7 +2,7 @@
 
 The run: workers a-0, a-1, b-0 over 4 slots and 30 steps. a-1 is killed at step 10
 (membership epoch 1 from step 11 without it), its replacement rejoins at step 20
-(epoch 2), and a shard is quarantined at step 25. No tests live here.
+(epoch 2), and a dataset part is quarantined at step 25. No tests live here.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def events_rows() -> list[dict[str, Any]]:
             "event": "decision",
             "step": 25,
             "kind": "quarantine",
-            "shards": [3],
+            "parts": [3],
             "samples": [17, 18],
             "slot": 2,
             "reason": "non-finite loss",

@@ -101,7 +101,7 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _region_loss(ctx, s, e)
     if e.kind == "region_back":
         return _region_back(ctx, s, e)
-    if e.kind == "nan_shard":
+    if e.kind == "nan_part":
         verdicts = ctx.step.small_allreduce_s(s.members)
         redo = ctx.step.slot_s + ctx.step.seconds(s.members, s.extra_lat_s)
         return pay(s, detection=verdicts, lost=redo), ()

@@ -108,7 +108,7 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _region_loss(ctx, s, e)
     if e.kind == "region_back":
         return set_down(s, e.region, False), ()
-    if e.kind == "nan_shard":
+    if e.kind == "nan_part":
         return pay_restart(rollback(lose_inflight(s), ctx), c.restart), ()
     if e.kind == "launch":
         return s._replace(starting=s.starting + e.count), ()

@@ -75,7 +75,7 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.kind == "region_loss":
         detect = c.node_timeout_s if e.silent else 0.0
         return _restart(ctx, s, detect, max(0.0, e.duration_s - detect)), ()
-    if e.kind == "nan_shard":
+    if e.kind == "nan_part":
         return _restart(ctx, s, 0.0, 0.0), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)

@@ -1,4 +1,4 @@
-"""``corrupt_shard``: one data shard's stored copy reads corrupt."""
+"""``corrupt_part``: one data part's stored copy reads corrupt."""
 
 from __future__ import annotations
 
@@ -13,23 +13,27 @@ if TYPE_CHECKING:
     from perdure.config import Checker
 
 
-class CorruptShard(Fault):
-    """From ``at_step`` on, every read of one shard's primary copy has a byte flipped (a
+CORRUPT_PART = "corrupt_part"
+"""The kind's name, for the code that applies it (the worker's loaders, preflight)."""
+
+
+class CorruptPart(Fault):
+    """From ``at_step`` on, every read of one part's primary copy has a byte flipped (a
     corrupt disk, a bad transfer), applied by every loader at exactly that step; the
     file itself is untouched. The data store reads it again, then repairs it from
-    ``data.mirrors`` (the same bits: a ``shard_repaired`` event); with no good copy,
-    ``data.on_corrupt`` stops the run before the shard is trained on, or quarantines it
+    ``data.mirrors`` (the same bits: a ``part_repaired`` event); with no good copy,
+    ``data.on_corrupt`` stops the run before the part is trained on, or quarantines it
     (a decision of kind ``corrupt``, which a fault-free reference keeps)."""
 
-    kind = "corrupt_shard"
+    kind = CORRUPT_PART
     failure_class = "data"
-    target = "shard"
+    target = "part"
     replans = False
     changes_math = True
 
     def validate(self, fault: FaultConfig, c: Checker) -> None:
         super().validate(fault, c)
-        rule = "corrupt_shard needs a step trigger (every loader applies it at that step)"
+        rule = f"{CORRUPT_PART} needs a step trigger (every loader applies it at that step)"
         c.check(fault.at_step is not None, "at_step", rule, fault.at_s)
 
     def inject(self, fault: FaultConfig, control: ClusterControl) -> list[int]:
@@ -44,12 +48,12 @@ class CorruptShard(Fault):
         return max(before) if before else min((m["t"] for m in metrics), default=float(fault["t"]))
 
     def detected(self, e: Record, fault: Record, region_workers: set[str]) -> bool:
-        """The shard was repaired, quarantined as corrupt, or the run stopped on it."""
-        shard = int(fault["target"])
-        if e["event"] == ev.SHARD_REPAIRED:
-            return bool(e.get("shard") == shard)
+        """The part was repaired, quarantined as corrupt, or the run stopped on it."""
+        part = int(fault["target"])
+        if e["event"] == ev.PART_REPAIRED:
+            return bool(e.get("part") == part)
         if e["event"] == ev.DECISION:
-            return e.get("kind") == "corrupt" and shard in e.get("shards", [])
+            return e.get("kind") == "corrupt" and part in ev.decision_parts(e)
         return bool(e["event"] == ev.RUN_FAILED)
 
     def absorbed(self, fault: Record, events: list[Record], detect: Record | None) -> bool:

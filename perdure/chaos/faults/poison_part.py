@@ -1,4 +1,4 @@
-"""``poison_shard``: one data shard starts yielding NaN."""
+"""``poison_part``: one data part starts yielding NaN."""
 
 from __future__ import annotations
 
@@ -13,20 +13,26 @@ if TYPE_CHECKING:
     from perdure.config import Checker
 
 
-class PoisonShard(Fault):
-    """The samples of one shard yield NaN from ``at_step`` on, applied by every loader at
-    exactly that step (so a reference run poisons the same samples); the shard is
+POISON_PART = "poison_part"
+"""The kind's name, for the code that applies it (the worker's loaders, preflight)."""
+
+
+class PoisonPart(Fault):
+    """The samples of one part yield NaN from ``at_step`` on, applied by every loader at
+    exactly that step (so a reference run poisons the same samples); the part is
     quarantined, a decision-log entry."""
 
-    kind = "poison_shard"
+    kind = POISON_PART
     failure_class = "data"
-    target = "shard"
+    target = "part"
     replans = False
     changes_math = True
 
     def validate(self, fault: FaultConfig, c: Checker) -> None:
         super().validate(fault, c)
-        rule = "poison_shard needs a step trigger (the reference run must poison the same samples)"
+        rule = (
+            f"{POISON_PART} needs a step trigger (the reference run must poison the same samples)"
+        )
         c.check(fault.at_step is not None, "at_step", rule, fault.at_s)
 
     def inject(self, fault: FaultConfig, control: ClusterControl) -> list[int]:
@@ -42,4 +48,4 @@ class PoisonShard(Fault):
         return max(before) if before else min((m["t"] for m in metrics), default=float(fault["t"]))
 
     def detected(self, e: Record, fault: Record, region_workers: set[str]) -> bool:
-        return e["event"] == ev.DECISION and int(fault["target"]) in e.get("shards", [])
+        return e["event"] == ev.DECISION and int(fault["target"]) in ev.decision_parts(e)
