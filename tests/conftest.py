@@ -59,6 +59,8 @@ _STARTS_PROCESSES_INSIDE = frozenset(
         "test_outer.py::test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step",
         "test_netns_regions.py::test_the_delay_router_adds_the_asked_round_trip_between_regions_and_none_inside_one",
         "test_placement.py::test_a_checkpoint_records_the_placement_and_settings_in_force",
+        "test_precision.py::test_an_overflow_at_the_minimum_scale_stops_the_run_naming_the_field",
+        "test_precision.py::test_the_scale_is_state_in_a_checkpoint_and_a_state_copy_and_changes_only_by_an_update",
         "test_preflight.py::test_a_checkpoint_of_another_config_is_refused_naming_the_flag",
         "test_preflight.py::test_a_checkpoint_whose_tensors_do_not_fit_the_model_is_refused",
         "test_preflight.py::test_a_resume_checkpoint_with_a_flipped_bit_is_refused_naming_the_file",
