@@ -2,7 +2,7 @@
 
 1. Throughput: ``SlotLoader.batch`` over every slot of consecutive steps (order lookup,
    quarantine check, shard grouping, int64 tokens) against a plain ``np.memmap`` read of
-   the same sample ids from the same shard files (ids precomputed, grouped by shard, int64
+   the same sample ids from the same part files (ids precomputed, grouped by part, int64
    out). Goal: ratio >= 0.9.
 2. Time to first batch: open the dataset, restore a data state, read slot 0, at step 10**7
    against step 0. Goal: ratio about 1.
