@@ -88,7 +88,13 @@ RECOVERED_FROM_CHECKPOINT: Final = "recovered_from_checkpoint"
 
 # -- step --------------------------------------------------------------------------------
 STATE_RECEIVED: Final = "state_received"
-"""A receiver adopted a live peer's state."""
+"""A receiver adopted a live peer's state: in epoch ``epoch``, ``mode`` "blocking" (every
+member waited at the epoch's start) or "overlapped" (the holders computed step
+``overlapped_step`` while it copied, and it took part in that step's reduction with no
+slot; ``runtime/member/copy_overlap.py``; null in a blocking copy)."""
+STATE_SENT: Final = "state_sent"
+"""A holder served its part of a state copy (``bytes`` in ``ranges``, to the receivers
+``to``), ``mode`` and ``overlapped_step`` as in ``state_received``."""
 SHARD_RECEIVED: Final = "shard_received"
 """A member of a replica group received its shard of the optimizer state from another
 member at an epoch's start (``train.shard_degree`` > 1), with its parameters when they
@@ -197,6 +203,7 @@ NAMES: frozenset[str] = frozenset(
         EPOCH_STARTED,
         RECOVERED_FROM_CHECKPOINT,
         STATE_RECEIVED,
+        STATE_SENT,
         SHARD_RECEIVED,
         PARAMS_AT_REST,
         SHARD_REDUCE,

@@ -105,10 +105,18 @@ def _starts_processes(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = []
     for item in items:
         name = f"{Path(item.path).name}::{getattr(item, 'originalname', item.name)}"
         if name in _STARTS_PROCESSES_INSIDE or _starts_processes(item):
             item.add_marker(pytest.mark.integration)
+            if Path(item.path).parent.name == "unit":
+                misplaced.append(name)
+    if misplaced:  # the folders say what a file's tests start: keep them true
+        raise pytest.UsageError(
+            "tests/unit/ holds tests that start no process; move these files to "
+            f"tests/integration/: {sorted(misplaced)}"
+        )
 
 
 @pytest.fixture(autouse=True)

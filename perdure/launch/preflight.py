@@ -157,7 +157,7 @@ def _bounds(config: RunConfig, here: bool = True) -> list[Problem]:
                 out.append(Problem(f"{section}.{f.name}", f"must be at most {MAX_MS} ms", v))
     t = config.train
     if t.device == "cuda" and here:
-        from perdure.runtime.placement import cuda_problem
+        from perdure.runtime.replica.placement import cuda_problem
 
         problem = cuda_problem()
         if problem is not None:
@@ -351,7 +351,7 @@ def _eval(config: RunConfig, task: Task | None) -> list[Problem]:
     first evaluation."""
     from perdure.data import DataError, Dataset
     from perdure.run_config import resolve_path
-    from perdure.runtime.evaluate import Evaluator
+    from perdure.runtime.member.evaluate import Evaluator
 
     cfg = config.eval
     if not cfg.every_steps:

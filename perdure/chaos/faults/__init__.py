@@ -3,7 +3,7 @@
 Every module of this package but ``base`` holds exactly one :class:`Fault` subclass; the
 registry finds them at import, so a new kind is one new module (and its test), with no
 list to edit anywhere. The config (``FaultConfig.kind``), its reference page, the launcher
-side (``chaos/driver.py``), the worker side (``runtime/wchaos.py``), the fault report
+side (``chaos/driver.py``), the worker side (``runtime/member/wchaos.py``), the fault report
 (``chaos/summary.py``) and the HTML report all read this registry.
 """
 

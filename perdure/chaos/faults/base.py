@@ -51,7 +51,7 @@ class Fault:
     failure_class: ClassVar[FailureClass]
     target: ClassVar[Target]
     in_process: ClassVar[bool] = False
-    """Acts inside the worker: posted in the store and applied by ``runtime/wchaos.py``,
+    """Acts inside the worker: posted in the store and applied by ``runtime/member/wchaos.py``,
     which polls only when a schedule holds such a kind."""
     timed: ClassVar[bool] = False
     """``duration_s`` ends it: the driver calls :meth:`undo` that long after the injection."""

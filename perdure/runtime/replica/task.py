@@ -89,7 +89,7 @@ class Task:
     are on ``meta`` while the factory runs. Unused with ``eager``."""
     eval_fn: EvalFn | None = None
     """``eval_fn(model, batch)``: the evaluation of one batch of the held-out data set
-    (``[eval]`` in the config, ``runtime/evaluate.py``), called under ``torch.no_grad()``
+    (``[eval]`` in the config, ``runtime/member/evaluate.py``), called under ``torch.no_grad()``
     with the model in ``eval()`` mode (dropout off, BatchNorm on its running statistics).
     It returns a dict of named numbers (floats or one-element tensors), each the *mean*
     over the batch's samples (``{"loss": ..., "accuracy": ...}``), or one tensor, the mean

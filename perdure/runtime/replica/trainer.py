@@ -31,8 +31,6 @@ from perdure.data import DataError, Dataset, DataState, SlotLoader
 from perdure.data.retry import ReadPolicy
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path, resolve_path
-from perdure.runtime.param_gather import ParamGather
-from perdure.runtime.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.deferred import (
     SeedInit,
     at_rest,
@@ -52,7 +50,9 @@ from perdure.runtime.replica.loss_scale import (
     scale_event,
 )
 from perdure.runtime.replica.outer import OUTER_KEY, OuterStep
+from perdure.runtime.replica.param_gather import ParamGather
 from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
+from perdure.runtime.replica.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import Task, build_task, plain_module
@@ -86,7 +86,7 @@ def configure_torch(threads: int, device: str = "cpu") -> None:
 
 
 class ShardSeam(Protocol):
-    """What the trainer needs of its replica group (``runtime/shard_group.py``)."""
+    """What the trainer needs of its replica group (``runtime/member/shard_group.py``)."""
 
     mine: int
 
@@ -140,7 +140,7 @@ class Trainer:
         # the optimizer, built next, holds the moved parameters.
         task.model.to(self.placement.device)
         self.model = task.model
-        self.task = task  # its eval_fn: the worker's evaluation (runtime/evaluate.py)
+        self.task = task  # its eval_fn: the worker's evaluation (runtime/member/evaluate.py)
         self.module = plain_module(task.model)
         """What checkpoints, state copies and fingerprints read: the plain module's keys."""
         outer = config.outer
@@ -193,7 +193,7 @@ class Trainer:
         """DiLoCo with exponents carried from the previous step: a member keeps its
         replicas of the step in flight (``OuterStep.replica``), so the pass that a missed
         prediction repeats, and a step redone in a new epoch, copy them (the step form
-        and the chain keep each slot's buffer already: ``runtime/salvage.py``, and so does
+        and the chain keep each slot's buffer already: ``runtime/replica/salvage.py``, and so does
         int8's gather, whatever the exponents' form)."""
         self.poison = sorted(poison)
         self.corrupt = sorted(corrupt)
@@ -219,7 +219,7 @@ class Trainer:
         with ``train.shard_params`` which shard's parameters are resident."""
         self.gather: ParamGather | None = None
         """With ``train.shard_params``, in an epoch: the parameters at rest, gathered while
-        a slot runs (``runtime/param_gather.py``)."""
+        a slot runs (``runtime/replica/param_gather.py``)."""
         self._whole = False
         self.exponents: list[int] | torch.Tensor | None = None
         """The exact reduction's carried exponents for the next step: one per bucket
