@@ -3,11 +3,11 @@
 A config can be valid field by field and still fail in every worker at start-up: a task
 entry that does not import, a dataset that is not there, a model whose vocabulary or
 length is smaller than the dataset's, a batch larger than the dataset, a poisoned (or
-corrupted) shard past the last one, a resume checkpoint written under another config.
+corrupted) part past the last one, a resume checkpoint written under another config.
 Started anyway, each worker crashes, each replacement crashes the same way, and the cause
 is in a worker log. Preflight does in the launcher, once, what a worker does first: it
 imports and builds the task (seeded as a worker would), opens the dataset (the manifest
-and a listing, no shard bytes), reads the resume checkpoint's context (tensors mapped, not read or
+and a listing, no part bytes), reads the resume checkpoint's context (tensors mapped, not read or
 verified: the workers verify every checksum), and checks each against the others. Every
 problem names the field or flag, the rule and the value, all reported at once.
 
@@ -530,7 +530,7 @@ def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
 
 
 def _sizes(config: RunConfig, ds: Dataset) -> list[Problem]:
-    """A step reads each sample at most once; a poisoned or corrupted shard must exist."""
+    """A step reads each sample at most once; a poisoned or corrupted part must exist."""
     out = []
     b = config.train.global_batch
     if b > ds.num_samples:

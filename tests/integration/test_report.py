@@ -10,6 +10,7 @@ import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from perdure.report import load_run, render_html, write_report
@@ -28,7 +29,7 @@ from perdure.report.load import (
     parse_metrics,
     read_jsonl,
 )
-from perdure.report.svg import esc, log_ticks, nice_ticks, step_scale
+from perdure.report.svg import esc, log_ticks, nice_ticks, step_scale, tick_label
 from perdure.report.tables import fault_rows, header_facts
 from perdure.report.timeline import timeline_chart
 
@@ -136,9 +137,19 @@ def test_step_time_chart_marks_membership_changes_not_the_start() -> None:
 
 
 def test_step_time_chart_is_log_scaled() -> None:
-    root = parse(step_time_chart(metrics(), []))
-    labels = [t.text for t in with_class(root, "tick-label")]
-    assert "0.05" in labels and "0.5" in labels
+    """The ticks are the 1-2-5 decades of the padded range of step times, each at a
+    height linear in its logarithm (equal ratios, equal distances)."""
+    ms = metrics()
+    times = [p.step_s for p in ms if p.step_s is not None]
+    ticks = log_ticks(min(times) / 1.2, max(times) * 1.2)
+    root = parse(step_time_chart(ms, []))
+    labels = [e for e in with_class(root, "tick-label") if e.get("text-anchor") == "end"]  # y
+    assert [e.text for e in labels] == [tick_label(v) for v in ticks] and len(ticks) >= 3
+    ys = [float(e.get("y") or "nan") for e in labels]
+    per_decade = (ys[1] - ys[0]) / math.log10(ticks[1] / ticks[0])
+    assert per_decade < 0  # up the page as the time grows
+    for v, y in zip(ticks, ys, strict=True):
+        assert y == pytest.approx(ys[0] + per_decade * math.log10(v / ticks[0]), abs=0.02)
 
 
 def test_charts_share_one_x_scale() -> None:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+from perdure.config.digest import hash_canonical
+from perdure.data import Dataset
 from perdure.run_config import dataset_path, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,12 +47,15 @@ def test_relative_paths_resolve_from_the_config_files_directory(
 def test_the_task_module_and_dataset_are_found_from_another_working_directory(
     tmp_path: Path, small_dataset: Path
 ) -> None:
+    """Started elsewhere, ``perdure config check`` builds the config's own task and opens its
+    own dataset: the run's identity holds that dataset's version id and the task's recipe,
+    and the printed hash is the hash of exactly that canonical config."""
     cfg = _project(tmp_path, small_dataset)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "perdure", "config", "check", str(cfg)],
+        [sys.executable, "-m", "perdure", "config", "check", "--canonical", str(cfg)],
         cwd=elsewhere,
         capture_output=True,
         text=True,
@@ -57,3 +63,12 @@ def test_the_task_module_and_dataset_are_found_from_another_working_directory(
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+    ok, hashed, *rest = out.stdout.splitlines()
+    assert ok.startswith(f"{cfg}: ok (preflight ") and ok.endswith(" s)")
+    canon = json.loads("\n".join(rest))
+    assert hashed == f"config hash: {hash_canonical(canon)}"
+    with Dataset.open(str(small_dataset)) as ds:
+        assert canon["identity"]["dataset"] == ds.version_id
+    assert canon["identity"]["recipe"]["optimizer"] == "torch.optim.adamw.AdamW"  # the task's
+    assert canon["identity"]["loss_reduction"] == "sum"
+    assert canon["task"]["entry"] == "my_task:make_task"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import xml.etree.ElementTree as ET
 from dataclasses import replace
@@ -24,8 +25,12 @@ DEPLOYMENT = ROOT / "configs" / "sim" / "deployment-46.toml"
 DEMO = ROOT / "configs" / "demo.toml"
 
 
-def test_there_are_sim_configs() -> None:
-    assert DEPLOYMENT in SIM_CONFIGS
+def test_the_shipped_sim_configs_are_exactly_those_docs_simulation_md_describes() -> None:
+    doc = (ROOT / "docs" / "simulation.md").read_text()
+    named = set(re.findall(r"configs/sim/([\w.-]+\.toml)", doc))
+    assert sorted(named) == [p.name for p in SIM_CONFIGS] == [
+        "deployment-46-diloco.toml", "deployment-46.toml", "llama3-405b.toml", "seed-600b.toml"
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", SIM_CONFIGS, ids=lambda p: p.name)

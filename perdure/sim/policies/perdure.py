@@ -19,7 +19,7 @@ What each failure costs, as ``docs/architecture.md`` describes the runtime:
 - a region is lost: as many deaths at once; when the coordinator's region is lost, the
   workers reconnect to the standby, which waits ``takeover_settle_ms``; without a
   standby the run waits for the region; the region's workers rejoin when it is back;
-- a NaN shard: the bad slot is re-run on another member, a small reduction shares the
+- a NaN part: the bad slot is re-run on another member, a small reduction shares the
   verdicts, the step is recomputed on resampled data.
 
 Limits: spares are not used for a whole region's loss (they replace single deaths);

@@ -15,7 +15,7 @@ A replica group is a node's workers. What each failure costs:
 - a dropped link: the step is aborted and the process group re-formed, same members;
 - a region lost: its groups go; if the lighthouse lived there, nobody trains until a
   lighthouse runs elsewhere (``lighthouse_restart_s``) or the region is back;
-- a NaN shard: torchft does not check finiteness; a non-finite update reaches every
+- a NaN part: torchft does not check finiteness; a non-finite update reaches every
   replica through the all-reduce, and the job restarts from its last checkpoint;
 - a latency spike slows the steps.
 

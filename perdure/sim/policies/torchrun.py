@@ -11,7 +11,7 @@ What each failure costs (a fixed world size, as the benchmark and most jobs run)
 - then, once replacement hardware is there (the failure's ``replace_minutes``), every
   process restarts (``restart_s``: measured here, plus the deployment's checkpoint load
   and rendezvous hops) and redoes every step since the newest durable checkpoint;
-- a NaN shard: the training script's loss check stops the job, which restarts from the
+- a NaN part: the training script's loss check stops the job, which restarts from the
   last checkpoint (DDP cannot tell which shard: the shard is skipped by hand, not here);
 - a latency spike slows the steps, like everyone's.
 
