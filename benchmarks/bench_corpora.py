@@ -13,7 +13,7 @@ in-place import against a copy.
   tokenizes on one thread), and the floor: reading every record's text. Each run is a
   fresh process; its peak RSS (``ru_maxrss``, itself and its largest child) is reported.
 - *import*: a raw ``uint16`` token file of ``--import-gb`` GiB: ``perdure data import``
-  copying it into shards, the same ``--in-place``, and the floor of one SHA-256 of it.
+  copying it into parts, the same ``--in-place``, and the floor of one SHA-256 of it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Benchmark of perdure.data, side by side with the baselines it must match or beat.
 
 1. Throughput: ``SlotLoader.batch`` over every slot of consecutive steps (order lookup,
-   quarantine check, shard grouping, int64 tokens) against a plain ``np.memmap`` read of
-   the same sample ids from the same shard files (ids precomputed, grouped by shard, int64
+   quarantine check, part grouping, int64 tokens) against a plain ``np.memmap`` read of
+   the same sample ids from the same part files (ids precomputed, grouped by part, int64
    out). Goal: ratio >= 0.9.
 2. Time to first batch: open the dataset, restore a data state, read slot 0, at step 10**7
    against step 0. Goal: ratio about 1.
@@ -47,15 +47,15 @@ def _summary(values: list[float]) -> dict[str, float]:
 def _memmaps(ds_dir: Path, ds: Dataset) -> list[np.memmap]:
     m = ds.manifest
     return [np.memmap(ds_dir / s.file, dtype=m.np_dtype(), mode="r",
-                      shape=(s.samples, m.seq_len + 1)) for s in m.shards]  # fmt: skip
+                      shape=(s.samples, m.seq_len + 1)) for s in m.parts]  # fmt: skip
 
 
 def _memmap_read(mms: list[np.memmap], starts: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """What one writes by hand: shard of each id, one gather per shard, int64 out."""
-    shards = np.searchsorted(starts, ids, side="right") - 1
+    """What one writes by hand: part of each id, one gather per part, int64 out."""
+    parts = np.searchsorted(starts, ids, side="right") - 1
     out = np.empty((ids.size, mms[0].shape[1]), dtype=np.int64)
-    for k in np.unique(shards):
-        sel = shards == k
+    for k in np.unique(parts):
+        sel = parts == k
         out[sel] = mms[k][ids[sel] - starts[k]]
     return out
 
@@ -160,7 +160,7 @@ def main() -> int:
     stdlib = sysconfig.get_paths()["stdlib"]
     mb = 4 if quick else 10
     t_build = _time(lambda: build_dataset([stdlib], str(work / "ds128"), seq_len=128,
-                                          shard_mb=1, include="*.py", max_mb=mb))  # fmt: skip
+                                          part_mb=1, include="*.py", max_mb=mb))  # fmt: skip
     results: dict = {
         "machine": {
             "python": sys.version.split()[0],
@@ -172,7 +172,7 @@ def main() -> int:
         "throughput": [bench_throughput(work / "ds128", 512, 8, 20 if quick else 60, repeats)],
     }
     if not quick:
-        build_dataset([stdlib], str(work / "ds1024"), seq_len=1024, shard_mb=4,
+        build_dataset([stdlib], str(work / "ds1024"), seq_len=1024, part_mb=4,
                       include="*.py", max_mb=mb)  # fmt: skip
         for batch in (256, 2048):  # 32 and 256 samples of 1025 tokens per slot
             results["throughput"].append(

@@ -41,7 +41,7 @@ def build_dataset(path: Path) -> None:
     from perdure.data import build_dataset as build
 
     src = sysconfig.get_paths()["stdlib"]
-    build([src], str(path), seq_len=128, shard_mb=0.5, include="*.py", max_mb=8.0)
+    build([src], str(path), seq_len=128, part_mb=0.5, include="*.py", max_mb=8.0)
 
 
 def jsonl(path: Path) -> list[dict[str, Any]]:

@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         dataset = build_small_dataset(Path(d) / "data")
         held_out = Path(d) / "held_out"
         stdlib = Path(os.__file__).parent
-        build_dataset([str(stdlib / "unittest")], str(held_out), seq_len=64, shard_mb=0.05,
+        build_dataset([str(stdlib / "unittest")], str(held_out), seq_len=64, part_mb=0.05,
                       include="*.py")  # fmt: skip
         with regions([2, 1, 1, 1], rtt_ms=a.rtt_ms) as rs:
             shaped = shape(rs, a.rate_mbit)

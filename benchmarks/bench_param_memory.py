@@ -1,4 +1,4 @@
-"""Parameters sharded at rest and gathered while a slot runs (``runtime/param_gather.py``):
+"""Parameters sharded at rest and gathered while a slot runs (``runtime/replica/param_gather.py``):
 peak parameter + optimizer bytes per rank, and slot time, against the whole replica.
 
     .venv/bin/python benchmarks/bench_param_memory.py                 # k = 2, 4
@@ -85,7 +85,7 @@ def _opt_bytes(params: list[Any]) -> int:
 def _rank(rank: int, k: int, port: int, args: dict, q: Any) -> None:  # pragma: no cover
     import torch
 
-    from perdure.runtime.param_gather import ParamGather, unit_budget, units
+    from perdure.runtime.replica.param_gather import ParamGather, unit_budget, units
     from perdure.runtime.shard_plan import unit_owners
 
     torch.set_num_threads(1)

@@ -42,8 +42,8 @@ FORMS: dict[str, dict[str, Any]] = {
 
 
 def one_form(dataset: Path, train: dict[str, Any], steps: int) -> dict[str, Any]:
+    from tests.integration.test_carried import _runner
     from tests.runtime_support import small_config
-    from tests.test_carried import _runner
 
     events: list[dict[str, Any]] = []
     run = _runner(small_config(dataset, workers=1, train=train, steps=steps), events)

@@ -34,9 +34,9 @@ from _common import RESULTS, machine
 from perdure.checkpoint.plan import plan_parts
 from perdure.checkpoint.tensors import flatten, meta_of
 from perdure.run_config import RunConfig, with_overrides
+from perdure.runtime.member.shard_group import Shards, optimizer_params
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.task import build_task
-from perdure.runtime.shard_group import Shards, optimizer_params
 
 
 def _bytes(ts: list[torch.Tensor]) -> int:

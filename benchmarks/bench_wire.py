@@ -439,7 +439,7 @@ def build_dataset(out: Path) -> str:
 
     if not (out / "manifest.json").exists():
         build([str(STDLIB / "json"), str(STDLIB / "email")], str(out), seq_len=SEQ,
-              shard_mb=0.5, include="*.py")  # fmt: skip
+              part_mb=0.5, include="*.py")  # fmt: skip
     return str(out)
 
 

@@ -88,7 +88,13 @@ RECOVERED_FROM_CHECKPOINT: Final = "recovered_from_checkpoint"
 
 # -- step --------------------------------------------------------------------------------
 STATE_RECEIVED: Final = "state_received"
-"""A receiver adopted a live peer's state."""
+"""A receiver adopted a live peer's state: in epoch ``epoch``, ``mode`` "blocking" (every
+member waited at the epoch's start) or "overlapped" (the holders computed step
+``overlapped_step`` while it copied, and it took part in that step's reduction with no
+slot; ``runtime/member/copy_overlap.py``; null in a blocking copy)."""
+STATE_SENT: Final = "state_sent"
+"""A holder served its part of a state copy (``bytes`` in ``ranges``, to the receivers
+``to``), ``mode`` and ``overlapped_step`` as in ``state_received``."""
 SHARD_RECEIVED: Final = "shard_received"
 """A member of a replica group received its shard of the optimizer state from another
 member at an epoch's start (``train.shard_degree`` > 1), with its parameters when they
@@ -129,11 +135,13 @@ REPLICA_DIVERGED: Final = "replica_diverged"
 SUSPECT_WORKER: Final = "suspect_worker"
 """A non-finite slot did not reproduce elsewhere: the worker is suspect."""
 DECISION: Final = "decision"
-"""A decision-log entry (e.g. a quarantine): changes the math, replayed on resume."""
-SHARD_REPAIRED: Final = "shard_repaired"
-"""A dataset shard failed a read (checksum, error, missing) and was served anyway with
+"""A decision-log entry (e.g. a quarantine): changes the math, replayed on resume. Its
+``parts`` are the dataset parts it quarantines (read them with :func:`decision_parts`)."""
+PART_REPAIRED: Final = "part_repaired"
+"""A dataset part failed a read (checksum, error, missing) and was served anyway with
 the manifest's bytes: read again (``via``: ``reread``) or fetched from a mirror (``via``:
-its URL); ``manifest`` and ``found`` are both SHA-256s (``found`` None when unreadable)."""
+its URL); ``part`` is its index, ``manifest`` and ``found`` are both SHA-256s (``found``
+None when unreadable). Runs before the rename wrote ``shard_repaired`` with ``shard``."""
 
 # -- process -----------------------------------------------------------------------------
 PROCESS_EXIT: Final = "process_exit"
@@ -195,6 +203,7 @@ NAMES: frozenset[str] = frozenset(
         EPOCH_STARTED,
         RECOVERED_FROM_CHECKPOINT,
         STATE_RECEIVED,
+        STATE_SENT,
         SHARD_RECEIVED,
         PARAMS_AT_REST,
         SHARD_REDUCE,
@@ -207,7 +216,7 @@ NAMES: frozenset[str] = frozenset(
         REPLICA_DIVERGED,
         SUSPECT_WORKER,
         DECISION,
-        SHARD_REPAIRED,
+        PART_REPAIRED,
         PROCESS_EXIT,
         REPLACEMENT_STARTED,
         PROCESS_PLACED,
@@ -306,3 +315,18 @@ def _record(line: bytes) -> dict[str, Any] | None:
     except (json.JSONDecodeError, UnicodeDecodeError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def decision_parts(entry: dict[str, Any]) -> list[int]:
+    """The dataset parts a decision-log entry quarantines: ``parts``, or ``shards`` in an
+    entry written before parts were called parts (an old run's events or checkpoint)."""
+    return list(entry.get("parts", entry.get("shards", [])))
+
+
+def renamed_decision(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` as it is written now (``shards`` read as ``parts``)."""
+    if "shards" not in entry or "parts" in entry:
+        return entry
+    out = {k: v for k, v in entry.items() if k != "shards"}
+    out["parts"] = entry["shards"]
+    return out

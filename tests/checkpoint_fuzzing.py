@@ -1,6 +1,6 @@
 """Mutations of a real checkpoint, and the oracle that judges each reader's answer.
 
-Shared by ``tests/test_checkpoint_fuzz.py`` (hypothesis, bounded, in CI) and
+Shared by ``tests/unit/test_checkpoint_fuzz.py`` (hypothesis, bounded, in CI) and
 ``benchmarks/fuzz_checkpoint.py`` (a seeded run of many inputs, for the counts in reports).
 
 The oracle: each reader (the loader with and without mmap, ``verify_checkpoint``, the

@@ -37,9 +37,9 @@ _STARTS_PROCESSES_INSIDE = frozenset(
         "test_carried.py::test_received_exponents_that_are_not_small_integers_are_refused",
         "test_data_cli.py::test_build_into_an_existing_dir_fails_without_force",
         "test_data_cli.py::test_build_prints_the_version_id_and_inspect_shows_it",
-        "test_data_cli.py::test_verify_passes_a_good_dataset_and_names_a_bad_shard",
+        "test_data_cli.py::test_verify_passes_a_good_dataset_and_names_a_bad_part",
         "test_data_records.py::test_files_as_documents_are_the_same_on_two_processes",
-        "test_data_records.py::test_one_and_two_processes_give_byte_identical_shards",
+        "test_data_records.py::test_one_and_two_processes_give_byte_identical_parts",
         "test_data_tokenizer.py::test_the_cli_builds_with_a_tokenizer_file_and_says_where_the_vocabulary_came_from",
         "test_dcp.py::test_a_dcp_checkpoint_missing_a_model_tensor_is_refused_naming_it",
         "test_dcp.py::test_a_dcp_checkpoint_of_another_shape_is_refused_naming_the_tensor",
@@ -59,6 +59,8 @@ _STARTS_PROCESSES_INSIDE = frozenset(
         "test_outer.py::test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step",
         "test_netns_regions.py::test_the_delay_router_adds_the_asked_round_trip_between_regions_and_none_inside_one",
         "test_placement.py::test_a_checkpoint_records_the_placement_and_settings_in_force",
+        "test_precision.py::test_an_overflow_at_the_minimum_scale_stops_the_run_naming_the_field",
+        "test_precision.py::test_the_scale_is_state_in_a_checkpoint_and_a_state_copy_and_changes_only_by_an_update",
         "test_preflight.py::test_a_checkpoint_of_another_config_is_refused_naming_the_flag",
         "test_preflight.py::test_a_checkpoint_whose_tensors_do_not_fit_the_model_is_refused",
         "test_preflight.py::test_a_resume_checkpoint_with_a_flipped_bit_is_refused_naming_the_file",
@@ -103,10 +105,18 @@ def _starts_processes(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    misplaced = []
     for item in items:
         name = f"{Path(item.path).name}::{getattr(item, 'originalname', item.name)}"
         if name in _STARTS_PROCESSES_INSIDE or _starts_processes(item):
             item.add_marker(pytest.mark.integration)
+            if Path(item.path).parent.name == "unit":
+                misplaced.append(name)
+    if misplaced:  # the folders say what a file's tests start: keep them true
+        raise pytest.UsageError(
+            "tests/unit/ holds tests that start no process; move these files to "
+            f"tests/integration/: {sorted(misplaced)}"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -137,6 +147,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     fuzz = sys.modules.get("tests.checkpoint_fuzzing")
     if fuzz is not None and fuzz.TALLY.inputs:
         terminalreporter.write_line(fuzz.TALLY.summary())
+    _slowest_files(terminalreporter)
+
+
+def _slowest_files(terminalreporter: pytest.TerminalReporter, n: int = 15) -> None:
+    """The files that took longest (setup, call and teardown of all their tests): where a
+    suite that grew too slow can be cut."""
+    per: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                path = r.nodeid.split("::", 1)[0]
+                per[path] = per.get(path, 0.0) + r.duration
+    if len(per) < 2:
+        return
+    terminalreporter.write_sep("=", f"slowest {n} files")
+    for path, seconds in sorted(per.items(), key=lambda kv: -kv[1])[:n]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
 
 
 # -- the end of the test process ---------------------------------------------------------

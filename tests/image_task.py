@@ -71,7 +71,7 @@ def digits(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return (patterns[labels] + noise).astype(np.uint8), labels
 
 
-def import_digits(root: Path, n: int, shard_samples: int = 100) -> Path:
+def import_digits(root: Path, n: int, part_samples: int = 100) -> Path:
     """``digits(n)`` imported as ``root/ds`` (images and labels, no tokens)."""
     from perdure.data.importer import import_arrays
 
@@ -81,5 +81,5 @@ def import_digits(root: Path, n: int, shard_samples: int = 100) -> Path:
         np.save(root / "images.npy", images)
         np.save(root / "labels.npy", labels)
         import_arrays({"images": [str(root / "images.npy")], "labels": [str(root / "labels.npy")]},
-                      str(out), shard_mb=shard_samples * 72 / (1 << 20))  # fmt: skip
+                      str(out), part_mb=part_samples * 72 / (1 << 20))  # fmt: skip
     return out

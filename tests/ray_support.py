@@ -210,23 +210,22 @@ class LocalRayCluster:
         return next(n for n in self.nodes if raylet in n.raylet_pids())
 
     def stop(self) -> None:
-        """Stop every node, then any process still carrying this cluster's marker."""
-        for node in reversed(self.nodes):
+        """Kill every node and then every process still carrying this cluster's marker, at
+        once: a test cluster has nothing to save. (Ray's own stop, SIGTERM to each ``ray
+        start --block``, which then stops its raylet, the GCS and the workers in turn, took
+        33 s here; this takes well under one.)"""
+        for node in self.nodes:
             if node.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(node.proc.pid, signal.SIGTERM)
-        for node in reversed(self.nodes):
-            try:
-                node.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(node.proc.pid, signal.SIGKILL)
         end = time.monotonic() + 20
         while (left := marked_processes(self.marker)) and time.monotonic() < end:
-            time.sleep(0.5)
-        for pid in left:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            for pid in left:  # raylets, the GCS and workers, each in a session of its own
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        for node in self.nodes:
+            node.proc.wait(timeout=20)
         if not os.environ.get("PERDURE_TEST_KEEP_RAY_LOGS"):  # set it to look at Ray's logs
             shutil.rmtree(self.root, ignore_errors=True)
 

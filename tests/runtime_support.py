@@ -17,13 +17,13 @@ STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 def build_small_dataset(out: Path) -> Path:
-    """About 300 KB of the stdlib's own source, 64-token samples, many small shards."""
+    """About 300 KB of the stdlib's own source, 64-token samples, many small parts."""
     if not (out / "manifest.json").exists():
         build_dataset(
             [str(STDLIB / "json"), str(STDLIB / "email")],
             str(out),
             seq_len=64,
-            shard_mb=0.05,
+            part_mb=0.05,
             include="*.py",
         )
     return out

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 
 WORDS = ["alpha", "beta", "gamma", "delta", "shard", "slot", "step", "epoch", "perdure"]
-"""The vocabulary of tests.test_data_support.write_corpus, after the special ids."""
+"""The vocabulary of tests.unit.test_data_support.write_corpus, after the special ids."""
 SPECIAL = ["<unk>", "<eos>"]
 
 

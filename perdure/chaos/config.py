@@ -10,27 +10,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from perdure.chaos import faults as registry
-from perdure.config import Checker
+from perdure.config import Checker, renamed, renamed_value
 
 
 @dataclass(kw_only=True, frozen=True)
 class FaultConfig:
     """One fault. Exactly one trigger (``at_step`` or ``at_s``) is set."""
 
-    kind: str
+    kind: str = field(metadata=renamed(registry.RENAMED))
     """What breaks: one of the kinds of the fault registry (``perdure/chaos/faults/``, one
     module each); the table *Fault kinds* below says what each does, its failure class
-    and what its target names."""
+    and what its target names. The old names ``poison_shard`` and ``corrupt_shard`` are
+    read as ``poison_part`` and ``corrupt_part``, with a DeprecationWarning."""
     target: str
     """What the fault strikes, in the form its kind names (table below): a worker name
-    (``REGION-INDEX``, e.g. ``eu-1``), a region name, either of the two, or a shard
-    index."""
+    (``REGION-INDEX``, e.g. ``eu-1``), a region name, either of the two, or a dataset
+    part's index."""
     at_step: int | None = None
     """Inject once step ``at_step`` has committed (the launcher's chaos driver reads it in
     metrics.jsonl every tick): the fault hits step ``at_step + 1`` or, when the run got
     ahead of the poll, a later one. The ``fault_injected`` record's ``step`` (the report's
     injected step) is the highest committed step at that moment: ``at_step``, or more by
-    the poll's lag. Worker-side kinds applied by every loader (``poison_shard``) hit
+    the poll's lag. Worker-side kinds applied by every loader (``poison_part``) hit
     exactly ``at_step``."""
     at_s: float | None = None
     """Inject this many seconds after the run starts."""
@@ -42,6 +43,7 @@ class FaultConfig:
     """Extra latency per collective and heartbeat, for ``delay``."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", renamed_value(self.kind, registry.RENAMED, "kind"))
         c = Checker()
         self._check_shared(c)
         kind = registry.get(self.kind)

@@ -3,7 +3,7 @@
 Faults that a real cluster inflicts from outside are real here too (``kill`` is SIGKILL,
 ``hang`` SIGSTOP, ``region_down`` kills every process of the region, its coordinator
 included); faults that need the process's cooperation (``delay``, ``comm_error``) are
-posted in the store for the worker; ``poison_shard`` is applied by the loaders themselves
+posted in the store for the worker; ``poison_part`` is applied by the loaders themselves
 at its step. What each kind does is its class's business (``chaos/faults/``); the driver
 only decides *when*: a fault fires once its trigger is reached, and a timed one is undone
 ``duration_s`` later. It composes with any launcher that offers a ClusterControl.

@@ -19,15 +19,15 @@ saw and absorbed them. One record per failure, from the event log:
   symptom);
 - ``coordinator_loss``: a standby took over;
 - ``replica_divergence``: replica fingerprints disagreed;
-- ``bad_shard``: a shard was quarantined (its samples' gradients were non-finite);
-- ``corrupt_shard``: a shard failed a read and was repaired (its first ``shard_repaired``
+- ``bad_part``: a part was quarantined (its samples' gradients were non-finite);
+- ``corrupt_part``: a part failed a read and was repaired (its first ``part_repaired``
   record: read again, or a mirror's copy) or, with no good copy, quarantined (a decision
   of kind ``corrupt``).
 
 Graceful departures (``leave_requested``) and everything after ``run_end`` (shutdown) are
 not failures. A failure is *scheduled* when an injected fault explains it: the fault
 signalled its process (the ``pids`` of ``fault_injected``), or named its worker or region
-(up to ``MATCH_S`` after the fault ended), or poisoned or corrupted its shard, or could
+(up to ``MATCH_S`` after the fault ended), or poisoned or corrupted its part, or could
 take the coordinator. It is *detected* when the run noticed it (for a process exit: a ``leave`` of
 that process or an epoch started without it; a process that never joined needs nothing
 but the launcher's notice), and *absorbed* when it was detected, the run
@@ -45,6 +45,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from perdure import events as ev
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.chaos.summary import steps_lost
 
 Record = dict[str, Any]
@@ -199,7 +201,7 @@ def _collective(events: list[Record]) -> list[Record]:
 
 def _others(events: list[Record]) -> list[Record]:
     out = []
-    repaired: set[Any] = set()  # one failure per shard, however many workers repaired it
+    repaired: set[Any] = set()  # one failure per part, however many workers repaired it
     for e in events:
         if e["event"] == ev.COORDINATOR_TAKEOVER:
             detail = f"the {e.get('by', 'standby')} took over"
@@ -211,24 +213,23 @@ def _others(events: list[Record]) -> list[Record]:
             detail = f"fingerprints of {workers} disagreed at step {e.get('step')}"
             out.append({**_failure("replica_divergence", e, detail=detail, detect=e),
                         "worker": worker})  # fmt: skip
-        elif e["event"] == ev.DECISION and e.get("kind") in _SHARD_DECISIONS:
-            kind = _SHARD_DECISIONS[e["kind"]]
-            detail = f"shards {e.get('shards')} quarantined at step {e.get('step')}"
-            out.append(_failure(kind, e, detail=detail, shards=e.get("shards"), detect=e))
-        elif e["event"] == ev.SHARD_REPAIRED and e.get("shard") not in repaired:
-            repaired.add(e.get("shard"))
-            detail = f"shard {e.get('shard')}: {e.get('error')}; served via {e.get('via')}"
-            out.append(
-                _failure("corrupt_shard", e, detail=detail, shards=[e.get("shard")], detect=e)
-            )
+        elif e["event"] == ev.DECISION and e.get("kind") in _PART_DECISIONS:
+            kind = _PART_DECISIONS[e["kind"]]
+            parts = ev.decision_parts(e)
+            detail = f"parts {parts} quarantined at step {e.get('step')}"
+            out.append(_failure(kind, e, detail=detail, parts=parts, detect=e))
+        elif e["event"] == ev.PART_REPAIRED and e.get("part") not in repaired:
+            repaired.add(e.get("part"))
+            detail = f"part {e.get('part')}: {e.get('error')}; served via {e.get('via')}"
+            out.append(_failure("corrupt_part", e, detail=detail, parts=[e.get("part")], detect=e))
     return out
 
 
-_SHARD_DECISIONS = {"quarantine": "bad_shard", "corrupt": "corrupt_shard"}
-"""Decision kinds that quarantine a shard, and the failure each records."""
+_PART_DECISIONS = {"quarantine": "bad_part", "corrupt": CORRUPT_PART}
+"""Decision kinds that quarantine a part, and the failure each records."""
 
-_SHARD_FAULTS = {"bad_shard": "poison_shard", "corrupt_shard": "corrupt_shard"}
-"""The fault kind that explains each shard failure (when it names the shard)."""
+_PART_FAULTS = {"bad_part": POISON_PART, CORRUPT_PART: CORRUPT_PART}
+"""The fault kind that explains each part failure (when it names the part)."""
 
 
 # -- judging them --------------------------------------------------------------------------
@@ -247,9 +248,9 @@ def _explained_by(
 
 
 def _explains(x: Record, f: Record, until: float, region_of: dict[str, Any]) -> bool:
-    if f["kind"] in _SHARD_FAULTS:
-        return x["kind"] == _SHARD_FAULTS[f["kind"]] and str(x["target"]).isdigit() and (
-            int(x["target"]) in (f.get("shards") or []))  # fmt: skip
+    if f["kind"] in _PART_FAULTS:
+        return x["kind"] == _PART_FAULTS[f["kind"]] and str(x["target"]).isdigit() and (
+            int(x["target"]) in (f.get("parts") or []))  # fmt: skip
     if f["kind"] == "coordinator_loss":
         takes = x["kind"] == "region_down" or x["target"] in ("coordinator", "standby")
         return takes and f["t"] - x["t"] <= COORDINATOR_FAULT_S

@@ -56,7 +56,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (0-d and empty included).
 
     Through ctypes, not ``.numpy()``: a storage exported to numpy can never be resized
-    again, and a parameter sharded at rest (``runtime/param_gather.py``) is freed and
+    again, and a parameter sharded at rest (``runtime/replica/param_gather.py``) is freed and
     gathered by resizing its storage. The view keeps the tensor alive."""
     assert t.is_contiguous() and t.device.type == "cpu"
     flat = t.reshape(-1)

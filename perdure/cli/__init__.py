@@ -4,10 +4,14 @@ happen inside the commands, so ``perdure --help`` stays fast."""
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import click
 
 from perdure import __version__
+from perdure.config import RenamedWarning
+
+warnings.simplefilter("default", RenamedWarning)  # an old name is the user's to fix: say so
 
 # name -> module:attribute of a click command or group; missing modules are skipped, so a
 # subcommand appears exactly when the code that backs it exists.

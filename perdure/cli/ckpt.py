@@ -310,7 +310,7 @@ def import_(dcp_dir: str, config_path: str, out: str, weights_only: bool) -> Non
     differs is refused naming the key; the task's scheduler starts fresh."""
     from perdure.checkpoint.dcp import DcpError
     from perdure.run_config import load_config
-    from perdure.runtime.dcp_import import import_dcp
+    from perdure.runtime.replica.dcp_import import import_dcp
 
     try:
         made = import_dcp(load_config(config_path), dcp_dir, out, optimizer=not weights_only)

@@ -2,17 +2,39 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
+import warnings
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import click
 
+from perdure.config import RenamedWarning
+
+
+def _part_mb_option(f: Callable[..., Any]) -> Callable[..., Any]:
+    """``--part-mb``, and its old name ``--shard-mb`` (hidden; a RenamedWarning)."""
+
+    @functools.wraps(f)
+    def command(*args: Any, shard_mb: float | None = None, **kw: Any) -> Any:
+        if shard_mb is not None:
+            warnings.warn("--shard-mb is now called --part-mb; the old name will be refused "
+                          "in a later release", RenamedWarning, stacklevel=2)  # fmt: skip
+            kw["part_mb"] = shard_mb
+        return f(*args, **kw)
+
+    command = click.option("--shard-mb", type=float, default=None, hidden=True,
+                           help="Old name of --part-mb.")(command)  # fmt: skip
+    return click.option("--part-mb", default=64.0, show_default=True,
+                        help="Target part size in MiB.")(command)  # fmt: skip
+
 
 @click.group()
 def data() -> None:
-    """Build, import, verify and inspect versioned datasets (manifest + checksummed shards)."""
+    """Build, import, verify and inspect versioned datasets (manifest + checksummed parts)."""
 
 
 @data.command("build")
@@ -24,7 +46,7 @@ def data() -> None:
     show_default=True,
     help="Tokens a model reads per sample; samples hold seq_len + 1 tokens.",
 )
-@click.option("--shard-mb", default=64.0, show_default=True, help="Target shard size in MiB.")
+@_part_mb_option
 @click.option("--include", default="*", show_default=True, help="File-name pattern in dirs.")
 @click.option("--max-mb", type=float, default=None, help="Read at most this many MiB of source.")
 @click.option(
@@ -76,7 +98,7 @@ def data() -> None:
     "--processes",
     type=int,
     default=None,
-    help="Worker processes that tokenize (default: the cores). The shards are "
+    help="Worker processes that tokenize (default: the cores). The parts are "
     "byte-identical for every count.",
 )
 @click.option(
@@ -91,7 +113,7 @@ def build(
     sources: tuple[str, ...],
     out: str,
     seq_len: int,
-    shard_mb: float,
+    part_mb: float,
     include: str,
     max_mb: float | None,
     tokenizer: str | None,
@@ -121,7 +143,7 @@ def build(
     start = time.perf_counter()
     line = ProgressLine(enabled=not quiet)
     try:
-        m = build_dataset(list(sources), out, seq_len=seq_len, shard_mb=shard_mb,
+        m = build_dataset(list(sources), out, seq_len=seq_len, part_mb=part_mb,
                           include=include, max_mb=max_mb, overwrite=force,
                           tokenizer=tokenizer, tokenizer_file=tokenizer_file,
                           vocab_size=vocab_size, separator=separator, text_field=text_field,
@@ -136,8 +158,8 @@ def build(
     line.close()
     took = time.perf_counter() - start
     docs = f"{m.sources['documents']} records of " if "documents" in m.sources else ""
-    click.echo(f"{out}: {m.num_samples} samples of {seq_len + 1} tokens in {len(m.shards)} "
-               f"shards from {docs}{m.sources['files']} files ({m.sources['bytes']} bytes) in "
+    click.echo(f"{out}: {m.num_samples} samples of {seq_len + 1} tokens in {len(m.parts)} "
+               f"parts from {docs}{m.sources['files']} files ({m.sources['bytes']} bytes) in "
                f"{took:.2f} s on {procs} process{'es' if procs != 1 else ''}")  # fmt: skip
     skipped = m.sources.get("skipped_records")
     if skipped:
@@ -184,7 +206,7 @@ def build(
     show_default=True,
     help="What produced the tokens (e.g. gpt2): enters the version id.",
 )
-@click.option("--shard-mb", default=64.0, show_default=True, help="Target shard size in MiB.")
+@_part_mb_option
 @click.option(
     "--format",
     "fmt",
@@ -218,7 +240,7 @@ def import_(
     extra: tuple[str, ...],
     vocab_size: int | None,
     tokenizer_name: str,
-    shard_mb: float,
+    part_mb: float,
     fmt: str,
     mds_column: str,
     in_place: bool,
@@ -239,7 +261,7 @@ def import_(
         if extra:
             _fail(f"--field: not with --format {fmt} (the format holds the tokens only)")
         _import_format(fmt, list(files), out, seq_len, dtype, vocab_size, tokenizer_name,
-                       shard_mb, mds_column, force)  # fmt: skip
+                       part_mb, mds_column, force)  # fmt: skip
         return
     fields: dict[str, list[str]] = {"tokens": list(files)} if files else {}
     dtypes: dict[str, str] = {}
@@ -253,13 +275,13 @@ def import_(
     start = time.perf_counter()
     try:
         m = import_arrays(fields, out, seq_len=seq_len, dtype=dtype, dtypes=dtypes,
-                          vocab_size=vocab_size, tokenizer=tokenizer_name, shard_mb=shard_mb,
+                          vocab_size=vocab_size, tokenizer=tokenizer_name, part_mb=part_mb,
                           overwrite=force)  # fmt: skip
     except DataError as e:
         _fail(str(e))
     took = time.perf_counter() - start
     layout = ", ".join(f.describe() for f in m.fields)
-    click.echo(f"{out}: {m.num_samples} samples ({layout}) in {len(m.shards)} shards from "
+    click.echo(f"{out}: {m.num_samples} samples ({layout}) in {len(m.parts)} parts from "
                f"{m.sources['files']} files in {took:.2f} s")  # fmt: skip
     for name, n in m.sources.get("dropped_tail", {}).items():
         if n:
@@ -288,7 +310,7 @@ def _import_in_place(fmt: str, paths: list[str], out: str, seq_len: int | None,
     if extra:
         _fail("--in-place: tokens only (no --field)")
     if fmt == "mds":
-        _fail("--in-place: MDS shards interleave sample headers with the tokens; import "
+        _fail("--in-place: MDS parts interleave sample headers with the tokens; import "
               "them without --in-place (a copy)")  # fmt: skip
     if seq_len is None:
         _fail("--in-place: needs --seq-len")
@@ -306,19 +328,19 @@ def _import_in_place(fmt: str, paths: list[str], out: str, seq_len: int | None,
     took = time.perf_counter() - start
     size = m.sources["bytes"]
     click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens referencing "
-               f"{len(m.shards)} files in place ({size} bytes) in {took:.2f} s")  # fmt: skip
+               f"{len(m.parts)} files in place ({size} bytes) in {took:.2f} s")  # fmt: skip
     _say_vocab(m)
     click.echo(f"version id: {m.version_id}")
 
 
 def _import_format(fmt: str, paths: list[str], out: str, seq_len: int | None,
-                   dtype: str | None, vocab: int | None, tokenizer: str, shard_mb: float,
+                   dtype: str | None, vocab: int | None, tokenizer: str, part_mb: float,
                    column: str, force: bool) -> None:  # fmt: skip
     from perdure.data import DataError
     from perdure.data.formats import import_mds, import_megatron
 
     kw: dict[str, Any] = {"seq_len": seq_len, "vocab_size": vocab, "tokenizer": tokenizer,
-                          "shard_mb": shard_mb, "overwrite": force}  # fmt: skip
+                          "part_mb": part_mb, "overwrite": force}  # fmt: skip
     start = time.perf_counter()
     try:
         if fmt == "megatron":
@@ -330,8 +352,8 @@ def _import_format(fmt: str, paths: list[str], out: str, seq_len: int | None,
     except DataError as e:
         _fail(str(e))
     took = time.perf_counter() - start
-    click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens in {len(m.shards)} "
-               f"shards from {len(paths)} {fmt} sources ({m.sources['documents']} documents) "
+    click.echo(f"{out}: {m.num_samples} samples of {m.seq_len + 1} tokens in {len(m.parts)} "
+               f"parts from {len(paths)} {fmt} sources ({m.sources['documents']} documents) "
                f"in {took:.2f} s")  # fmt: skip
     for n in m.sources.get("dropped_tail", {}).values():
         if n:
@@ -363,7 +385,7 @@ def _say_vocab(m: Any) -> None:
 @data.command("verify")
 @click.argument("url")
 def verify(url: str) -> None:
-    """Check every shard of the dataset at URL against its manifest; exit 1 naming bad ones."""
+    """Check every part of the dataset at URL against its manifest; exit 1 naming bad ones."""
     from perdure.data import DataError, Dataset
     from perdure.data.verify import verify_dataset
 
@@ -375,15 +397,15 @@ def verify(url: str) -> None:
     for err in bad:
         click.echo(f"bad {err}", err=True)
     if bad:
-        _fail(f"{url}: {len(bad)} of {ds.num_shards} shards failed verification")
-    click.echo(f"{url}: ok, {ds.num_shards} shards, {ds.num_samples} samples, {ds.version_id}")
+        _fail(f"{url}: {len(bad)} of {ds.num_parts} parts failed verification")
+    click.echo(f"{url}: ok, {ds.num_parts} parts, {ds.num_samples} samples, {ds.version_id}")
 
 
 @data.command("inspect")
 @click.argument("url")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest summary as JSON.")
 def inspect(url: str, as_json: bool) -> None:
-    """Show the version id, samples, shards and tokens of the dataset at URL."""
+    """Show the version id, samples, parts and tokens of the dataset at URL."""
     from perdure.data import DataError, Dataset
 
     try:
@@ -399,8 +421,8 @@ def inspect(url: str, as_json: bool) -> None:
         else f"{m.row_bytes} bytes (no tokens field)",
         "fields": "; ".join(f.describe() for f in m.fields),
         "tokens": m.num_tokens,
-        "shards": len(m.shards),
-        "bytes": sum(s.bytes for s in m.shards),
+        "parts": len(m.parts),
+        "bytes": sum(s.bytes for s in m.parts),
         "build": json.dumps(m.build, sort_keys=True),
         "sources": json.dumps(m.sources, sort_keys=True),
     }

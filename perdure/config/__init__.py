@@ -5,7 +5,7 @@ Every component's config imports this package (for :class:`Checker`); it imports
 them. The run config that composes them lives above them, in :mod:`perdure.run_config`.
 """
 
-from perdure.config.build import build
+from perdure.config.build import RenamedWarning, build, renamed_value
 from perdure.config.errors import Checker, ConfigError, Problem
 
 MATH = {"math": True}
@@ -15,6 +15,12 @@ MATH_ADDED = {"math": True, "hash_default": False}
 """A math field added after runs existed, whose default is the math they already did: at
 its default it is left out of the config hash, so their checkpoints keep their hash and
 resume without ``--allow-config-change``; any other value enters the hash."""
+
+
+def renamed(old_names: dict[str, str]) -> dict[str, object]:
+    """Metadata of a field some of whose values were renamed (old name to new): a config
+    that gives an old name loads, with a DeprecationWarning (``renamed_value``)."""
+    return {"renamed": old_names}
 
 
 def math_unless(sibling: str, value: object, hashed_as: object) -> dict[str, object]:
@@ -39,7 +45,10 @@ __all__ = [
     "Checker",
     "ConfigError",
     "Problem",
+    "RenamedWarning",
     "build",
     "math_only_if",
     "math_unless",
+    "renamed",
+    "renamed_value",
 ]

@@ -13,12 +13,20 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar, get_args, get_origin
 
 from perdure.config.errors import ConfigError, Problem
 
 T = TypeVar("T")
+
+
+class RenamedWarning(DeprecationWarning):
+    """An old name of a config value, a fault kind or a flag was used; the command line
+    shows these (``perdure.cli``), unlike other DeprecationWarnings."""
+
+
 _MISSING = dataclasses.MISSING
 
 
@@ -29,6 +37,18 @@ def build(cls: type[T], data: object, prefix: str = "") -> T:
         raise ConfigError(problems)
     assert value is not None
     return value
+
+
+def renamed_value(value: object, renamed: Mapping[str, str], key: str) -> Any:
+    """``value``, or its new name where it is an old one (``renamed``: old to new), with a
+    DeprecationWarning naming the key and both names. A field lists its values' old names
+    in its metadata (``renamed(...)``), so a config written before a rename still loads."""
+    if not isinstance(value, str) or value not in renamed:
+        return value
+    new = renamed[value]
+    warnings.warn(f"{key}: {value!r} is now called {new!r}; the old name will be refused in a "
+                  "later release", RenamedWarning, stacklevel=3)  # fmt: skip
+    return new
 
 
 def _key(prefix: str, name: str) -> str:
@@ -54,7 +74,8 @@ def _build_dataclass(cls: type[T], data: object, prefix: str) -> tuple[T | None,
                 problems.append(Problem(_key(prefix, name), "required key is missing", None))
                 buildable = False
             continue
-        value, sub = _convert(hints[name], data[name], _key(prefix, name))
+        raw = renamed_value(data[name], f.metadata.get("renamed", {}), _key(prefix, name))
+        value, sub = _convert(hints[name], raw, _key(prefix, name))
         problems += sub
         if not sub:
             kwargs[name] = value

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "Batch": "batch",
-    "CorruptShardError": "errors",
+    "CorruptPartError": "errors",
     "DataError": "errors",
     "DataState": "state",
     "Dataset": "dataset",
@@ -25,8 +25,8 @@ _EXPORTS = {
     "Order": "order",
     "Quarantine": "quarantine",
     "QuarantineEntry": "quarantine",
-    "ShardError": "errors",
-    "ShardInfo": "manifest",
+    "PartError": "errors",
+    "PartInfo": "manifest",
     "SlotLoader": "loader",
     "build_dataset": "build",
     "byte_tokenizer": "tokenize",
@@ -42,7 +42,7 @@ _EXPORTS = {
 
 __all__ = [
     "Batch",
-    "CorruptShardError",
+    "CorruptPartError",
     "DataError",
     "DataState",
     "Dataset",
@@ -51,10 +51,10 @@ __all__ = [
     "FieldSpec",
     "Manifest",
     "Order",
+    "PartError",
+    "PartInfo",
     "Quarantine",
     "QuarantineEntry",
-    "ShardError",
-    "ShardInfo",
     "SlotLoader",
     "build_dataset",
     "byte_tokenizer",
@@ -72,11 +72,11 @@ if TYPE_CHECKING:
     from perdure.data.batch import Batch
     from perdure.data.build import build_dataset
     from perdure.data.dataset import Dataset
-    from perdure.data.errors import CorruptShardError, DataError, ShardError
+    from perdure.data.errors import CorruptPartError, DataError, PartError
     from perdure.data.fields import Field, FieldSpec
     from perdure.data.importer import import_arrays
     from perdure.data.loader import SlotLoader
-    from perdure.data.manifest import Manifest, ShardInfo, parse_manifest
+    from perdure.data.manifest import Manifest, PartInfo, parse_manifest
     from perdure.data.order import Order, permute, position_to_sample, positions_to_samples
     from perdure.data.quarantine import Quarantine, QuarantineEntry
     from perdure.data.slots import slot_positions

@@ -11,10 +11,10 @@ import numpy as np
 class Batch:
     """The samples of slot ``slot`` of step ``step``.
 
-    ``weight`` is the per-sample loss weight: 1.0 normally, NaN for a sample whose shard is
-    poisoned (fault injection) or could not be read (``bad_shards``). The task multiplies
+    ``weight`` is the per-sample loss weight: 1.0 normally, NaN for a sample whose part is
+    poisoned (fault injection) or could not be read (``bad_parts``). The task multiplies
     per-sample losses by it, so such a slot's gradient is non-finite, exactly as bad data
-    would make it, and the runtime's non-finite check attributes it to ``shards``.
+    would make it, and the runtime's non-finite check attributes it to ``parts``.
     """
 
     step: int
@@ -26,12 +26,12 @@ class Batch:
     """int64 ``[B/S]``: the served sample ids, after quarantine resampling."""
     positions: np.ndarray
     """int64 ``[B/S]``: the global order positions of this slot."""
-    shards: np.ndarray
-    """int64 ``[B/S]``: shard of each sample."""
+    parts: np.ndarray
+    """int64 ``[B/S]``: part of each sample."""
     weight: np.ndarray
     """float32 ``[B/S]``: loss weight per sample (see the class docstring)."""
-    bad_shards: tuple[int, ...] = ()
-    """Shards of this slot that failed to load (their rows are zero, weights NaN)."""
+    bad_parts: tuple[int, ...] = ()
+    """Parts of this slot that failed to load (their rows are zero, weights NaN)."""
     fields: dict[str, np.ndarray] = field(default_factory=dict)
     """The dataset's other fields (``labels``, ``loss_mask``, ...) by name, ``[B/S, *shape]``
     each: integers as int64, floats in their stored dtype. Empty for a tokens-only dataset; every

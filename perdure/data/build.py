@@ -1,22 +1,22 @@
-"""``build_dataset``: text sources -> tokens -> fixed-length samples -> shards + manifest.
+"""``build_dataset``: text sources -> tokens -> fixed-length samples -> parts + manifest.
 
 The token stream is every source file's tokens followed by one separator token, files in
 the order of :func:`~perdure.data.sources.list_sources`. It is cut into consecutive,
 non-overlapping samples of ``seq_len + 1`` tokens (the model reads ``[:-1]`` and predicts
-``[1:]``); the last partial sample is dropped. Samples fill shards of ``samples_per_shard``
-rows, ``floor(shard_mb MiB / row bytes)``; the last shard may hold fewer.
+``[1:]``); the last partial sample is dropped. Samples fill parts of ``samples_per_part``
+rows, ``floor(part_mb MiB / row bytes)``; the last part may hold fewer.
 
 Tokenizers: byte-level by default; a Python callable ``bytes -> ids`` with ``vocab_size``;
 or an import entry ``module:function`` (``perdure data build --tokenizer``, see
 :mod:`perdure.data.tokenizer_entry`), whose vocabulary is what it reports, or
 ``vocab_size``, or else the largest id seen + 1 (then the ids are spooled to a temporary
-file first, since the shards' dtype depends on that largest id).
+file first, since the parts' dtype depends on that largest id).
 
 Everything is a pure function of the file contents and the parameters, so the same inputs
-give byte-identical shards and the same version id anywhere. The build writes into a
+give byte-identical parts and the same version id anywhere. The build writes into a
 temporary sibling directory and renames it into place: a reader never sees half a dataset.
-Limits: the output must be a local directory (upload it with any tool afterwards: shards
-are plain files); the build reads sources one at a time and holds one shard in memory.
+Limits: the output must be a local directory (upload it with any tool afterwards: parts
+are plain files); the build reads sources one at a time and holds one part in memory.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import numpy as np
 
 from perdure.data.errors import DataError
 from perdure.data.hashing import sha256_hex
-from perdure.data.manifest import Manifest, ShardInfo
+from perdure.data.manifest import Manifest, PartInfo
 from perdure.data.output import commit, write_file
 from perdure.data.parallel import CHUNK_BYTES, CHUNK_DOCS, Item, Spec, WorkerDied, run_chunks
 from perdure.data.records import Skipped, iter_docs, list_record_sources
@@ -58,7 +58,7 @@ def build_dataset(
     out: str,
     *,
     seq_len: int = 128,
-    shard_mb: float = 64.0,
+    part_mb: float = 64.0,
     tokenizer: Tokenizer | EntryTokenizer | str | None = None,
     tokenizer_file: str | None = None,
     vocab_size: int | None = None,
@@ -91,7 +91,7 @@ def build_dataset(
     same sources and parameters (:mod:`perdure.data.resume`). ``progress`` is called after
     every chunk; ``say`` receives one-line notes (default: none).
     """
-    _check_args(seq_len, shard_mb, max_mb)
+    _check_args(seq_len, part_mb, max_mb)
     if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
         raise DataError(f"build: --processes must be an integer >= 1 (got {processes!r})")
     entry_file = tokenizer_file
@@ -105,14 +105,15 @@ def build_dataset(
         raise DataError(f"build: output {out} already exists (pass overwrite=True / --force)")
     paths = list_record_sources(sources) if text_field else list_sources(sources, include)
     spec = _spec(plan, tokenizer, entry_file, processes)
-    params = {"seq_len": seq_len, "shard_mb": shard_mb, "tokenizer": plan.name,
+    # "shard_mb": the key before the rename, so that a build interrupted then still resumes
+    params = {"seq_len": seq_len, "shard_mb": part_mb, "tokenizer": plan.name,
               "identity": plan.identity, "vocab": plan.vocab, "separator": plan.separator,
               "text_field": text_field, "skip_bad": skip_bad_records, "max_mb": max_mb}  # fmt: skip
     fp = fingerprint(params, paths)
     work, state = open_partial(out, resume, say or (lambda _m: None))
     if state is not None:
         check_state(state, fp, work)
-    run = _Run(work, fp, plan, spec, seq_len, shard_mb, state, progress)
+    run = _Run(work, fp, plan, spec, seq_len, part_mb, state, progress)
     try:
         total = float(sum(_size(p) for p in paths))
         if text_field:
@@ -175,11 +176,11 @@ def _entry_plan(tok: EntryTokenizer, vocab: int | None, sep: int | None) -> _Pla
     return plan
 
 
-def _check_args(seq_len: int, shard_mb: float, max_mb: float | None) -> None:
+def _check_args(seq_len: int, part_mb: float, max_mb: float | None) -> None:
     if seq_len < 1:
         raise DataError(f"build: seq_len must be >= 1 (got {seq_len})")
-    if not shard_mb > 0:
-        raise DataError(f"build: shard_mb must be > 0 (got {shard_mb})")
+    if not part_mb > 0:
+        raise DataError(f"build: part_mb must be > 0 (got {part_mb})")
     if max_mb is not None and not max_mb > 0:
         raise DataError(f"build: max_mb must be > 0 (got {max_mb})")
 
@@ -217,21 +218,21 @@ def _spec(plan: _Plan, tok: Any, file: str | None, processes: int) -> Spec:
 
 
 class _Run:
-    """One build in its work directory: chunks in, shards (or the spool) out, state saved
+    """One build in its work directory: chunks in, parts (or the spool) out, state saved
     after every chunk so that ``--resume`` can go on from there."""
 
     def __init__(self, work: Path, fp: str, plan: _Plan, spec: Spec, seq_len: int,
-                 shard_mb: float, state: dict[str, Any] | None,
+                 part_mb: float, state: dict[str, Any] | None,
                  progress: Callable[[Progress], None] | None) -> None:  # fmt: skip
         self.work, self.fp, self.plan, self.spec = work, fp, plan, spec
-        self.seq_len, self.shard_mb, self.progress = seq_len, shard_mb, progress
+        self.seq_len, self.part_mb, self.progress = seq_len, part_mb, progress
         self.state = state or {}
         sink_state = self.state.get("sink")
-        self.sink: _Spool | _ShardWriter
+        self.sink: _Spool | _PartWriter
         if plan.vocab is None:
             self.sink = _Spool(work / ".spool", sink_state)
         else:
-            self.sink = _ShardWriter(work, dtype_for(plan.vocab), seq_len + 1, shard_mb,
+            self.sink = _PartWriter(work, dtype_for(plan.vocab), seq_len + 1, part_mb,
                                      sink_state)  # fmt: skip
         self.stats: dict[str, Any] = dict(self.state.get("stats", {}))
         self.total = 0.0
@@ -312,16 +313,16 @@ class _Run:
         plan, sink = self.plan, self.sink
         if isinstance(sink, _Spool):
             plan.vocab = max(sink.max_id, plan.separator) + 1
-            writer = _ShardWriter(self.work, dtype_for(plan.vocab), self.seq_len + 1,
-                                  self.shard_mb, None, journal=False)  # fmt: skip
+            writer = _PartWriter(self.work, dtype_for(plan.vocab), self.seq_len + 1,
+                                  self.part_mb, None, journal=False)  # fmt: skip
             sink.replay(writer)
         else:
             writer = sink
         stats["tokens"] = writer.tokens_in
-        shards = writer.finish()
+        parts = writer.finish()
         build: dict[str, Any] = {
             "seq_len": self.seq_len,
-            "samples_per_shard": writer.per_shard,
+            "samples_per_shard": writer.per_part,
             "tokenizer": plan.name,
             "vocab_size": plan.vocab,
             "separator": plan.separator,
@@ -331,9 +332,9 @@ class _Run:
         if plan.vocab_from is not None:
             stats["vocab_size_from"] = plan.vocab_from
         for f in self.work.iterdir():
-            if not f.name.startswith("shard-") or f.name not in {s.file for s in shards}:
+            if not f.name.startswith("shard-") or f.name not in {s.file for s in parts}:
                 f.unlink()
-        manifest = Manifest(self.seq_len, writer.dtype_name, tuple(shards), build, stats)
+        manifest = Manifest(self.seq_len, writer.dtype_name, tuple(parts), build, stats)
         return manifest.with_version_id()
 
 
@@ -383,7 +384,7 @@ class _Spool:
     def state(self) -> dict[str, Any]:
         return {"max_id": self.max_id, "tokens": self.tokens_in}
 
-    def replay(self, writer: _ShardWriter) -> None:
+    def replay(self, writer: _PartWriter) -> None:
         self.f.close()
         if self.path.stat().st_size:
             stream = np.memmap(self.path, dtype="<u4", mode="r")
@@ -401,22 +402,22 @@ def _truncate(path: Path, size: int) -> None:
         f.truncate(size)
 
 
-class _ShardWriter:
-    """Accumulates tokens and writes full shards as raw little-endian row-major arrays.
+class _PartWriter:
+    """Accumulates tokens and writes full parts as raw little-endian row-major arrays.
 
-    With ``journal``, the tokens not yet in a shard are also in a *pending* file: each
-    chunk's ids appended, rewritten under a new name when a shard is cut, so ``state()``
-    (shards written, pending file and length) is enough to resume."""
+    With ``journal``, the tokens not yet in a part are also in a *pending* file: each
+    chunk's ids appended, rewritten under a new name when a part is cut, so ``state()``
+    (parts written, pending file and length) is enough to resume."""
 
-    def __init__(self, root: Path, dtype: str, row_tokens: int, shard_mb: float,
+    def __init__(self, root: Path, dtype: str, row_tokens: int, part_mb: float,
                  state: dict[str, Any] | None, journal: bool = True) -> None:  # fmt: skip
         self.root, self.row, self.dtype_name = root, row_tokens, dtype
         self.dtype = np.dtype(dtype).newbyteorder("<")
-        self.per_shard = max(1, int(shard_mb * MiB) // (row_tokens * self.dtype.itemsize))
+        self.per_part = max(1, int(part_mb * MiB) // (row_tokens * self.dtype.itemsize))
         self.chunks: list[np.ndarray] = []
         self.pending = 0
         self.tokens_in = 0
-        self.shards: list[ShardInfo] = []
+        self.parts: list[PartInfo] = []
         self.journal = journal
         self.pending_file = "pending-0.bin"
         self._added: list[np.ndarray] = []
@@ -426,7 +427,9 @@ class _ShardWriter:
             self._restore(state)
 
     def _restore(self, state: dict[str, Any]) -> None:
-        self.shards = [ShardInfo(**s) for s in state["shards"]]
+        self.parts = [
+            PartInfo(**s) for s in state.get("parts", state.get("shards", []))
+        ]  # shards: older
         self.tokens_in, self.pending_file = int(state["tokens"]), state["pending_file"]
         n = int(state["pending"])
         path = self.root / self.pending_file
@@ -440,12 +443,12 @@ class _ShardWriter:
         self._added.append(ids)
         self.pending += ids.size
         self.tokens_in += ids.size
-        shard_tokens = self.row * self.per_shard
-        if self.pending >= shard_tokens:
+        part_tokens = self.row * self.per_part
+        if self.pending >= part_tokens:
             flat = np.concatenate(self.chunks)
-            full = (flat.size // shard_tokens) * shard_tokens
-            for start in range(0, full, shard_tokens):
-                self._write(flat[start : start + shard_tokens])
+            full = (flat.size // part_tokens) * part_tokens
+            for start in range(0, full, part_tokens):
+                self._write(flat[start : start + part_tokens])
             rest = flat[full:]
             self.chunks, self.pending = [rest], rest.size
             self._cut = True
@@ -456,7 +459,7 @@ class _ShardWriter:
             return
         if self._cut:
             old = self.root / self.pending_file
-            self.pending_file = f"pending-{len(self.shards)}.bin"
+            self.pending_file = f"pending-{len(self.parts)}.bin"
             rest = np.concatenate(self.chunks) if self.chunks else np.empty(0, self.dtype)
             (self.root / self.pending_file).write_bytes(rest.tobytes())
             if old.name != self.pending_file:
@@ -474,23 +477,23 @@ class _ShardWriter:
             self._stale = None
 
     def state(self) -> dict[str, Any]:
-        return {"shards": [s.to_dict() for s in self.shards], "tokens": self.tokens_in,
+        return {"parts": [s.to_dict() for s in self.parts], "tokens": self.tokens_in,
                 "pending_file": self.pending_file, "pending": self.pending}  # fmt: skip
 
-    def finish(self) -> list[ShardInfo]:
+    def finish(self) -> list[PartInfo]:
         flat = np.concatenate(self.chunks) if self.chunks else np.empty(0, self.dtype)
         usable = (flat.size // self.row) * self.row
         if usable:
             self._write(flat[:usable])
-        if not self.shards:
+        if not self.parts:
             raise DataError(
                 f"build: sources hold {self.tokens_in} tokens, fewer than one sample of "
                 f"seq_len + 1 = {self.row} tokens"
             )
-        return self.shards
+        return self.parts
 
     def _write(self, tokens: np.ndarray) -> None:
         data = np.ascontiguousarray(tokens, dtype=self.dtype).tobytes()
-        name = f"shard-{len(self.shards):05d}.bin"
+        name = f"shard-{len(self.parts):05d}.bin"
         write_file(self.root / name, data)
-        self.shards.append(ShardInfo(name, tokens.size // self.row, len(data), sha256_hex(data)))
+        self.parts.append(PartInfo(name, tokens.size // self.row, len(data), sha256_hex(data)))

@@ -18,9 +18,9 @@ class DataConfig:
     file's directory for a TOML file (or its ``[run] base_dir``), the working directory
     for a config built in code."""
     cache_dir: str | None = None
-    """Local cache for remote shards; default: a ``cache/`` folder in the run directory."""
+    """Local cache for remote parts; default: a ``cache/`` folder in the run directory."""
     cache_mb: int = 1024
-    """Size bound of the local shard cache; least recently used shards are evicted."""
+    """Size bound of the local part cache; least recently used parts are evicted."""
     prefetch_steps: int = 1
     """Steps of samples read ahead in the background (0 disables prefetch)."""
     document_fields: bool = field(default=False, metadata=MATH_ADDED)
@@ -31,23 +31,23 @@ class DataConfig:
     the math (left out of the config hash when off: runs before it hash as they did)."""
 
     mirrors: list[str] = field(default_factory=list)
-    """Copies of the dataset (directories or fsspec URLs holding the same shard files, e.g.
-    another bucket or region), tried in order when a shard fails its checksum twice or
+    """Copies of the dataset (directories or fsspec URLs holding the same part files, e.g.
+    another bucket or region), tried in order when a part fails its checksum twice or
     cannot be read: each copy is checked against the manifest's SHA-256 before it is
-    served, so a repaired run trains on the same bits (a ``shard_repaired`` event names
-    the shard, the mirror and both checksums). Never written to."""
+    served, so a repaired run trains on the same bits (a ``part_repaired`` event names
+    the part, the mirror and both checksums). Never written to."""
     on_corrupt: Literal["stop", "quarantine"] = "stop"
-    """What a shard with no good copy (corrupt or unreadable after a re-read and every
+    """What a part with no good copy (corrupt or unreadable after a re-read and every
     mirror) does: ``stop`` ends the run before any sample of it is trained on, naming the
-    shard file, both checksums and ``perdure data verify``; ``quarantine`` leaves the
-    shard out from that step on, a decision-log entry of kind ``corrupt`` (it changes the
+    part file, both checksums and ``perdure data verify``; ``quarantine`` leaves the
+    part out from that step on, a decision-log entry of kind ``corrupt`` (it changes the
     math, as any quarantine does, and is replayed on resume)."""
     read_timeout_s: float = 30.0
-    """Deadline of one request to remote storage (a shard's download, the manifest): a
+    """Deadline of one request to remote storage (a part's download, the manifest): a
     request that stalls longer is abandoned and tried again. Local files have none."""
     read_attempts: int = 6
     """Tries of one remote request (errors and stalls past ``read_timeout_s``), with
-    exponential backoff between them (0.2 s doubling, at most 5 s); a shard still
+    exponential backoff between them (0.2 s doubling, at most 5 s); a part still
     unreadable after them is repaired from ``mirrors`` or handled by ``on_corrupt``."""
 
     def __post_init__(self) -> None:

@@ -8,11 +8,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from perdure.data.errors import DataError, ShardError
+from perdure.data.errors import DataError, PartError
 from perdure.data.fields import TOKENS, served_dtype
 from perdure.data.manifest import MANIFEST_NAME, Manifest, parse_manifest
 from perdure.data.retry import ReadFailed, ReadPolicy, with_retries
-from perdure.data.store import ShardStore, is_local, open_fs
+from perdure.data.store import PartStore, is_local, open_fs
 
 T = TypeVar("T")
 
@@ -23,15 +23,15 @@ SHORT_ROWS = 512
 class Dataset:
     """Random access to the samples of one dataset version.
 
-    Samples are numbered across shards in shard order; shard ``k`` holds ids
+    Samples are numbered across parts in part order; part ``k`` holds ids
     ``[start_k, start_k + samples_k)``. Opening reads only ``manifest.json`` and one listing
-    of the dataset directory (to report missing or truncated shards up front); shard bytes
+    of the dataset directory (to report missing or truncated parts up front); part bytes
     are read when a sample needs them (see :mod:`perdure.data.store`).
     """
 
-    def __init__(self, url: str, manifest: Manifest, store: ShardStore) -> None:
+    def __init__(self, url: str, manifest: Manifest, store: PartStore) -> None:
         self.url, self.manifest, self.store = url, manifest, store
-        counts = np.array([s.samples for s in manifest.shards], dtype=np.int64)
+        counts = np.array([s.samples for s in manifest.parts], dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
         self._ends = self.starts + counts
         self._documents: np.ndarray | None = None
@@ -50,8 +50,8 @@ class Dataset:
         """Open the dataset at ``url`` (directory holding ``manifest.json``).
 
         Raises :class:`DataError` naming the file for a missing or malformed manifest, and,
-        when ``check_files``, for a missing shard or one whose size differs from the
-        manifest's. ``mirrors``: copies a failed shard is repaired from (``data.mirrors``);
+        when ``check_files``, for a missing part or one whose size differs from the
+        manifest's. ``mirrors``: copies a failed part is repaired from (``data.mirrors``);
         ``policy``: how remote requests are tried (``perdure.data.retry``).
         """
         policy = policy or ReadPolicy()
@@ -68,7 +68,7 @@ class Dataset:
         manifest = parse_manifest(text, murl)
         if check_files:
             _check_files(fs, root, url, manifest, policy)
-        store = ShardStore(
+        store = PartStore(
             fs, root, manifest, cache_dir=cache_dir, cache_mb=cache_mb, mirrors=mirrors,
             policy=policy,
         )  # fmt: skip
@@ -87,26 +87,26 @@ class Dataset:
         return self.manifest.seq_len
 
     @property
-    def num_shards(self) -> int:
-        return len(self.manifest.shards)
+    def num_parts(self) -> int:
+        return len(self.manifest.parts)
 
-    def shard_of(self, sample_id: int | np.ndarray) -> int | np.ndarray:
-        """Shard of a sample id (or of each id of an array)."""
+    def part_of(self, sample_id: int | np.ndarray) -> int | np.ndarray:
+        """Part of a sample id (or of each id of an array)."""
         ids = np.asarray(sample_id, dtype=np.int64)
         self._check_ids(ids)
         out = np.searchsorted(self.starts, ids, side="right") - 1
         return int(out) if out.ndim == 0 else out
 
-    def shards_unchecked(self, ids: np.ndarray) -> np.ndarray:
-        """Shard of each id, for ids known to be in range (the loader's own)."""
+    def parts_unchecked(self, ids: np.ndarray) -> np.ndarray:
+        """Part of each id, for ids known to be in range (the loader's own)."""
         return np.searchsorted(self.starts, ids, side="right") - 1
 
-    def shard_range(self, shard: int) -> tuple[int, int]:
-        """Sample ids ``[start, end)`` of a shard."""
-        return int(self.starts[shard]), int(self._ends[shard])
+    def part_range(self, part: int) -> tuple[int, int]:
+        """Sample ids ``[start, end)`` of a part."""
+        return int(self.starts[part]), int(self._ends[part])
 
     def read(self, sample_ids: np.ndarray) -> np.ndarray:
-        """Rows ``[n, seq_len + 1]`` (stored dtype) of ``sample_ids``; raises ShardError."""
+        """Rows ``[n, seq_len + 1]`` (stored dtype) of ``sample_ids``; raises PartError."""
         rows, bad = self.read_available(np.asarray(sample_ids, dtype=np.int64))
         if bad:
             raise next(iter(bad.values()))
@@ -116,66 +116,66 @@ class Dataset:
         self,
         ids: np.ndarray,
         dtype: np.dtype | type | None = None,
-        shards: np.ndarray | None = None,
-    ) -> tuple[np.ndarray, dict[int, ShardError]]:
+        parts: np.ndarray | None = None,
+    ) -> tuple[np.ndarray, dict[int, PartError]]:
         """Token rows of ``ids`` (converted to ``dtype`` while copied, default: stored dtype),
-        with the rows of unreadable shards left zero and those shards' errors returned instead
-        of raised (the slot loader's path). ``shards``: ``shard_of(ids)`` if already known."""
+        with the rows of unreadable parts left zero and those parts' errors returned instead
+        of raised (the slot loader's path). ``parts``: ``part_of(ids)`` if already known."""
         if not self.manifest.tokens:
             names = [f.name for f in self.manifest.fields]
             raise DataError(f"{self.url}: holds no {TOKENS!r} field (its fields: {names}); "
                             "read_fields reads them")  # fmt: skip
         if self.manifest.structured:
-            records, bad = self.read_records(ids, shards)
+            records, bad = self.read_records(ids, parts)
             return records[TOKENS].astype(dtype or self.manifest.np_dtype()), bad
         out = np.empty((ids.size, self.seq_len + 1), dtype=dtype or self.manifest.np_dtype())
-        return out, self._read_into(out, ids, shards)
+        return out, self._read_into(out, ids, parts)
 
     def read_records(
-        self, ids: np.ndarray, shards: np.ndarray | None = None
-    ) -> tuple[np.ndarray, dict[int, ShardError]]:
+        self, ids: np.ndarray, parts: np.ndarray | None = None
+    ) -> tuple[np.ndarray, dict[int, PartError]]:
         """Whole samples of ``ids`` as records of every field (``manifest.record_dtype()``);
-        unreadable shards as in :meth:`read_available`."""
+        unreadable parts as in :meth:`read_available`."""
         out = np.empty(ids.size, dtype=self.manifest.record_dtype())
         if not self.manifest.structured:  # one field: the record is the token row
-            out[TOKENS], bad = self.read_available(ids, None, shards)
+            out[TOKENS], bad = self.read_available(ids, None, parts)
             return out, bad
-        return out, self._read_into(out, ids, shards)
+        return out, self._read_into(out, ids, parts)
 
     def read_fields(
-        self, ids: np.ndarray, shards: np.ndarray | None = None
-    ) -> tuple[dict[str, np.ndarray], dict[int, ShardError]]:
+        self, ids: np.ndarray, parts: np.ndarray | None = None
+    ) -> tuple[dict[str, np.ndarray], dict[int, PartError]]:
         """Every field of ``ids`` by name, in the dtype a task receives
-        (:func:`~perdure.data.fields.served_dtype`: integers as int64); unreadable shards as
+        (:func:`~perdure.data.fields.served_dtype`: integers as int64); unreadable parts as
         in :meth:`read_available`."""
         if not self.manifest.structured:  # the common case keeps the cast-while-copying path
-            tokens, bad = self.read_available(ids, np.int64, shards)
+            tokens, bad = self.read_available(ids, np.int64, parts)
             return {TOKENS: tokens}, bad
-        records, bad = self.read_records(ids, shards)
+        records, bad = self.read_records(ids, parts)
         return {f.name: records[f.name].astype(served_dtype(f.dtype))
                 for f in self.manifest.fields}, bad  # fmt: skip
 
     def _read_into(
-        self, out: np.ndarray, ids: np.ndarray, shards: np.ndarray | None
-    ) -> dict[int, ShardError]:
-        """Fill ``out`` (token rows or records, one per id) from the shards."""
-        if shards is None:  # given shards mean ids the caller already checked
+        self, out: np.ndarray, ids: np.ndarray, parts: np.ndarray | None
+    ) -> dict[int, PartError]:
+        """Fill ``out`` (token rows or records, one per id) from the parts."""
+        if parts is None:  # given parts mean ids the caller already checked
             self._check_ids(ids)
-            shards = np.searchsorted(self.starts, ids, side="right") - 1
-        bad: dict[int, ShardError] = {}
+            parts = np.searchsorted(self.starts, ids, side="right") - 1
+        bad: dict[int, PartError] = {}
         if ids.size == 0:
             return bad
-        rows = ids - self.starts[shards]
-        lo, hi = int(shards.min()), int(shards.max())
+        rows = ids - self.starts[parts]
+        lo, hi = int(parts.min()), int(parts.max())
         if lo == hi:
             out[:] = self._gather(lo, rows, bad)
             return bad
-        order = np.argsort(shards, kind="stable")
-        ks, rs = shards[order], rows[order]
+        order = np.argsort(parts, kind="stable")
+        ks, rs = parts[order], rows[order]
         cuts = [0, *(np.flatnonzero(np.diff(ks)) + 1).tolist(), ids.size]
         spans = list(zip(ks[cuts[:-1]].tolist(), cuts[:-1], cuts[1:], strict=True))
         if self.seq_len < SHORT_ROWS:
-            # Short rows: numpy call overhead dominates, so gather per shard into a list,
+            # Short rows: numpy call overhead dominates, so gather per part into a list,
             # concatenate, and scatter (with the dtype cast) once.
             out[order] = np.concatenate([self._gather(k, rs[a:b], bad) for k, a, b in spans])
         else:
@@ -184,11 +184,11 @@ class Dataset:
                 out[order[a:b]] = self._gather(k, rs[a:b], bad)
         return bad
 
-    def _gather(self, shard: int, rows: np.ndarray, bad: dict[int, ShardError]) -> np.ndarray:
+    def _gather(self, part: int, rows: np.ndarray, bad: dict[int, PartError]) -> np.ndarray:
         try:
-            return self.store.rows(shard)[rows]
-        except ShardError as e:
-            bad[shard] = e
+            return self.store.rows(part)[rows]
+        except PartError as e:
+            bad[part] = e
             m = self.manifest
             if m.structured:
                 return np.zeros(rows.size, dtype=m.record_dtype())
@@ -260,12 +260,12 @@ def _check_files(fs: Any, root: str, url: str, manifest: Manifest, policy: ReadP
         raise DataError(f"{url}: cannot be listed ({e})") from None
     sizes = {str(e["name"]).rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in listing}
     base = url.rstrip("/")
-    for info in manifest.shards:
+    for info in manifest.parts:
         if info.source is not None:
             _check_source(info.source.url, info.source.size)
             continue
         if info.file not in sizes:
-            raise DataError(f"{base}/{info.file}: shard file missing (listed in manifest.json)")
+            raise DataError(f"{base}/{info.file}: part file missing (listed in manifest.json)")
         size = sizes[info.file]
         if size is not None and size != info.bytes:
             raise DataError(
@@ -275,7 +275,7 @@ def _check_files(fs: Any, root: str, url: str, manifest: Manifest, policy: ReadP
 
 
 def _check_source(url: str, size: int) -> None:
-    """An in-place shard's file: present, and the size it had when imported."""
+    """An in-place part's file: present, and the size it had when imported."""
     fs, path = open_fs(url)
     try:
         got = fs.size(path)

@@ -8,48 +8,48 @@ from __future__ import annotations
 
 
 class DataError(ValueError):
-    """A dataset, manifest, shard, order or data state that breaks a rule."""
+    """A dataset, manifest, part, order or data state that breaks a rule."""
 
 
-class ShardError(DataError):
-    """One shard cannot be served: missing, unreadable or failing its checksum.
+class PartError(DataError):
+    """One part cannot be served: missing, unreadable or failing its checksum.
 
     Raised by :class:`~perdure.data.dataset.Dataset` reads; the slot loader turns it into a
-    quarantine request instead of a crash (see ``docs/data.md``, "Bad shards").
+    quarantine request instead of a crash (see ``docs/data.md``, "Bad parts").
     """
 
-    def __init__(self, shard: int, file: str, reason: str, *, found: str | None = None) -> None:
-        self.shard = shard
+    def __init__(self, part: int, file: str, reason: str, *, found: str | None = None) -> None:
+        self.part = part
         self.file = file
         self.reason = reason
         self.found = found
         """The SHA-256 the bytes read had, for a checksum mismatch (None otherwise)."""
-        super().__init__(f"shard {shard} ({file}): {reason}")
+        super().__init__(f"part {part} ({file}): {reason}")
 
-    def with_note(self, note: str) -> ShardError:
+    def with_note(self, note: str) -> PartError:
         """The same error with ``note`` added to its reason (what else was tried)."""
-        return ShardError(self.shard, self.file, f"{self.reason}; {note}", found=self.found)
+        return PartError(self.part, self.file, f"{self.reason}; {note}", found=self.found)
 
-    def again(self) -> ShardError:
-        """A fresh copy, to raise once more (a remembered bad shard)."""
-        return ShardError(self.shard, self.file, self.reason, found=self.found)
+    def again(self) -> PartError:
+        """A fresh copy, to raise once more (a remembered bad part)."""
+        return PartError(self.part, self.file, self.reason, found=self.found)
 
 
-class CorruptShardError(DataError):
-    """A shard with no good copy under ``data.on_corrupt = "stop"``: the run ends before
-    any of its samples is trained on. The message names the shard file, both checksums
+class CorruptPartError(DataError):
+    """A part with no good copy under ``data.on_corrupt = "stop"``: the run ends before
+    any of its samples is trained on. The message names the part file, both checksums
     (where the bytes could be read) and ``perdure data verify``."""
 
-    def __init__(self, error: ShardError, expected: str, step: int) -> None:
+    def __init__(self, error: PartError, expected: str, step: int) -> None:
         self.error, self.step = error, step
         sums = "" if expected in error.reason else f" (the manifest's SHA-256 is {expected})"
         super().__init__(
-            f"shard {error.shard} ({error.file}) cannot be served at step {step}: "
+            f"part {error.part} ({error.file}) cannot be served at step {step}: "
             f"{error.reason}{sums}. The run stops "
             "before training on it (data.on_corrupt = 'stop'): run `perdure data verify "
-            "DATASET` to list every bad shard, restore them from a good copy or set "
+            "DATASET` to list every bad part, restore them from a good copy or set "
             "data.mirrors, and resume from the last checkpoint; or set data.on_corrupt = "
-            "'quarantine' to leave the shard out (a decision-log entry)"
+            "'quarantine' to leave the part out (a decision-log entry)"
         )
 
 

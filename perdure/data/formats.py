@@ -219,7 +219,7 @@ def import_megatron(prefixes: list[str], out: str, **kw: Any) -> Manifest:
 def import_mds(dirs: list[str], out: str, column: str = "tokens", dtype: str | None = None,
                **kw: Any) -> Manifest:  # fmt: skip
     """Import the token column of MDS directories (each sample one document), copied into
-    perdure's shards; ``kw`` as :func:`~perdure.data.importer.import_arrays`."""
+    perdure's parts; ``kw`` as :func:`~perdure.data.importer.import_arrays`."""
     from perdure.data.importer import import_arrays
 
     if not dirs:

@@ -48,7 +48,7 @@ import numpy as np
 from perdure.data.errors import DataError
 from perdure.data.fields import FIELD_DTYPES, TOKENS, Field, check_name, record_dtype
 from perdure.data.hashing import sha256_hex
-from perdure.data.manifest import Manifest, ShardInfo
+from perdure.data.manifest import Manifest, PartInfo
 from perdure.data.output import commit, staged, write_file
 from perdure.data.tokenize import dtype_for
 
@@ -103,7 +103,7 @@ def import_arrays(
     dtypes: dict[str, str] | None = None,
     vocab_size: int | None = None,
     tokenizer: str = PRETOKENIZED,
-    shard_mb: float = 64.0,
+    part_mb: float = 64.0,
     overwrite: bool = False,
     note: dict[str, Any] | None = None,
     documents: np.ndarray | None = None,
@@ -120,12 +120,12 @@ def import_arrays(
         raise DataError("import: no fields given (FILES for tokens, or --field NAME=PATH)")
     if TOKENS not in fields:
         return _import_fields(fields, out, seq_len=seq_len, dtype=dtype, dtypes=dtypes,
-                              vocab_size=vocab_size, tokenizer=tokenizer, shard_mb=shard_mb,
+                              vocab_size=vocab_size, tokenizer=tokenizer, part_mb=part_mb,
                               overwrite=overwrite, note=note, documents=documents)  # fmt: skip
     if seq_len is not None and seq_len < 1:
         raise DataError(f"import: --seq-len must be >= 1 (got {seq_len})")
-    if not shard_mb > 0:
-        raise DataError(f"import: --shard-mb must be > 0 (got {shard_mb})")
+    if not part_mb > 0:
+        raise DataError(f"import: --part-mb must be > 0 (got {part_mb})")
     if vocab_size is not None and not 1 <= vocab_size <= 2**32:
         raise DataError(f"import: --vocab-size must be in [1, 2**32] (got {vocab_size})")
     if not tokenizer:
@@ -153,10 +153,10 @@ def import_arrays(
         *(Field(f.name, f.dtype, f.shape) for f in ins[1:]),
     )
     with staged(out, overwrite, "import") as tmp:
-        per_shard, shards = _write_shards(tmp, ins, layout, shard_mb)
+        per_part, parts = _write_parts(tmp, ins, layout, part_mb)
         build: dict[str, Any] = {
             "seq_len": tokens.shape[0] - 1,
-            "samples_per_shard": per_shard,
+            "samples_per_shard": per_part,
             "tokenizer": tokenizer,
             "vocab_size": vocab,
         }
@@ -165,7 +165,7 @@ def import_arrays(
         m = Manifest(
             tokens.shape[0] - 1,
             layout[0].dtype,
-            tuple(shards),
+            tuple(parts),
             build,
             {**_sources(ins, vocab_size), **(note or {})},
             "",
@@ -184,7 +184,7 @@ def _import_fields(
     dtypes: dict[str, str] | None,
     vocab_size: int | None,
     tokenizer: str,
-    shard_mb: float,
+    part_mb: float,
     overwrite: bool,
     note: dict[str, Any] | None,
     documents: np.ndarray | None,
@@ -198,8 +198,8 @@ def _import_fields(
         )
     if seq_len is not None and seq_len < 1:
         raise DataError(f"import: --seq-len must be >= 1 (got {seq_len})")
-    if not shard_mb > 0:
-        raise DataError(f"import: --shard-mb must be > 0 (got {shard_mb})")
+    if not part_mb > 0:
+        raise DataError(f"import: --part-mb must be > 0 (got {part_mb})")
     raw = dtypes or {}
     srcs = {n: _open_all(n, files, raw.get(n, dtype)) for n, files in fields.items()}
     first = next((n for n, ss in srcs.items() if ss[0].array.ndim >= 2), None)
@@ -212,10 +212,10 @@ def _import_fields(
     _check_lengths(ins)
     layout = tuple(Field(f.name, f.dtype, f.shape) for f in ins)
     with staged(out, overwrite, "import") as tmp:
-        per_shard, shards = _write_shards(tmp, ins, layout, shard_mb)
+        per_part, parts = _write_parts(tmp, ins, layout, part_mb)
         sources = {**_sources(ins, None), **(note or {})}
         sources.pop("vocab_size_from")
-        m = Manifest(0, "", tuple(shards), {"samples_per_shard": per_shard}, sources, "",
+        m = Manifest(0, "", tuple(parts), {"samples_per_shard": per_part}, sources, "",
                      layout, tokens=False).with_version_id()  # fmt: skip
         commit(tmp, out, m)
     return m
@@ -385,23 +385,23 @@ def _token_range(tokens: _FieldIn) -> tuple[int, int]:
     return lo, hi
 
 
-def _write_shards(
-    tmp: Path, ins: list[_FieldIn], layout: tuple[Field, ...], shard_mb: float
-) -> tuple[int, list[ShardInfo]]:
+def _write_parts(
+    tmp: Path, ins: list[_FieldIn], layout: tuple[Field, ...], part_mb: float
+) -> tuple[int, list[PartInfo]]:
     rec = record_dtype(layout)
-    per_shard = max(1, int(shard_mb * MiB) // rec.itemsize)
+    per_part = max(1, int(part_mb * MiB) // rec.itemsize)
     n = ins[0].samples
-    shards = []
-    for k, a in enumerate(range(0, n, per_shard)):
-        b = min(n, a + per_shard)
+    parts = []
+    for k, a in enumerate(range(0, n, per_part)):
+        b = min(n, a + per_part)
         records = np.empty(b - a, dtype=rec)
         for f in ins:
             records[f.name] = f.rows(a, b)
         data = records.tobytes()
         name = f"shard-{k:05d}.bin"
         write_file(tmp / name, data)
-        shards.append(ShardInfo(name, b - a, len(data), sha256_hex(data)))
-    return per_shard, shards
+        parts.append(PartInfo(name, b - a, len(data), sha256_hex(data)))
+    return per_part, parts
 
 
 def _sources(ins: list[_FieldIn], vocab_size: int | None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
-"""``perdure data import --in-place``: a dataset whose shards are the token files where they lie.
+"""``perdure data import --in-place``: a dataset whose parts are the token files where they lie.
 
 Nothing is copied. Each source file (a raw token stream, a ``.npy`` 1-D array, a Megatron
-``.bin``) becomes one shard of a format-version-3 manifest: its ``source`` is the file's URL
+``.bin``) becomes one part of a format-version-3 manifest: its ``source`` is the file's URL
 (an absolute local path, or an fsspec URL as given), the byte offset of its first token
 (the ``.npy`` header's length) and the file's size; ``sha256`` is the SHA-256 of the whole
 file. The size and checksum are computed once, at import, on a thread per file (hashlib and
@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from perdure.data.errors import DataError
-from perdure.data.manifest import Manifest, ShardInfo, SourceRef
+from perdure.data.manifest import Manifest, PartInfo, SourceRef
 from perdure.data.output import commit, staged
 from perdure.data.store import is_local, open_fs
 
@@ -74,19 +74,19 @@ def import_in_place(
     if hi >= vocab:
         raise DataError(f"import --in-place: token ids must be below --vocab-size {vocab} "
                         f"(got {hi})")  # fmt: skip
-    shards = []
+    parts = []
     for k, ((url, off, _, size), d) in enumerate(zip(srcs, digest, strict=True)):
         samples = (size - off) // row
         if samples == 0:
             raise DataError(f"{url}: fewer than one sample of {seq_len + 1} tokens")
         name = f"shard-{k:05d}.bin"
-        shards.append(ShardInfo(name, samples, samples * row, d, SourceRef(url, off, size)))
-    build = {"seq_len": seq_len, "samples_per_shard": max(s.samples for s in shards),
+        parts.append(PartInfo(name, samples, samples * row, d, SourceRef(url, off, size)))
+    build = {"seq_len": seq_len, "samples_per_shard": max(s.samples for s in parts),
              "tokenizer": tokenizer, "vocab_size": vocab}  # fmt: skip
     sources = {"files": len(srcs), "bytes": sum(s for *_, s in srcs), "in_place": True,
                "vocab_size_from": "--vocab-size" if vocab_size is not None else "max_id",
                **(note or {})}  # fmt: skip
-    m = Manifest(seq_len, UNSIGNED[kind], tuple(shards), build, sources).with_version_id()
+    m = Manifest(seq_len, UNSIGNED[kind], tuple(parts), build, sources).with_version_id()
     with staged(out, overwrite, "import") as tmp:
         commit(tmp, out, m)
     return m

@@ -4,13 +4,13 @@
 N, the quarantine in force at ``step``): any worker computing any slot at any time, with
 any cache or prefetch history, gets the same ids. Reading them is the only I/O.
 
-Bad shards (missing, unreadable, failing the checksum after a re-read and every mirror:
+Bad parts (missing, unreadable, failing the checksum after a re-read and every mirror:
 ``data/store.py``) follow ``on_corrupt``. ``"stop"`` raises
-:class:`~perdure.data.errors.CorruptShardError` from the read, so no sample of the shard
-reaches a gradient and the run ends naming the shard file and both checksums.
-``"quarantine"`` serves the rows as zeros with weight NaN (*withheld*: ``Batch.bad_shards``
-says which), logs a warning once per shard, puts the shard in
-:meth:`SlotLoader.pending_quarantine` and calls ``on_bad_shard(shard, reason)``. In a
+:class:`~perdure.data.errors.CorruptPartError` from the read, so no sample of the part
+reaches a gradient and the run ends naming the part file and both checksums.
+``"quarantine"`` serves the rows as zeros with weight NaN (*withheld*: ``Batch.bad_parts``
+says which), logs a warning once per part, puts the part in
+:meth:`SlotLoader.pending_quarantine` and calls ``on_bad_part(part, reason)``. In a
 multi-worker run the runtime turns the non-finite slot into a decision-log entry of kind
 ``corrupt`` that every worker applies at the same step (``loader.quarantine``); a worker
 must not quarantine on its own, since the others would not know. ``auto_quarantine=True``
@@ -29,7 +29,7 @@ import numpy as np
 
 from perdure.data.batch import Batch
 from perdure.data.dataset import Dataset
-from perdure.data.errors import CorruptShardError, DataError, ShardError
+from perdure.data.errors import CorruptPartError, DataError, PartError
 from perdure.data.fields import TOKENS
 from perdure.data.order import positions_to_samples
 from perdure.data.prefetch import Prefetcher
@@ -39,7 +39,7 @@ from perdure.data.state import DataState
 
 log = logging.getLogger("perdure.data")
 
-BadShardCallback = Callable[[int, str], None]
+BadPartCallback = Callable[[int, str], None]
 
 ORDER_CHUNK = 8192
 """Order positions looked up per call (whole steps; at least one step)."""
@@ -57,7 +57,7 @@ class SlotLoader:
         slots: int,
         quarantine: Quarantine | None = None,
         prefetch_steps: int = 1,
-        on_bad_shard: BadShardCallback | None = None,
+        on_bad_part: BadPartCallback | None = None,
         auto_quarantine: bool = False,
         wait_timeout_s: float = 60.0,
         document_fields: bool = False,
@@ -73,12 +73,12 @@ class SlotLoader:
             raise DataError(f"loader: prefetch_steps must be >= 0 (got {prefetch_steps})")
         self.dataset, self.seed = dataset, seed
         self.global_batch, self.slots = global_batch, slots
-        self.on_bad_shard, self.auto_quarantine = on_bad_shard, auto_quarantine
+        self.on_bad_part, self.auto_quarantine = on_bad_part, auto_quarantine
         if on_corrupt not in ("stop", "quarantine"):
             rule = "must be 'stop' or 'quarantine'"
             raise DataError(f"loader: on_corrupt {rule} (got {on_corrupt!r})")
         self.on_corrupt = on_corrupt
-        """``data.on_corrupt``: a shard with no good copy stops the read, or is withheld."""
+        """``data.on_corrupt``: a part with no good copy stops the read, or is withheld."""
         self.read_delay_s: Callable[[], float] = lambda: 0.0
         """Injected storage latency now in force, waited before each slot's read (the
         ``slow_storage`` fault; the prefetch hides it where it reads ahead)."""
@@ -139,7 +139,7 @@ class SlotLoader:
         if active:
             pos = slot_positions(step, 0, self.global_batch, 1)
             n = self.dataset.num_samples
-            ids = active.resample(ids, pos, self.seed, n, self._shard_of)
+            ids = active.resample(ids, pos, self.seed, n, self._part_of)
             ids.setflags(write=False)
         with self._lock:
             self._ids_cache[step] = (q, ids)
@@ -166,8 +166,8 @@ class SlotLoader:
                     self._order_cache.pop(next(iter(self._order_cache)))
         return ids[off * self.global_batch : (off + 1) * self.global_batch]
 
-    def _shard_of(self, ids: np.ndarray) -> np.ndarray:
-        return self.dataset.shards_unchecked(ids)
+    def _part_of(self, ids: np.ndarray) -> np.ndarray:
+        return self.dataset.parts_unchecked(ids)
 
     # -- reading --------------------------------------------------------------------------
 
@@ -189,12 +189,12 @@ class SlotLoader:
 
     def _load_checked(self, step: int, slot: int) -> Batch:
         b = self._load(step, slot)
-        if b.bad_shards and self.auto_quarantine:
-            why = self.dataset.store.bad_shards()
-            for k in b.bad_shards:
+        if b.bad_parts and self.auto_quarantine:
+            why = self.dataset.store.bad_parts()
+            for k in b.bad_parts:
                 self.quarantine([k], step, f"{why.get(k, 'unreadable')} (auto-quarantine)")
             with self._lock:
-                self._pending = [e for e in self._pending if e.shards[0] not in b.bad_shards]
+                self._pending = [e for e in self._pending if e.parts[0] not in b.bad_parts]
             b = self._load(step, slot)
         return b
 
@@ -202,26 +202,26 @@ class SlotLoader:
         with self._lock:
             q, poisoned = self._quarantine, frozenset(self._poisoned)
         pos, ids = self._samples(step, slot, q)
-        shards = self._shard_of(ids)
+        parts = self._part_of(ids)
         stall = self.read_delay_s()
         if stall > 0:
             time.sleep(stall)
-        values, bad = self.dataset.read_fields(ids, shards)
+        values, bad = self.dataset.read_fields(ids, parts)
         if bad and self.on_corrupt == "stop":
             k = min(bad)
-            raise CorruptShardError(bad[k], self.dataset.manifest.shards[k].sha256, step)
+            raise CorruptPartError(bad[k], self.dataset.manifest.parts[k].sha256, step)
         if self.document_fields:
             values.update(self.dataset.doc_fields(ids))
         tokens = values.pop(TOKENS, None)  # None: a dataset without tokens
         weight = np.ones(ids.size, dtype=np.float32)
         hit = poisoned | bad.keys()
         if hit:
-            weight[np.isin(shards, np.fromiter(hit, dtype=np.int64))] = np.nan
+            weight[np.isin(parts, np.fromiter(hit, dtype=np.int64))] = np.nan
         if bad:
             self._report(bad, step)
-        return Batch(step, slot, tokens, ids, pos, shards, weight, tuple(sorted(bad)), values)
+        return Batch(step, slot, tokens, ids, pos, parts, weight, tuple(sorted(bad)), values)
 
-    def _report(self, bad: dict[int, ShardError], step: int) -> None:
+    def _report(self, bad: dict[int, PartError], step: int) -> None:
         with self._lock:
             new = [k for k in sorted(bad) if k not in self._reported]
             self._reported.update(new)
@@ -230,11 +230,11 @@ class SlotLoader:
         for k in new:
             log.warning("data: %s; serving its samples with weight NaN and requesting "
                         "quarantine from step %d", bad[k], step)  # fmt: skip
-            if self.on_bad_shard is not None:
-                self.on_bad_shard(k, bad[k].reason)
+            if self.on_bad_part is not None:
+                self.on_bad_part(k, bad[k].reason)
 
     def pending_quarantine(self) -> list[QuarantineEntry]:
-        """Quarantine requests for bad shards seen so far, cleared by this call. The runtime
+        """Quarantine requests for bad parts seen so far, cleared by this call. The runtime
         decides the step they apply from and calls :meth:`quarantine` on every worker."""
         with self._lock:
             out, self._pending = self._pending, []
@@ -243,47 +243,47 @@ class SlotLoader:
     # -- decisions and faults -------------------------------------------------------------
 
     def quarantine(
-        self, shards: list[int], step: int, reason: str, *, samples: Iterable[int] = ()
+        self, parts: list[int], step: int, reason: str, *, samples: Iterable[int] = ()
     ) -> Quarantine:
-        """From ``step`` on, never serve ``shards`` (nor ``samples``); returns the new list."""
+        """From ``step`` on, never serve ``parts`` (nor ``samples``); returns the new list."""
         with self._lock:
-            q = self._quarantine.add(step, reason, shards=shards, samples=samples)
+            q = self._quarantine.add(step, reason, parts=parts, samples=samples)
             self._check_ids(q)
             self._quarantine = q
             self._gen += 1
         self._prefetcher.invalidate()
-        log.info("data: quarantined shards %s samples %s from step %d (%s)", sorted(shards),
+        log.info("data: quarantined parts %s samples %s from step %d (%s)", sorted(parts),
                  sorted(samples), step, reason)  # fmt: skip
         return q
 
-    def corrupt_shard(self, shard: int) -> None:
-        """Fault injection: ``shard``'s primary copy reads corrupt from now on (the store
+    def corrupt_part(self, part: int) -> None:
+        """Fault injection: ``part``'s primary copy reads corrupt from now on (the store
         re-reads it, then repairs it from a mirror or withholds it); read-ahead made
         before is dropped, so every worker reads it afresh from the same step."""
-        if not 0 <= shard < self.dataset.num_shards:
-            raise DataError(f"corrupt_shard: shard must be in [0, {self.dataset.num_shards}) "
-                            f"(got {shard})")  # fmt: skip
+        if not 0 <= part < self.dataset.num_parts:
+            raise DataError(f"corrupt_part: part must be in [0, {self.dataset.num_parts}) "
+                            f"(got {part})")  # fmt: skip
         with self._lock:
-            self.dataset.store.inject_corrupt(shard)
+            self.dataset.store.inject_corrupt(part)
             self._gen += 1
         self._prefetcher.invalidate()
 
-    def poison_shard(self, shard: int) -> None:
-        """Fault injection: every sample of ``shard`` gets loss weight NaN from now on."""
-        if not 0 <= shard < self.dataset.num_shards:
-            raise DataError(f"poison_shard: shard must be in [0, {self.dataset.num_shards}) "
-                            f"(got {shard})")  # fmt: skip
+    def poison_part(self, part: int) -> None:
+        """Fault injection: every sample of ``part`` gets loss weight NaN from now on."""
+        if not 0 <= part < self.dataset.num_parts:
+            raise DataError(f"poison_part: part must be in [0, {self.dataset.num_parts}) "
+                            f"(got {part})")  # fmt: skip
         with self._lock:
-            self._poisoned.add(shard)
+            self._poisoned.add(part)
             self._gen += 1
         self._prefetcher.invalidate()
 
     def _check_ids(self, q: Quarantine) -> None:
-        ns, n = self.dataset.num_shards, self.dataset.num_samples
+        ns, n = self.dataset.num_parts, self.dataset.num_samples
         for e in q.entries:
-            if any(not 0 <= s < ns for s in e.shards) or any(not 0 <= s < n for s in e.samples):
+            if any(not 0 <= s < ns for s in e.parts) or any(not 0 <= s < n for s in e.samples):
                 raise DataError(f"quarantine: entry {e.to_dict()} names ids outside the "
-                                f"dataset ({ns} shards, {n} samples)")  # fmt: skip
+                                f"dataset ({ns} parts, {n} samples)")  # fmt: skip
 
     # -- state ----------------------------------------------------------------------------
 

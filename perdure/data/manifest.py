@@ -1,16 +1,21 @@
 """``manifest.json``: what a dataset holds, how to read it, and its content address.
 
-The manifest is the only metadata of a dataset. Shards are raw little-endian arrays of
+The manifest is the only metadata of a dataset. Parts are raw little-endian arrays of
 shape ``[samples, seq_len + 1]`` whose dtype is in ``sample.dtype`` (format version 1, a
 tokens-only dataset), or of ``samples`` packed records of the named fields listed in
 ``sample.fields`` (format version 2: ``tokens`` first, then e.g. ``labels``,
 ``loss_mask``), or of named fields without ``tokens`` at all (format version 2 too:
-images and labels; ``seq_len`` is then null); the manifest gives each shard's sample count,
+images and labels; ``seq_len`` is then null); the manifest gives each part's sample count,
 byte size and SHA-256. A tokens-only dataset is always written as version 1, so its
 manifest and version id are what they were before fields existed. The *version id* is a
-SHA-256 over the shard checksums and the build parameters that give the tokens their
+SHA-256 over the part checksums and the build parameters that give the tokens their
 meaning (see :func:`version_id`), so any change of content or meaning changes it, and two
 builds of the same content agree on it on any machine. Schema: ``docs/data.md``.
+
+Parts were called shards until the word was kept for optimizer and parameter shards: a
+manifest lists them under ``parts`` and an older one under ``shards`` (both read). The names
+that enter the version id kept the old word (the files ``shard-NNNNN.bin``, the build keys
+``part_mb`` and ``samples_per_shard``, the id's own ``shards`` key), so no id changed.
 """
 
 from __future__ import annotations
@@ -39,23 +44,28 @@ FORMAT_VERSION = 1
 FIELDS_FORMAT_VERSION = 2
 """The version of a dataset with fields besides ``tokens``."""
 IN_PLACE_FORMAT_VERSION = 3
-"""The version of a tokens-only dataset whose shards reference files where they lie
-(``perdure data import --in-place``): version 1's layout plus each shard's ``source``."""
+"""The version of a tokens-only dataset whose parts reference files where they lie
+(``perdure data import --in-place``): version 1's layout plus each part's ``source``."""
 MANIFEST_NAME = "manifest.json"
+PARTS_KEY = "parts"
+"""The manifest's list of part files."""
+OLD_PARTS_KEY = "shards"
+"""The same list in a manifest written before parts were called parts (read, never written;
+still the key the version id hashes the list under, so that no id changed)."""
 DTYPES = TOKEN_DTYPES
 """Allowed token dtypes, always stored little-endian."""
 
 
 @dataclass(frozen=True)
-class ShardInfo:
-    """One shard file: name relative to the dataset root, rows, bytes and SHA-256 (hex)."""
+class PartInfo:
+    """One part file: name relative to the dataset root, rows, bytes and SHA-256 (hex)."""
 
     file: str
     samples: int
     bytes: int
     sha256: str
     source: SourceRef | None = None
-    """An in-place shard (format version 3): the rows are bytes ``[offset, offset + bytes)``
+    """An in-place part (format version 3): the rows are bytes ``[offset, offset + bytes)``
     of a file outside the dataset directory, and ``sha256`` is that whole file's."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,7 +76,7 @@ class ShardInfo:
         return out
 
     def id_entry(self) -> list[Any]:
-        """What the version id hashes of this shard (not where its source lies)."""
+        """What the version id hashes of this part (not where its source lies)."""
         entry: list[Any] = [self.file, self.samples, self.bytes, self.sha256]
         if self.source is not None:
             entry += [self.source.offset, self.source.size]
@@ -75,7 +85,7 @@ class ShardInfo:
 
 @dataclass(frozen=True)
 class SourceRef:
-    """Where an in-place shard's bytes lie: a local path or an fsspec URL, the byte offset
+    """Where an in-place part's bytes lie: a local path or an fsspec URL, the byte offset
     of its first row, and the file's whole size (checked before every read)."""
 
     url: str
@@ -92,7 +102,7 @@ class Manifest:
 
     seq_len: int
     dtype: str
-    shards: tuple[ShardInfo, ...]
+    parts: tuple[PartInfo, ...]
     build: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, Any] = field(default_factory=dict)
     """Informational (file count, bytes read); not part of the version id, since the same
@@ -123,7 +133,7 @@ class Manifest:
 
     @property
     def in_place(self) -> bool:
-        return any(s.source is not None for s in self.shards)
+        return any(s.source is not None for s in self.parts)
 
     @property
     def format_version(self) -> int:
@@ -142,7 +152,7 @@ class Manifest:
 
     @property
     def num_samples(self) -> int:
-        return sum(s.samples for s in self.shards)
+        return sum(s.samples for s in self.parts)
 
     @property
     def num_tokens(self) -> int:
@@ -152,7 +162,7 @@ class Manifest:
         return np.dtype(self.dtype).newbyteorder("<")
 
     def with_version_id(self) -> Manifest:
-        return Manifest(self.seq_len, self.dtype, self.shards, self.build, self.sources,
+        return Manifest(self.seq_len, self.dtype, self.parts, self.build, self.sources,
                         version_id(self), self.extra_fields, self.tokens)  # fmt: skip
 
     def sample_dict(self) -> dict[str, Any]:
@@ -172,7 +182,7 @@ class Manifest:
             "num_tokens": self.num_tokens,
             "build": self.build,
             "sources": self.sources,
-            "shards": [s.to_dict() for s in self.shards],
+            PARTS_KEY: [s.to_dict() for s in self.parts],
         }
 
     def to_json(self) -> str:
@@ -181,8 +191,8 @@ class Manifest:
 
 def version_id(m: Manifest) -> str:
     """``sha256:<hex>`` over the format version, sample layout (every field's name, dtype
-    and shape), build parameters and every shard's (file, samples, bytes, sha256), in
-    shard order. Version 1 hashes exactly what it always has."""
+    and shape), build parameters and every part's (file, samples, bytes, sha256), in
+    part order. Version 1 hashes exactly what it always has."""
     if m.structured:
         sample: dict[str, Any] = {"fields": [[f.name, f.dtype, list(f.shape)] for f in m.fields]}
     else:
@@ -191,7 +201,7 @@ def version_id(m: Manifest) -> str:
         "format_version": m.format_version,
         "sample": sample,
         "build": m.build,
-        "shards": [s.id_entry() for s in m.shards],
+        "shards": [s.id_entry() for s in m.parts],  # the key of old: ids must not change
     })  # fmt: skip
 
 
@@ -213,24 +223,34 @@ def parse_manifest(text: str, source: str) -> Manifest:
     else:
         (seq_len, dtype), extra, tokens = _sample(data, p), (), True
     row = Manifest(seq_len, dtype, (), extra_fields=extra, tokens=tokens).row_bytes
-    shards = _shards(data.get("shards"), row, p)
-    in_place = [s.source is not None for s in shards]
+    parts = _parts(_parts_list(data, p), row, p)
+    in_place = [s.source is not None for s in parts]
     if fv == IN_PLACE_FORMAT_VERSION:
-        p.check(all(in_place), "shards", "every shard of format version 3 needs a source", "")
+        p.check(all(in_place), "parts", "every part of format version 3 needs a source", "")
     else:
-        p.check(not any(in_place), "shards", "a source needs format_version 3", fv)
+        p.check(not any(in_place), "parts", "a source needs format_version 3", fv)
     build, sources = data.get("build", {}), data.get("sources", {})
     p.check(isinstance(build, dict), "build", "must be an object", build)
     p.check(isinstance(sources, dict), "sources", "must be an object", sources)
     p.done()
-    m = Manifest(seq_len, dtype, tuple(shards), build, sources, "", extra, tokens)
+    m = Manifest(seq_len, dtype, tuple(parts), build, sources, "", extra, tokens)
     m = m.with_version_id()
     vid = data.get("version_id")
     p.check(vid == m.version_id, "version_id", f"does not match the content ({m.version_id})", vid)
     n = data.get("num_samples")
-    p.check(n == m.num_samples, "num_samples", f"must equal the shards' sum {m.num_samples}", n)
+    p.check(n == m.num_samples, "num_samples", f"must equal the parts' sum {m.num_samples}", n)
     p.done()
     return m
+
+
+def _parts_list(data: dict[str, Any], p: Problems) -> object:
+    """The ``parts`` list, or ``shards`` in a manifest written before the rename (the
+    layout is the same, so the format version is too); never both."""
+    if OLD_PARTS_KEY not in data:
+        return data.get(PARTS_KEY)
+    p.check(PARTS_KEY not in data, OLD_PARTS_KEY, f"cannot be given with {PARTS_KEY!r} (the "
+            "same list under its old name)", "both")  # fmt: skip
+    return data[OLD_PARTS_KEY]
 
 
 def _sample(data: dict[str, Any], p: Problems) -> tuple[int, str]:
@@ -312,25 +332,25 @@ def _field(raw: object, i: int, p: Problems) -> Field | None:
     return Field(name, dtype, tuple(shape)) if ok else None  # type: ignore[arg-type]
 
 
-def _shards(raw: object, row: int, p: Problems) -> list[ShardInfo]:
-    if not p.check(isinstance(raw, list) and len(raw) > 0, "shards", "must be a non-empty list",
+def _parts(raw: object, row: int, p: Problems) -> list[PartInfo]:
+    if not p.check(isinstance(raw, list) and len(raw) > 0, "parts", "must be a non-empty list",
                    raw if not isinstance(raw, list) else "[]"):  # fmt: skip
         return []
     assert isinstance(raw, list)
     out, names = [], set()
     for i, s in enumerate(raw):
-        key = f"shards[{i}]"
+        key = f"parts[{i}]"
         if not p.check(isinstance(s, dict), key, "must be an object", s):
             continue
-        info = _shard(s, key, row, p)
+        info = _part(s, key, row, p)
         if info is not None:
-            p.check(info.file not in names, f"{key}.file", "duplicate shard file", info.file)
+            p.check(info.file not in names, f"{key}.file", "duplicate part file", info.file)
             names.add(info.file)
             out.append(info)
     return out
 
 
-def _shard(s: dict[str, Any], key: str, row: int, p: Problems) -> ShardInfo | None:
+def _part(s: dict[str, Any], key: str, row: int, p: Problems) -> PartInfo | None:
     file: Any = s.get("file")
     n: Any = s.get("samples")
     size: Any = s.get("bytes")
@@ -348,14 +368,14 @@ def _shard(s: dict[str, Any], key: str, row: int, p: Problems) -> ShardInfo | No
         return None
     src = s.get("source")
     if src is None:
-        return ShardInfo(file, n, size, digest)
+        return PartInfo(file, n, size, digest)
     okay = isinstance(src, dict) and isinstance(src.get("url"), str) and bool(src.get("url"))
     okay = okay and _is_count(src.get("offset")) and _is_count(src.get("size"))
     okay = okay and src["offset"] + size <= src["size"]
     if not p.check(okay, f"{key}.source", "must be {url, offset, size} with offset + bytes "
                    "<= size", src):  # fmt: skip
         return None
-    return ShardInfo(file, n, size, digest, SourceRef(src["url"], src["offset"], src["size"]))
+    return PartInfo(file, n, size, digest, SourceRef(src["url"], src["offset"], src["size"]))
 
 
 def _is_count(v: object) -> bool:

@@ -4,7 +4,7 @@ A build cuts its documents, in their fixed order, into *chunks* (about ``CHUNK_B
 text, or ``CHUNK_DOCS`` documents, whichever comes first: a function of the documents
 alone, never of the process count). Each chunk becomes one array, its documents' ids each
 followed by the separator, computed in a worker; the builder consumes the arrays strictly
-in chunk order. So the token stream, hence every shard byte and the version id, is the
+in chunk order. So the token stream, hence every part byte and the version id, is the
 same for any number of processes: a process count only changes who computes a chunk.
 
 Workers are ``spawn``-ed (never forked from a process that may hold threads and locks),

@@ -1,6 +1,6 @@
-"""Quarantine: shards and samples that are never served again, and their resampling.
+"""Quarantine: parts and samples that are never served again, and their resampling.
 
-An entry (step, shards, samples, reason) applies from its step on: the batch of step ``t``
+An entry (step, parts, samples, reason) applies from its step on: the batch of step ``t``
 sees the entries with ``step <= t``. Steps before it are untouched, so a run replayed from
 an older checkpoint with the same decision log reproduces every batch.
 
@@ -31,15 +31,15 @@ MAX_ATTEMPTS = 1000
 
 @dataclass(frozen=True, order=True)
 class QuarantineEntry:
-    """One decision: from ``step`` on, never serve these shards or sample ids."""
+    """One decision: from ``step`` on, never serve these parts or sample ids."""
 
     step: int
-    shards: tuple[int, ...] = ()
+    parts: tuple[int, ...] = ()
     samples: tuple[int, ...] = ()
     reason: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "shards": list(self.shards), "samples": list(self.samples),
+        return {"step": self.step, "parts": list(self.parts), "samples": list(self.samples),
                 "reason": self.reason}  # fmt: skip
 
     @classmethod
@@ -52,9 +52,10 @@ class QuarantineEntry:
             raise DataError(f"{where}.step: must be an integer >= 0 (got {step!r})")
         if not isinstance(reason, str):
             raise DataError(f"{where}.reason: must be a string (got {reason!r})")
-        shards = _ids(d.get("shards", []), f"{where}.shards")
+        key = "parts" if "parts" in d or "shards" not in d else "shards"  # shards: older
+        parts = _ids(d.get(key, []), f"{where}.{key}")
         samples = _ids(d.get("samples", []), f"{where}.samples")
-        return cls(step, shards, samples, reason)
+        return cls(step, parts, samples, reason)
 
 
 @dataclass(frozen=True)
@@ -67,10 +68,10 @@ class Quarantine:
         object.__setattr__(self, "entries", tuple(sorted(set(self.entries))))
 
     def add(
-        self, step: int, reason: str, *, shards: Iterable[int] = (), samples: Iterable[int] = ()
+        self, step: int, reason: str, *, parts: Iterable[int] = (), samples: Iterable[int] = ()
     ) -> Quarantine:
-        entry = QuarantineEntry(int(step), _norm(shards), _norm(samples), reason)
-        if entry.step < 0 or not (entry.shards or entry.samples):
+        entry = QuarantineEntry(int(step), _norm(parts), _norm(samples), reason)
+        if entry.step < 0 or not (entry.parts or entry.samples):
             raise DataError(f"quarantine: entry needs step >= 0 and some ids (got {entry})")
         return Quarantine((*self.entries, entry))
 
@@ -100,8 +101,8 @@ class ActiveQuarantine:
     entries: tuple[QuarantineEntry, ...]
 
     @cached_property
-    def shards(self) -> np.ndarray:
-        return np.array(sorted({s for e in self.entries for s in e.shards}), dtype=np.int64)
+    def parts(self) -> np.ndarray:
+        return np.array(sorted({s for e in self.entries for s in e.parts}), dtype=np.int64)
 
     @cached_property
     def samples(self) -> np.ndarray:
@@ -110,11 +111,11 @@ class ActiveQuarantine:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def mask(self, ids: np.ndarray, shard_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-        """True where a sample id is quarantined (its shard or itself)."""
+    def mask(self, ids: np.ndarray, part_of: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """True where a sample id is quarantined (its part or itself)."""
         bad = np.zeros(ids.shape, dtype=bool)
-        if self.shards.size:
-            bad |= np.isin(shard_of(ids), self.shards)
+        if self.parts.size:
+            bad |= np.isin(part_of(ids), self.parts)
         if self.samples.size:
             bad |= np.isin(ids, self.samples)
         return bad
@@ -125,12 +126,12 @@ class ActiveQuarantine:
         positions: np.ndarray,
         seed: int,
         n: int,
-        shard_of: Callable[[np.ndarray], np.ndarray],
+        part_of: Callable[[np.ndarray], np.ndarray],
     ) -> np.ndarray:
         """``ids`` with each quarantined one replaced by its position's first clean
         candidate; pure in (seed, positions, attempt, this quarantine)."""
         out = np.array(ids, dtype=np.int64, copy=True)
-        todo = np.flatnonzero(self.mask(out, shard_of))
+        todo = np.flatnonzero(self.mask(out, part_of))
         attempt = 0
         while todo.size:
             attempt += 1
@@ -140,7 +141,7 @@ class ActiveQuarantine:
                     f"after {MAX_ATTEMPTS} attempts; nearly all of the {n} samples are quarantined"
                 )
             out[todo] = resample_candidates(seed, positions[todo], attempt, n)
-            todo = todo[self.mask(out[todo], shard_of)]
+            todo = todo[self.mask(out[todo], part_of)]
         return out
 
 

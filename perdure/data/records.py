@@ -15,7 +15,7 @@ by their POSIX path relative to it), the records in file order, and takes the st
   put offline first: nothing is ever fetched from a hub), read in batches.
 
 The same records in any of these containers yield the same documents in the same order,
-so the same tokens, shards and version id: the container is not part of the data.
+so the same tokens, parts and version id: the container is not part of the data.
 
 A record whose field is missing, null or not a string is an error naming the file, the
 row (0-based, counting records; for JSON Lines also the line) and the field; with

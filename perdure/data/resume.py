@@ -2,9 +2,9 @@
 
 A build works in ``.<out>.partial/`` beside its output. After every chunk it has consumed it
 records, in ``state.json`` (written to a temporary name, then renamed: never half a file),
-how far it got: the records consumed, the shards finished (with their checksums), the
-tokens not yet in a shard (the *pending* file, which the next chunk's ids are appended to;
-rewritten under a new name whenever a shard is cut) and the statistics. ``--resume`` loads
+how far it got: the records consumed, the parts finished (with their checksums), the
+tokens not yet in a part (the *pending* file, which the next chunk's ids are appended to;
+rewritten under a new name whenever a part is cut) and the statistics. ``--resume`` loads
 that state, checks that the sources and parameters are the ones it was made from (a
 *fingerprint*: each source's path, size and modification time, and every build parameter),
 skips the records already consumed without tokenizing them, and continues: the result is

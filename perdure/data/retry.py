@@ -2,10 +2,10 @@
 
 A dataset served over the network (``http(s)://``, ``s3://``, ...) answers some requests
 with errors and stalls others; neither may end a run whose bytes are still there. Every
-remote request of the data layer (the manifest, the listing, a shard's download) runs
+remote request of the data layer (the manifest, the listing, a part's download) runs
 through :func:`with_retries`: an error or a stall past the deadline is tried again after
-0.2 s, 0.4 s, ... (at most 5 s), up to ``data.read_attempts`` tries; a shard still
-unreadable after them follows the corrupt-shard path (a mirror, then ``data.on_corrupt``).
+0.2 s, 0.4 s, ... (at most 5 s), up to ``data.read_attempts`` tries; a part still
+unreadable after them follows the corrupt-part path (a mirror, then ``data.on_corrupt``).
 
 The deadline: over HTTP it is aiohttp's ``sock_read`` and ``sock_connect`` timeout
 (:func:`storage_options`), so a request whose server sends nothing for

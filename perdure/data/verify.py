@@ -1,6 +1,6 @@
-"""Full verification of a dataset: every shard streamed and hashed against the manifest.
+"""Full verification of a dataset: every part streamed and hashed against the manifest.
 
-Unlike the loader, which checks a shard the first time it reads it, this reads every shard
+Unlike the loader, which checks a part the first time it reads it, this reads every part
 once, in chunks, without caching it: ``perdure data verify`` on a remote dataset costs one
 pass over its bytes and no disk.
 """
@@ -11,33 +11,33 @@ import hashlib
 from collections.abc import Callable
 
 from perdure.data.dataset import Dataset
-from perdure.data.errors import ShardError
+from perdure.data.errors import PartError
 from perdure.data.store import CHUNK
 
 Progress = Callable[[int, int], None]
 
 
-def verify_dataset(ds: Dataset, progress: Progress | None = None) -> list[ShardError]:
-    """Errors of the shards whose bytes differ from the manifest (empty: all good)."""
-    bad: list[ShardError] = []
+def verify_dataset(ds: Dataset, progress: Progress | None = None) -> list[PartError]:
+    """Errors of the parts whose bytes differ from the manifest (empty: all good)."""
+    bad: list[PartError] = []
     store = ds.store
-    for k, info in enumerate(ds.manifest.shards):
+    for k, info in enumerate(ds.manifest.parts):
         url = store.url(k)
         try:
             digest, size = _hash(store.fs, url)
         except FileNotFoundError:
-            bad.append(ShardError(k, url, "missing"))
+            bad.append(PartError(k, url, "missing"))
             continue
         except OSError as e:
-            bad.append(ShardError(k, url, f"cannot be read ({e})"))
+            bad.append(PartError(k, url, f"cannot be read ({e})"))
             continue
         if size != info.bytes:
-            bad.append(ShardError(k, url, f"size {size} bytes, manifest says {info.bytes}"))
+            bad.append(PartError(k, url, f"size {size} bytes, manifest says {info.bytes}"))
         elif digest != info.sha256:
-            bad.append(ShardError(k, url, f"checksum mismatch (manifest {info.sha256[:12]}..., "
+            bad.append(PartError(k, url, f"checksum mismatch (manifest {info.sha256[:12]}..., "
                                           f"file {digest[:12]}...)"))  # fmt: skip
         if progress is not None:
-            progress(k + 1, ds.num_shards)
+            progress(k + 1, ds.num_parts)
     return bad
 
 

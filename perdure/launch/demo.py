@@ -1,7 +1,7 @@
 """The main job: a four-region run with live faults, and the proof that they changed no bit.
 
 The proof needs a reference: the same config and dataset version with no fault but the
-data fault (a poisoned shard changes the math through the decision log, so the reference
+data fault (a poisoned dataset part changes the math through the decision log, so the reference
 keeps it). Its summary is cached under ``runs/reference/<key>/`` keyed by the config hash,
 the dataset version id and a digest of the code that does the math (perdure's sources and
 the task's module: a cached reference from other code would prove nothing), and reused when

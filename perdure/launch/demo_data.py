@@ -21,5 +21,5 @@ def ensure_dataset(path: Path, console: Console, *, max_mb: float = 8.0) -> str:
     if not (path / "manifest.json").exists():
         src = sysconfig.get_paths()["stdlib"]
         console.print(f"building dataset {path} from {src} (*.py, {max_mb:g} MB) ...")
-        build_dataset([src], str(path), seq_len=128, shard_mb=0.5, include="*.py", max_mb=max_mb)
+        build_dataset([src], str(path), seq_len=128, part_mb=0.5, include="*.py", max_mb=max_mb)
     return Dataset.open(str(path)).version_id

@@ -3,11 +3,11 @@
 A config can be valid field by field and still fail in every worker at start-up: a task
 entry that does not import, a dataset that is not there, a model whose vocabulary or
 length is smaller than the dataset's, a batch larger than the dataset, a poisoned (or
-corrupted) shard past the last one, a resume checkpoint written under another config.
+corrupted) part past the last one, a resume checkpoint written under another config.
 Started anyway, each worker crashes, each replacement crashes the same way, and the cause
 is in a worker log. Preflight does in the launcher, once, what a worker does first: it
 imports and builds the task (seeded as a worker would), opens the dataset (the manifest
-and a listing, no shard bytes), reads the resume checkpoint's context (tensors mapped, not read or
+and a listing, no part bytes), reads the resume checkpoint's context (tensors mapped, not read or
 verified: the workers verify every checksum), and checks each against the others. Every
 problem names the field or flag, the rule and the value, all reported at once.
 
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.config.errors import ConfigError, Problem
 from perdure.data.config import DataConfig
 from perdure.metrics.config import missing_libraries
@@ -155,7 +157,7 @@ def _bounds(config: RunConfig, here: bool = True) -> list[Problem]:
                 out.append(Problem(f"{section}.{f.name}", f"must be at most {MAX_MS} ms", v))
     t = config.train
     if t.device == "cuda" and here:
-        from perdure.runtime.placement import cuda_problem
+        from perdure.runtime.replica.placement import cuda_problem
 
         problem = cuda_problem()
         if problem is not None:
@@ -349,7 +351,7 @@ def _eval(config: RunConfig, task: Task | None) -> list[Problem]:
     first evaluation."""
     from perdure.data import DataError, Dataset
     from perdure.run_config import resolve_path
-    from perdure.runtime.evaluate import Evaluator
+    from perdure.runtime.member.evaluate import Evaluator
 
     cfg = config.eval
     if not cfg.every_steps:
@@ -528,15 +530,15 @@ def _fields_fit(config: RunConfig, task: Task, ds: Dataset) -> list[Problem]:
 
 
 def _sizes(config: RunConfig, ds: Dataset) -> list[Problem]:
-    """A step reads each sample at most once; a poisoned or corrupted shard must exist."""
+    """A step reads each sample at most once; a poisoned or corrupted part must exist."""
     out = []
     b = config.train.global_batch
     if b > ds.num_samples:
         rule = f"must be at most the dataset's {ds.num_samples} samples ({ds.url})"
         out.append(Problem("train.global_batch", rule, b))
     for i, f in enumerate(config.chaos.faults):
-        if f.kind in ("poison_shard", "corrupt_shard") and int(f.target) >= ds.num_shards:
-            rule = f"must be a shard of {ds.url}, in [0, {ds.num_shards})"
+        if f.kind in (POISON_PART, CORRUPT_PART) and int(f.target) >= ds.num_parts:
+            rule = f"must be a part of {ds.url}, in [0, {ds.num_parts})"
             out.append(Problem(f"chaos.faults[{i}].target", rule, f.target))
     return out
 

@@ -211,9 +211,6 @@ class RayProcess:
         if self.returncode is None and self.placed() is None:
             self.returncode, self.cause = -int(signal.SIGKILL), "stopped before it started"
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 

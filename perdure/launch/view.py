@@ -50,7 +50,7 @@ def describe(e: dict[str, Any]) -> str:
     if kind == ev.STATE_RECEIVED:
         return f"{e['worker']} copied state from {e['from']} in {e['seconds']:.3f} s"
     if kind == ev.DECISION:
-        return f"quarantined shards {e['shards']} at step {e['step']}"
+        return f"quarantined parts {ev.decision_parts(e)} at step {e['step']}"
     if kind == ev.CHECKPOINT_SAVED:
         return f"checkpoint step {e['step']} ({e['seconds']:.2f} s in background)"
     rest = {k: v for k, v in e.items() if k not in ("t", "event", "pid", "pids", "plan")}

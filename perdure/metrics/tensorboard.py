@@ -6,7 +6,7 @@ Tags (x axis: the training step; wall time: when the record was logged):
   only), ``train/step_s``,
   ``train/tokens_per_s``, and the task's own ``train/<name>`` (``Task.metrics``): one point
   per committed step, from ``metrics.jsonl``;
-- ``eval/<name>``: one point per evaluation (``runtime/evaluate.py``), at the step after
+- ``eval/<name>``: one point per evaluation (``runtime/member/evaluate.py``), at the step after
   whose update it ran, from its ``metrics.jsonl`` line;
 - ``membership/members``, ``membership/epoch``: one point per membership epoch, at its
   start step;

@@ -96,7 +96,7 @@ class RunView:
         self._events_tail = Tail(run_dir / "events.jsonl", from_end=True)
         self.metrics: list[Record] = []
         self.evals: list[Record] = []
-        """The evaluations' lines (``eval_step``: ``runtime/evaluate.py``)."""
+        """The evaluations' lines (``eval_step``: ``runtime/member/evaluate.py``)."""
         self.events: list[Record] = []
         self._failures: list[Failure] = []
         self._failures_at = -1
@@ -217,7 +217,7 @@ def eval_metrics(rec: Record | None) -> dict[str, float]:
 
 
 def is_eval(m: Record) -> bool:
-    """An evaluation's line of metrics.jsonl (``runtime/evaluate.py``)."""
+    """An evaluation's line of metrics.jsonl (``runtime/member/evaluate.py``)."""
     step = m.get("eval_step")
     return (
         isinstance(step, int) and not isinstance(step, bool) and isinstance(m.get("t"), int | float)

@@ -4,7 +4,7 @@ Prometheus, from the same logs (``service.py`` says why the logs and not rank 0)
 What is logged: each committed step's ``train/loss``, ``train/lr`` (and ``train/lr/<group>``),
 ``train/grad_norm``, ``train/loss_scale`` (``fp16`` only),
 ``train/step_s`` and ``train/tokens_per_s``, and each evaluation's ``eval/<name>``
-(``runtime/evaluate.py``), all against the metric ``step`` (the training step; W&B's own
+(``runtime/member/evaluate.py``), all against the metric ``step`` (the training step; W&B's own
 ``_step`` is only a count of log calls), plus the run's config (``config.json``'s content)
 as the W&B config. A point is logged once: each tag keeps the last step logged and only a
 later one is sent (``tensorboard.new_points``), so a step two members logged is one point.

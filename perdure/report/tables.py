@@ -215,10 +215,8 @@ def decision_rows(data: RunData) -> list[list[str]]:
         src = [d for d in data.summary["decisions"] if isinstance(d, dict)]
     rows = []
     for d in src:
-        shards = d.get("shards")
-        shard_text = (
-            ", ".join(map(str, shards)) if isinstance(shards, list) else str(shards or DASH)
-        )
+        parts = ev.decision_parts(d)
+        part_text = ", ".join(map(str, parts)) if parts else DASH
         samples = d.get("samples")
         sample_text = (
             f"{len(samples)}: " + short(", ".join(map(str, samples)), 60)
@@ -237,7 +235,7 @@ def decision_rows(data: RunData) -> list[list[str]]:
             [
                 DASH if step is None else str(step),
                 str(d.get("kind") or DASH),
-                shard_text,
+                part_text,
                 sample_text,
                 slot_text,
                 str(d.get("reason") or DASH),
@@ -250,8 +248,8 @@ def decision_table_html(data: RunData) -> str:
     """The decision log, or a line saying it is empty."""
     rows = decision_rows(data)
     if not rows:
-        return '<p class="note">The decision log is empty: no shard was quarantined.</p>'
-    return table(("step", "kind", "shards", "samples", "slots", "reason"), rows, "decisions")
+        return '<p class="note">The decision log is empty: no dataset part was quarantined.</p>'
+    return table(("step", "kind", "parts", "samples", "slots", "reason"), rows, "decisions")
 
 
 # Keys shown as the event's own columns; everything else goes into "details".

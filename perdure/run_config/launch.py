@@ -2,7 +2,7 @@
 places a run's processes on it.
 
 It lives here rather than beside the launcher because ``perdure.launch`` imports the run
-config, not the reverse (``tests/test_layering.py``), as ``RunOptions`` does. Nothing in it
+config, not the reverse (``tests/unit/test_layering.py``), as ``RunOptions`` does. Nothing in it
 changes the math: where a process runs is a scheduling decision.
 """
 

@@ -160,7 +160,7 @@ class TrainConfig:
     that overflows at the floor stops the run (the gradient itself exceeds float16: use
     ``bf16`` or ``fp32``), rather than blame its data or its worker."""
     shard_degree: int = 1
-    """Ranks per replica group (HSDP-style sharding, ``runtime/shard_group.py``): the
+    """Ranks per replica group (HSDP-style sharding, ``runtime/member/shard_group.py``): the
     optimizer state is split over the k ranks of each group, each rank keeping and updating
     the whole parameters it owns and broadcasting them to its group after the step; a membership
     epoch then has a multiple of k members (the rest wait as spares). Not part of the
@@ -169,7 +169,7 @@ class TrainConfig:
     ``shard_params`` is set too (then a rank keeps about 1/k of both)."""
     shard_params: bool = False
     """With ``shard_degree`` > 1: the parameters are sharded at rest too, not only the
-    optimizer state (``runtime/param_gather.py``). A rank keeps the parameters its shard
+    optimizer state (``runtime/replica/param_gather.py``). A rank keeps the parameters its shard
     owns; the others are gathered from their owners while a slot runs, a unit (the largest
     modules within a quarter of a shard's share, as FSDP wraps blocks) at a time, and freed
     after use, so a rank holds about 1/k of the parameters and of the optimizer state (plus
@@ -185,7 +185,7 @@ class TrainConfig:
     shard_prefetch: bool = True
     """With ``shard_params``: the next gather unit's broadcasts start while the current
     unit computes, in the forward and in the backward (FSDP2's explicit prefetch;
-    ``runtime/param_gather.py``), so one unit's bytes are on the wire behind the other's
+    ``runtime/replica/param_gather.py``), so one unit's bytes are on the wire behind the other's
     compute, at the cost of holding one more unit. Not part of the math: the same bytes
     arrive, only earlier. ``false``: each unit is gathered when it is first used."""
     shard_reduce: Literal["auto", "whole", "scatter"] = "auto"
@@ -206,7 +206,7 @@ class TrainConfig:
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
     """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
     in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
-    ``runtime/placement.py``, and ``cluster.data_plane`` for where the slot buffers and
+    ``runtime/replica/placement.py``, and ``cluster.data_plane`` for where the slot buffers and
     the collectives live). Kernels differ in their bits between devices, so it is part of
     the math. Checked before any worker starts: ``cuda`` on a host without CUDA is
     refused. Limit: the CUDA paths have not run on a GPU yet."""
@@ -524,7 +524,7 @@ def _http_url(url: str) -> bool:
 
 @dataclass(kw_only=True, frozen=True)
 class EvalConfig:
-    """Evaluation during a run (``runtime/evaluate.py``): the task's ``eval_fn`` (or its
+    """Evaluation during a run (``runtime/member/evaluate.py``): the task's ``eval_fn`` (or its
     ``loss_fn``) over fixed samples of a held-out dataset, every ``every_steps`` steps.
     None of it changes the math: the evaluation runs on every member (rank 0 logs it) after
     the step has committed, under no gradient, with every generator saved and restored around it, so

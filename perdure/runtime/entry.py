@@ -90,7 +90,7 @@ def run_worker(spec: WorkerSpec, token: str | None = None) -> int:
     if not token:
         raise ValueError(f"set the run token in the environment variable {TOKEN_ENV}")
     if spec.yield_cpu:
-        from perdure.runtime.priority import yield_cpu
+        from perdure.runtime.member.priority import yield_cpu
 
         yield_cpu()
     from perdure.runtime.worker import Worker

@@ -6,7 +6,8 @@ adjacent so that the chain crosses regions R-1 times. A plan never changes the m
 reduction adds slot gradients in slot order whoever holds them.
 
 Limit: every member holds at least one slot, so a membership epoch has at most S members;
-extra workers wait as spares.
+extra workers wait as spares. The one exception is an epoch's first step while receivers
+copy state behind it (:func:`idle_plan`): there a receiver's range is empty.
 """
 
 from __future__ import annotations
@@ -18,14 +19,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Plan:
-    """Members in chain order and each one's slot range ``[lo, hi)``."""
+    """Members in chain order and each one's slot range ``[lo, hi)``; a range is empty
+    only in an idle plan's first step (:func:`idle_plan`), and some range is not."""
 
     members: tuple[str, ...]
     ranges: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.ranges)
-        assert all(lo < hi for lo, hi in self.ranges), self.ranges
+        assert all(lo <= hi for lo, hi in self.ranges), self.ranges
+        assert self.ranges and self.ranges[0][0] == 0 and self.slots > 0, self.ranges
         assert all(a[1] == b[0] for a, b in zip(self.ranges, self.ranges[1:], strict=False))
 
     @property
@@ -136,6 +139,37 @@ def redo_cost(
         lag[i] + sum(1 for s in range(lo, hi) if s not in kept[i])
         for i, (lo, hi) in enumerate(ranges)
     )
+
+
+def idle_plan(
+    plan: Plan, kept: Sequence[set[int]], idle: Sequence[str], *, plan_kept: bool = True
+) -> Plan:
+    """The plan of an epoch's first step while ``idle`` members (the receivers of an
+    overlapped state copy, ``runtime/member/copy_overlap.py``) copy state behind it: each of them
+    an empty range, the others (the holders) every slot between them, in ``plan``'s member
+    order, shares as ``plan``'s ranges weigh them, and, where a holder kept slots of an
+    abandoned attempt (``kept``, by member), the ranges that leave the least to compute
+    again (:func:`redo_plan` over the holders alone; ``plan_kept`` False skips that search,
+    for plans too large for it). The slots fix the math, not who computes them: the same
+    bits as ``plan``'s. A pure function of its inputs."""
+    busy = [i for i, m in enumerate(plan.members) if m not in set(idle)]
+    if not busy:
+        raise ValueError(f"idle_plan: every member of {list(plan.members)} is idle")
+    counts = plan.counts()
+    sub = from_counts(
+        [plan.members[i] for i in busy], apportion(plan.slots, [counts[i] for i in busy])
+    )
+    if plan_kept and any(kept[i] for i in busy):
+        sub = redo_plan(sub, [kept[i] for i in busy], [0] * len(busy))
+    ranges, lo, j = [], 0, 0
+    for i in range(len(plan.members)):
+        if j < len(busy) and busy[j] == i:
+            ranges.append(sub.ranges[j])
+            lo = sub.ranges[j][1]
+            j += 1
+        else:
+            ranges.append((lo, lo))
+    return Plan(plan.members, tuple(ranges))
 
 
 REDO_MAX_WORK = 1 << 15

@@ -24,8 +24,8 @@ from perdure.runtime.comm.int8_gather import Int8Gather
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import CarriedReduction, Reducer, make_reducer
 from perdure.runtime.plan import Plan
+from perdure.runtime.replica.salvage import SlotSalvage
 from perdure.runtime.replica.trainer import WITHHELD, MathError, Trainer
-from perdure.runtime.salvage import SlotSalvage
 from perdure.runtime.shard_plan import group_of
 
 
@@ -58,7 +58,7 @@ class Seams:
     suspects: dict[str, int] = field(default_factory=dict)
     """Non-reproduced non-finite slots per worker, kept across epochs."""
     salvage: SlotSalvage = field(default_factory=SlotSalvage)
-    """Finished slots of the step in flight, kept across epochs (``runtime/salvage.py``)."""
+    """Finished slots of the step in flight, kept across epochs (``runtime/replica/salvage.py``)."""
 
 
 @dataclass(frozen=True)
@@ -121,7 +121,7 @@ class StepRunner:
         self.verdicts = reducer
         """The reducer of the reruns' verdicts: the flat one where ``reducer`` scatters
         the slot buffers (a verdict is needed whole on every rank)."""
-        if getattr(reducer, "scatter", None) is not None:
+        if reducer.scatters:
             self.verdicts = make_reducer(trainer.config.train, rank, len(plan.members))
         self.first = first
         self.slots = plan.slots_of(rank)
@@ -141,6 +141,15 @@ class StepRunner:
         not the reducer (``comm/int8_gather.py``)."""
         if outer.on and outer.precision == "int8":
             self.int8 = Int8Gather(trainer.layout, train.reduction_block)
+        self.gate: Callable[[], Any] | None = None
+        """Called once before this member's first collective on the epoch's group (an
+        overlapped state copy's holder: its copy must be served first, ``copy_overlap``)."""
+
+    def open_gate(self) -> None:
+        """Pass the gate (once): what must finish before this member's first collective."""
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate()
 
     @property
     def size(self) -> int:
@@ -217,6 +226,7 @@ class StepRunner:
             self.timer.record(time.monotonic() - t0, computed)
         self._log_salvage(t)
         self._injected_drop()
+        self.open_gate()
         plan = self.plan_at(t)
         width = max(len(plan.slots_of(r)) for r in range(self.size))
         delay, timeout = self.seams.delay_s(), self.seams.timeout()
@@ -289,6 +299,7 @@ class StepRunner:
             self._compute(t, self.slots[-1], buf, abort, None)
         self._injected_drop()
         self._pad(t, abort)  # before the reduction starts: it opens with a collective
+        self.open_gate()
         ready = Readiness() if streams else None
         fut = red.finish(
             self.comm,
@@ -349,6 +360,7 @@ class StepRunner:
         reducer: Reducer | None = None,
     ) -> Any:
         self._injected_drop()
+        self.open_gate()
         return (reducer or self.reducer).start(
             self.comm,
             bufs,

@@ -21,7 +21,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,67 +28,43 @@ from typing import Any
 import torch.distributed as dist
 
 from perdure import events as ev
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.checkpoint import (
-    AsyncCheckpointer,
-    CheckpointSaveError,
-    CheckpointState,
     config_override_entry,
 )
 from perdure.checkpoint.config import checkpoint_root
 from perdure.checkpoint.ranges import open_lazy
-from perdure.data import DataError, Dataset
-from perdure.data.retry import ReadPolicy
+from perdure.data import DataError
 from perdure.events import Tail
 from perdure.proctitle import set_title
-from perdure.run_config import RunConfig, config_from_dict, resolve_path
+from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
-from perdure.runtime.comm.exchange import StoreExchange
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
-from perdure.runtime.comm.reducer import make_reducer
-from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed, SwarmCopy
+from perdure.runtime.comm.reducer import make_reducer, uses_tiers
+from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy, StateCopyFailed, SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.channel import UNACKED_S
 from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
-from perdure.runtime.evaluate import EvalError, Evaluator, due, evaluate_logged
-from perdure.runtime.placement import Placement
+from perdure.runtime.member import saves
+from perdure.runtime.member.copy_overlap import CopyServer, committed_offer, is_overlapped, receive
+from perdure.runtime.member.epoch import Epoch
+from perdure.runtime.member.heartbeat import Heartbeat
+from perdure.runtime.member.metrics import Evaluation, step_line
+from perdure.runtime.member.priority import normal_priority
+from perdure.runtime.member.shard_group import Shards, optimizer_params
+from perdure.runtime.member.wchaos import ChaosState, DiskFiller
 from perdure.runtime.plan import Plan
-from perdure.runtime.priority import normal_priority
+from perdure.runtime.replica.placement import Placement
+from perdure.runtime.replica.salvage import SlotSalvage
 from perdure.runtime.replica.trainer import MathError, Trainer
-from perdure.runtime.salvage import SlotSalvage
-from perdure.runtime.shard_group import Shards, optimizer_params
 from perdure.runtime.shard_plan import NONE, group_of, shard_of
 from perdure.runtime.step import Seams, SlotTimer, StepEnd, StepRunner, train_step
-from perdure.runtime.wchaos import ChaosState, DelayedLink, DiskFiller
-
-FINAL_SAVE_ATTEMPTS = 2
-"""The final save is tried again once when it fails: a failure on a full disk makes room
-(``checkpoint.space``), and no later due step would retry it."""
 
 log = logging.getLogger("perdure.worker")
-
-
-@dataclass
-class Epoch:
-    """What a member knows of the membership epoch it is running."""
-
-    number: int
-    plan: Plan
-    rank: int
-    start: p.Start
-    comm: Comm
-    runner: StepRunner
-    ckpt: AsyncCheckpointer | None = None
-
-    @property
-    def generation(self) -> int:
-        return self.start.generation
-
-    @property
-    def size(self) -> int:
-        return len(self.plan.members)
 
 
 class Worker:
@@ -136,8 +111,6 @@ class Worker:
         self.leaving = False
         self.suspects: dict[str, int] = {}
         self.salvage = SlotSalvage()
-        self.evaluator: Evaluator | None = None
-        """The held-out evaluation (``[eval]``), opened at this member's first one."""
         self.state_copy: StateCopy = SwarmCopy()
         """How a joiner gets a live replica's state (``comm/swarm.py``)."""
 
@@ -177,8 +150,9 @@ class Worker:
         if any(f.kind == "disk_full" for f in config.chaos.faults):
             ckpts = checkpoint_root(config.checkpoint, self.run_dir)
             self.chaos.filler = DiskFiller(Path(ckpts), self.name)
+        self.evaluation = Evaluation(config, self.run_dir, self.placement, self.name)
         # Beat from admission on: building the trainer can take seconds on a busy machine.
-        threading.Thread(target=self._heartbeat, daemon=True, name="heartbeat").start()
+        threading.Thread(target=self._heartbeat().run, daemon=True, name="heartbeat").start()
         self.trainer = self._new_trainer()
         self.allow_config_change = welcome.allow_config_change
         if welcome.resume:
@@ -195,8 +169,7 @@ class Worker:
             self._loop()
         finally:
             self.trainer.close()
-            if self.evaluator is not None:
-                self.evaluator.close()
+            self.evaluation.close()
             if self.chaos.filler is not None:
                 self.chaos.filler.remove()
         return 0
@@ -275,7 +248,7 @@ class Worker:
                 interface=self.interface,
                 device=self.placement.buffers,
             )
-            if self.config.train.reduction == "exact" and self.config.cluster.hierarchical_reduce:
+            if uses_tiers(self.config.train, self.config.cluster.hierarchical_reduce):
                 comm.add_tiers(store, self.region)
             self._shard_group(store, comm, rank)
         except (Abandoned, CommFailed) as e:
@@ -291,7 +264,16 @@ class Worker:
         try:
             self._transfer(ep)
             self._exchange_shards(ep)
-            ep.ckpt = self._checkpointer(ep)
+            ep.ckpt = saves.checkpointer(
+                ep,
+                config=self.config,
+                run_dir=self.run_dir,
+                store=self._store,
+                should_stop=lambda: self._should_stop(self.inflight),
+                fence=self.fence,
+                events=self.events,
+                name=self.name,
+            )
             self._steps(ep)
         except Abandoned:
             self.events.write(
@@ -356,6 +338,11 @@ class Worker:
         return timedelta(seconds=max(c.min_collective_timeout_ms / 1000, 2 * horizon, step))
 
     def _transfer(self, ep: Epoch) -> None:
+        """The epoch's state copy (``comm/swarm.py``): blocking, at the epoch's start, or
+        overlapped with its first step (``copy_overlap.py``; the coordinator planned that
+        step with no slot on a receiver, ``copy_rule.overlaps``). A receiver copies at
+        once either way; an overlapping holder leaves the copy to a server thread and
+        passes its gate before the first step's reduction."""
         if ep.start.recover:
             self._reload(ep.start.reload)
             return
@@ -366,35 +353,87 @@ class Worker:
         assert tr is not None
         members = ep.plan.members
         receiving = self.name in receivers
+        overlapped = is_overlapped(ep.runner.first and ep.runner.first[1], receivers)
+        offer = None
+        if not receiving:
+            offer = tr.export()
+            if overlapped:
+                offer = committed_offer(offer, list(tr.module.parameters()))
         job = CopyJob(
             receivers=tuple(sorted(members.index(r) for r in receivers)),
             source=members.index(ep.start.source),
             shard_degree=self.config.train.shard_degree,
             layout=tr.copy_layout(),
-            offer=None if receiving else tr.export(),
+            offer=offer,
             target=tr.copy_target(ep.comm.device) if receiving else None,
             timeout=self._timeout(),
         )
+        mode = "overlapped" if overlapped else "blocking"
         t0 = time.monotonic()
-        got = self.state_copy.copy(ep.comm, job)
-        if got is not None:
-            try:
-                tr.adopt(got.model, got.optimizer, got.extra)
-            except Exception as e:  # a peer's structure that does not load: refused
-                raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
-            self.has_state = True
-            self.events.write(
-                {
-                    "event": ev.STATE_RECEIVED,
-                    "worker": self.name,
-                    "from": members[got.template],
-                    "holders": [members[h] for h in got.holders],
-                    "bytes": got.nbytes,
-                    "refetched": got.refetched,
-                    "seconds": round(time.monotonic() - t0, 4),
-                    "next_step": tr.next_step,
-                }
-            )
+        if overlapped and not receiving:
+            server = CopyServer(lambda: self._copy_comm(ep), self.state_copy, job)
+            ep.copy, step = server, tr.next_step
+            ep.runner.gate = lambda: self._sent(ep, server, mode, step)
+            return
+        got: Received | None = None
+        if overlapped:
+            got = receive(lambda: self._copy_comm(ep), self.state_copy, job)
+        else:
+            got = self.state_copy.copy(ep.comm, job)
+        if got is None:
+            stats = dict(getattr(self.state_copy, "stats", {}) or {})
+            self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
+            return
+        try:
+            tr.adopt(got.model, got.optimizer, got.extra)
+        except Exception as e:  # a peer's structure that does not load: refused
+            raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
+        self.has_state = True
+        self.events.write(
+            {
+                "event": ev.STATE_RECEIVED,
+                "worker": self.name,
+                "epoch": ep.number,
+                "from": members[got.template],
+                "holders": [members[h] for h in got.holders],
+                "bytes": got.nbytes,
+                "refetched": got.refetched,
+                "seconds": round(time.monotonic() - t0, 4),
+                "next_step": tr.next_step,
+                "mode": mode,
+                "overlapped_step": ep.start.start_step if overlapped else None,
+            }
+        )
+
+    def _copy_comm(self, ep: Epoch) -> Comm:
+        """The overlapped copy's process group: the epoch's members under
+        ``<prefix>copy/``, over a store connection of its own (the server thread's)."""
+        return ep.comm.subgroup(self._store(), "copy", ep.rank, ep.size)
+
+    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
+        """A holder's gate: its copy served, before the first step's reduction."""
+        sent = server.wait(lambda: self._should_stop(self.inflight))
+        ep.copy = None
+        seconds = sent.pop("seconds")
+        self._sent_event(ep, mode, step, seconds, sent)
+
+    def _sent_event(
+        self, ep: Epoch, mode: str, step: int, seconds: float, stats: dict[str, Any]
+    ) -> None:
+        self.events.write(
+            {
+                "event": ev.STATE_SENT,
+                "worker": self.name,
+                "epoch": ep.number,
+                "to": list(ep.start.receivers),
+                "next_step": step,
+                "bytes": stats.get("bytes_sent", 0),
+                "ranges": stats.get("ranges_sent", 0),
+                "seconds": seconds,
+                "mode": mode,
+                "overlapped_step": ep.start.start_step if mode == "overlapped" else None,
+            }
+        )
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and
@@ -481,9 +520,9 @@ class Worker:
         trainer = Trainer(
             config,
             cache_dir=str(self.run_dir / "cache"),
-            poison=_schedule(config, "poison_shard"),
+            poison=_schedule(config, POISON_PART),
             placement=self.placement,
-            corrupt=_schedule(config, "corrupt_shard"),
+            corrupt=_schedule(config, CORRUPT_PART),
         )
         trainer.loader.read_delay_s = self.chaos.storage_delay_s  # the slow_storage fault
         return trainer
@@ -514,28 +553,9 @@ class Worker:
                 config_override_entry(lazy.loaded, self.trainer.config_hash, keys)
             )
 
-    def _checkpointer(self, ep: Epoch) -> AsyncCheckpointer:
-        ex = StoreExchange(
-            self._store,
-            ep.start.prefix,
-            ep.rank,
-            ep.size,
-            lambda: self._should_stop(self.inflight),
-        )
-        return AsyncCheckpointer(
-            checkpoint_root(self.config.checkpoint, self.run_dir),
-            self.config.checkpoint,
-            rank=ep.rank,
-            world=ep.size,
-            exchange=ex,
-            log=self._ckpt_log if ep.rank == 0 else None,
-            before_commit=lambda: self.fence.check(ep.generation, "checkpoint commit"),
-        )
-
-    def _ckpt_log(self, record: dict[str, Any]) -> None:
-        self.events.write({**record, "worker": self.name})
-
     def _close_epoch(self, ep: Epoch) -> None:
+        if ep.copy is not None:
+            ep.copy.close()
         ep.comm.close()
         if self.shards is not None:
             self.shards.close()
@@ -545,14 +565,7 @@ class Worker:
             self.trainer.shards = None
             self.trainer.gather = None  # the parameters stay at rest: ``held`` says which
         if ep.ckpt is not None:
-            try:
-                ep.ckpt.wait()
-                ep.ckpt.check()
-            except Exception as e:  # a save cut short by the membership change
-                self.events.write(
-                    {"event": ev.CHECKPOINT_ABANDONED, "worker": self.name, "error": str(e)[:200]}
-                )
-            ep.ckpt.close()
+            saves.close_writer(ep.ckpt, self.events, self.name)
 
     def _log_gathers(self, ep: Epoch) -> None:
         gather = self.trainer.gather if self.trainer is not None else None
@@ -582,13 +595,14 @@ class Worker:
             # generation only if the fence still allows it when the step begins.
             self.fence.check(ep.generation, f"step {t}")
             self._step(ep, t)
+        ep.runner.open_gate()  # a copy still served (no step ran): before the final save's
         self._finish(ep)
 
     def _step(self, ep: Epoch, t: int) -> None:
         """One step: ``step.train_step`` (the flow, top to bottom), with this worker's
         side of its end (the checkpoint snapshot before the update, then the commit)."""
         assert ep.ckpt is not None
-        self._check_saves(ep.ckpt)
+        saves.check_saves(ep.ckpt, self.name)
         end = StepEnd(
             before_update=ep.ckpt.wait_snapshot,
             after_update=lambda t, loss, step_s: self._commit(ep, t, loss, step_s),
@@ -597,130 +611,27 @@ class Worker:
         self._log_repairs()
 
     def _log_repairs(self) -> None:
-        """A ``shard_repaired`` event for each shard the data store served after a failed
+        """A ``part_repaired`` event for each part the data store served after a failed
         read (read again, or a mirror's copy) since the last step."""
         if self.trainer is None:
             return
         for record in self.trainer.take_repairs():
-            log.warning("%s: shard %s repaired via %s", self.name, record["shard"], record["via"])
-            self.events.write({"event": ev.SHARD_REPAIRED, "worker": self.name, **record})
+            log.warning("%s: part %s repaired via %s", self.name, record["part"], record["via"])
+            self.events.write({"event": ev.PART_REPAIRED, "worker": self.name, **record})
 
     def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
         """After step ``t``'s update: its metrics line, a due evaluation, the replicas'
         fingerprints every ``fingerprint_every`` steps, and a due checkpoint's save."""
         tr = self.trainer
         assert tr is not None
-        # Every member logs the step it committed (the merger keeps one line per step):
-        # rank 0 alone would leave no line for a step it abandoned and the others kept.
-        self._metrics(ep, t, loss, step_s)
-        self._evaluate(ep, t)
+        self.metrics.write(step_line(tr, self.config, ep, t, loss, step_s, self.name))
+        self.evaluation.after(tr, t, self.metrics.write if ep.rank == 0 else _drop)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
             self.has_state = False  # receive a live peer's state in the next epoch
             raise CommFailed(f"replica diverged at step {tr.next_step}")
-        ck = self.config.checkpoint.every_steps
-        if (
-            ck
-            and tr.next_step % ck == 0
-            and tr.next_step < self.client.last_step(self.config.train.steps)
-        ):
-            try:
-                self._save(ep, tr.checkpoint_state(self._topology(ep)))
-            except CheckpointSaveError as e:  # the previous save failed while we waited
-                log.error("%s: %s; training goes on, the last good one is kept", self.name, e)
-
-    def _check_saves(self, ckpt: AsyncCheckpointer) -> bool:
-        """A failed background save (disk full, storage gone) costs that checkpoint, not
-        the run: the previous ones are intact (a save commits by its last rename), its
-        partial files are gone, retention made room if the disk was full, the failure is
-        in the event log (once per episode) and training goes on; the next due save
-        retries. True when a save had failed."""
-        try:
-            ckpt.check()
-        except CheckpointSaveError as e:
-            log.error("%s: %s; training goes on, the last good checkpoint is kept", self.name, e)
-            return True
-        return False
-
-    def _metrics(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
-        assert self.trainer is not None
-        tokens = self.trainer.tokens_per_step
-        lrs = self.trainer.recipe.lrs  # the rates the optimizer used: a scheduler's own
-        used = self.trainer.step_loss_scale  # fp16 only: the scale the step's gradient had
-        scale = {} if used is None else {"loss_scale": used}
-        self.metrics.write(
-            {
-                "step": t,
-                "loss": loss,
-                "lr": next(iter(lrs.values()), None),
-                **{f"lr/{group}": lr for group, lr in lrs.items()},
-                "grad_norm": self.trainer.grad_norm,
-                **self._outer_metrics(),
-                **scale,
-                **{f"train/{k}": v for k, v in self.trainer.user_metrics.items()},
-                "step_s": round(step_s, 6),
-                "tokens_per_s": round(tokens / step_s, 1) if step_s > 0 and tokens else None,
-                "membership_epoch": ep.number,
-                "generation": ep.generation,
-                "slots": ep.plan.counts(),
-                "members": list(ep.plan.members),
-                "worker": self.name,
-            }
-        )
-
-    def _outer_metrics(self) -> dict[str, Any]:
-        """With DiLoCo (``outer.replicas``) a step is an outer step: its loss is the
-        replicas' mean inner loss and ``grad_norm`` the mean pseudo-gradient's norm; the
-        line says so with the inner steps it stands for."""
-        outer = self.config.outer
-        return {"inner_steps": outer.inner_steps, "outer_lr": outer.lr} if outer.on else {}
-
-    def _evaluate(self, ep: Epoch, t: int) -> None:
-        """After step ``t`` committed: the held-out evaluation, when due
-        (``runtime/evaluate.py``). Every member runs it, so that none waits for another
-        at the next step's first collective (whose timeout a long evaluation would hit);
-        rank 0 writes its line to metrics.jsonl beside the steps'."""
-        tr = self.trainer
-        assert tr is not None
-        if not due(self.config.eval, tr.next_step):
-            return
-        write = self.metrics.write if ep.rank == 0 else lambda line: None
-        try:
-            if self.evaluator is None:
-                self.evaluator = self._evaluator()
-            evaluate_logged(self.evaluator, t, write, self.name)
-        except EvalError as e:
-            raise MathError(str(e)) from None
-        except Exception as e:  # the held-out data or the user's eval_fn: stop, naming it
-            raise MathError(f"eval: {type(e).__name__}: {e}") from e
-
-    def _evaluator(self) -> Evaluator:
-        cfg, tr = self.config, self.trainer
-        assert tr is not None
-        dataset = Dataset.open(
-            resolve_path(cfg, cfg.eval.dataset or ""),
-            cache_dir=cfg.data.cache_dir or str(self.run_dir / "cache" / "eval"),
-            cache_mb=cfg.data.cache_mb,
-            policy=ReadPolicy(attempts=cfg.data.read_attempts, timeout_s=cfg.data.read_timeout_s),
-        )
-        return Evaluator(
-            tr.task,
-            cfg.eval,
-            dataset,
-            seed=cfg.train.seed,
-            precision=cfg.train.precision,
-            device=self.placement.device,
-        )
-
-    def _topology(self, ep: Epoch) -> dict[str, Any]:
-        return {
-            "regions": [r.name for r in self.config.cluster.regions],
-            "workers": list(ep.plan.members),
-            "membership_epoch": ep.number,
-            "generation": ep.generation,
-            "plan": ep.plan.to_dict(),
-            "shard_degree": self.config.train.shard_degree,
-        }
+        if saves.due(self.config, tr.next_step, self.client.last_step(self.config.train.steps)):
+            saves.save_due(tr, ep, self.config, self.name)
 
     def _finish(self, ep: Epoch) -> None:
         """The final checkpoint (all members write it in parallel), then report done."""
@@ -734,59 +645,26 @@ class Worker:
         # is the digest after it. The save is a collective too (its commit waits for every
         # member's part), so all members save if any has not saved this step: a member
         # that received the state at the last step has not, while its peers have.
-        state = tr.checkpoint_state(self._topology(ep))
+        state = tr.checkpoint_state(saves.topology(self.config, ep))
         if ep.runner.any_member(self.final_saved != tr.next_step):
-            ep.ckpt.wait_for_save()
-            self._check_saves(ep.ckpt)
-            for _attempt in range(FINAL_SAVE_ATTEMPTS):
-                self._save(ep, state)
-                ep.ckpt.wait_for_save()
-                if not self._check_saves(ep.ckpt):
-                    break  # a failure made room (a full disk) or was logged: try once more
+            saves.save_final(tr, ep, state, self.name)
             self.final_saved = tr.next_step
         self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest(state.optimizer)))
 
-    def _save(self, ep: Epoch, state: CheckpointState) -> None:
-        """Start saving ``state``, each rank writing what it holds (``save_holders``)."""
-        assert self.trainer is not None and ep.ckpt is not None
-        ep.ckpt.save(state, holders=self.trainer.save_holders(state, ep.size))
-
-    # -- heartbeats ------------------------------------------------------------------------
-
-    def _heartbeat(self) -> None:
-        interval = self.config.cluster.heartbeat_ms / 1000
-        store: dist.Store | None = None
-        watched = self.chaos.watches(self.name, self.region)
-        link = DelayedLink(self.client.send)
-        while not self.stopped:
-            time.sleep(interval)
-            try:
-                if watched:
-                    store = store or self._store(5.0)
-                    self.chaos.poll(store, self.name, self.region, self.events)
-            except (RuntimeError, dist.DistError):
-                store = None
-            self.chaos.tick()
-            self._poll_fence()
-            t = self.trainer
-            beat = p.Heartbeat(
-                next_step=t.next_step if t else 0,
-                slot_s=self.timer.slot_s,
-                prepared=t is not None,
-                sent=time.time(),
-            )
-            link.send(beat, self.chaos.delay_s(), time.monotonic())
-
-    def _poll_fence(self) -> None:
-        """A worker waiting on a coordinator that stopped (hung, cut off without its
-        connection closing) learns of the takeover here, not only at its next step."""
-        try:
-            newer = self.fence.current()
-        except (OSError, ValueError) as e:
-            log.warning("%s: cannot read the fence: %s", self.name, e)
-            return
-        if newer > self.client.generation:
-            self._fenced(newer, f"the run directory's fence is at generation {newer}")
+    def _heartbeat(self) -> Heartbeat:
+        return Heartbeat(
+            client=self.client,
+            chaos=self.chaos,
+            fence=self.fence,
+            events=self.events,
+            name=self.name,
+            region=self.region,
+            interval_s=self.config.cluster.heartbeat_ms / 1000,
+            store=self._store,
+            trainer=lambda: self.trainer,
+            slot_s=lambda: self.timer.slot_s,
+            fenced=self._fenced,
+        )
 
 
 class RunEndWatch:
@@ -804,7 +682,11 @@ class RunEndWatch:
         return self.over
 
 
+def _drop(line: dict[str, Any]) -> None:
+    """A member other than rank 0 writes no evaluation line."""
+
+
 def _schedule(config: RunConfig, kind: str) -> list[tuple[int, int]]:
-    """``(shard, step)`` of the schedule's faults of a data kind that every loader applies
-    at exactly its step (``poison_shard``, ``corrupt_shard``)."""
+    """``(part, step)`` of the schedule's faults of a data kind that every loader applies
+    at exactly its step (``poison_part``, ``corrupt_part``)."""
     return [(int(f.target), int(f.at_step or 0)) for f in config.chaos.faults if f.kind == kind]

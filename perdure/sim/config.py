@@ -17,16 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from perdure.config import Checker, ConfigError, Problem, build
+from perdure.config import Checker, ConfigError, Problem, build, renamed, renamed_value
 from perdure.runtime.config import ClusterConfig
 
 _PERDURE = ClusterConfig()
 """perdure's own defaults, which the simulated perdure policy starts from."""
 
 FailureKind = Literal[
-    "worker_death", "node_death", "hang", "link_flap", "latency_spike", "region_loss", "nan_shard"
+    "worker_death", "node_death", "hang", "link_flap", "latency_spike", "region_loss", "nan_part"
 ]
 FAILURE_KINDS: tuple[str, ...] = FailureKind.__args__  # type: ignore[attr-defined]
+RENAMED_KINDS: dict[str, str] = {"nan_shard": "nan_part"}
+"""Old failure kind names, still read (with a DeprecationWarning) as the new ones."""
 Reduction = Literal["chain", "exact_flat", "exact_hier"]
 Overlap = Literal["streamed", "bucketed", "last_slot"]
 Precision = Literal["fp32", "int8"]
@@ -210,13 +212,13 @@ class FailureProcess:
     failures at fixed times. Each strikes a uniformly chosen target of its kind's scope
     (a worker, a node, a region, a cross-region link)."""
 
-    kind: FailureKind
+    kind: FailureKind = field(metadata=renamed(RENAMED_KINDS))
     """``worker_death`` (one worker's process dies: its socket closes), ``node_death`` (a
     machine stops: no socket closes, peers must time out), ``hang`` (a worker stops
     responding for ``duration_s``), ``link_flap`` (one collective fails), ``latency_spike``
     (every cross-region link gains ``extra_latency_ms`` for ``duration_s``),
-    ``region_loss`` (a region is gone for ``duration_s``), ``nan_shard`` (a data shard
-    yields non-finite gradients)."""
+    ``region_loss`` (a region is gone for ``duration_s``), ``nan_part`` (a dataset
+    part yields non-finite gradients; ``nan_shard``, its old name, is read as it)."""
     share: float = 0.0
     """Fraction of the reference per-GPU rate that is of this kind."""
     per_day: float = 0.0
@@ -237,6 +239,7 @@ class FailureProcess:
     peers must time out); false: its processes are killed (sockets close at once)."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", renamed_value(self.kind, RENAMED_KINDS, "kind"))
         c = Checker()
         c.non_negative("share", self.share)
         c.non_negative("per_day", self.per_day)

@@ -26,7 +26,7 @@ from perdure.sim.failures import Event
 from perdure.sim.steptime import StepModel
 
 FAILURES = frozenset(
-    ("worker_death", "node_death", "hang", "link_flap", "latency_spike", "region_loss", "nan_shard")
+    ("worker_death", "node_death", "hang", "link_flap", "latency_spike", "region_loss", "nan_part")
 )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from perdure.chaos.config import ChaosConfig
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.config import build
 from perdure.runtime.config import ClusterConfig
 from perdure.sim import scenario
@@ -47,7 +48,7 @@ KINDS = {
     "delay": "latency_spike",
     "comm_error": "link_flap",
     "region_down": "region_loss",
-    "poison_shard": "nan_shard",
+    POISON_PART: "nan_part",
 }
 """perdure's fault kinds (``chaos/faults/``) as the simulator's failure kinds. A
 ``region_down`` kills processes (sockets close: not silent)."""

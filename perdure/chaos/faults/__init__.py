@@ -3,7 +3,7 @@
 Every module of this package but ``base`` holds exactly one :class:`Fault` subclass; the
 registry finds them at import, so a new kind is one new module (and its test), with no
 list to edit anywhere. The config (``FaultConfig.kind``), its reference page, the launcher
-side (``chaos/driver.py``), the worker side (``runtime/wchaos.py``), the fault report
+side (``chaos/driver.py``), the worker side (``runtime/member/wchaos.py``), the fault report
 (``chaos/summary.py``) and the HTML report all read this registry.
 """
 
@@ -14,6 +14,8 @@ import pkgutil
 from types import ModuleType
 
 from perdure.chaos.faults.base import FailureClass, Fault
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 
 _SKIP = frozenset({"base"})
 
@@ -53,6 +55,10 @@ def _registry() -> dict[str, Fault]:
 REGISTRY: dict[str, Fault] = _registry()
 """Every fault kind, by name, in name order."""
 
+RENAMED: dict[str, str] = {"poison_shard": POISON_PART, "corrupt_shard": CORRUPT_PART}
+"""Old kind names, still accepted with a DeprecationWarning: a dataset file is a *part*,
+and *shard* means an optimizer or parameter shard only (docs/architecture.md, glossary)."""
+
 
 def kinds() -> tuple[str, ...]:
     return tuple(REGISTRY)
@@ -75,6 +81,7 @@ def in_process_kinds() -> frozenset[str]:
 
 __all__ = [
     "REGISTRY",
+    "RENAMED",
     "FailureClass",
     "Fault",
     "discover",

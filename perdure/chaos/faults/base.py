@@ -26,14 +26,14 @@ FailureClass = Literal["hardware", "network", "partial_cluster_loss", "data", "p
 """The design's four failure classes, plus ``planned`` for a departure that is no fault
 of the cluster's (a graceful stop)."""
 
-Target = Literal["worker", "region", "worker_or_region", "shard"]
+Target = Literal["worker", "region", "worker_or_region", "part"]
 """What a kind's ``target`` names."""
 
 Record = dict[str, Any]
 
 _SHAPES: dict[str, tuple[Callable[[str], bool], str]] = {
     "worker": (lambda t: "-" in t, "must be a worker name REGION-INDEX"),
-    "shard": (str.isdigit, "must be a shard index"),
+    "part": (str.isdigit, "must be a dataset part index"),
 }
 """Target rules that need no cluster: the form of the name."""
 
@@ -51,7 +51,7 @@ class Fault:
     failure_class: ClassVar[FailureClass]
     target: ClassVar[Target]
     in_process: ClassVar[bool] = False
-    """Acts inside the worker: posted in the store and applied by ``runtime/wchaos.py``,
+    """Acts inside the worker: posted in the store and applied by ``runtime/member/wchaos.py``,
     which polls only when a schedule holds such a kind."""
     timed: ClassVar[bool] = False
     """``duration_s`` ends it: the driver calls :meth:`undo` that long after the injection."""

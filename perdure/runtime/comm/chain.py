@@ -129,6 +129,7 @@ class ChainReducer:
     it, with its scratch buffers (a running sum and the result, per buffer size)."""
 
     carried = False
+    scatters = False
     """One buffer per slot, summed by :meth:`start` (no carried state)."""
 
     def __init__(self, rank: int, size: int, chunk: int = CHUNK_ELEMS) -> None:

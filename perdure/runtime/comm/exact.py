@@ -69,6 +69,11 @@ class ExactReducer:
     buffers; the sum is then final on this rank's shard range and the buffer's tail only."""
 
     carried = False
+
+    @property
+    def scatters(self) -> bool:
+        return self.scatter is not None
+
     """One buffer per slot, summed by :meth:`start` (no carried state)."""
 
     def __init__(

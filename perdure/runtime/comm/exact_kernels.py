@@ -18,7 +18,7 @@ time; the plain loops elsewhere, and on other architectures):
   (``static_cast``, as ``acc.to(torch.float32)`` does; never via double, which would round
   twice), then the power-of-two scaling.
 
-They are bit-for-bit the torch path (tests/test_exact_kernels.py compares them, and the
+They are bit-for-bit the torch path (tests/integration/test_exact_kernels.py compares them, and the
 reducer checks a probe before it uses them), given what the torch ops assume too: the
 default rounding mode (nearest, ties to even) and no flush-to-zero on the calling thread.
 

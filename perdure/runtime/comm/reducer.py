@@ -35,6 +35,13 @@ class Reducer(Protocol):
 
     carried: bool
 
+    @property
+    def scatters(self) -> bool:
+        """Whether the sum it returns is whole only in this member's range of the replica
+        group's reduce-scatter (``comm/scatter.py``): what every rank needs whole (the
+        reruns' verdicts) then goes through a flat reducer of its own."""
+        ...
+
     def start(
         self,
         comm: Comm,
@@ -89,6 +96,12 @@ class CarriedReduction(Reducer, Protocol):
     def fitted(self, maxima: Any) -> Any: ...
 
     def predict(self, pred: Any | None, maxima: Any) -> Any: ...
+
+
+def uses_tiers(train: TrainConfig, hierarchical: bool) -> bool:
+    """Whether an epoch's group adds the regions' tiers (``cluster.hierarchical_reduce``):
+    only the exact reduction sums in them (integers: any grouping is the same bits)."""
+    return hierarchical and train.reduction == "exact"
 
 
 def make_reducer(

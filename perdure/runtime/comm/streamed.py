@@ -181,6 +181,11 @@ class StreamedReducer:
     flags) go through the ``step`` form, ``start``."""
 
     carried = True
+
+    @property
+    def scatters(self) -> bool:
+        return self.scatter is not None
+
     """The step keeps one slot buffer and asks :meth:`open`/:meth:`add`/:meth:`finish`."""
 
     def __init__(

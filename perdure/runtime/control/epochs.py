@@ -23,11 +23,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from perdure import events as ev
-from perdure.runtime.config import ClusterConfig, TrainConfig
+from perdure.runtime.config import ClusterConfig, OuterConfig, TrainConfig
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.copy_rule import overlaps
 from perdure.runtime.control.events import CheckpointFound, FindCheckpoint
 from perdure.runtime.control.state import Board, Pending
-from perdure.runtime.plan import REDO_MAX_WORK, Plan, from_counts, group_order, make_plan, redo_plan
+from perdure.runtime.plan import (
+    REDO_MAX_WORK,
+    Plan,
+    from_counts,
+    group_order,
+    idle_plan,
+    make_plan,
+    redo_plan,
+)
 from perdure.runtime.shard_plan import ALL, NONE
 from perdure.runtime.shard_plan import complete as shards_complete_of
 
@@ -123,18 +132,28 @@ def start_of(pend: Pending, with_state: list[str]) -> tuple[int, str, list[str]]
 
 
 def first_plan(
-    pend: Pending, plan: Plan, start: int, receivers: list[str], train: TrainConfig
+    pend: Pending,
+    plan: Plan,
+    start: int,
+    receivers: list[str],
+    train: TrainConfig,
+    outer: OuterConfig,
 ) -> Plan | None:
-    """The start step's own plan, when the epoch redoes a step that members hold
-    slots of finished (a loss mid-step; ``plan.redo_plan``); None: ``plan`` for every
-    step. Not with parameters sharded at rest: those ranks salvage nothing."""
-    if train.shard_params or plan.slots * len(plan.members) > REDO_MAX_WORK:
-        return None
+    """The start step's own plan: where receivers copy state behind it (the copy
+    overlaps the first step, ``copy_rule.overlaps``), no slot for them
+    (``plan.idle_plan``); else, when the epoch redoes a step that members hold slots of
+    finished (a loss mid-step), ``plan.redo_plan``'s; None: ``plan`` for every step. No
+    redo with parameters sharded at rest: those ranks salvage nothing."""
     ready = pend.ready
     kept = [
         set(ready[m].kept) if ready[m].next_step == start and m not in receivers else set()
         for m in plan.members
     ]
+    if receivers and overlaps(train, outer):
+        small = plan.slots * len(plan.members) <= REDO_MAX_WORK
+        return idle_plan(plan, kept, receivers, plan_kept=small)
+    if train.shard_params or plan.slots * len(plan.members) > REDO_MAX_WORK:
+        return None
     if not any(kept):
         return None
     lag = [1 if m in receivers else 0 for m in plan.members]
@@ -307,7 +326,8 @@ class Epochs:
         b = self.b
         train = b.s.config.train
         plan = plan_for(pend, b.current, train.slots)
-        first_p = None if recover else first_plan(pend, plan, start, receivers, train)
+        outer = b.s.config.outer
+        first_p = None if recover else first_plan(pend, plan, start, receivers, train, outer)
         first = first_p.to_dict() if first_p is not None else None
         msg = p.Start(
             epoch=pend.epoch,

@@ -98,7 +98,7 @@ class Ready:
     it, -2: none (``runtime/shard_plan.py``)."""
     kept: list[int] = field(default_factory=list)
     """Slots of step ``next_step`` it holds finished from an abandoned attempt (salvage,
-    ``runtime/salvage.py``); at most ``MAX_LIST`` of them are reported."""
+    ``runtime/replica/salvage.py``); at most ``MAX_LIST`` of them are reported."""
 
 
 @dataclass(frozen=True)

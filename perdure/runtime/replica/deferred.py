@@ -46,10 +46,10 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_parameter_registration_hook
 
-from perdure.runtime.param_gather import free as free  # re-exported: the at-rest helpers
-from perdure.runtime.param_gather import make_resident as make_resident
-from perdure.runtime.param_gather import resident as resident
-from perdure.runtime.param_gather import resident_bytes as resident_bytes
+from perdure.runtime.replica.param_gather import free as free  # re-exported: the at-rest helpers
+from perdure.runtime.replica.param_gather import make_resident as make_resident
+from perdure.runtime.replica.param_gather import resident as resident
+from perdure.runtime.replica.param_gather import resident_bytes as resident_bytes
 
 T = TypeVar("T")
 Init = Callable[[str, nn.Module], bool]

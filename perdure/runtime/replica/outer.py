@@ -12,7 +12,7 @@ membership (with ``outer.precision = "int8"`` every member instead gathers the R
 pseudo-gradients as int8 (:func:`encode_int8`) and sums them in replica order:
 ``comm/int8_gather.py``). So a replica is a pure function of ``(theta_t, t, r)`` and the config: the
 planner may place it on any member, move it to a survivor, or keep it across a failure
-(``runtime/salvage.py``), and not a bit changes.
+(``runtime/replica/salvage.py``), and not a bit changes.
 
 Deviation from DiLoCo: its workers keep their inner AdamW state from one outer step to
 the next; here every replica starts each outer step with a fresh inner optimizer state

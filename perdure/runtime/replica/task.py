@@ -36,7 +36,7 @@ class Task:
 
     ``loss_fn(model, batch)`` returns, over the batch's samples, the sum (``loss_reduction =
     "sum"``, the default) or the mean (``"mean"``) of each sample's loss times
-    ``batch["weight"]`` (1.0, or NaN for samples of a poisoned shard). perdure scales a mean
+    ``batch["weight"]`` (1.0, or NaN for samples of a poisoned dataset part). perdure scales a mean
     to a sum itself, adds the slot sums in slot order and divides by the global batch once,
     so the result does not depend on how samples are grouped into slots. The launcher's
     preflight checks the declaration on real samples (``recipe.check_loss_reduction``).
@@ -89,7 +89,7 @@ class Task:
     are on ``meta`` while the factory runs. Unused with ``eager``."""
     eval_fn: EvalFn | None = None
     """``eval_fn(model, batch)``: the evaluation of one batch of the held-out data set
-    (``[eval]`` in the config, ``runtime/evaluate.py``), called under ``torch.no_grad()``
+    (``[eval]`` in the config, ``runtime/member/evaluate.py``), called under ``torch.no_grad()``
     with the model in ``eval()`` mode (dropout off, BatchNorm on its running statistics).
     It returns a dict of named numbers (floats or one-element tensors), each the *mean*
     over the batch's samples (``{"loss": ..., "accuracy": ...}``), or one tensor, the mean

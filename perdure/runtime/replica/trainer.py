@@ -14,6 +14,9 @@ from typing import Any, Protocol
 
 import torch
 
+from perdure import events as ev
+from perdure.chaos.faults.corrupt_part import CORRUPT_PART
+from perdure.chaos.faults.poison_part import POISON_PART
 from perdure.checkpoint import (
     CheckpointState,
     capture_rng,
@@ -28,8 +31,6 @@ from perdure.data import DataError, Dataset, DataState, SlotLoader
 from perdure.data.retry import ReadPolicy
 from perdure.provenance import provenance
 from perdure.run_config import RunConfig, canonical, config_hash, dataset_path, resolve_path
-from perdure.runtime.param_gather import ParamGather
-from perdure.runtime.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.deferred import (
     SeedInit,
     at_rest,
@@ -49,7 +50,9 @@ from perdure.runtime.replica.loss_scale import (
     scale_event,
 )
 from perdure.runtime.replica.outer import OUTER_KEY, OuterStep
+from perdure.runtime.replica.param_gather import ParamGather
 from perdure.runtime.replica.pending import FromCheckpoint, FromSeed, Pending
+from perdure.runtime.replica.placement import Placement, determinism, deterministic_cuda
 from perdure.runtime.replica.recipe import Recipe
 from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_tensors
 from perdure.runtime.replica.task import Task, build_task, plain_module
@@ -83,7 +86,7 @@ def configure_torch(threads: int, device: str = "cpu") -> None:
 
 
 class ShardSeam(Protocol):
-    """What the trainer needs of its replica group (``runtime/shard_group.py``)."""
+    """What the trainer needs of its replica group (``runtime/member/shard_group.py``)."""
 
     mine: int
 
@@ -137,7 +140,7 @@ class Trainer:
         # the optimizer, built next, holds the moved parameters.
         task.model.to(self.placement.device)
         self.model = task.model
-        self.task = task  # its eval_fn: the worker's evaluation (runtime/evaluate.py)
+        self.task = task  # its eval_fn: the worker's evaluation (runtime/member/evaluate.py)
         self.module = plain_module(task.model)
         """What checkpoints, state copies and fingerprints read: the plain module's keys."""
         outer = config.outer
@@ -190,18 +193,18 @@ class Trainer:
         """DiLoCo with exponents carried from the previous step: a member keeps its
         replicas of the step in flight (``OuterStep.replica``), so the pass that a missed
         prediction repeats, and a step redone in a new epoch, copy them (the step form
-        and the chain keep each slot's buffer already: ``runtime/salvage.py``, and so does
+        and the chain keep each slot's buffer already: ``runtime/replica/salvage.py``, and so does
         int8's gather, whatever the exponents' form)."""
         self.poison = sorted(poison)
         self.corrupt = sorted(corrupt)
-        """Chaos: ``(shard, step)``: the shard's primary copy reads corrupt from that step."""
-        for kind, shard in [("poison_shard", k) for k, _ in poison] + [
-            ("corrupt_shard", k) for k, _ in corrupt
+        """Chaos: ``(part, step)``: the part's primary copy reads corrupt from that step."""
+        for kind, part in [(POISON_PART, k) for k, _ in poison] + [
+            (CORRUPT_PART, k) for k, _ in corrupt
         ]:
-            if not 0 <= shard < self.dataset.num_shards:
+            if not 0 <= part < self.dataset.num_parts:
                 raise ValueError(
-                    f"chaos.faults: {kind} target must be a shard of {config.data.dataset} "
-                    f"in [0, {self.dataset.num_shards}) (got {shard})"
+                    f"chaos.faults: {kind} target must be a part of {config.data.dataset} "
+                    f"in [0, {self.dataset.num_parts}) (got {part})"
                 )
         self.decisions: list[dict[str, Any]] = []
         self.next_step = 0
@@ -216,7 +219,7 @@ class Trainer:
         with ``train.shard_params`` which shard's parameters are resident."""
         self.gather: ParamGather | None = None
         """With ``train.shard_params``, in an epoch: the parameters at rest, gathered while
-        a slot runs (``runtime/param_gather.py``)."""
+        a slot runs (``runtime/replica/param_gather.py``)."""
         self._whole = False
         self.exponents: list[int] | torch.Tensor | None = None
         """The exact reduction's carried exponents for the next step: one per bucket
@@ -301,14 +304,14 @@ class Trainer:
         return inner * self.config.train.global_batch * self.dataset.seq_len
 
     def poison_due(self, step: int) -> None:
-        """Fault injection: shards poisoned from a given step on (identically everywhere),
-        and shards whose primary copy reads corrupt from a given step on (once each)."""
-        for shard, at in self.poison:
+        """Fault injection: parts poisoned from a given step on (identically everywhere),
+        and parts whose primary copy reads corrupt from a given step on (once each)."""
+        for part, at in self.poison:
             if step >= at:
-                self.loader.poison_shard(shard)
+                self.loader.poison_part(part)
         while self.corrupt and step >= self.corrupt[0][1]:
-            shard, _ = self.corrupt.pop(0)
-            self.loader.corrupt_shard(shard)
+            part, _ = self.corrupt.pop(0)
+            self.loader.corrupt_part(part)
 
     def compute_slots(
         self,
@@ -360,18 +363,18 @@ class Trainer:
 
     def warm_up(self) -> None:
         """One throwaway slot gradient (step 0, slot 0), for a replica that will receive
-        its state. A process's first slot opens and verifies shards and allocates what later
+        its state. A process's first slot opens and verifies parts and allocates what later
         calls reuse (~1.3-1.5x a warm one here); a joiner or spare should pay that while it
         waits, not in its first step as a member, where every member waits for it.
 
         The bits are unaffected: every slot reseeds the RNG and starts from cleared
         gradients, and the data quarantine that the read could add on this replica alone
-        (an unreadable shard) is replaced by the received one (``adopt``)."""
+        (an unreadable part) is replaced by the received one (``adopt``)."""
         if self.pending is not None:
             return  # its parameters are at rest until it knows its shard: nothing to run
         try:
             batch = to_tensors(self.loader.batch(0, 0))
-        except DataError:  # a shard with no good copy: the steps that need it report it
+        except DataError:  # a part with no good copy: the steps that need it report it
             return
         self.engine.compute(0, 0, batch, self.engine.new_buffer())
 
@@ -505,15 +508,15 @@ class Trainer:
 
     def rerun_flags(self, step: int, slot: int) -> list[int]:
         """Re-run each sample of a slot alone: which ones give a non-finite gradient?
-        Per sample :data:`FINITE`, :data:`NON_FINITE`, or :data:`WITHHELD` (its shard has
+        Per sample :data:`FINITE`, :data:`NON_FINITE`, or :data:`WITHHELD` (its part has
         no good copy in the store: the sample was never served, so the data's storage is
         at fault, not the data, the worker or the model)."""
         batch = self.loader.batch(step, slot)
         buf = self.engine.new_buffer()
         flags = []
-        withheld = set(batch.bad_shards)
+        withheld = set(batch.bad_parts)
         for i in range(len(batch.sample_ids)):
-            if int(batch.shards[i]) in withheld:
+            if int(batch.parts[i]) in withheld:
                 flags.append(WITHHELD)
                 continue
             one = to_tensors(_row(batch, i))
@@ -530,8 +533,8 @@ class Trainer:
         return bool(self.layout.flags(buf)[slot] == OVERFLOW)
 
     def quarantine(self, step: int, found: dict[int, list[int]]) -> list[dict[str, Any]]:
-        """Quarantine the shards of the bad samples of several slots at once: a
-        ``corrupt`` entry for shards whose samples were withheld (no good copy), a
+        """Quarantine the parts of the bad samples of several slots at once: a
+        ``corrupt`` entry for parts whose samples were withheld (no good copy), a
         ``quarantine`` entry for samples whose gradient is non-finite; returns them.
 
         ``found`` maps a slot to its per-sample rerun flags (:meth:`rerun_flags`, the same
@@ -542,35 +545,35 @@ class Trainer:
                                                       WITHHELD: (set(), set())}  # fmt: skip
         for slot, flags in found.items():
             batch = self.loader.batch(step, slot)
-            for sid, shard, flag in zip(batch.sample_ids, batch.shards, flags, strict=True):
+            for sid, part, flag in zip(batch.sample_ids, batch.parts, flags, strict=True):
                 if flag in hits:
-                    hits[flag][0].add(int(shard))
+                    hits[flag][0].add(int(part))
                     hits[flag][1].add(int(sid))
         slots = sorted(found)
         entries = []
-        shards, samples = hits[WITHHELD]
-        if shards:
-            self._check_left(step, shards)
-            why = self.dataset.store.bad_shards()
-            named = "; ".join(f"shard {k}: {why.get(k, 'no good copy')}" for k in sorted(shards))
+        parts, samples = hits[WITHHELD]
+        if parts:
+            self._check_left(step, parts)
+            why = self.dataset.store.bad_parts()
+            named = "; ".join(f"part {k}: {why.get(k, 'no good copy')}" for k in sorted(parts))
             reason = f"no good copy (data.on_corrupt = 'quarantine'): {named}"
-            entries.append(self._quarantined(step, "corrupt", (shards, samples), slots, reason))
-        shards, samples = hits[NON_FINITE]
-        if shards:
+            entries.append(self._quarantined(step, "corrupt", (parts, samples), slots, reason))
+        parts, samples = hits[NON_FINITE]
+        if parts:
             reason = f"non-finite gradient in slots {slots}, reproduced on rerun"
-            entries.append(self._quarantined(step, "quarantine", (shards, samples), slots, reason))
+            entries.append(self._quarantined(step, "quarantine", (parts, samples), slots, reason))
         return entries
 
     def _quarantined(
         self, step: int, kind: str, hit: tuple[set[int], set[int]], slots: list[int], reason: str
     ) -> dict[str, Any]:
-        shards, samples = hit
-        self.loader.quarantine(sorted(shards), step, reason)
+        parts, samples = hit
+        self.loader.quarantine(sorted(parts), step, reason)
         self.state_version += 1
         entry = {
             "step": step,
             "kind": kind,
-            "shards": sorted(shards),
+            "parts": sorted(parts),
             "samples": sorted(samples),
             "slots": slots,
             "reason": reason,
@@ -579,24 +582,24 @@ class Trainer:
         return entry
 
     def _check_left(self, step: int, corrupt: set[int]) -> None:
-        """Quarantining ``corrupt`` must leave a shard to train on; else the run stops."""
+        """Quarantining ``corrupt`` must leave a part to train on; else the run stops."""
         active = self.loader.quarantine_list.active(step)
-        gone = {int(k) for k in active.shards} | corrupt
-        if len(gone) >= self.dataset.num_shards:
+        gone = {int(k) for k in active.parts} | corrupt
+        if len(gone) >= self.dataset.num_parts:
             store = self.dataset.store
-            why = store.bad_shards()
+            why = store.bad_parts()
             named = "; ".join(
                 f"{store.url(k)}: {why.get(k, 'no good copy')}" for k in sorted(corrupt)
             )
             raise DataError(
-                f"step {step}: shards {sorted(corrupt)} have no good copy ({named}), and "
-                "quarantining them (data.on_corrupt = 'quarantine') leaves no shard to train "
-                "on: run `perdure data verify DATASET`, restore the shards or set "
+                f"step {step}: parts {sorted(corrupt)} have no good copy ({named}), and "
+                "quarantining them (data.on_corrupt = 'quarantine') leaves no part to train "
+                "on: run `perdure data verify DATASET`, restore the parts or set "
                 "data.mirrors, and resume from the last checkpoint"
             )
 
     def take_repairs(self) -> list[dict[str, Any]]:
-        """Shards the data store repaired since the last call (``shard_repaired`` events)."""
+        """Parts the data store repaired since the last call (``part_repaired`` events)."""
         return self.dataset.store.take_repairs()
 
     # -- state -----------------------------------------------------------------------------
@@ -885,7 +888,7 @@ class Trainer:
             self.module.load_state_dict(model)
         self._load_optimizer(optim, "the received state")
         self.loader.restore(DataState.from_dict(extra["data"]))
-        self.decisions = list(extra["decisions"])
+        self.decisions = [ev.renamed_decision(d) for d in extra["decisions"]]
         self.next_step = int(extra["next_step"])
         self.held = int(extra.get("held", ALL))
         self._drop_pending()

@@ -19,7 +19,7 @@ What each failure costs, as ``docs/architecture.md`` describes the runtime:
 - a region is lost: as many deaths at once; when the coordinator's region is lost, the
   workers reconnect to the standby, which waits ``takeover_settle_ms``; without a
   standby the run waits for the region; the region's workers rejoin when it is back;
-- a NaN shard: the bad slot is re-run on another member, a small reduction shares the
+- a NaN part: the bad slot is re-run on another member, a small reduction shares the
   verdicts, the step is recomputed on resampled data.
 
 Limits: spares are not used for a whole region's loss (they replace single deaths);
@@ -101,7 +101,7 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _region_loss(ctx, s, e)
     if e.kind == "region_back":
         return _region_back(ctx, s, e)
-    if e.kind == "nan_shard":
+    if e.kind == "nan_part":
         verdicts = ctx.step.small_allreduce_s(s.members)
         redo = ctx.step.slot_s + ctx.step.seconds(s.members, s.extra_lat_s)
         return pay(s, detection=verdicts, lost=redo), ()

@@ -15,7 +15,7 @@ A replica group is a node's workers. What each failure costs:
 - a dropped link: the step is aborted and the process group re-formed, same members;
 - a region lost: its groups go; if the lighthouse lived there, nobody trains until a
   lighthouse runs elsewhere (``lighthouse_restart_s``) or the region is back;
-- a NaN shard: torchft does not check finiteness; a non-finite update reaches every
+- a NaN part: torchft does not check finiteness; a non-finite update reaches every
   replica through the all-reduce, and the job restarts from its last checkpoint;
 - a latency spike slows the steps.
 
@@ -108,7 +108,7 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return _region_loss(ctx, s, e)
     if e.kind == "region_back":
         return set_down(s, e.region, False), ()
-    if e.kind == "nan_shard":
+    if e.kind == "nan_part":
         return pay_restart(rollback(lose_inflight(s), ctx), c.restart), ()
     if e.kind == "launch":
         return s._replace(starting=s.starting + e.count), ()

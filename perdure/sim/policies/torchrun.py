@@ -11,7 +11,7 @@ What each failure costs (a fixed world size, as the benchmark and most jobs run)
 - then, once replacement hardware is there (the failure's ``replace_minutes``), every
   process restarts (``restart_s``: measured here, plus the deployment's checkpoint load
   and rendezvous hops) and redoes every step since the newest durable checkpoint;
-- a NaN shard: the training script's loss check stops the job, which restarts from the
+- a NaN part: the training script's loss check stops the job, which restarts from the
   last checkpoint (DDP cannot tell which shard: the shard is skipped by hand, not here);
 - a latency spike slows the steps, like everyone's.
 
@@ -75,7 +75,7 @@ def policy(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     if e.kind == "region_loss":
         detect = c.node_timeout_s if e.silent else 0.0
         return _restart(ctx, s, detect, max(0.0, e.duration_s - detect)), ()
-    if e.kind == "nan_shard":
+    if e.kind == "nan_part":
         return _restart(ctx, s, 0.0, 0.0), ()
     if e.kind == "latency_spike":
         end = Event(t=s.t + e.duration_s, kind="spike_end", extra_latency_s=e.extra_latency_s)

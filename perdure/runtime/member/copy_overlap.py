@@ -1,0 +1,131 @@
+"""The overlapped state copy: holders serve their committed state from a background thread
+while they compute the epoch's first step; a receiver copies it, then joins that step.
+
+Where ``copy_rule.overlaps`` allows it, the coordinator plans the epoch's first step (step
+``s``, the start step) with no slot on any receiver (``plan.idle_plan``). Then:
+
+- a *holder* builds its offer from its committed state (after step ``s - 1``), starts a
+  :class:`CopyServer` and begins step ``s`` at once: its slots' forwards and backwards run
+  while the server sends ranges on a second process group (``<prefix>copy/``, so the
+  copy's messages never interleave with the step's collectives on the epoch's group);
+- a *receiver* copies on that group in its own main thread (:func:`receive`: it has
+  nothing else to do), adopts the state of step ``s - 1``, and enters step ``s`` with no
+  slot: its part in the reduction adds nothing, and it applies the step's update from the
+  reduced sum like every member. So it catches up on the step it missed by taking part in
+  its reduction, not by a second copy, and the run never waits for a step it already did.
+
+Snapshot consistency. A holder serves tensors it will mutate in step ``s``, so the step
+must not mutate what the copy has not sent yet. The optimizer's update is the only write
+to the parameters and the optimizer state in a step, and it comes after the reduction; a
+holder waits for its server to finish (:meth:`CopyServer.wait`, the step runner's
+``gate``) before it enters the reduction, the step's first collective on the epoch's
+group. The buffers are the exception: a slot's forward moves them and the engine puts
+them back after the slot (docs/architecture.md, "Buffers"), so a range read mid-forward
+would be torn: the offer holds clones of every model tensor that is not a parameter
+(:func:`committed_offer`; buffers are small). The parameters and optimizer tensors are
+served in place: no second copy of the state, whatever its size. Waiting before the
+reduction costs nothing a receiver would not cost anyway: the reduction cannot complete
+without the receiver, which enters it only once its copy is in.
+
+Cost: the step's slots are computed by the holders alone (S / (W - r) each instead of
+S / W), and its reduction starts once the copy is done: a copy shorter than the holders'
+compute of one step is hidden; a longer one shows by the difference (a 1.2 TB state at
+link rate is not hidden by one step: the step waits for it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from perdure.runtime.comm.group import Abandoned, Comm
+from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy
+from perdure.runtime.plan import Plan
+
+State = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
+
+_SLICE_S = 0.01
+
+
+def is_overlapped(first: Plan | None, receivers: Sequence[str]) -> bool:
+    """Whether an epoch's copy overlaps its first step: receivers there are, and the first
+    step's own plan (``Start.first``) gives each of them no slot (the coordinator plans it
+    so exactly where ``copy_rule.overlaps``)."""
+    if not receivers or first is None:
+        return False
+    return all(len(first.slots_of(first.members.index(r))) == 0 for r in receivers)
+
+
+def committed_offer(state: State, params: Sequence[torch.Tensor]) -> State:
+    """A holder's offer that stays its committed state while it computes the next step:
+    ``state`` (``Trainer.export``) with every model tensor that is not one of ``params``
+    cloned (the buffers a slot's forward moves and puts back); the parameters and the
+    optimizer's tensors as they are (only the update writes them, after the copy)."""
+    model, optim, extra = state
+    held = {p.data_ptr() for p in params}
+    snap = {k: t if t.data_ptr() in held else t.detach().clone() for k, t in model.items()}
+    return snap, optim, extra
+
+
+class CopyServer:
+    """A holder's side of an overlapped copy on a background thread (see the module's
+    docstring): builds the copy group (``make_comm``), runs the copy, records what it
+    sent (``sent``: seconds and the copy's counters) or the exception that ended it."""
+
+    def __init__(self, make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob) -> None:
+        self.job = job
+        self.sent: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self._comm: Comm | None = None
+        self._make, self._copy = make_comm, copy
+        self._t0 = time.monotonic()
+        self._thread = threading.Thread(target=self._serve, name="state-copy", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self._comm = self._make()
+            got = self._copy.copy(self._comm, self.job)
+            assert got is None, "a holder received state"
+            stats = dict(getattr(self._copy, "stats", {}) or {})
+            self.sent = {"seconds": round(time.monotonic() - self._t0, 4), **stats}
+        except BaseException as e:  # handed to the step loop by wait()
+            self.error = e
+        finally:
+            if self._comm is not None:
+                self._comm.close()
+
+    def wait(self, abort: Callable[[], bool]) -> dict[str, Any]:
+        """Block until the copy is served (the step's gate before its reduction); raise
+        what ended it (CommFailed: the epoch ends, the coordinator plans again), or
+        Abandoned once ``abort`` holds (the epoch changed). Every operation of the copy
+        has the epoch's collective timeout, so the thread ends by itself."""
+        while self._thread.is_alive():
+            self._thread.join(_SLICE_S)
+            if self._thread.is_alive() and abort():
+                raise Abandoned("membership epoch changed during the state copy")
+        if self.error is not None:  # CommFailed, Abandoned, or a bug (raised as it is)
+            raise self.error
+        assert self.sent is not None
+        return self.sent
+
+    def close(self) -> None:
+        """Leave the copy (an epoch that ended first): its group's thread is let go, and
+        the server thread ends at its next operation's abort check or timeout."""
+        if self._comm is not None:
+            self._comm.close()
+
+
+def receive(make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob) -> Received:
+    """A receiver's side of an overlapped copy: build the copy group, copy, close it."""
+    comm = make_comm()
+    try:
+        got = copy.copy(comm, job)
+    finally:
+        comm.close()
+    assert got is not None, "a receiver got no state"
+    return got

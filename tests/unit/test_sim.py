@@ -1,0 +1,186 @@
+"""perdure.sim end to end: configs, calibration from the result files, validation, CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from perdure.cli import main
+from perdure.config import ConfigError
+from perdure.sim import load_calibration, load_sim_config, run_config
+from perdure.sim.calibrate import REQUIRED, CalibrationError
+from perdure.sim.validate import TOLERANCE, goodput_rows, validation
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+SIM_CONFIGS = sorted((ROOT / "configs" / "sim").glob("*.toml"))
+DEPLOYMENT = ROOT / "configs" / "sim" / "deployment-46.toml"
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+def test_the_shipped_sim_configs_are_exactly_those_docs_simulation_md_describes() -> None:
+    doc = (ROOT / "docs" / "simulation.md").read_text()
+    named = set(re.findall(r"configs/sim/([\w.-]+\.toml)", doc))
+    assert sorted(named) == [p.name for p in SIM_CONFIGS] == [
+        "deployment-46-diloco.toml", "deployment-46.toml", "llama3-405b.toml", "seed-600b.toml"
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", SIM_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_sim_config_loads(path: Path) -> None:
+    cfg = load_sim_config(path)
+    assert cfg.deployment.workers > 0
+    assert cfg.failures
+
+
+def test_deployment_46_is_the_reference_deployment() -> None:
+    cfg = load_sim_config(DEPLOYMENT)
+    assert len(cfg.deployment.regions) == 4
+    assert cfg.deployment.nodes == 46
+    assert cfg.workload.days == 30
+
+
+def test_every_problem_of_a_sim_config_is_reported(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        "seeds = 0\n[deployment]\nregions = [{ name = 'a', nodes = -1 }]\n"
+        "coordinator_region = 'b'\n[[failures]]\nkind = 'meteor'\n"
+        "[[failures]]\nkind = 'hang'\nregion = 'a'\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_sim_config(path)
+    keys = {p.key for p in info.value.problems}
+    assert {
+        "seeds",
+        "deployment.regions[0].nodes",
+        "deployment.coordinator_region",
+        "failures[0].kind",
+        "failures[1].duration_s",
+    } <= keys
+    assert str(path) in str(info.value)
+
+
+def test_llama3_rate_per_gpu_hour() -> None:
+    ref = load_sim_config(DEPLOYMENT).reference_rate
+    assert ref.per_gpu_hour == pytest.approx(419 / (16384 * 54 * 24))
+
+
+def _copy_results(tmp_path: Path) -> Path:
+    out = tmp_path / "results"
+    shutil.copytree(RESULTS, out)
+    return out
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_a_missing_calibration_input_fails(tmp_path: Path, name: str) -> None:
+    results = _copy_results(tmp_path)
+    (results / f"{name}.json").unlink()
+    with pytest.raises(CalibrationError, match=rf"{name}\.json"):
+        load_calibration(results)
+
+
+def test_a_missing_key_is_named(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    data = json.loads((results / "checkpoint.json").read_text())
+    del data["snapshot"]["sync_copy"]["blocking_s"]
+    (results / "checkpoint.json").write_text(json.dumps(data))
+    with pytest.raises(CalibrationError, match=r"checkpoint\.json: missing snapshot\.sync_copy"):
+        load_calibration(results)
+
+
+def test_a_missing_demo_measurement_fails_the_validation(tmp_path: Path) -> None:
+    results = _copy_results(tmp_path)
+    (results / "demo.json").unlink()
+    with pytest.raises(CalibrationError, match=r"demo\.json.*bench_demo\.py"):
+        validation(load_calibration(results), results, DEMO)
+
+
+def _edit(path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+
+
+def _slower_recoveries(data: dict) -> None:
+    for run in data["recovery"]["perdure"]["runs"]:
+        run["new_epoch_s"] += 2.0
+        run["join_commit_gap_s"] += 2.0
+    for run in data["recovery"]["torchrun"]["runs"]:
+        run["recovery_s"] += 20.0
+
+
+def test_a_measured_input_moves_the_prediction(tmp_path: Path) -> None:
+    """No constant hides in the code: slower measured recoveries in a copy of
+    recovery.json give lower predicted goodput, on the benchmark and at scale."""
+    results = _copy_results(tmp_path)
+    cfg = replace(load_sim_config(DEPLOYMENT), seeds=2, results_dir=str(RESULTS))
+    before_cal = load_calibration(RESULTS)
+    _edit(results / "recovery.json", _slower_recoveries)
+    after_cal = load_calibration(results)
+    assert after_cal.perdure_reconfigure_s == pytest.approx(before_cal.perdure_reconfigure_s + 2)
+
+    bench_before = {r.system: r.predicted for r in goodput_rows(before_cal, RESULTS)}
+    bench_after = {r.system: r.predicted for r in goodput_rows(after_cal, results)}
+    assert bench_after["perdure"] < bench_before["perdure"] - 0.1
+    assert bench_after["torchrun"] < bench_before["torchrun"] - 0.1
+
+    scale_before = {s.policy: s.goodput for s in run_config(cfg, before_cal)}
+    scale_after = {s.policy: s.goodput for s in run_config(cfg, after_cal)}
+    assert scale_after["torchrun"] < scale_before["torchrun"]
+    assert scale_after["perdure/exact_hier/streamed"] < scale_before["perdure/exact_hier/streamed"]
+
+
+def test_benchmark_goodput_is_predicted_within_tolerance() -> None:
+    """The shipped measurements: every goodput workload within 0.03 of its median."""
+    cal = load_calibration(RESULTS)
+    rows = [r for r in validation(cal, RESULTS, DEMO) if r.metric == "goodput"]
+    assert {r.workload for r in rows} == {"goodput", "demo"}
+    assert len(rows) == 5
+    for r in rows:
+        assert abs(r.diff) <= TOLERANCE, r
+
+
+SHORT_SWEEPS = """
+[sweeps]
+rate_scale = [1.0, 10.0]
+checkpoint_minutes = [30.0]
+spares = [0, 8]
+cross_region_latency_ms = [30.0]
+seeds = 1
+"""
+
+
+def test_cli_prints_every_policy_and_writes_plots(tmp_path: Path) -> None:
+    cfg, out = tmp_path / "d.toml", tmp_path / "out"
+    cfg.write_text(DEPLOYMENT.read_text() + SHORT_SWEEPS)
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--seeds", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    for name in ("perdure/exact_hier", "perdure/chain", "torchrun", "torchft", "validation"):
+        assert name in res.output
+    assert "cost per failure" in res.output and "step by dimension" in res.output
+    record = json.loads((out / "sim.json").read_text())
+    assert {r["policy"] for r in record["goodput"]} >= {"torchrun", "torchft"}
+    torchrun = next(r for r in record["goodput"] if r["policy"] == "torchrun")
+    # a restart's items: what the failure waited for, the processes, the load, the redo
+    per_death = torchrun["seconds_per_failure"]["worker_death"]
+    assert {"wait", "startup", "load", "lost"} <= set(per_death)
+    plots = sorted(p for p in out.iterdir() if p.suffix in (".png", ".svg"))
+    assert len(plots) == 4
+    for p in plots:
+        if p.suffix == ".svg":
+            assert ET.parse(p).getroot().tag.endswith("svg")
+
+
+def test_cli_names_a_bad_results_dir(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"  # a top-level key: before the first table
+    cfg.write_text(f'results_dir = "{tmp_path / "nowhere"}"\n' + DEPLOYMENT.read_text())
+    res = CliRunner().invoke(main, ["sim", str(cfg), "--no-sweeps", "--no-validate"])
+    assert res.exit_code != 0
+    assert "calibration input missing" in res.output
