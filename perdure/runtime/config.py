@@ -589,11 +589,11 @@ class OuterConfig:
     summed by the exact reduction (``train.reduction``). ``int8``: rounded to 8 bits (a sign
     and 7 bits, round-half-even) per block of ``train.reduction_block`` values against the
     power of two of the block's own maximum, a pure function of the replica's values
-    (INTELLECT-1's int8 pseudo-gradients, minus their error feedback), and put on the wire
-    as such: an all-gather of every replica's int8 values and one-byte block exponents,
-    which every member decodes and adds in replica order (``comm/int8_gather.py``), a
-    quarter of the exact reduction's 32-bit bytes. Limit: the all-gather is flat over the
-    members, not in ``cluster.hierarchical_reduce``'s tiers."""
+    (INTELLECT-1's int8 pseudo-gradients; their error feedback is ``error_feedback``),
+    and put on the wire as such: an all-gather of every replica's int8 values and one-byte
+    block exponents, which every member decodes and adds in replica order
+    (``comm/int8_gather.py``), a quarter of the exact reduction's 32-bit bytes. Limit: the
+    all-gather is flat over the members, not in ``cluster.hierarchical_reduce``'s tiers."""
     error_feedback: bool = field(default=False, metadata=MATH_ADDED)
     """int8 only: EF21 error feedback. Each virtual replica r has an estimate ``g_r`` of its
     pseudo-gradient (zero at the start); the wire carries the int8 rounding of the

@@ -18,6 +18,14 @@ member whichever member hosted which replica, then rounds the sum to float32. Th
 are placed, not summed (one replica sets each entry). So a reduced buffer is a pure
 function of the R replicas, as the exact reduction's is.
 
+With ``outer.error_feedback`` (EF21) a record holds the int8 rounding of the replica's
+pseudo-gradient less its estimate ``g_r`` (``OuterStep.estimates``, which every member
+holds for all R replicas); every member decodes each record, adds it to its copy of
+``g_r`` (float64, rounded to float32) and sums the R new estimates in replica order. The
+new estimates come back with the buffer and become current with the outer step's update:
+the same records, the same bits on every member, so a replica's estimate does not depend
+on who computed it, and a replica that moves needs nothing copied.
+
 Bytes: a member sends ``width`` records and receives ``(W - 1) x width`` (gloo's ring
 all-gather). A record is ``P + ceil(P / block) + 4 (3 + M)`` bytes: a quarter of what the
 exact reduction sends of one slot buffer with ``train.reduction_bits = 32`` (``4 (P + (2 +
