@@ -607,9 +607,19 @@ class OuterConfig:
     plain int8's or larger (EF21 does not accumulate the error, so nothing is owed back).
     Refused with ``precision = "fp32"`` (nothing is rounded)."""
 
+    delay: int = field(default=0, metadata=MATH_ADDED)
+    """Outer steps between an outer step's pseudo-gradients and their update: 0 (DiLoCo:
+    outer step t's mean moves the parameters that step t + 1's replicas start from) or 1
+    (one step late, as streaming/overlapped DiLoCo: outer step t applies step t - 1's
+    mean, and step 0 moves nothing; the replicas of step t + 1 then start from parameters
+    that do not depend on step t's reduction). The last step's mean is left pending, in
+    the checkpoint (``"pending"``). Limit: only the math is built: the reduction of step t
+    still finishes before step t + 1's inner steps start (the overlap it allows is not)."""
+
     def __post_init__(self) -> None:
         c = Checker()
         c.non_negative("replicas", self.replicas)
+        c.one_of("delay", self.delay, (0, 1))
         c.positive("inner_steps", self.inner_steps)
         c.positive("lr", self.lr)
         c.check(0 <= self.momentum < 1, "momentum", "must be in [0, 1)", self.momentum)

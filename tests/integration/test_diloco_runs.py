@@ -177,3 +177,19 @@ def test_error_feedback_resumed_from_a_mid_run_checkpoint_retraces_the_run(
     half = ef_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
     s = run_to_end(_cfg(small_dataset, 2, EF), tmp_path, resume=str(half))
     assert s["final_hash"] == ef_ref["final_hash"]
+
+
+def test_a_delayed_outer_step_is_another_math_with_one_hash_on_one_worker_and_two_resumed(
+    diloco_ref: dict, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``outer.delay = 1``: the mean not yet applied travels in the checkpoint, so two
+    workers resumed from one worker's step-4 checkpoint end with its hash."""
+    delayed = {**OUTER, "delay": 1}
+    ref_dir = tmp_path_factory.mktemp("diloco-delay")
+    ref = run_to_end(_cfg(small_dataset, 1, delayed), ref_dir)
+    assert ref["final_hash"] != diloco_ref["final_hash"]
+    half = ref_dir / "checkpoints" / f"step-{STEPS // 2:09d}"
+    assert float(load_checkpoint(half).optimizer["outer"]["pending"].abs().max()) > 0
+    two = run_to_end(_cfg(small_dataset, 2, delayed), tmp_path_factory.mktemp("d2"),
+                     resume=str(half))  # fmt: skip
+    assert two["final_hash"] == ref["final_hash"]

@@ -201,3 +201,31 @@ def test_the_replicas_estimates_travel_in_the_state_and_a_state_without_them_is_
     del optim["outer"]["estimates"]
     with pytest.raises(ValueError, match=r"optimizer\.outer\.estimates must be a float32"):
         other._load_optimizer(optim, "ckpt/step-4")
+
+
+def test_a_delayed_outer_step_applies_the_previous_steps_mean_and_step_zero_moves_nothing(
+    small_dataset: Path,
+) -> None:
+    """``outer.delay = 1``: outer step 0 leaves the parameters as they were; step 1 moves
+    them as the undelayed step 0 did (the same mean, the same momentum); the mean not yet
+    applied is in the state."""
+    late, now = _trainer(small_dataset, delay=1), _trainer(small_dataset)
+    start = [p.detach().clone() for p in late.model.parameters()]
+    gen = torch.Generator().manual_seed(1)
+    totals = []
+    for _ in range(2):
+        total = late.layout.new_buffer()
+        late.layout.grads(total).copy_(torch.randn(late.layout.numel, generator=gen))
+        totals.append(total)
+    late.apply(0, totals[0])
+    assert all(
+        torch.equal(p.detach(), q) for p, q in zip(late.model.parameters(), start, strict=True)
+    )
+    late.apply(1, totals[1])
+    now.apply(0, totals[0])
+    pairs = zip(late.model.parameters(), now.model.parameters(), strict=True)
+    assert all(torch.equal(p.detach(), q.detach()) for p, q in pairs)
+    _, optim, _ = late.export()
+    assert torch.equal(optim["outer"]["pending"], late.layout.grads(totals[1]).div(4))
+    with pytest.raises(ConfigError, match=r"outer\.delay.*must be one of \[0, 1\]"):
+        small_config(small_dataset, slots=4, outer={"replicas": 4, "delay": 2})

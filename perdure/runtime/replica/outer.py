@@ -41,7 +41,8 @@ OUTER_KEY = "outer"
 """Beside the recipe's state in a checkpoint's optimizer field (and a state copy's): the
 outer optimizer's state, ``{"momentum": float32 tensor [P]}`` in the slot buffer's
 gradient order, and with ``outer.error_feedback`` the replicas' estimates,
-``"estimates": float32 tensor [R, P]`` (:class:`OuterStep`)."""
+``"estimates": float32 tensor [R, P]``, with ``outer.delay = 1`` the mean pseudo-gradient
+not yet applied, ``"pending": float32 tensor [P]`` (:class:`OuterStep`)."""
 
 INT8_MAX = 127
 
@@ -155,6 +156,11 @@ class OuterStep:
         if cfg.error_feedback:
             self.estimates = torch.zeros(cfg.replicas, engine.layout.numel, dtype=torch.float32)
         self._staged: torch.Tensor | None = None
+        self.pending: torch.Tensor | None = None
+        """``outer.delay = 1``: the last outer step's mean pseudo-gradient, applied by the
+        next one (zeros at the start: step 0 moves nothing)."""
+        if cfg.delay:
+            self.pending = torch.zeros(engine.layout.numel, dtype=torch.float32)
         self._scratch: torch.Tensor | None = None
         self._kept: dict[int, torch.Tensor] = {}
         """Replicas computed under ``_kept_key`` (see :meth:`replica`): one slot buffer
@@ -297,6 +303,8 @@ class OuterStep:
             assert self._staged is not None, "an error-feedback outer step without estimates"
             self.estimates, self._staged = self._staged, None
         d = self.engine.layout.grads(total).cpu().div(cfg.replicas)
+        if self.pending is not None:  # outer.delay = 1: the previous step's mean now
+            d, self.pending = self.pending, d
         self.norm = float(torch.linalg.vector_norm(d))
         self.momentum.mul_(cfg.momentum).add_(d)
         step = d.add(self.momentum, alpha=cfg.momentum)
@@ -313,6 +321,8 @@ class OuterStep:
         out = {"momentum": self.momentum.clone()}
         if self.estimates is not None:
             out["estimates"] = self.estimates.clone()
+        if self.pending is not None:
+            out["pending"] = self.pending.clone()
         return out
 
     def load(self, state: Any, source: str) -> None:
@@ -331,6 +341,18 @@ class OuterStep:
             )
         self.momentum = m.detach().cpu().clone()
         self._staged = None
+        if self.pending is not None:
+            d = state.get("pending")
+            if not (isinstance(d, torch.Tensor) and d.dtype == torch.float32 and d.shape == want):
+                got = "none" if d is None else type(d).__name__
+                if isinstance(d, torch.Tensor):
+                    got = f"{d.dtype} {list(d.shape)}"
+                raise ValueError(
+                    f"{source}: optimizer.{OUTER_KEY}.pending must be a float32 tensor of "
+                    f"{want[0]} values, the last outer step's mean pseudo-gradient "
+                    f"(outer.delay = 1; got {got})"
+                )
+            self.pending = d.detach().cpu().clone()
         if self.estimates is None:
             return
         e = state.get("estimates")
