@@ -582,3 +582,18 @@ def test_a_spike_during_a_deaths_slower_steps_leaves_them_to_the_death() -> None
     first = replace(spike, t=0.2, duration_s=0.5)  # over before the death
     early = simulate(ctx, POLICIES["perdure"], [first, death], until_steps=1000)
     assert early.ledger["latency_spike"] == pytest.approx({"reduced": 0.5 * (1 - 0.1 / 0.12)})
+
+
+def test_a_replacement_arriving_while_the_spare_copies_refills_the_pool_not_a_second_copy() -> None:
+    """The spare's 5 s overlapped copy outlasts its replacement's start (hardware back at
+    once, the launcher's 0.5 s, start-up, a boundary): the replacement finds nobody
+    missing, so it refills the pool, and the run pays the one copy (less the step it
+    overlaps), as the stalled copy pays one."""
+    kill = [replace(_kill(10), replace_s=0.0)]
+    over_ctx = _slower_with_two(5.0, True)
+    over = simulate(over_ctx, POLICIES["perdure"], kill, until_steps=100)
+    stall = simulate(_slower_with_two(5.0, False), POLICIES["perdure"], kill, until_steps=100)
+    assert over_ctx.costs.replace_after_s + over_ctx.costs.start_s < 5.0
+    assert over.ledger["worker_death"]["copy"] == pytest.approx(5.0 - 0.15)
+    assert stall.ledger["worker_death"]["copy"] == pytest.approx(5.0)
+    assert over.elapsed_s < stall.elapsed_s

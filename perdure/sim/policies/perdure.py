@@ -37,7 +37,9 @@ from dataclasses import dataclass, replace
 from perdure.sim.engine import Context, State, step_time
 from perdure.sim.failures import Event
 from perdure.sim.policies.common import (
+    add_copying,
     add_members,
+    copying_in,
     in_lost_region,
     lose_inflight,
     missing,
@@ -162,16 +164,17 @@ def _plan_in(
     first = step_time(ctx, s)
     if not c.overlapped or not math.isfinite(first):  # no member computes: nothing to overlap
         return pay(add_members(s, ctx, region, n), copy=copy, **epoch), ()
-    s = pay(s, copy=max(0.0, copy - first), **epoch)
+    s = add_copying(pay(s, copy=max(0.0, copy - first), **epoch), region, n)
     return s, (Event(t=s.stall_until + first, kind="copied", region=region, count=n),)
 
 
 def _copied(ctx: Context, s: State, e: Event) -> State:
     """Overlapped joiners have their state: they take slots; any beyond full strength (a
     replacement planned in meanwhile took the place) refill the spare pool."""
-    if s.down and s.down[e.region]:
+    if s.down and s.down[e.region]:  # the region was lost meanwhile: nobody joins
         return s
-    room = ctx.target[e.region] - s.members[e.region]
+    s = add_copying(s, e.region, -e.count)
+    room = ctx.target[e.region] - s.members[e.region] - copying_in(s, e.region)
     joining = min(e.count, room)
     back = min(e.count - joining, ctx.spares - s.spares)
     return add_members(s, ctx, e.region, joining)._replace(spares=s.spares + max(0, back))
@@ -185,7 +188,8 @@ def _replacements(s: State, e: Event, n: int) -> tuple[State, tuple[Event, ...]]
 def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     """Replacements (or woken workers) join at a boundary, or refill the spare pool."""
     c: Costs = ctx.costs
-    joining = min(e.count, missing(s, ctx), ctx.target[e.region] - s.members[e.region])
+    room = ctx.target[e.region] - s.members[e.region] - copying_in(s, e.region)
+    joining = min(e.count, missing(s, ctx), room)
     spare = min(e.count - joining, ctx.spares - s.spares)
     s = s._replace(spares=s.spares + max(0, spare))
     if joining <= 0:
@@ -211,6 +215,7 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     settle = 0.0
     s = lose_inflight(s, _lost_fraction(c, s, s.members[e.region]))
     s = set_down(add_members(s, ctx, e.region, -ctx.target[e.region]), e.region, True)
+    s = add_copying(s, e.region, -copying_in(s, e.region))  # its joiners are lost too
     back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
     if e.region == ctx.coordinator and not s.coordinator_lost:
         if ctx.standby is None or s.down[ctx.standby]:
