@@ -20,7 +20,7 @@ from perdure.config import ConfigError, RenamedWarning, build
 from perdure.data import DataError, Dataset
 from perdure.data.quarantine import QuarantineEntry
 from perdure.sim.config import FailureProcess
-from tests.test_data_support import make_dataset, write_corpus
+from tests.unit.test_data_support import make_dataset, write_corpus
 
 
 @pytest.mark.parametrize(("old", "new"), [("poison_shard", "poison_part"),
