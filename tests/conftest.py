@@ -147,6 +147,23 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     fuzz = sys.modules.get("tests.checkpoint_fuzzing")
     if fuzz is not None and fuzz.TALLY.inputs:
         terminalreporter.write_line(fuzz.TALLY.summary())
+    _slowest_files(terminalreporter)
+
+
+def _slowest_files(terminalreporter: pytest.TerminalReporter, n: int = 15) -> None:
+    """The files that took longest (setup, call and teardown of all their tests): where a
+    suite that grew too slow can be cut."""
+    per: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                path = r.nodeid.split("::", 1)[0]
+                per[path] = per.get(path, 0.0) + r.duration
+    if len(per) < 2:
+        return
+    terminalreporter.write_sep("=", f"slowest {n} files")
+    for path, seconds in sorted(per.items(), key=lambda kv: -kv[1])[:n]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
 
 
 # -- the end of the test process ---------------------------------------------------------
