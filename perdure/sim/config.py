@@ -455,7 +455,8 @@ class PoliciesConfig:
     ``perdure.overlap``."""
     perdure_state_copies: list[StateCopy] = field(default_factory=list)
     """Also simulate each perdure row with each of these state copies (rows ending
-    ``/overlapped`` or ``/stall``); empty: only ``perdure.state_copy``."""
+    ``/overlapped`` or ``/stall``; no ``/overlapped`` row for a form whose copy the
+    runtime stalls, when ``stall`` is listed); empty: only ``perdure.state_copy``."""
     diloco: DilocoPolicyConfig = field(default_factory=DilocoPolicyConfig)
     """DiLoCo's settings (simulated when ``run`` names ``diloco``)."""
     diloco_inner_steps: list[int] = field(default_factory=list)

@@ -17,6 +17,7 @@ from perdure.config import ConfigError
 from perdure.sim import load_calibration, load_sim_config, run_config
 from perdure.sim.calibrate import REQUIRED, CalibrationError
 from perdure.sim.config import PerduePolicyConfig
+from perdure.sim.run import variants
 from perdure.sim.scenario import copy_overlaps
 from perdure.sim.validate import TOLERANCE, goodput_rows, validation
 
@@ -136,6 +137,23 @@ def test_a_copy_overlaps_only_where_the_runtimes_copy_rule_lets_it() -> None:
     assert not copy_overlaps(replace(exact, overlap="last_slot"))  # the step exponents
     assert not copy_overlaps(exact, shard=8)
     assert not copy_overlaps(exact, diloco=True)
+
+
+def test_a_form_whose_copy_the_runtime_stalls_gets_no_overlapped_row() -> None:
+    labels = [label for label, name, _ in variants(load_sim_config(DEPLOYMENT))]
+    assert labels == [
+        "perdure/chain/stall",
+        "perdure/exact_flat/streamed/overlapped",
+        "perdure/exact_flat/streamed/stall",
+        "perdure/exact_flat/last_slot/stall",
+        "perdure/exact_hier/streamed/overlapped",
+        "perdure/exact_hier/streamed/stall",
+        "perdure/exact_hier/bucketed/overlapped",
+        "perdure/exact_hier/bucketed/stall",
+        "perdure/exact_hier/last_slot/stall",
+        "torchrun",
+        "torchft",
+    ]
 
 
 def test_llama3_rate_per_gpu_hour() -> None:
