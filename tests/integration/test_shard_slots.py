@@ -9,16 +9,21 @@ import multiprocessing as mp
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from pathlib import Path
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from perdure import events as ev
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.scatter import Scatter
 from perdure.runtime.comm.streamed import StreamedReducer, predict, used
 from tests.gloo_support import run_ranks
+from tests.runtime_support import run_to_end, small_config
+from tests.runtime_support import events, run_to_end, small_config
 
 T = timedelta(seconds=30)
 BLOCK, S = 256, 10
@@ -28,6 +33,7 @@ SLOTS = [[0, 1, 2], [3], [4, 5, 6], [7, 8, 9]]
 """Two groups of k = 2 (ranks 0-1, 2-3): group 0 runs three rounds (rank 1 owes two of
 zeros), group 1 three (rank 3 none)."""
 RANGES = ((0, 3 * 256 + 100), (3 * 256 + 100, P))  # a cut inside a block
+CLIP = {"grad_clip": 0.05}  # below the gradient's norm: every step is clipped
 CHUNK = 300  # the "backward" writes a parameter of 300 values at a time
 
 
@@ -161,3 +167,83 @@ def test_each_slot_reduce_scattered_gives_the_bits_of_one_reduction_with_less_he
         once = P * 4 + (N - P) * 4 if len(SLOTS[rank]) > 1 else 0  # aliased with one slot
         assert held[("each", rank)] == {ranged}, rank
         assert held[("once", rank)] == {once}, rank
+
+
+# -- in runs ---------------------------------------------------------------------------------
+
+STEPS = 12
+
+
+def _run(dataset: Path, run_dir: Path, workers: int, how: str, **kw: Any) -> dict[str, Any]:
+    at_rest = kw.pop("at_rest", False)
+    train = {"shard_degree": 2, "shard_reduce_slots": how, "shard_params": at_rest}
+    cfg = small_config(dataset, workers=workers, steps=STEPS, slots=5, batch=20, train=train, **kw)
+    return run_to_end(cfg, run_dir)
+
+
+@pytest.fixture(scope="module")
+def once(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default: two ranks of one group, three slots and two, each reduced once."""
+    s = _run(small_dataset, tmp_path_factory.mktemp("once") / "run", 2, "once")
+    return str(s["final_hash"])
+
+
+@pytest.mark.parametrize(
+    "workers,at_rest", [(2, False), (2, True), (4, False)], ids=["w2", "w2_at_rest", "w4"]
+)
+def test_each_slot_reduce_scattered_ends_with_the_bits_of_reducing_once(
+    once: str, small_dataset: Path, tmp_path: Path, workers: int, at_rest: bool
+) -> None:
+    """5 slots a step over 2 ranks (3 and 2: the second owes its group a round of zeros)
+    or 4 ranks in two groups; sharded at rest too (no slot streams, the padding pass is
+    a round)."""
+    run_dir = tmp_path / "run"
+    s = _run(small_dataset, run_dir, workers, "each", at_rest=at_rest)
+    assert s["final_hash"] == once
+    assert s["replica_hashes_agree"]
+    first = events(run_dir, ev.EPOCH_STARTED)[0]["epoch"]
+    modes = {e["mode"] for e in events(run_dir, ev.SHARD_REDUCE) if e["epoch"] == first}
+    assert modes == {"scatter"}
+
+
+def test_a_killed_rank_under_each_changes_no_bit(
+    once: str, small_dataset: Path, tmp_path: Path
+) -> None:
+    """r0-0 killed mid-run in two groups of two: the survivors' group goes on, rounds
+    and all, to the bits of the run without the kill."""
+    kill = [{"kind": "kill", "target": "r0-0", "at_step": STEPS // 3}]
+    run_dir = tmp_path / "run"
+    s = _run(small_dataset, run_dir, 4, "each", chaos={"faults": kill})
+    assert s["final_hash"] == once
+    assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
+
+
+# -- a run -----------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("at_rest", [False, True], ids=["whole_params", "params_at_rest"])
+def test_each_and_once_end_a_run_of_two_ranks_in_one_group_with_the_same_hash(
+    small_dataset: Path, tmp_path: Path, at_rest: bool
+) -> None:
+    """W = 2, k = 2, five slots a step (three on one rank, two on the other: the lighter
+    rank owes its group a round of zeros, behind its backward or, sharded at rest, with
+    its padding pass), streamed exponents, clipped at every step (the norm is summed over
+    the group's ranges): ``each`` and ``once`` end on the same bits."""
+    hashes = {}
+    for how in ("once", "each"):
+        train = {
+            "reduction": "exact",
+            "reduction_exponents": "streamed",
+            "reduction_bits": 32,
+            "shard_degree": 2,
+            "shard_params": at_rest,
+            "shard_reduce_slots": how,
+        }
+        cfg = small_config(
+            small_dataset, workers=2, steps=12, slots=5, batch=20, train=train, optim=CLIP
+        )
+        s = run_to_end(cfg, tmp_path / how)
+        assert s["replica_hashes_agree"], how
+        hashes[how] = s["final_hash"]
+    assert hashes["each"] == hashes["once"]
