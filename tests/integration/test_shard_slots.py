@@ -10,7 +10,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +21,6 @@ from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.scatter import Scatter
 from perdure.runtime.comm.streamed import StreamedReducer, predict, used
 from tests.gloo_support import run_ranks
-from tests.runtime_support import run_to_end, small_config
 from tests.runtime_support import events, run_to_end, small_config
 
 T = timedelta(seconds=30)
@@ -33,7 +31,6 @@ SLOTS = [[0, 1, 2], [3], [4, 5, 6], [7, 8, 9]]
 """Two groups of k = 2 (ranks 0-1, 2-3): group 0 runs three rounds (rank 1 owes two of
 zeros), group 1 three (rank 3 none)."""
 RANGES = ((0, 3 * 256 + 100), (3 * 256 + 100, P))  # a cut inside a block
-CLIP = {"grad_clip": 0.05}  # below the gradient's norm: every step is clipped
 CHUNK = 300  # the "backward" writes a parameter of 300 values at a time
 
 
@@ -216,34 +213,3 @@ def test_a_killed_rank_under_each_changes_no_bit(
     s = _run(small_dataset, run_dir, 4, "each", chaos={"faults": kill})
     assert s["final_hash"] == once
     assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
-
-
-# -- a run -----------------------------------------------------------------------------------
-
-
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("at_rest", [False, True], ids=["whole_params", "params_at_rest"])
-def test_each_and_once_end_a_run_of_two_ranks_in_one_group_with_the_same_hash(
-    small_dataset: Path, tmp_path: Path, at_rest: bool
-) -> None:
-    """W = 2, k = 2, five slots a step (three on one rank, two on the other: the lighter
-    rank owes its group a round of zeros, behind its backward or, sharded at rest, with
-    its padding pass), streamed exponents, clipped at every step (the norm is summed over
-    the group's ranges): ``each`` and ``once`` end on the same bits."""
-    hashes = {}
-    for how in ("once", "each"):
-        train = {
-            "reduction": "exact",
-            "reduction_exponents": "streamed",
-            "reduction_bits": 32,
-            "shard_degree": 2,
-            "shard_params": at_rest,
-            "shard_reduce_slots": how,
-        }
-        cfg = small_config(
-            small_dataset, workers=2, steps=12, slots=5, batch=20, train=train, optim=CLIP
-        )
-        s = run_to_end(cfg, tmp_path / how)
-        assert s["replica_hashes_agree"], how
-        hashes[how] = s["final_hash"]
-    assert hashes["each"] == hashes["once"]
