@@ -33,7 +33,7 @@ the second tier is the backend's flat all-reduce (the two-tier region reduction,
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -156,17 +156,26 @@ class ScatterExchange:
             release(self.acc[y:b])
         self.settled += 1
 
-    def crossed(self, timeout: timedelta) -> Iterator[tuple[int, int]]:
+    def crossed(
+        self, buckets: Iterable[tuple[int, int]], timeout: timedelta
+    ) -> Iterator[tuple[int, int]]:
         """After every round (``fold``; nothing pending): this rank's range, put back in
-        ``acc`` whole, all-reduced across groups in one call, and the tail over every
-        member; yields them as :meth:`finish` does."""
+        ``acc`` whole, all-reduced across groups and the tail over every member; yields
+        them as :meth:`finish` does. The cross-group calls are :meth:`finish`'s, one per
+        ``buckets`` range that meets this rank's range (``[a, b)``, in order): another
+        group may reduce once, and the collectives across groups must match."""
         assert self.settled == len(self.pending), "rounds pending"
         sc, cross = self.sc, self.sc.cross
         lo, hi = sc.mine
         tail = self.acc[sc.numel :]
         tail_work = self.pg.allreduce([tail]) if tail.numel() else None
-        if lo < hi and cross is not None:
-            cross.allreduce([self.acc[lo:hi]]).wait(timeout)
+        works = []
+        for a, b in buckets:
+            x, y = max(a, lo), min(b, hi, sc.numel)
+            if x < y and cross is not None:
+                works.append(cross.allreduce([self.acc[x:y]]))
+        for work in works:
+            work.wait(timeout)
         if lo < hi:
             yield lo, hi
         if tail_work is not None:

@@ -618,7 +618,8 @@ class StreamedReducer:
         self._max(pg, None, flagged, timeout)
         maxima, capped = flagged[:-1], bool(flagged[-1])
         rounds.put_back(self.ints)
-        spans = ScatterExchange(sc, self.ints, pg, None).crossed(timeout)
+        buckets = [self.exact._values(self.n, i) for i in self._buckets]
+        spans = ScatterExchange(sc, self.ints, pg, None).crossed(buckets, timeout)
         return self._complete(pg, None, out, maxima, capped, spans, timeout)
 
     def _complete(
