@@ -178,7 +178,8 @@ class TrainConfig:
     slot (see docs/performance.md), and every rank of a group computes as many slots as the busiest
     one (a rank with fewer computes throwaway ones: the gathers are collectives of the
     group). Limits: the gradient sum keeps its whole size on every rank (with
-    ``shard_reduce = "scatter"`` only the own range of it is reduced and converted);
+    ``shard_reduce = "scatter"`` only the own range of it is reduced and converted; with
+    ``shard_reduce_slots = "each"`` a rank of several slots holds its range's integers);
     re-running a non-finite slot holds the whole parameters for a moment (a checkpoint is
     read by shard: each rank reads only its tensors' byte ranges); a
     model whose use of parameters depends on the data (an expert router) cannot run so."""

@@ -61,6 +61,13 @@ backward) as soon as its region's sum is done, several in flight; the MAX of the
 maxima goes the same way beside the last bucket; the broadcasts inside each region
 follow the last bucket.
 
+With several slots a rank in replica groups and ``train.shard_reduce_slots = "each"``,
+every slot streams so, each in a round of its own (:class:`Rounds`): its buckets are
+reduce-scattered inside the group as its backward finishes them and the group's sum of
+the rank's range is added into a ``P / k`` accumulator, so no rank holds P integers; the
+range goes across groups once, after the last round. The same integers are added, so the
+same bits.
+
 Limits: the first step costs a second compute pass; a member's finished slots are not
 salvaged across a membership change (they are inside its accumulator); across regions a
 step still pays about one one-way delay over the slow links after its backward (the last
