@@ -201,6 +201,58 @@ class Counter(threading.Thread):
         return before[-1] if before else self.samples[0][1]
 
 
+class Sniffer(threading.Thread):
+    """``_tcp_payload.py`` in the router's namespace on its region links (``rv*``): the
+    TCP payload that crossed a region boundary, first sends told from resends, sampled
+    every ``period_s`` with its wall-clock time (as :class:`Counter`)."""
+
+    def __init__(self, rs: Any, period_s: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        script = str(Path(__file__).parent / "_tcp_payload.py")
+        argv = ["ip", "netns", "exec", rs.router, PY, script, "--prefix", "rv",
+                "--period", str(period_s)]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)  # fmt: skip
+        assert self.proc.stdout is not None
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError("the TCP payload sniffer did not start")
+        self.samples: list[tuple[float, dict[str, int]]] = []
+        self.drops = 0
+
+    def run(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            got = json.loads(line)
+            totals = {"first": 0, "payload": 0, "wire": 0}
+            for link in got["links"].values():  # into the regions: the router's sends
+                for k in totals:
+                    totals[k] += link.get("out", {}).get(k, 0)
+            self.samples.append((got["t"], totals))
+            self.drops = got["drops"]
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(timeout=10)
+        self.join(timeout=10)
+
+    def at(self, t: float) -> dict[str, int]:
+        """The counts' last reading at or before ``t`` (the first one if none)."""
+        before = [c for ts, c in self.samples if ts <= t]
+        return before[-1] if before else self.samples[0][1]
+
+    def idle_rate(self, t0: float, t1: float) -> float:
+        """First-send bytes per second of the quietest quarter of the intervals in
+        ``[t0, t1]`` (the control plane's rate, as :meth:`Counter.idle_rate`)."""
+        pts = [(ts, c["first"]) for ts, c in self.samples if t0 <= ts <= t1]
+        rates = sorted((b2 - b1) / (t2 - t1_) for (t1_, b1), (t2, b2) in itertools.pairwise(pts))
+        return rates[len(rates) // 4] if rates else 0.0
+
+
 def _start(rs: Any, i: int, argv: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PERDURE_RUN_TOKEN": TOKEN}
     env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
@@ -219,6 +271,8 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
     run_dir, logs, coord = tmp / "run", tmp / "logs", rs.hosts[0].address
     counter, dropped = Counter(rs), drops(rs)
     counter.start()
+    sniffer = Sniffer(rs)
+    sniffer.start()
     procs = [_start(rs, 0, ["coordinator", "--config", str(path), "--run-dir", str(run_dir)],
                     logs / "coordinator.log", tmp)]  # fmt: skip
     for i in range(1, len(rs.hosts)):
@@ -234,10 +288,13 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
         if p.poll() is None:
             p.kill()
     counter.stop()
+    time.sleep(0.5)  # a last sample past the run's end
+    sniffer.stop()
     dropped = drops(rs) - dropped
     crossed = counter.samples[-1][1] - counter.samples[0][1]
     log = read_jsonl(run_dir / "events.jsonl")
-    started = [e["t"] for e in log if e["event"] == "epoch_started"]
+    started_ev = [e for e in log if e["event"] == "epoch_started"]
+    started = [e["t"] for e in started_ev]
     ended = [e["t"] for e in log if e["event"] == "checkpoint_saved"] or [time.time()]
     training = counter.at(max(ended)) - counter.at(started[0]) if started else None
     window_s = max(ended) - started[0] if started else None
@@ -256,6 +313,29 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
             curve.append({"tokens": (m["step"] + 1) * tokens_per_step, "wall_s": round(wall, 3),
                           "loss": loss})  # fmt: skip
     total_tokens = len(steps) * tokens_per_step
+    # first sends, from the first epoch with every region's worker (a run whose first
+    # epoch starts without one steps with fewer leaders, and fewer bytes, until it joins)
+    full = [e for e in log if e["event"] == "epoch_started"
+            and len(e.get("plan", {}).get("members", ())) == REGIONS]  # fmt: skip
+    first_send = None
+    if full and sniffer.samples:
+        t0, t1, s0 = full[0]["t"], max(ended), int(full[0]["start_step"])
+        a, b = sniffer.at(t0), sniffer.at(t1)
+        n = len([m for m in steps if m["step"] >= s0])
+        delta = {k: b[k] - a[k] for k in a}
+        first_send = {
+            "from_step": s0,
+            "steps": n,
+            "window_s": round(t1 - t0, 2),
+            "bytes": delta["first"],
+            "resent_payload_bytes": delta["payload"] - delta["first"],
+            "wire_bytes": delta["wire"],
+            "idle_bytes_per_s": round(sniffer.idle_rate(t0, t1), 1),
+            "tokens": n * tokens_per_step,
+            "bytes_per_step": round(delta["first"] / n, 1) if n else None,
+            "bytes_per_token": round(delta["first"] / (n * tokens_per_step), 3) if n else None,
+            "capture_drops": sniffer.drops,
+        }
     return {
         "mode": name,
         "inner_steps": h,
@@ -274,6 +354,10 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
             round(training / total_tokens, 2) if total_tokens and training is not None else None
         ),
         "final_eval_loss": curve[-1]["loss"] if curve else None,
+        "first_send": first_send,
+        "first_epoch_members": (
+            len(started_ev[0].get("plan", {}).get("members", ())) if started_ev else None
+        ),
         "curve": curve,
     }
 
@@ -297,6 +381,16 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if r["ok"] and r["cross_region_bytes_training"] is not None:
             data = r["cross_region_bytes_training"] - control * r["training_window_s"]
             r["data_bytes_per_token"] = round(data / r["tokens"], 2)
+    # the same for the first sends: the quietest DiLoCo run's first-send rate
+    idle = [r["first_send"]["idle_bytes_per_s"] for r in rows
+            if r["inner_steps"] > 1 and r["ok"] and r.get("first_send")]  # fmt: skip
+    first_control = min(idle) if idle else 0.0
+    for r in rows:
+        f = r.get("first_send")
+        if r["ok"] and f and f["steps"]:
+            data = f["bytes"] - first_control * f["window_s"]
+            f["data_bytes_per_step"] = round(data / f["steps"], 1)
+            f["data_bytes_per_token"] = round(data / f["tokens"], 3)
     for r in rows:
         if r is sync or not r["ok"] or not sync["ok"]:
             continue
@@ -308,10 +402,20 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
             r["data_bytes_per_token"] / sync["data_bytes_per_token"], 5
         )
         r["bytes_bound"] = 1 / r["inner_steps"] / (4 if r["mode"].endswith("int8") else 1)
+        f, fs = r.get("first_send"), sync.get("first_send")
+        if f and fs and f["steps"] and fs["steps"]:
+            for k in ("bytes_per_token", "data_bytes_per_token"):
+                r[f"first_send_{k}_vs_sync"] = round(f[k] / fs[k], 6)
+            # per outer step against a synchronous step: 1 (fp32), 1/4 (int8) by design
+            r["first_send_step_vs_sync"] = round(f["bytes_per_step"] / fs["bytes_per_step"], 5)
+            r["first_send_data_step_vs_sync"] = round(
+                f["data_bytes_per_step"] / fs["data_bytes_per_step"], 5
+            )
         r["loss_vs_sync"] = round(r["final_eval_loss"] / sync["final_eval_loss"], 4)
     h50 = [r for r in rows if r["inner_steps"] == 50 and "speedup" in r]
     return {
         "control_plane_bytes_per_s": control,
+        "control_plane_first_send_bytes_per_s": first_control,
         "h50_speedup_ge_5": all(r["speedup"] >= 5 for r in h50) if h50 else None,
         "h50_loss_within_5pct": all(r["loss_vs_sync"] <= 1.05 for r in h50) if h50 else None,
         "bytes_bounds_met": all(
@@ -319,6 +423,16 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ),
         "data_bytes_bounds_met": all(
             r["data_bytes_per_token_vs_sync"] <= r["bytes_bound"] for r in rows if "speedup" in r
+        ),
+        "first_send_bytes_bounds_met": all(
+            r["first_send_bytes_per_token_vs_sync"] <= r["bytes_bound"]
+            for r in rows
+            if "first_send_bytes_per_token_vs_sync" in r
+        ),
+        "first_send_data_bytes_bounds_met": all(
+            r["first_send_data_bytes_per_token_vs_sync"] <= r["bytes_bound"]
+            for r in rows
+            if "first_send_data_bytes_per_token_vs_sync" in r
         ),
     }
 

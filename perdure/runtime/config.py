@@ -628,11 +628,23 @@ class OuterConfig:
     summed by the exact reduction (``train.reduction``). ``int8``: rounded to 8 bits (a sign
     and 7 bits, round-half-even) per block of ``train.reduction_block`` values against the
     power of two of the block's own maximum, a pure function of the replica's values
-    (INTELLECT-1's int8 pseudo-gradients, minus their error feedback), and put on the wire
-    as such: an all-gather of every replica's int8 values and one-byte block exponents,
-    which every member decodes and adds in replica order (``comm/int8_gather.py``), a
-    quarter of the exact reduction's 32-bit bytes. Limit: the all-gather is flat over the
-    members, not in ``cluster.hierarchical_reduce``'s tiers."""
+    (INTELLECT-1's int8 pseudo-gradients; their error feedback is ``error_feedback``),
+    and put on the wire as such: an all-gather of every replica's int8 values and one-byte
+    block exponents, which every member decodes and adds in replica order
+    (``comm/int8_gather.py``), a quarter of the exact reduction's 32-bit bytes. Limit: the
+    all-gather is flat over the members, not in ``cluster.hierarchical_reduce``'s tiers."""
+    error_feedback: bool = field(default=False, metadata=MATH_ADDED)
+    """int8 only: EF21 error feedback. Each virtual replica r has an estimate ``g_r`` of its
+    pseudo-gradient (zero at the start); the wire carries the int8 rounding of the
+    difference ``delta_r - g_r``, every member adds the decoded difference to its copy of
+    ``g_r``, and the outer step takes the mean of the new estimates. An estimate is a
+    function of the records on the wire alone, so every member holds all R of them, the
+    same bits, whichever member computed which replica: a replica moves with nothing to
+    copy, and a checkpoint or state copy carries them (R x the parameters in float32).
+    Where a replica's pseudo-gradient changes slowly between outer steps the difference,
+    and so its rounding error, shrinks step by step; where it changes a lot the error is
+    plain int8's or larger (EF21 does not accumulate the error, so nothing is owed back).
+    Refused with ``precision = "fp32"`` (nothing is rounded)."""
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -641,6 +653,13 @@ class OuterConfig:
         c.positive("lr", self.lr)
         c.check(0 <= self.momentum < 1, "momentum", "must be in [0, 1)", self.momentum)
         c.one_of("precision", self.precision, ("fp32", "int8"))
+        c.check(
+            not self.error_feedback or self.precision == "int8",
+            "error_feedback",
+            "needs precision = 'int8' (fp32 pseudo-gradients are not rounded: there is no "
+            "error to feed back)",
+            self.error_feedback,
+        )
         c.done()
 
     @property

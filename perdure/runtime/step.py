@@ -230,8 +230,13 @@ class StepRunner:
         plan = self.plan_at(t)
         width = max(len(plan.slots_of(r)) for r in range(self.size))
         delay, timeout = self.seams.delay_s(), self.seams.timeout()
-        fut = gather.start(self.comm, slots, self.bufs, width, timeout, delay)
-        return self.comm.result(fut)
+        outer = self.tr.outer
+        assert outer is not None
+        fut = gather.start(self.comm, slots, self.bufs, width, timeout, delay, outer.estimates)
+        total, estimates = self.comm.result(fut)
+        if estimates is not None:  # outer.error_feedback: made current by the update
+            outer.stage_estimates(estimates)
+        return cast(torch.Tensor, total)
 
     def _take(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> bool:
         return not self.lockstep and self.seams.salvage.take(key, slot, buf)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,7 +41,7 @@ from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer, uses_tiers
-from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy, StateCopyFailed, SwarmCopy
+from perdure.runtime.comm.swarm import StateCopy, SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.channel import UNACKED_S
@@ -50,12 +49,12 @@ from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.store import AuthStore
 from perdure.runtime.member import saves
-from perdure.runtime.member.copy_overlap import CopyServer, committed_offer, is_overlapped, receive
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.heartbeat import Heartbeat
 from perdure.runtime.member.metrics import Evaluation, step_line
 from perdure.runtime.member.priority import normal_priority
 from perdure.runtime.member.shard_group import Shards, optimizer_params
+from perdure.runtime.member.transfer import StateTransfer
 from perdure.runtime.member.wchaos import ChaosState, DiskFiller
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.placement import Placement
@@ -151,6 +150,15 @@ class Worker:
             ckpts = checkpoint_root(config.checkpoint, self.run_dir)
             self.chaos.filler = DiskFiller(Path(ckpts), self.name)
         self.evaluation = Evaluation(config, self.run_dir, self.placement, self.name)
+        self.transfer = StateTransfer(
+            name=self.name,
+            events=self.events,
+            state_copy=self.state_copy,
+            shard_degree=config.train.shard_degree,
+            timeout=self._timeout,
+            store=self._store,
+            should_stop=lambda: self._should_stop(self.inflight),
+        )
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat().run, daemon=True, name="heartbeat").start()
         self.trainer = self._new_trainer()
@@ -263,7 +271,6 @@ class Worker:
         ep = Epoch(start.epoch, plan, rank, start, comm, runner)
         try:
             self._transfer(ep)
-            self._exchange_shards(ep)
             ep.ckpt = saves.checkpointer(
                 ep,
                 config=self.config,
@@ -339,102 +346,17 @@ class Worker:
         return timedelta(seconds=max(c.min_collective_timeout_ms / 1000, 2 * horizon, step))
 
     def _transfer(self, ep: Epoch) -> None:
-        """The epoch's state copy (``comm/swarm.py``): blocking, at the epoch's start, or
-        overlapped with its first step (``copy_overlap.py``; the coordinator planned that
-        step with no slot on a receiver, ``copy_rule.overlaps``). A receiver copies at
-        once either way; an overlapping holder leaves the copy to a server thread and
-        passes its gate before the first step's reduction."""
-        if ep.start.recover:
-            self._reload(ep.start.reload)
-            return
-        receivers = ep.start.receivers
-        if not receivers:
-            return
+        """State at the epoch's start: every replica lost, a checkpoint or the seed;
+        else a live replica's state to those that lack it, and each member's own shard
+        of the optimizer state (``member/transfer.py``)."""
         tr = self.trainer
         assert tr is not None
-        members = ep.plan.members
-        receiving = self.name in receivers
-        overlapped = is_overlapped(ep.runner.first and ep.runner.first[1], receivers)
-        offer = None
-        if not receiving:
-            offer = tr.export()
-            if overlapped:
-                offer = committed_offer(offer, list(tr.module.parameters()))
-        job = CopyJob(
-            receivers=tuple(sorted(members.index(r) for r in receivers)),
-            source=members.index(ep.start.source),
-            shard_degree=self.config.train.shard_degree,
-            layout=tr.copy_layout(),
-            offer=offer,
-            target=tr.copy_target(ep.comm.device) if receiving else None,
-            timeout=self._timeout(),
-        )
-        mode = "overlapped" if overlapped else "blocking"
-        t0 = time.monotonic()
-        if overlapped and not receiving:
-            server = CopyServer(lambda: self._copy_comm(ep), self.state_copy, job)
-            ep.copy, step = server, tr.next_step
-            ep.runner.gate = lambda: self._sent(ep, server, mode, step)
-            return
-        got: Received | None = None
-        if overlapped:
-            got = receive(lambda: self._copy_comm(ep), self.state_copy, job)
-        else:
-            got = self.state_copy.copy(ep.comm, job)
-        if got is None:
-            stats = dict(getattr(self.state_copy, "stats", {}) or {})
-            self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
-            return
-        try:
-            tr.adopt(got.model, got.optimizer, got.extra)
-        except Exception as e:  # a peer's structure that does not load: refused
-            raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
-        self.has_state = True
-        self.events.write(
-            {
-                "event": ev.STATE_RECEIVED,
-                "worker": self.name,
-                "epoch": ep.number,
-                "from": members[got.template],
-                "holders": [members[h] for h in got.holders],
-                "bytes": got.nbytes,
-                "refetched": got.refetched,
-                "seconds": round(time.monotonic() - t0, 4),
-                "next_step": tr.next_step,
-                "mode": mode,
-                "overlapped_step": ep.start.start_step if overlapped else None,
-            }
-        )
-
-    def _copy_comm(self, ep: Epoch) -> Comm:
-        """The overlapped copy's process group: the epoch's members under
-        ``<prefix>copy/``, over a store connection of its own (the server thread's)."""
-        return ep.comm.subgroup(self._store(), "copy", ep.rank, ep.size)
-
-    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
-        """A holder's gate: its copy served, before the first step's reduction."""
-        sent = server.wait(lambda: self._should_stop(self.inflight))
-        ep.copy = None
-        seconds = sent.pop("seconds")
-        self._sent_event(ep, mode, step, seconds, sent)
-
-    def _sent_event(
-        self, ep: Epoch, mode: str, step: int, seconds: float, stats: dict[str, Any]
-    ) -> None:
-        self.events.write(
-            {
-                "event": ev.STATE_SENT,
-                "worker": self.name,
-                "epoch": ep.number,
-                "to": list(ep.start.receivers),
-                "next_step": step,
-                "bytes": stats.get("bytes_sent", 0),
-                "ranges": stats.get("ranges_sent", 0),
-                "seconds": seconds,
-                "mode": mode,
-                "overlapped_step": ep.start.start_step if mode == "overlapped" else None,
-            }
-        )
+        if ep.start.recover:
+            self._reload(ep.start.reload)
+        elif self.transfer.copy(ep, tr):
+            self.has_state = True
+        if self.shards is not None:
+            self.transfer.exchange_shards(ep, tr, self.shards, self.config.train.scatters)
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and
@@ -465,55 +387,6 @@ class Worker:
             log.warning(
                 "%s: train.shard_reduce: whole, not scatter: %s", self.name, self.shards.why_whole
             )
-
-    def _exchange_shards(self, ep: Epoch) -> None:
-        """Every member holds its own shard's optimizer state before the first step."""
-        tr, shards = self.trainer, self.shards
-        assert tr is not None
-        if shards is None:
-            return
-        t0 = time.monotonic()
-        tr.keep_shard(*shards.exchange(ep.comm, tr.held, tr.whole_optimizer(), tr.filled))
-        self._log_shard_reduce(ep, shards)
-        if tr.gather is not None:
-            self.events.write(
-                {
-                    "event": ev.PARAMS_AT_REST,
-                    "worker": self.name,
-                    "epoch": ep.number,
-                    "shard": shards.mine,
-                    "bytes": tr.gather.held,
-                    "of": sum(tr.gather.nbytes),
-                    "init_peak_bytes": tr.peak_param_bytes,
-                    "ckpt_read_bytes": tr.ckpt_read_bytes,
-                }
-            )
-        if shards.received is not None:
-            src, nbytes = shards.received
-            self.events.write(
-                {
-                    "event": ev.SHARD_RECEIVED,
-                    "worker": self.name,
-                    "epoch": ep.number,
-                    "shard": shards.mine,
-                    "from": ep.plan.members[src],
-                    "bytes": nbytes,
-                    "seconds": round(time.monotonic() - t0, 4),
-                }
-            )
-
-    def _log_shard_reduce(self, ep: Epoch, shards: Shards) -> None:
-        sc = shards.scatter
-        self.events.write(
-            {
-                "event": ev.SHARD_REDUCE,
-                "worker": self.name,
-                "epoch": ep.number,
-                "mode": "whole" if sc is None else "scatter",
-                "range": None if sc is None else list(sc.mine),
-                "why": shards.why_whole if self.config.train.scatters else None,
-            }
-        )
 
     def _new_trainer(self) -> Trainer:
         """The replica built from the seed (step 0)."""

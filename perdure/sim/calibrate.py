@@ -19,7 +19,16 @@ naming both. Each derived number says how it is derived, and from which fields:
   micro-batching, and its bytes on the wire over DDP's; medians over the ``streamed32``
   rows at k = 1, a row of ``wire_streamed_w.json`` (the re-run after the margin went to 3
   bits) replacing ``wire_streamed.json``'s at the same micro-batching.
-- ``checkpoint.json``: snapshot, write and load rates (bytes / seconds, medians).
+- ``checkpoint.json``: the snapshot's rate (what blocks the step loop), one rank's
+  whole-state ``torch.save`` and ``torch.load`` (bytes / seconds, medians).
+- ``reshard_load_100m.json`` (``bench_reshard_load.py``, 101.6M parameters): a sharded
+  save's and load's rate per rank, the slowest rank's shard bytes over its seconds:
+  perdure's save (each rank writes what it holds), DCP's save from FSDP2 and ``dcp.load``
+  (the read alone, without the recipe's ``get_state_dict`` / ``set_state_dict``).
+- ``state_copy.json`` (``bench_state_copy.py --netns``: holders on 100 Mbit/s links, the
+  joiner on 300 Mbit/s): the swarm copy's rate per holder as a share of a holder's
+  measured link (one holder), and its cap as a share of the joiner's measured link (the
+  most holders); its fixed cost is :data:`SWARM_FIXED_S`.
 - ``scaling.json``: state bytes per parameter; step time against worker count on this
   host (what a time-shared host does when a member is missing).
 
@@ -40,6 +49,8 @@ from perdure.runtime.config import ClusterConfig
 
 REQUIRED = (
     "recovery",
+    "state_copy",
+    "reshard_load_100m",
     "reduce",
     "step",
     "checkpoint",
@@ -52,6 +63,36 @@ REQUIRED = (
 
 class CalibrationError(ValueError):
     """A calibration input is missing or unusable; the message names the file and key."""
+
+
+SWARM_FIXED_S = 0.023
+"""The swarm copy's fixed cost, s: three all-gathers (offers, plan, verdict) and two
+messages per range, whatever the bytes. ``docs/performance.md`` section 17, the run at
+``bench_state_copy.py --mb 2`` (one holder: 23 ms; two: 26 ms); that run's numbers are in
+the doc, not in ``state_copy.json`` (which holds the 384 MiB and 24 MiB runs, whose
+fixed part is below their noise)."""
+
+
+@dataclass(frozen=True)
+class CopyRate:
+    """How long a state copy to one joiner takes: ``fixed_s + bytes / min(per_holder x
+    the holders' links summed, cap x the joiner's link)`` (every GPU of a replica copies
+    its own share on its own links at once, so this is per GPU)."""
+
+    per_holder: float
+    """What one holder sends at, as a share of its link to the joiner."""
+    cap: float
+    """What the joiner receives at most, as a share of its own link."""
+    fixed_s: float
+    """The copy's fixed cost (messages and agreement, not bytes)."""
+
+    def seconds(self, nbytes: float, holder_bps: tuple[float, ...], joiner_bps: float) -> float:
+        """``nbytes`` from holders with these links (bytes/s each) to a joiner whose link
+        is ``joiner_bps``."""
+        if not holder_bps:
+            raise ValueError("a state copy needs at least one holder")
+        rate = min(self.per_holder * sum(holder_bps), self.cap * joiner_bps)
+        return self.fixed_s + nbytes / rate
 
 
 @dataclass(frozen=True)
@@ -113,14 +154,21 @@ class Calibration:
     """The streamed reduction's bytes on the wire per step over DDP's."""
     snapshot_gbps: float
     """Checkpoint snapshot (what blocks the step loop), Gbit/s."""
-    write_gbps: float
-    """perdure's checkpoint write, Gbit/s."""
     torch_save_gbps: float
-    """``torch.save`` + fsync, Gbit/s."""
-    load_gbps: float
-    """perdure's verified checkpoint load, Gbit/s."""
+    """One rank's whole-state ``torch.save`` + fsync, Gbit/s (checkpoint.json)."""
     torch_load_gbps: float
     """``torch.load(weights_only=True)``, Gbit/s (what a restarted DDP job reads)."""
+    sharded_save_gbps: float
+    """perdure's save, every rank writing its shard (+ fsync), Gbit/s a rank
+    (reshard_load_100m.json ``save_perdure``)."""
+    dcp_save_gbps: float
+    """DCP's save from FSDP2, every rank its shard (+ fsync), Gbit/s a rank
+    (``save_dcp``): a peer's save when the checkpoint is sharded over every GPU."""
+    dcp_load_gbps: float
+    """``dcp.load`` of a rank's shard, Gbit/s a rank (``dcp[].dcp_load_seconds``): a
+    peer's restart load when the checkpoint is sharded over every GPU."""
+    swarm: CopyRate
+    """The swarm state copy (``runtime/comm/swarm.py``), from state_copy.json."""
     state_bytes_per_param: float
     """Model + optimizer bytes per parameter in a checkpoint."""
     host_curve: tuple[tuple[int, float], ...]
@@ -132,9 +180,11 @@ class Calibration:
     same d_model 64, 2 layers)."""
 
     @property
-    def copy_gbps(self) -> float:
-        """State-copy rate to a joiner: the join stall beyond an epoch formation, over the
-        state bytes."""
+    def broadcast_copy_gbps(self) -> float:
+        """The state-copy rate of the recovery benchmark's runs (one source, the old
+        broadcast path, ``comm/transfer.py``, before the swarm copy): the join stall
+        beyond an epoch formation, over the state bytes. Only the validation, which
+        replays those runs, uses it."""
         extra = self.perdure_join_stall_s - self.perdure_reconfigure_s
         if extra <= 0:
             raise CalibrationError(
@@ -197,6 +247,8 @@ def load_calibration(results_dir: str | Path) -> Calibration:
         perdure_step_overhead=_step_overhead(step),
         **_streamed(_File(d, "wire_streamed"), _File(d, "wire_streamed_w")),
         **_checkpoint_rates(ck),
+        **_sharded_rates(_File(d, "reshard_load_100m")),
+        swarm=_swarm(_File(d, "state_copy")),
         state_bytes_per_param=bpp,
         host_curve=_host_curve(sc),
         goodput_runs=_goodput_runs(rec),
@@ -285,11 +337,61 @@ def _checkpoint_rates(ck: _File) -> dict[str, float]:
 
     return {
         "snapshot_gbps": gbps("snapshot", "sync_copy", "blocking_s", "median"),
-        "write_gbps": ck.num("write_load", "perdure_write_GBps", "median") * 8,
         "torch_save_gbps": gbps("write_load", "torch_save_fsync_s", "median"),
-        "load_gbps": gbps("write_load", "perdure_load_verified_s", "median"),
         "torch_load_gbps": gbps("write_load", "torch_load_weights_only_s", "median"),
     }
+
+
+def _sharded_rates(rs: _File) -> dict[str, float]:
+    """Per-rank rates of a sharded save and load: the slowest rank's shard bytes over
+    its seconds (every rank works at once; a step waits for the last)."""
+
+    def slowest(section: str, seconds: str = "seconds") -> float:
+        ranks = rs.get(section, "ranks")
+        if not ranks:
+            raise CalibrationError(f"{rs.path}: no {section}.ranks")
+        r = max(ranks, key=lambda r: rs.num(seconds, base=r))
+        return rs.num("shard_bytes", base=r) * 8 / rs.num(seconds, base=r) / 1e9
+
+    return {
+        "sharded_save_gbps": slowest("save_perdure"),
+        "dcp_save_gbps": slowest("save_dcp"),
+        "dcp_load_gbps": slowest("dcp", "dcp_load_seconds"),
+    }
+
+
+SWARM_ARM = "swarm"
+"""The ``bench_state_copy.py`` arm of the swarm copy."""
+
+
+def _swarm(sc: _File) -> CopyRate:
+    """The shaped-link rows (``netns``): each holder's path is shaped to ``holder_mbit``,
+    the joiner's to ``joiner_mbit``; a plain socket copy over one holder's path measured
+    ``raw_tcp_mbit_0_to_3``, so a link delivers raw / shaped of its nominal rate. Per
+    holder: the one-holder row over the measured link. Cap: the row with the most holders
+    over the joiner's measured link (there the holders' links sum to the joiner's)."""
+    net = sc.get("netns")
+    raw = sc.num("raw_tcp_mbit_0_to_3", base=net)
+    holder_link = raw
+    joiner_link = sc.num("joiner_mbit", base=net) * raw / sc.num("holder_mbit", base=net)
+    rows = {
+        int(sc.num("holders", base=r)): r
+        for r in sc.get("rows", base=net)
+        if r.get("arm") == SWARM_ARM
+    }
+    if 1 not in rows:
+        raise CalibrationError(f"{sc.path}: no netns row of arm {SWARM_ARM!r} with 1 holder")
+    most = rows[max(rows)]
+    if max(rows) * holder_link < joiner_link * 0.999:
+        raise CalibrationError(
+            f"{sc.path}: the netns rows never fill the joiner's link "
+            f"({max(rows)} x {holder_link} < {joiner_link} Mbit/s): no cap can be derived"
+        )
+    return CopyRate(
+        per_holder=sc.num("gbit_s", base=rows[1]) * 1000 / holder_link,
+        cap=sc.num("gbit_s", base=most) * 1000 / joiner_link,
+        fixed_s=SWARM_FIXED_S,
+    )
 
 
 def _bytes_per_param(sc: _File) -> float:

@@ -32,6 +32,8 @@ RENAMED_KINDS: dict[str, str] = {"nan_shard": "nan_part"}
 Reduction = Literal["chain", "exact_flat", "exact_hier"]
 Overlap = Literal["streamed", "bucketed", "last_slot"]
 Precision = Literal["fp32", "int8"]
+StateCopy = Literal["overlapped", "stall"]
+STATE_COPIES: tuple[str, ...] = StateCopy.__args__  # type: ignore[attr-defined]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -325,11 +327,21 @@ class PerduePolicyConfig:
     """The standby coordinator's settle time before its first epoch."""
     replace_after_ms: float = float(_PERDURE.replace_after_ms)
     """The launcher's delay before it starts a replacement process."""
-    state_copy: Literal["stall", "swarm"] = "stall"
-    """``stall`` (the runtime: a joiner's or a promoted spare's state comes from one
-    peer through the codec, at the measured rate, while every member waits) or
-    ``swarm`` (issue 34's design, not built: fetched from every holder at link rate
-    while the members train; they pause only for the epoch change)."""
+    state_copy: StateCopy = "overlapped"
+    """How a joiner (a promoted spare, a replacement, a woken worker) gets its state: from
+    every member that holds it (the swarm copy, ``runtime/comm/swarm.py``, at its measured
+    rate: ``calibrate.CopyRate``), and while what waits. ``overlapped`` (the runtime's,
+    ``runtime/member/copy_overlap.py``): the epoch's first step gives the joiner no slot;
+    the members compute it while the joiner copies and its reduction waits for the copy,
+    so the members pay the epoch change and at most the joiner's share of one step when
+    the copy is shorter than that step. Only where the runtime overlaps
+    (``runtime/control/copy_rule.py``: an exact reduction with ``overlap`` ``bucketed`` or
+    ``streamed``, ``workload.shard`` = 1, not DiLoCo); elsewhere it stalls. ``stall``:
+    every member waits at the epoch's start until the copy is done."""
+    copy_gbps: float | None = None
+    """Caps every link a state copy uses at this rate, Gbit/s a GPU (the copy-rate sweep:
+    the swarm copy is measured on 0.1-0.3 Gbit/s links, not at NIC rates); unset: the
+    deployment's links."""
     reform_backoff_ms: float = float(_PERDURE.reform_backoff_ms)
     """After a collective fails with nobody lost (a dropped link), the wait for a death
     that would explain it before the same members re-form."""
@@ -345,6 +357,9 @@ class PerduePolicyConfig:
         c.positive("takeover_settle_ms", self.takeover_settle_ms)
         c.non_negative("replace_after_ms", self.replace_after_ms)
         c.positive("reform_backoff_ms", self.reform_backoff_ms)
+        c.one_of("state_copy", self.state_copy, STATE_COPIES)
+        if self.copy_gbps is not None:
+            c.positive("copy_gbps", self.copy_gbps)
         c.done()
 
 
@@ -438,6 +453,10 @@ class PoliciesConfig:
     """Also simulate each exact reduction of ``perdure_reductions`` with each of these
     overlap models (rows ``perdure/<reduction>/<overlap>``); empty: only
     ``perdure.overlap``."""
+    perdure_state_copies: list[StateCopy] = field(default_factory=list)
+    """Also simulate each perdure row with each of these state copies (rows ending
+    ``/overlapped`` or ``/stall``; no ``/overlapped`` row for a form whose copy the
+    runtime stalls, when ``stall`` is listed); empty: only ``perdure.state_copy``."""
     diloco: DilocoPolicyConfig = field(default_factory=DilocoPolicyConfig)
     """DiLoCo's settings (simulated when ``run`` names ``diloco``)."""
     diloco_inner_steps: list[int] = field(default_factory=list)
@@ -462,6 +481,8 @@ class PoliciesConfig:
             c.positive(f"diloco_inner_steps[{i}]", h)
         for i, p in enumerate(self.diloco_precisions):
             c.one_of(f"diloco_precisions[{i}]", p, ("fp32", "int8"))
+        for i, sc in enumerate(self.perdure_state_copies):
+            c.one_of(f"perdure_state_copies[{i}]", sc, STATE_COPIES)
         c.done()
 
 
@@ -479,6 +500,9 @@ class SweepConfig:
     """One-way cross-region latencies."""
     cross_region_gbps: list[float] = field(default_factory=list)
     """Capacities between two regions, Gbit/s (where DiLoCo's outer step pays off)."""
+    copy_gbps: list[float] = field(default_factory=list)
+    """perdure's state-copy link rates, Gbit/s a GPU (``policies.perdure.copy_gbps``):
+    down to what rate the conclusions hold."""
     seeds: int = 4
     """Seeds per sweep point."""
 
@@ -489,6 +513,7 @@ class SweepConfig:
             "checkpoint_minutes",
             "cross_region_latency_ms",
             "cross_region_gbps",
+            "copy_gbps",
         ):
             for i, v in enumerate(getattr(self, key)):
                 c.positive(f"{key}[{i}]", v)

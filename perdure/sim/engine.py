@@ -61,6 +61,9 @@ class State(NamedTuple):
     (``policies.common.pay``), or ``lost_steps``; the loop moves it to the ledger."""
     degraded_by: str = ""
     """The failure kind that last left the run below full strength."""
+    copying: tuple[int, ...] = ()
+    """Joiners per region planned in but still copying their state (the overlapped copy:
+    no slots yet); they are not members, and not missing either."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ def initial_state(ctx: Context) -> State:
         members=ctx.target,
         spares=ctx.spares,
         down=tuple(False for _ in ctx.target),
+        copying=tuple(0 for _ in ctx.target),
     )
 
 

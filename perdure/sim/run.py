@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from perdure.sim import failures, scenario
 from perdure.sim.calibrate import Calibration
-from perdure.sim.config import SimConfig
+from perdure.sim.config import PerduePolicyConfig, SimConfig
 from perdure.sim.diloco import DilocoStep
 from perdure.sim.engine import Context, Outcome, simulate
 from perdure.sim.policies import POLICIES
@@ -74,9 +74,10 @@ def horizon_s(cfg: SimConfig) -> float:
 
 def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
     """(label, policy, config) of every row: each policy of ``policies.run``, perdure
-    once per reduction of ``policies.perdure_reductions`` when it lists any, and an exact
+    once per reduction of ``policies.perdure_reductions`` when it lists any, an exact
     reduction once per overlap model of ``policies.perdure_overlaps`` when it lists any
-    (``exact_flat`` without ``bucketed``: the same as ``streamed`` there)."""
+    (``exact_flat`` without ``bucketed``: the same as ``streamed`` there), and each of
+    those once per state copy of ``policies.perdure_state_copies`` when it lists any."""
     out: list[tuple[str, str, SimConfig]] = []
     p = cfg.policies
     for name in p.run:
@@ -88,11 +89,31 @@ def variants(cfg: SimConfig) -> list[tuple[str, str, SimConfig]]:
                 for ov in overlaps or [p.perdure.overlap]:
                     pp = replace(p.perdure, reduction=red, overlap=ov)
                     label = f"perdure/{red}" + (f"/{ov}" if overlaps else "")
-                    out.append((label, name, replace(cfg, policies=replace(p, perdure=pp))))
+                    out += _state_copies(cfg, label, pp)
+        elif name == "perdure":
+            out += _state_copies(cfg, "perdure", p.perdure)
         elif name == "diloco":
             out += _diloco_variants(cfg)
         else:
             out.append((name, name, cfg))
+    return out
+
+
+def _state_copies(
+    cfg: SimConfig, label: str, pp: PerduePolicyConfig
+) -> list[tuple[str, str, SimConfig]]:
+    """perdure with ``pp``, once per state copy listed (labels ending ``/<copy>``); no
+    ``/overlapped`` row where the runtime's copy rule makes the copy stall
+    (:func:`scenario.copy_overlaps`) and a ``/stall`` row is listed: it would repeat it."""
+    p = cfg.policies
+    out = []
+    for sc in p.perdure_state_copies or [pp.state_copy]:
+        one = replace(pp, state_copy=sc)
+        refused = not scenario.copy_overlaps(one, cfg.workload.shard)
+        if sc == "overlapped" and refused and "stall" in p.perdure_state_copies:
+            continue
+        tail = f"/{sc}" if p.perdure_state_copies else ""
+        out.append((label + tail, "perdure", replace(cfg, policies=replace(p, perdure=one))))
     return out
 
 

@@ -3,8 +3,8 @@
 The measured costs are loopback numbers of this machine; on a deployment each gains the
 one-way latencies of the messages its protocol sends (``*_HOPS``: counted from what the
 protocol does, not fitted) and the time its bytes take on the deployment's links. A
-copy of state pays the codec's measured rate (``Calibration.copy_gbps``, loopback: its
-CPU work) plus the wire.
+state copy runs at the swarm copy's measured share of the links it uses
+(``Calibration.swarm``: :class:`~perdure.sim.calibrate.CopyRate`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from perdure.runtime.control.boundary import boundary_margin
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.sim import sharding
-from perdure.sim.calibrate import Calibration
+from perdure.sim.calibrate import Calibration, CopyRate
 from perdure.sim.config import (
     PerduePolicyConfig,
     SimConfig,
@@ -67,9 +67,13 @@ def one_way_s(cfg: SimConfig) -> float:
     return ms / 1000
 
 
+LINE_RATE = CopyRate(per_holder=1.0, cap=1.0, fixed_s=0.0)
+"""A copy at its link's rate from one holder, nothing fixed (``Environment``'s default)."""
+
+
 def wire_bps(cfg: SimConfig) -> float:
-    """A state copy's wire rate: the source is the first member with state, so a joiner
-    elsewhere gets it across regions."""
+    """torchft's heal: one peer's state on the wire; the peer is the first member with
+    state, so a group elsewhere gets it across regions."""
     ln = links(cfg)
     return ln.intra_bps if len(cfg.deployment.regions) == 1 else min(ln.intra_bps, ln.cross_bps)
 
@@ -106,26 +110,82 @@ class Environment:
     state_bytes: float
     step_s: float
     ckpt_bytes: float | None = None
-    """What one GPU saves and loads in a checkpoint; None: ``state_bytes``."""
+    """What one GPU saves and loads in a checkpoint (sharded over every GPU); None:
+    ``state_bytes`` (a replica's share)."""
+    copy: CopyRate = LINE_RATE
+    """How a state copy uses its links."""
+    copy_bps: float | None = None
+    """A joiner's link and a holder's in its own region, bytes/s a GPU; None:
+    ``wire_bps``."""
+    local_holders: int = 1
+    """Holders in a joiner's region when it has members (the smallest region's workers
+    but one, at least one)."""
+    far_bps: tuple[float, ...] = ()
+    """A joiner's links to the holders in the other regions, bytes/s a GPU, one per
+    region (each region pair's capacity shared by a replica's GPUs)."""
 
     @property
     def ckpt(self) -> float:
         return self.state_bytes if self.ckpt_bytes is None else self.ckpt_bytes
 
+    @property
+    def sharded_ckpt(self) -> bool:
+        """The checkpoint is sharded over every GPU (``checkpoint.bytes_per_gpu``)."""
+        return self.ckpt_bytes is not None
+
+    def copy_s(self, local: bool, cap_bps: float | None = None) -> float:
+        """A joiner's state copy: from its region's holders and every other region's
+        (``local``), or from the other regions' only (its region has no member); every
+        link capped at ``cap_bps`` when given."""
+        link = self.wire_bps if self.copy_bps is None else self.copy_bps
+        links = (link,) * self.local_holders if local else ()
+        links += self.far_bps
+        if not links:  # one region and no member left: from wherever state is, at link rate
+            links = (link,)
+        if cap_bps is not None:
+            links = tuple(min(x, cap_bps) for x in links)
+            link = min(link, cap_bps)
+        return self.copy.seconds(self.state_bytes, links, link)
+
+
+def copy_overlaps(p: PerduePolicyConfig, shard: int = 1, diloco: bool = False) -> bool:
+    """Whether a joiner's copy overlaps the epoch's first step, the runtime's rule
+    (``runtime/control/copy_rule.py``): ``state_copy = "overlapped"`` asked, the exact
+    reduction with exponents carried or streamed (``overlap`` ``bucketed`` or
+    ``streamed``; ``last_slot`` is the step exponents' form), no FSDP sharding inside a
+    replica (``workload.shard`` = 1) and no DiLoCo. Elsewhere the copy stalls the members,
+    as the runtime's does. Tensor and pipeline parallel groups are not in the runtime:
+    the model assumes each of their GPUs copies its own share as a replica of one GPU."""
+    return (
+        p.state_copy == "overlapped"
+        and p.reduction != "chain"
+        and p.overlap != "last_slot"
+        and shard == 1
+        and not diloco
+    )
+
 
 def perdure_costs(
-    p: PerduePolicyConfig, cal: Calibration, env: Environment
+    p: PerduePolicyConfig,
+    cal: Calibration,
+    env: Environment,
+    *,
+    shard: int = 1,
+    diloco: bool = False,
 ) -> perdure_policy.Costs:
+    """perdure's costs on a deployment; ``shard`` (``workload.shard``) and ``diloco`` say
+    whether a copy may overlap (:func:`copy_overlaps`)."""
     reconfigure = cal.perdure_reconfigure_s + EPOCH_HOPS * env.one_way_s
-    copy = env.state_bytes * 8 / (cal.copy_gbps * 1e9) + env.state_bytes / env.wire_bps
+    cap = None if p.copy_gbps is None else gbps_to_bps(p.copy_gbps)
     hb = p.heartbeat_ms / 1000
     return perdure_policy.Costs(
         close_s=env.one_way_s,
         reconfigure_s=reconfigure,
         horizon_s=horizon_s(hb, p.acceptable_pause_ms / 1000, p.phi_threshold),
         settle_s=p.takeover_settle_ms / 1000,
-        spare_copy_s=copy,
-        join_s=reconfigure + copy,
+        copy_s=env.copy_s(local=True, cap_bps=cap),
+        far_copy_s=env.copy_s(local=False, cap_bps=cap),
+        overlapped=copy_overlaps(p, shard, diloco),
         replace_after_s=p.replace_after_ms / 1000,
         start_s=cal.perdure_replacement_start_s,
         boundary_s=boundary_s(env.step_s, hb),
@@ -133,15 +193,16 @@ def perdure_costs(
         # survivor's finished slots; the streamed form adds them to one accumulator
         salvage=p.reduction == "chain" or p.overlap == "last_slot",
         reform_wait_s=p.reform_backoff_ms / 1000,
-        swarm_s=env.state_bytes / env.wire_bps if p.state_copy == "swarm" else 0.0,
     )
 
 
 def torchrun_restart(cal: Calibration, env: Environment) -> Restart:
-    """The measured restart, its checkpoint load replaced by this state's from storage,
-    plus a rendezvous round's hops."""
+    """The measured restart, its checkpoint load replaced by this state's from storage
+    (``torch.load`` of the whole state, or ``dcp.load`` of a GPU's shard when the
+    checkpoint is sharded over every GPU), plus a rendezvous round's hops."""
     measured_load = cal.torchrun_ckpt_bytes * 8 / (cal.torch_load_gbps * 1e9)
-    load = env.ckpt * 8 / (min(cal.torch_load_gbps, env.storage_gbps) * 1e9)
+    rate = cal.dcp_load_gbps if env.sharded_ckpt else cal.torch_load_gbps
+    load = env.ckpt * 8 / (min(rate, env.storage_gbps) * 1e9)
     return Restart(
         startup_s=cal.torchrun_restart_s - measured_load,
         reform_s=RDZV_HOPS * env.one_way_s,
@@ -243,6 +304,7 @@ def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
     d = cfg.deployment
     target = tuple(r.nodes * d.workers_per_node for r in d.regions)
     step_s = step.seconds(target)
+    ln = links(cfg)
     env = Environment(
         one_way_s=one_way_s(cfg),
         wire_bps=wire_bps(cfg),
@@ -250,15 +312,19 @@ def context(cfg: SimConfig, cal: Calibration, name: str) -> Context:
         state_bytes=state_bytes(cfg, cal),
         step_s=step_s,
         ckpt_bytes=cfg.checkpoint.bytes_per_gpu,
+        copy=cal.swarm,
+        copy_bps=ln.intra_bps,
+        local_holders=max(1, min(target) - 1),
+        far_bps=(ln.cross_bps,) * (len(target) - 1),
     )
     every = max(1.0, round(cfg.checkpoint.every_minutes * 60 / step_s))
     blocking, lag = checkpoint_cost(cfg, cal, "perdure" if name == "diloco" else name, env)
     costs: object
     if name == "perdure":
-        costs = perdure_costs(cfg.policies.perdure, cal, env)
+        costs = perdure_costs(cfg.policies.perdure, cal, env, shard=cfg.workload.shard)
     elif name == "diloco":
-        p = perdure_costs(cfg.policies.perdure, cal, env)
-        costs = diloco_policy.Costs(perdure=p, replica_copy_s=p.spare_copy_s)
+        p = perdure_costs(cfg.policies.perdure, cal, env, shard=cfg.workload.shard, diloco=True)
+        costs = diloco_policy.Costs(perdure=p, replica_copy_s=p.far_copy_s)
     elif name == "torchrun":
         costs = torchrun_costs(cfg.policies.torchrun, cal, env)
     else:
@@ -283,17 +349,19 @@ def checkpoint_cost(
 ) -> tuple[float, float]:
     """(seconds a checkpoint blocks the step loop, seconds until it is durable).
 
-    perdure: a snapshot copy blocks; every replica writes 1/W of it in the background.
-    torchrun and torchft: a blocking ``torch.save`` of the whole state by one rank (the
-    benchmark's), or with ``blocking_save = false`` a snapshot and a background write.
-    With ``checkpoint.bytes_per_gpu`` set, every policy's GPU snapshots and writes that."""
+    perdure: a snapshot copy blocks; every replica writes 1/W of it in the background, at
+    the measured sharded save's rate. torchrun and torchft: a blocking ``torch.save`` of
+    the whole state by one rank (the benchmark's), or with ``blocking_save = false`` a
+    snapshot and a background write. With ``checkpoint.bytes_per_gpu`` set, every
+    policy's GPU snapshots and writes that, the peers at DCP's measured sharded rate."""
     nbits = env.ckpt * 8
     snapshot = nbits / (cal.snapshot_gbps * 1e9)
     if name == "perdure":
-        share = 1 if env.ckpt_bytes is not None else cfg.deployment.workers
-        write = nbits / share / (min(cal.write_gbps, env.storage_gbps) * 1e9)
+        share = 1 if env.sharded_ckpt else cfg.deployment.workers
+        write = nbits / share / (min(cal.sharded_save_gbps, env.storage_gbps) * 1e9)
         return snapshot, write
-    write = nbits / (min(cal.torch_save_gbps, env.storage_gbps) * 1e9)
+    rate = cal.dcp_save_gbps if env.sharded_ckpt else cal.torch_save_gbps
+    write = nbits / (min(rate, env.storage_gbps) * 1e9)
     if cfg.policies.torchrun.blocking_save:
         return write, 0.0
     return snapshot, write

@@ -45,11 +45,24 @@ def _cross_gbps(cfg: SimConfig, v: float) -> SimConfig:
     return replace(cfg, deployment=replace(cfg.deployment, cross_region_gbps=v))
 
 
+def _copy_gbps(cfg: SimConfig, v: float) -> SimConfig:
+    p = cfg.policies
+    return replace(cfg, policies=replace(p, perdure=replace(p.perdure, copy_gbps=v)))
+
+
 Apply = Callable[[SimConfig, float], SimConfig]
 SWEEPS: dict[str, tuple[str, Apply, bool, str, tuple[str, ...], bool]] = {
     "rate_scale": ("failure rate x", _rate, True, "goodput", (), False),
     "checkpoint_minutes": ("checkpoint interval, min", _ckpt, True, "goodput", (), False),
     "spares": ("perdure warm spares", _spares, False, "goodput", ("perdure",), False),
+    "copy_gbps": (
+        "perdure state-copy link, Gbit/s a GPU",
+        _copy_gbps,
+        True,
+        "goodput",
+        ("perdure",),
+        False,
+    ),
     "cross_region_latency_ms": (
         "cross-region latency, ms one way",
         _latency,
@@ -100,6 +113,7 @@ def _one_reduction(cfg: SimConfig) -> SimConfig:
             p,
             perdure_reductions=[p.perdure.reduction],
             perdure_overlaps=[],
+            perdure_state_copies=[],
             diloco_inner_steps=[],
             diloco_precisions=[],
             diloco_overlaps=[],

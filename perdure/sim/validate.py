@@ -98,12 +98,15 @@ def _cores(results: Path, name: str) -> int:
 
 
 def _loopback(cal: Calibration, params: float, step_s: float) -> scenario.Environment:
+    """This host, no network terms; a state copy as those runs made it (one source, the
+    broadcast path's measured rate: they ran before the swarm copy)."""
     return scenario.Environment(
         one_way_s=0.0,
         wire_bps=float("inf"),
         storage_gbps=float("inf"),
         state_bytes=params * cal.state_bytes_per_param,
         step_s=step_s,
+        copy_bps=scenario.gbps_to_bps(cal.broadcast_copy_gbps),
     )
 
 
@@ -122,7 +125,9 @@ def _context(
 ) -> Context:
     costs: object
     if system == "perdure":
-        costs = scenario.perdure_costs(perdure or PerduePolicyConfig(spares=spares), cal, env)
+        costs = scenario.perdure_costs(
+            perdure or PerduePolicyConfig(spares=spares, state_copy="stall"), cal, env
+        )
     elif system == "torchrun":
         costs = scenario.torchrun_costs(TorchrunPolicyConfig(), cal, env)
     else:
@@ -277,6 +282,7 @@ def demo_rows(cal: Calibration, results: Path, config: Path) -> list[Row]:
         takeover_settle_ms=cluster.takeover_settle_ms,
         replace_after_ms=cluster.replace_after_ms,
         spares=cluster.spares,
+        state_copy="stall",  # the demo ran before the overlapped copy
     )
     params = cal.goodput_model_params  # the demo's model is the benchmarks' small model
     names = [r.name for r in cluster.regions]

@@ -131,3 +131,49 @@ def test_int8_on_four_workers_with_one_killed_keeps_the_one_workers_hash(
     s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == int8_ref["final_hash"] and s["replica_hashes_agree"]
     assert len(events(tmp_path, "epoch_started")) > 1
+
+
+EF = {**INT8, "error_feedback": True}
+
+
+@pytest.fixture(scope="module")
+def ef_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("diloco-ef")
+    return {**run_to_end(_cfg(small_dataset, 1, EF), run_dir), "run_dir": run_dir}
+
+
+def test_error_feedback_is_another_math_and_its_estimates_are_in_the_checkpoint(
+    int8_ref: dict, ef_ref: dict
+) -> None:
+    assert ef_ref["final_hash"] != int8_ref["final_hash"]
+    half = load_checkpoint(ef_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}")
+    est = half.optimizer["outer"]["estimates"]
+    numel = sum(t.numel() for t in half.model.values())
+    assert list(est.shape) == [4, numel] and all(float(e.abs().max()) > 0 for e in est)
+
+
+@pytest.mark.parametrize(
+    "workers,regions,fault",
+    [(2, 2, None), (4, 4, {"kind": "region_down", "target": "r2", "at_step": 3})],
+    ids=["two", "four-region-killed"],
+)
+def test_error_feedback_keeps_one_hash_on_two_workers_and_with_a_region_killed(
+    ef_ref: dict, small_dataset: Path, tmp_path: Path, workers: int, regions: int,
+    fault: dict | None,
+) -> None:  # fmt: skip
+    """The estimates are made from the records on the wire, on every member: the region
+    killed takes its replica's estimate with it and the survivor that takes the replica
+    over already holds the same bits."""
+    chaos = {"chaos": {"faults": [fault]}} if fault else {}
+    s = run_to_end(_cfg(small_dataset, workers, EF, regions=regions, **chaos), tmp_path)
+    assert s["final_hash"] == ef_ref["final_hash"] and s["replica_hashes_agree"]
+    if fault:
+        assert len(events(tmp_path, "epoch_started")) > 1
+
+
+def test_error_feedback_resumed_from_a_mid_run_checkpoint_retraces_the_run(
+    ef_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    half = ef_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
+    s = run_to_end(_cfg(small_dataset, 2, EF), tmp_path, resume=str(half))
+    assert s["final_hash"] == ef_ref["final_hash"]

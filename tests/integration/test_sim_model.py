@@ -99,7 +99,9 @@ def test_scheduled_region_loss_strikes_its_region() -> None:
 # -- the event loop and the policies --------------------------------------------------------
 
 
-def _host_context(system: str, *, spares: int = 0, ckpt_every: float = float("inf")) -> Context:
+def _host_context(
+    system: str, *, spares: int = 0, ckpt_every: float = float("inf"), state_copy: str = "stall"
+) -> Context:
     cal = load_calibration(ROOT / "benchmarks" / "results")
     step = HostStep(step_s=0.1, workers=3, curve=((1, 1.0), (4, 1.0)), slots=12, cores=3)
     env = scenario.Environment(
@@ -108,7 +110,11 @@ def _host_context(system: str, *, spares: int = 0, ckpt_every: float = float("in
     costs: object = {
         "perdure": lambda: scenario.perdure_costs(
             # the runtime's default form: the streamed exact sum, no salvage
-            scenario.PerduePolicyConfig(spares=spares, reduction="exact_flat"),
+            scenario.PerduePolicyConfig(
+                spares=spares,
+                reduction="exact_flat",
+                state_copy=state_copy,  # type: ignore[arg-type]
+            ),
             cal,
             env,
         ),
@@ -145,7 +151,8 @@ def test_perdure_streamed_redoes_the_in_flight_step_and_keeps_every_commit() -> 
     c: perdure_policy.Costs = ctx.costs
     out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
     # lost: the 0.05 s of the step in flight, the epoch formation, and the join's stall
-    extra = 0.05 + c.reconfigure_s + c.join_s
+    # (an epoch change and the copy, state_copy = "stall" by default)
+    extra = 0.05 + 2 * c.reconfigure_s + c.copy_s
     assert out.elapsed_s == pytest.approx(10.0 + extra, rel=1e-6)
     assert out.restarts == 0
     assert out.probes[0].new_s == pytest.approx(c.reconfigure_s + 0.1)
@@ -173,27 +180,68 @@ def test_a_warm_spare_avoids_the_join() -> None:
     ctx = _host_context("perdure", spares=1)
     c: perdure_policy.Costs = ctx.costs
     out = simulate(ctx, POLICIES["perdure"], [_kill(10)], until_steps=100)
-    assert out.elapsed_s == pytest.approx(10.0 + 0.05 + c.reconfigure_s + c.spare_copy_s)
+    assert out.elapsed_s == pytest.approx(10.0 + 0.05 + c.reconfigure_s + c.copy_s)
     # itemised: half a step in flight redone (0.05 s), the epoch, the copy to the spare
     # (no latency on this host: detection is free); the replacement refills the pool
     assert out.counts == {"worker_death": 1}
     assert out.ledger["worker_death"] == pytest.approx(
-        {"lost": 0.05, "reform": c.reconfigure_s, "copy": c.spare_copy_s}
+        {"lost": 0.05, "reform": c.reconfigure_s, "copy": c.copy_s}
     )
 
 
-def test_a_swarm_copy_lets_the_members_train_while_the_spare_fetches_its_state() -> None:
+def _slower_with_two(copy_s: float, overlapped: bool) -> Context:
+    """3 members and a warm spare on a host whose step is 0.1 s with 3 members and
+    0.15 s with 2; a state copy of ``copy_s``."""
     ctx = _host_context("perdure", spares=1)
-    swarm = replace(ctx, costs=replace(ctx.costs, swarm_s=0.5))
-    c: perdure_policy.Costs = swarm.costs
-    out = simulate(swarm, POLICIES["perdure"], [_kill(10)], until_steps=100)
-    # the members pay two epoch changes (without the dead worker, then with the spare)
-    # and no copy; this host's step does not depend on the members, so nothing is lost
-    # to the short membership in between
-    assert out.elapsed_s == pytest.approx(10.0 + 0.05 + 2 * c.reconfigure_s)
-    assert out.ledger["worker_death"] == pytest.approx(
-        {"lost": 0.05, "reform": 2 * c.reconfigure_s}
+    step = HostStep(step_s=0.1, workers=3, curve=((2, 1.5), (3, 1.0)), slots=12, cores=3)
+    costs = replace(ctx.costs, copy_s=copy_s, overlapped=overlapped)
+    return replace(ctx, step=step, costs=costs)
+
+
+def test_an_overlapped_copy_costs_the_step_the_spare_sits_out_and_the_copy_beyond_it() -> None:
+    """A kill half-way through step 11: the spare is planned into the epoch that drops
+    the dead worker. Stalled, everyone waits for its 0.25 s copy. Overlapped (the
+    runtime's rule, ``runtime/member/copy_overlap.py``), the two survivors compute the
+    epoch's first step without it (0.15 s), whose reduction waits for the copy: 0.10 s
+    more (``copy``), and that step is 0.05 s slower than with 3 members (``reduced``)."""
+    kill = [_kill(10)]
+    stall = simulate(_slower_with_two(0.25, False), POLICIES["perdure"], kill, until_steps=100)
+    over = simulate(_slower_with_two(0.25, True), POLICIES["perdure"], kill, until_steps=100)
+    r = _slower_with_two(0.25, True).costs.reconfigure_s
+    assert stall.ledger["worker_death"] == pytest.approx({"lost": 0.05, "reform": r, "copy": 0.25})
+    assert over.ledger["worker_death"] == pytest.approx(
+        {"lost": 0.05, "reform": r, "copy": 0.10, "reduced": 0.05}
     )
+    assert stall.elapsed_s == pytest.approx(10.0 + 0.05 + r + 0.25)
+    assert over.elapsed_s == pytest.approx(10.0 + 0.05 + r + 0.15)
+
+
+def test_overlapping_a_copy_shorter_than_a_steps_slowdown_costs_more_than_stalling() -> None:
+    """The limit of the overlapped copy: the spare sits out a whole step however short its
+    copy, so a 0.01 s copy costs the run one step at 2 members (0.15 s for 0.10 s of
+    work: 0.05 s) where stalling costs 0.01 s."""
+    stall = simulate(
+        _slower_with_two(0.01, False), POLICIES["perdure"], [_kill(10)], until_steps=100
+    )
+    over = simulate(_slower_with_two(0.01, True), POLICIES["perdure"], [_kill(10)], until_steps=100)
+    assert stall.ledger["worker_death"]["copy"] == pytest.approx(0.01)
+    assert over.ledger["worker_death"]["reduced"] == pytest.approx(0.05)
+    assert over.elapsed_s - stall.elapsed_s == pytest.approx(0.04)
+
+
+@pytest.mark.parametrize("name", ["deployment-46", "llama3-405b", "seed-600b"])
+def test_on_every_shipped_config_the_overlapped_copy_is_never_worse(name: str) -> None:
+    cfg = load_sim_config(ROOT / "configs" / "sim" / f"{name}.toml")
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+
+    def goodput(state_copy: str) -> float:
+        pp = replace(cfg.policies.perdure, state_copy=state_copy)
+        return run_policy(
+            replace(cfg, policies=replace(cfg.policies, perdure=pp)), cal, "perdure", 2
+        ).goodput
+
+    stall, over = goodput("stall"), goodput("overlapped")
+    assert over >= stall, (name, over, stall)
 
 
 def test_torchrun_redoes_every_step_since_the_checkpoint() -> None:
@@ -436,27 +484,41 @@ def test_the_restart_policy_on_llama_3_is_within_005_of_the_papers_90_percent() 
     assert summary.failures == pytest.approx(419, rel=0.15)
 
 
-def test_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None:
-    """The spares sweep's dip: a node death promotes the spares there are (a copy) and
-    the rest of its workers join later (a second copy), while the busiest member's slot
-    count, hence the step, stays that of the short membership."""
+def _node_deaths(state_copy: str, spares: int) -> tuple[float, dict[str, float]]:
+    """deployment-46 with node deaths only (1 a day, 10-minute replacements)."""
     cfg = load_sim_config(DEPLOYMENT)
     cfg = replace(
         cfg, failures=[FailureProcess(kind="node_death", per_day=1.0, replace_minutes=10.0)]
     )
     cal = load_calibration(ROOT / "benchmarks" / "results")
+    pp = replace(cfg.policies.perdure, spares=spares, state_copy=state_copy)
+    r = run_policy(replace(cfg, policies=replace(cfg.policies, perdure=pp)), cal, "perdure", 2)
+    return r.goodput, r.per_failure["node_death"]
 
-    def node_death(spares: int) -> tuple[float, dict[str, float]]:
-        p = replace(cfg.policies, perdure=replace(cfg.policies.perdure, spares=spares))
-        r = run_policy(replace(cfg, policies=p), cal, "perdure", 2)
-        return r.goodput, r.per_failure["node_death"]
 
-    copy = scenario.context(cfg, cal, "perdure").costs.spare_copy_s
-    none, four, eight = node_death(0), node_death(4), node_death(8)
+def test_stalled_fewer_spares_than_a_nodes_workers_pay_two_copies_a_node_death() -> None:
+    """The spares sweep's dip with the stalled copy: a node death promotes the spares
+    there are (a copy) and the rest of its workers join later (a second copy), while the
+    busiest member's slot count, hence the step, stays that of the short membership."""
+    cfg = load_sim_config(DEPLOYMENT)
+    cal = load_calibration(ROOT / "benchmarks" / "results")
+    copy = scenario.context(cfg, cal, "perdure").costs.copy_s
+    none, four, eight = (_node_deaths("stall", n) for n in (0, 4, 8))
     assert none[1]["copy"] == pytest.approx(copy)  # the join's
     assert four[1]["copy"] == pytest.approx(2 * copy)  # the promotion's and the join's
     assert eight[1]["copy"] == pytest.approx(copy)  # the promotion's; the rest refill the pool
     assert four[0] < none[0] < eight[0]
+
+
+def test_overlapped_spares_short_of_a_node_change_goodput_by_under_1e_6() -> None:
+    """With the overlapped copy a promotion costs no stall beyond its epoch change (the
+    copy is shorter than the step it overlaps), so the copies' dip is gone. What is left
+    is under 1e-6: fewer spares than a node's 8 workers leave the busiest member's 3 slots
+    as they are, and the promoted ones add two ring hops each to every step until the
+    node is back (0.05 s a node death with 4)."""
+    g = [_node_deaths("overlapped", n)[0] for n in (0, 1, 4, 8)]
+    assert max(g[:3]) - min(g[:3]) < 1e-6, g
+    assert g[3] - g[0] > 1e-3, g
 
 
 @pytest.mark.parametrize(
@@ -520,3 +582,18 @@ def test_a_spike_during_a_deaths_slower_steps_leaves_them_to_the_death() -> None
     first = replace(spike, t=0.2, duration_s=0.5)  # over before the death
     early = simulate(ctx, POLICIES["perdure"], [first, death], until_steps=1000)
     assert early.ledger["latency_spike"] == pytest.approx({"reduced": 0.5 * (1 - 0.1 / 0.12)})
+
+
+def test_a_replacement_arriving_while_the_spare_copies_refills_the_pool_not_a_second_copy() -> None:
+    """The spare's 5 s overlapped copy outlasts its replacement's start (hardware back at
+    once, the launcher's 0.5 s, start-up, a boundary): the replacement finds nobody
+    missing, so it refills the pool, and the run pays the one copy (less the step it
+    overlaps), as the stalled copy pays one."""
+    kill = [replace(_kill(10), replace_s=0.0)]
+    over_ctx = _slower_with_two(5.0, True)
+    over = simulate(over_ctx, POLICIES["perdure"], kill, until_steps=100)
+    stall = simulate(_slower_with_two(5.0, False), POLICIES["perdure"], kill, until_steps=100)
+    assert over_ctx.costs.replace_after_s + over_ctx.costs.start_s < 5.0
+    assert over.ledger["worker_death"]["copy"] == pytest.approx(5.0 - 0.15)
+    assert stall.ledger["worker_death"]["copy"] == pytest.approx(5.0)
+    assert over.elapsed_s < stall.elapsed_s

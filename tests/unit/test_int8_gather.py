@@ -9,7 +9,7 @@ import torch
 
 from perdure.runtime.comm.int8_gather import Int8Gather
 from perdure.runtime.replica.layout import GradLayout
-from perdure.runtime.replica.outer import decode_int8, encode_int8
+from perdure.runtime.replica.outer import decode_int8, ef21_encode, ef21_update, encode_int8
 
 P, R, M, BLOCK = 10_000, 4, 1, 256
 LAYOUT = GradLayout(numel=P, slots=R, metrics=M)
@@ -34,7 +34,7 @@ def _reduce(hosts: list[list[int]], bufs: list[torch.Tensor]) -> torch.Tensor:
     gather = Int8Gather(LAYOUT, BLOCK)
     width = max(len(h) for h in hosts)
     payloads = [gather.pack(h, [bufs[r] for r in h], width) for h in hosts]
-    return gather.total(payloads, R)
+    return gather.total(payloads, R)[0]
 
 
 def test_a_records_payload_is_a_quarter_of_the_exact_reductions_plus_its_index_and_tail() -> None:
@@ -83,3 +83,28 @@ def test_a_replica_missing_or_sent_twice_is_refused_naming_it() -> None:
         _reduce([[0, 1], [2]], bufs)
     with pytest.raises(RuntimeError, match="replica 1 sent twice"):
         _reduce([[0, 1], [1, 2, 3]], bufs)
+
+
+def test_with_error_feedback_every_member_makes_the_same_new_estimates_from_the_records() -> None:
+    """Records of ``delta_r - g_r``: the new estimates ``g_r + decoded`` and their sum
+    are the same bits whoever hosts which replica, and are what the pure functions give."""
+    bufs, gather = _replicas(), Int8Gather(LAYOUT, BLOCK)
+    g = torch.Generator().manual_seed(11)
+    estimates = torch.randn(R, P, generator=g) * 2.0**-6
+    results = []
+    for hosts in ([[0, 1, 2, 3]], [[0, 2], [1, 3]], [[3], [0], [2], [1]]):
+        width = max(len(h) for h in hosts)
+        payloads = [gather.pack(h, [bufs[r] for r in h], width, estimates) for h in hosts]
+        results.append(gather.total(payloads, R, estimates))
+    (one, new), *rest = results
+    assert new is not None
+    assert all(torch.equal(t, one) and n is not None and torch.equal(n, new) for t, n in rest)
+    want_sum = torch.zeros(P, dtype=torch.float64)
+    for r in range(R):
+        q, e = ef21_encode(LAYOUT.grads(bufs[r]), estimates[r], BLOCK)
+        assert torch.equal(new[r], ef21_update(estimates[r], q, e, BLOCK))
+        want_sum += new[r].double()
+    assert torch.equal(LAYOUT.grads(one), want_sum.float())
+    assert LAYOUT.losses(one).tolist() == [2.5 + r / 4 for r in range(R)]
+    plain = _reduce([[0, 1, 2, 3]], bufs)
+    assert not torch.equal(LAYOUT.grads(one), LAYOUT.grads(plain))  # another math

@@ -16,6 +16,9 @@ from perdure.cli import main
 from perdure.config import ConfigError
 from perdure.sim import load_calibration, load_sim_config, run_config
 from perdure.sim.calibrate import REQUIRED, CalibrationError
+from perdure.sim.config import PerduePolicyConfig
+from perdure.sim.run import variants
+from perdure.sim.scenario import copy_overlaps
 from perdure.sim.validate import TOLERANCE, goodput_rows, validation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +68,92 @@ def test_every_problem_of_a_sim_config_is_reported(tmp_path: Path) -> None:
         "failures[1].duration_s",
     } <= keys
     assert str(path) in str(info.value)
+
+
+def test_a_bad_state_copy_is_refused_naming_the_field_and_value(tmp_path: Path) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(
+        "[policies]\nperdure_state_copies = ['stall', 'swarm']\n"
+        "[policies.perdure]\nstate_copy = 'broadcast'\ncopy_gbps = 0\n"
+        "[sweeps]\ncopy_gbps = [1.0, -2.0]\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_sim_config(path)
+    problems = {p.key: str(p) for p in info.value.problems}
+    assert {
+        "policies.perdure.state_copy",
+        "policies.perdure.copy_gbps",
+        "policies.perdure_state_copies[1]",
+        "sweeps.copy_gbps[1]",
+    } <= set(problems)
+    assert "'broadcast'" in problems["policies.perdure.state_copy"]
+    assert "'swarm'" in problems["policies.perdure_state_copies[1]"]
+
+
+def test_the_state_copy_rate_is_the_swarm_copys_measured_shares() -> None:
+    """state_copy.json's shaped-link rows: holders on 100 Mbit/s links (a plain socket measured
+    96.3 Mbit/s over one), the joiner on 300 (so 288.9 measured); one holder copied at 96
+    Mbit/s, three at 265."""
+    swarm = load_calibration(RESULTS).swarm
+    assert swarm.per_holder == pytest.approx(96 / 96.3, rel=1e-12)  # 0.997
+    assert swarm.cap == pytest.approx(265 / 288.9, rel=1e-12)  # 0.917
+    assert swarm.fixed_s == 0.023
+    gbit = 1e9 / 8  # bytes/s of a 1 Gbit/s link
+    # 1 GB from one holder to a joiner on a 3x faster link: the holder's share of its own
+    assert swarm.seconds(1e9, (gbit,), 3 * gbit) == pytest.approx(0.023 + 8 / (96 / 96.3))
+    # the same links both ends: the joiner's cap (0.917) binds before the holder's 0.997
+    assert swarm.seconds(1e9, (gbit,), gbit) == pytest.approx(0.023 + 8 / (265 / 288.9))
+    # two holders: twice the rate, still under the joiner's cap (1.994 < 2.75)
+    assert swarm.seconds(1e9, (gbit, gbit), 3 * gbit) == pytest.approx(0.023 + 8 / (2 * 96 / 96.3))
+    # four holders into a 1 Gbit/s joiner: the joiner's cap, not the holders' sum
+    assert swarm.seconds(1e9, (gbit,) * 4, gbit) == pytest.approx(0.023 + 8 / (265 / 288.9))
+    with pytest.raises(ValueError, match="at least one holder"):
+        swarm.seconds(1e9, (), gbit)
+
+
+def test_the_sharded_save_and_load_rates_are_the_slowest_ranks() -> None:
+    """reshard_load_100m.json: a rank's shard bytes over its seconds, the slowest rank
+    (every rank works at once, the step waits for the last)."""
+    data = json.loads((RESULTS / "reshard_load_100m.json").read_text())
+    cal = load_calibration(RESULTS)
+
+    def slowest(ranks: list[dict[str, float]], key: str) -> float:
+        r = max(ranks, key=lambda r: r[key])
+        return r["shard_bytes"] * 8 / r[key] / 1e9
+
+    assert cal.sharded_save_gbps == slowest(data["save_perdure"]["ranks"], "seconds")
+    assert cal.dcp_save_gbps == slowest(data["save_dcp"]["ranks"], "seconds")
+    assert cal.dcp_load_gbps == slowest(data["dcp"]["ranks"], "dcp_load_seconds")
+
+
+def test_a_copy_overlaps_only_where_the_runtimes_copy_rule_lets_it() -> None:
+    """runtime/control/copy_rule.py: the exact reduction, exponents carried or streamed
+    (the sim's ``bucketed`` and ``streamed``), shard degree 1, no DiLoCo."""
+    exact = PerduePolicyConfig(reduction="exact_flat", state_copy="overlapped")
+    assert copy_overlaps(exact)
+    assert copy_overlaps(replace(exact, reduction="exact_hier", overlap="streamed"))
+    assert not copy_overlaps(replace(exact, state_copy="stall"))
+    assert not copy_overlaps(replace(exact, reduction="chain"))
+    assert not copy_overlaps(replace(exact, overlap="last_slot"))  # the step exponents
+    assert not copy_overlaps(exact, shard=8)
+    assert not copy_overlaps(exact, diloco=True)
+
+
+def test_a_form_whose_copy_the_runtime_stalls_gets_no_overlapped_row() -> None:
+    labels = [label for label, name, _ in variants(load_sim_config(DEPLOYMENT))]
+    assert labels == [
+        "perdure/chain/stall",
+        "perdure/exact_flat/streamed/overlapped",
+        "perdure/exact_flat/streamed/stall",
+        "perdure/exact_flat/last_slot/stall",
+        "perdure/exact_hier/streamed/overlapped",
+        "perdure/exact_hier/streamed/stall",
+        "perdure/exact_hier/bucketed/overlapped",
+        "perdure/exact_hier/bucketed/stall",
+        "perdure/exact_hier/last_slot/stall",
+        "torchrun",
+        "torchft",
+    ]
 
 
 def test_llama3_rate_per_gpu_hour() -> None:
@@ -134,7 +223,8 @@ def test_a_measured_input_moves_the_prediction(tmp_path: Path) -> None:
     scale_before = {s.policy: s.goodput for s in run_config(cfg, before_cal)}
     scale_after = {s.policy: s.goodput for s in run_config(cfg, after_cal)}
     assert scale_after["torchrun"] < scale_before["torchrun"]
-    assert scale_after["perdure/exact_hier/streamed"] < scale_before["perdure/exact_hier/streamed"]
+    row = "perdure/exact_hier/streamed/overlapped"
+    assert scale_after[row] < scale_before[row]
 
 
 def test_benchmark_goodput_is_predicted_within_tolerance() -> None:
@@ -159,7 +249,9 @@ seeds = 1
 
 def test_cli_prints_every_policy_and_writes_plots(tmp_path: Path) -> None:
     cfg, out = tmp_path / "d.toml", tmp_path / "out"
-    cfg.write_text(DEPLOYMENT.read_text() + SHORT_SWEEPS)
+    # the config's own [sweeps] table (up to its first blank line) replaced by short ones
+    text = re.sub(r"\n\[sweeps\][^\n]*\n(?:[^\n]+\n)*", "\n", DEPLOYMENT.read_text())
+    cfg.write_text(text + SHORT_SWEEPS)
     res = CliRunner().invoke(main, ["sim", str(cfg), "--seeds", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     for name in ("perdure/exact_hier", "perdure/chain", "torchrun", "torchft", "validation"):

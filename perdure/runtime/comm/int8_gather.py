@@ -18,6 +18,14 @@ member whichever member hosted which replica, then rounds the sum to float32. Th
 are placed, not summed (one replica sets each entry). So a reduced buffer is a pure
 function of the R replicas, as the exact reduction's is.
 
+With ``outer.error_feedback`` (EF21) a record holds the int8 rounding of the replica's
+pseudo-gradient less its estimate ``g_r`` (``OuterStep.estimates``, which every member
+holds for all R replicas); every member decodes each record, adds it to its copy of
+``g_r`` (float64, rounded to float32) and sums the R new estimates in replica order. The
+new estimates come back with the buffer and become current with the outer step's update:
+the same records, the same bits on every member, so a replica's estimate does not depend
+on who computed it, and a replica that moves needs nothing copied.
+
 Bytes: a member sends ``width`` records and receives ``(W - 1) x width`` (gloo's ring
 all-gather). A record is ``P + ceil(P / block) + 4 (3 + M)`` bytes: a quarter of what the
 exact reduction sends of one slot buffer with ``train.reduction_bits = 32`` (``4 (P + (2 +
@@ -43,7 +51,7 @@ from typing import Any
 import torch
 
 from perdure.runtime.replica.layout import GradLayout
-from perdure.runtime.replica.outer import decode_int8, encode_int8
+from perdure.runtime.replica.outer import decode_int8, ef21_encode, ef21_update, encode_int8
 
 _INDEX = 4
 """Bytes of a record's replica index (int32; -1: an unused record)."""
@@ -80,16 +88,28 @@ class Int8Gather:
         parts = [lay.flags(buf)[slot : slot + 1], lay.losses(buf)[slot : slot + 1]]
         return torch.cat([*parts, lay.user_metrics(buf)[:, slot]]).float().cpu()
 
-    def pack(self, slots: Sequence[int], bufs: Sequence[torch.Tensor], width: int) -> torch.Tensor:
+    def pack(
+        self,
+        slots: Sequence[int],
+        bufs: Sequence[torch.Tensor],
+        width: int,
+        estimates: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """This member's records (``slots[i]``'s pseudo-gradient in ``bufs[i]``), padded
-        with unused ones to ``width``: a uint8 tensor of ``payload_bytes(width)``."""
+        with unused ones to ``width``: a uint8 tensor of ``payload_bytes(width)``.
+        ``estimates`` (``outer.error_feedback``, [R, P]): a record holds its replica's
+        pseudo-gradient less its estimate (:func:`ef21_encode`)."""
         if len(slots) > width:
             raise ValueError(f"{len(slots)} replicas do not fit in {width} records")
         out = torch.zeros(self.payload_bytes(width), dtype=torch.uint8)
         recs = out.view(width, self.record_bytes)
         recs[:, :_INDEX] = torch.tensor([-1], dtype=torch.int32).view(torch.uint8)
         for rec, slot, buf in zip(recs[: len(slots)], slots, bufs, strict=True):
-            q, exp = encode_int8(self.layout.grads(buf), self.block)
+            grads = self.layout.grads(buf)
+            if estimates is None:
+                q, exp = encode_int8(grads, self.block)
+            else:
+                q, exp = ef21_encode(grads, estimates[slot], self.block)
             a = _INDEX + 4 * self.tail
             b = a + self.blocks
             rec[:_INDEX] = torch.tensor([slot], dtype=torch.int32).view(torch.uint8)
@@ -98,9 +118,17 @@ class Int8Gather:
             rec[b:] = q.view(torch.uint8)
         return out
 
-    def total(self, gathered: Sequence[torch.Tensor], replicas: int) -> torch.Tensor:
+    def total(
+        self,
+        gathered: Sequence[torch.Tensor],
+        replicas: int,
+        estimates: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The reduced slot buffer from every member's payload: the R pseudo-gradients
         decoded and added in replica order (float64, then float32), the tails placed.
+        With ``estimates`` (``outer.error_feedback``) each record is a difference: the
+        replica's new estimate is its old one plus the decoded record (:func:`ef21_update`)
+        and the buffer holds the new estimates' sum; returned with the buffer (else None).
         Raises if a replica is missing or sent twice (a plan that members disagree on)."""
         lay, found = self.layout, {}
         for payload in gathered:
@@ -123,15 +151,21 @@ class Int8Gather:
         acc = torch.zeros(lay.numel, dtype=torch.float64)
         a = _INDEX + 4 * self.tail
         b = a + self.blocks
+        new = None if estimates is None else torch.empty_like(estimates)
         for r in range(replicas):
             rec = found[r]
             exp = rec[a:b].clone().view(torch.int8)
-            acc += decode_int8(rec[b:].clone().view(torch.int8), exp, self.block)
+            q = rec[b:].clone().view(torch.int8)
+            if estimates is None or new is None:
+                acc += decode_int8(q, exp, self.block)
+            else:
+                new[r] = ef21_update(estimates[r], q, exp, self.block)
+                acc += new[r].double()
             tail = rec[_INDEX:a].clone().view(torch.float32).to(total.device)
             lay.flags(total)[r], lay.losses(total)[r] = tail[0], tail[1]
             lay.user_metrics(total)[:, r] = tail[2:]
         lay.grads(total).copy_(acc.to(torch.float32))
-        return total
+        return total, new
 
     # -- the exchange ----------------------------------------------------------------------
 
@@ -143,20 +177,22 @@ class Int8Gather:
         width: int,
         timeout: timedelta,
         send_delay_s: float = 0.0,
+        estimates: torch.Tensor | None = None,
     ) -> Any:
         """Start the all-gather of this member's records on ``comm``'s thread; its result
-        (``comm.result``) is the reduced buffer (:meth:`total`). ``width``: the records
-        of the plan's busiest member; ``send_delay_s``: an injected link latency."""
-        mine = self.pack(slots, bufs, width).to(comm.device)
+        (``comm.result``) is :meth:`total`'s (the reduced buffer, the new estimates).
+        ``width``: the records of the plan's busiest member; ``send_delay_s``: an injected
+        link latency; ``estimates``: the replicas' (``outer.error_feedback``)."""
+        mine = self.pack(slots, bufs, width, estimates).to(comm.device)
         replicas = self.layout.slots
 
-        def run() -> torch.Tensor:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             if send_delay_s:
                 time.sleep(send_delay_s)
             outs = [mine]
             if comm.size > 1:
                 outs = [torch.empty_like(mine) for _ in range(comm.size)]
                 comm.pg.allgather([outs], [mine]).wait(timeout)
-            return self.total(outs, replicas)
+            return self.total(outs, replicas, estimates)
 
         return comm.submit(run)

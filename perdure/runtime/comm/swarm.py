@@ -136,7 +136,11 @@ class Received:
 
 
 class StateCopy(Protocol):
-    """The seam the worker copies state through (``Worker._transfer``)."""
+    """The seam a member copies state through (``member/transfer.py``)."""
+
+    stats: dict[str, int]
+    """The last copy's counts on this member (``ranges_sent``, ``bytes_sent``, ...): a
+    holder's ``state_sent`` event reports them."""
 
     def copy(self, comm: Comm, job: CopyJob) -> Received | None:
         """Every member calls it; a receiver returns its state, a holder None."""

@@ -91,7 +91,7 @@ class CopyServer:
             self._comm = self._make()
             got = self._copy.copy(self._comm, self.job)
             assert got is None, "a holder received state"
-            stats = dict(getattr(self._copy, "stats", {}) or {})
+            stats = dict(self._copy.stats)
             self.sent = {"seconds": round(time.monotonic() - self._t0, 4), **stats}
         except BaseException as e:  # handed to the step loop by wait()
             self.error = e

@@ -40,7 +40,8 @@ from perdure.runtime.replica.slots import Progress, SlotEngine, all_finite, to_t
 OUTER_KEY = "outer"
 """Beside the recipe's state in a checkpoint's optimizer field (and a state copy's): the
 outer optimizer's state, ``{"momentum": float32 tensor [P]}`` in the slot buffer's
-gradient order."""
+gradient order, and with ``outer.error_feedback`` the replicas' estimates,
+``"estimates": float32 tensor [R, P]`` (:class:`OuterStep`)."""
 
 INT8_MAX = 127
 
@@ -83,6 +84,22 @@ def quantize_int8(values: torch.Tensor, block: int) -> torch.Tensor:
         q, exp = encode_int8(values, block)
         values.copy_(decode_int8(q, exp, block).to(values.dtype))
     return values
+
+
+def ef21_encode(
+    delta: torch.Tensor, estimate: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One replica's record under EF21 (``outer.error_feedback``): :func:`encode_int8` of
+    ``delta - estimate``, the difference taken in float64. Every member makes the new
+    estimate from the record alone (:func:`ef21_update`), so it is the same bits
+    everywhere."""
+    return encode_int8(delta.detach().cpu().double() - estimate.double(), block)
+
+
+def ef21_update(estimate: torch.Tensor, q: torch.Tensor, exp: torch.Tensor, block: int
+                ) -> torch.Tensor:  # fmt: skip
+    """A replica's new estimate from its old one and its record's int8 difference."""
+    return (estimate.double() + decode_int8(q, exp, block)).to(torch.float32)
 
 
 def check_outer(buffers: BufferRule, recipe: Recipe, replicas: int) -> None:
@@ -130,6 +147,14 @@ class OuterStep:
         self.params = engine.params
         self.momentum = torch.zeros(engine.layout.numel, dtype=torch.float32)
         """The outer optimizer's momentum, in the gradient order of the slot buffer."""
+        self.estimates: torch.Tensor | None = None
+        """``outer.error_feedback``: every replica's EF21 estimate of its pseudo-gradient
+        (float32 [R, P], zero at the start), moved by each outer step's int8 records
+        (``comm/int8_gather.py``) and the same bits on every member: a function of the
+        records on the wire alone, not of who computed which replica."""
+        if cfg.error_feedback:
+            self.estimates = torch.zeros(cfg.replicas, engine.layout.numel, dtype=torch.float32)
+        self._staged: torch.Tensor | None = None
         self._scratch: torch.Tensor | None = None
         self._kept: dict[int, torch.Tensor] = {}
         """Replicas computed under ``_kept_key`` (see :meth:`replica`): one slot buffer
@@ -255,11 +280,22 @@ class OuterStep:
 
     # -- the outer step --------------------------------------------------------------------
 
+    def stage_estimates(self, estimates: torch.Tensor) -> None:
+        """The estimates this outer step's records give (``outer.error_feedback``):
+        :meth:`apply` makes them current with its update; an abandoned step leaves them
+        unused (its redo stages the same bits again)."""
+        assert self.estimates is not None and estimates.shape == self.estimates.shape
+        self._staged = estimates
+
     def apply(self, total: torch.Tensor) -> None:
-        """The outer step from the reduced sum of the R pseudo-gradients: their mean
+        """The outer step from the reduced sum of the R pseudo-gradients (with
+        ``outer.error_feedback``, of the R new estimates, staged with it): their mean
         ``d`` (an IEEE division by R), ``m = momentum * m + d``, and each parameter moved
         by ``-lr * (d + momentum * m)`` (torch's Nesterov SGD, on the flat buffer)."""
         cfg = self.cfg
+        if self.estimates is not None:
+            assert self._staged is not None, "an error-feedback outer step without estimates"
+            self.estimates, self._staged = self._staged, None
         d = self.engine.layout.grads(total).cpu().div(cfg.replicas)
         self.norm = float(torch.linalg.vector_norm(d))
         self.momentum.mul_(cfg.momentum).add_(d)
@@ -274,7 +310,10 @@ class OuterStep:
     # -- state -----------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return {"momentum": self.momentum.clone()}
+        out = {"momentum": self.momentum.clone()}
+        if self.estimates is not None:
+            out["estimates"] = self.estimates.clone()
+        return out
 
     def load(self, state: Any, source: str) -> None:
         """The outer state saved beside the recipe's (:data:`OUTER_KEY`); ``None`` (a
@@ -291,3 +330,18 @@ class OuterStep:
                 f"got {got})"
             )
         self.momentum = m.detach().cpu().clone()
+        self._staged = None
+        if self.estimates is None:
+            return
+        e = state.get("estimates")
+        want = self.estimates.shape
+        if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32 and e.shape == want):
+            got = "none" if e is None else type(e).__name__
+            if isinstance(e, torch.Tensor):
+                got = f"{e.dtype} {list(e.shape)}"
+            raise ValueError(
+                f"{source}: optimizer.{OUTER_KEY}.estimates must be a float32 tensor of "
+                f"{list(want)} values, the replicas' error-feedback estimates "
+                f"(outer.error_feedback is set; got {got})"
+            )
+        self.estimates = e.detach().cpu().clone()

@@ -66,7 +66,19 @@ def add_members(s: State, ctx: Context, region: int, n: int) -> State:
 
 
 def missing(s: State, ctx: Context) -> int:
-    return ctx.workers - sum(s.members)
+    """Workers neither training nor copying their state to join."""
+    return ctx.workers - sum(s.members) - sum(s.copying)
+
+
+def add_copying(s: State, region: int, n: int) -> State:
+    """``n`` joiners more (negative: fewer) copying their state in ``region``."""
+    c = list(s.copying) or [0] * len(s.members)
+    c[region] = max(0, c[region] + n)
+    return s._replace(copying=tuple(c))
+
+
+def copying_in(s: State, region: int) -> int:
+    return s.copying[region] if s.copying else 0
 
 
 def durable_step(ctx: Context, steps: float) -> float:

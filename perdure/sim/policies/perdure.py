@@ -6,9 +6,12 @@ What each failure costs, as ``docs/architecture.md`` describes the runtime:
   survivors form a new membership epoch (``reconfigure_s``, measured) and redo the
   in-flight step (the chain: its slot gradients died with the worker) or keep their
   finished slots (the exact reduction: only the dead worker's share is redone). A warm
-  spare, if any, is promoted into the same epoch (plus a state copy); otherwise the
-  survivors take the dead worker's slots until its replacement, started after
-  ``replace_after_ms``, is planned in at a step boundary (an epoch change plus a copy);
+  spare, if any, is promoted into the same epoch; otherwise the survivors take the dead
+  worker's slots until its replacement, started after ``replace_after_ms``, is planned
+  in at a step boundary (an epoch change). Either joiner gets its state by a copy
+  (:func:`_plan_in`): with ``state_copy = "stall"`` every member waits for it, with
+  ``"overlapped"`` (where the runtime overlaps, ``scenario.copy_overlaps``) the members
+  compute the epoch's first step without the joiner while it copies;
 - a node dies silently, or a worker hangs: nothing closes, so the survivors wait in the
   blocked collective until phi accrual crosses its threshold (``horizon_s``); a hang
   shorter than that evicts nobody; a hung worker that wakes rejoins like a replacement;
@@ -28,12 +31,15 @@ a spike longer than the detection horizon, which would evict, is not modelled.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from perdure.sim.engine import Context, State
+from perdure.sim.engine import Context, State, step_time
 from perdure.sim.failures import Event
 from perdure.sim.policies.common import (
+    add_copying,
     add_members,
+    copying_in,
     in_lost_region,
     lose_inflight,
     missing,
@@ -55,11 +61,6 @@ class Costs:
     """Silence until phi accrual declares a worker dead."""
     settle_s: float
     """The standby's settle time after a takeover."""
-    spare_copy_s: float
-    """State copy to a promoted spare."""
-    join_s: float
-    """Members' stall when joiners are planned in (epoch change + one state broadcast
-    from the first member with state to every receiver)."""
     replace_after_s: float
     """The launcher's delay before it starts a replacement (once hardware is there)."""
     start_s: float
@@ -68,14 +69,17 @@ class Costs:
     """From a ready joiner to the boundary its epoch starts at (members train on)."""
     salvage: bool
     """The exact reduction keeps the survivors' finished slots."""
+    copy_s: float
+    """A joiner's state copy when its region has members (holders there and in every
+    other region)."""
+    far_copy_s: float
+    """A joiner's state copy when its region has no member (holders elsewhere only)."""
+    overlapped: bool = False
+    """``state_copy = "overlapped"``: a joiner copies while the members compute without
+    it; false: every member waits for the copy."""
     reform_wait_s: float = 0.05
     """After a failed collective with nobody lost, the wait before the same members
     re-form (``cluster.reform_backoff_ms``, the first of a row)."""
-    swarm_s: float = 0.0
-    """``state_copy = "swarm"`` (issue 34's design, not built): a joiner or a promoted
-    spare fetches its share from every holder at link rate, this long, while the members
-    train; they pause only for the epoch change that plans it in. 0: the copy stalls the
-    members (``spare_copy_s``, ``join_s``)."""
 
 
 def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -109,6 +113,8 @@ def handle(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return s._replace(starting=max(0, s.starting - e.count)), ()
     if e.kind in ("replaced", "resumed"):
         return _arrive(ctx, s, e)
+    if e.kind == "copied":
+        return _copied(ctx, s, e), ()
     return s, ()
 
 
@@ -132,17 +138,46 @@ def _deaths(
 def _promote(
     ctx: Context, s: State, region: int, n: int, promoted: int, detect_s: float
 ) -> tuple[State, tuple[Event, ...]]:
-    """``n`` members of ``region`` gone, ``promoted`` spares in their places: copied
-    while everyone waits, or (swarm) copied while the survivors train, then planned in."""
+    """``n`` members of ``region`` gone, ``promoted`` spares planned into the epoch that
+    drops them (:func:`_plan_in`)."""
     c: Costs = ctx.costs
     s = s._replace(spares=s.spares - promoted)
-    if c.swarm_s <= 0 or not promoted:
-        s = add_members(s, ctx, region, -(n - promoted))
-        copy = c.spare_copy_s if promoted else 0.0
-        return pay(s, detection=detect_s, reform=c.reconfigure_s, copy=copy), ()
-    s = pay(add_members(s, ctx, region, -n), detection=detect_s, reform=c.reconfigure_s)
-    ready = Event(t=s.stall_until + c.swarm_s, kind="replaced", region=region, count=promoted)
-    return s, (ready,)
+    s = add_members(s, ctx, region, -n)
+    return _plan_in(ctx, s, region, promoted, detection=detect_s, reform=c.reconfigure_s)
+
+
+def _plan_in(
+    ctx: Context, s: State, region: int, n: int, **epoch: float
+) -> tuple[State, tuple[Event, ...]]:
+    """An epoch change (its items: ``epoch``) that plans ``n`` joiners into ``region``,
+    each to copy its state from the members that hold it (``copy_s``, or ``far_copy_s``
+    when the region has none). Stalled: everyone waits for the copy, then trains with
+    the joiners. Overlapped (the runtime's rule, ``runtime/member/copy_overlap.py``): the
+    epoch's first step is planned with no slot on a joiner; the members compute it while
+    the joiners copy, and its reduction waits for the copy, so that step takes
+    ``max(first, copy)`` (``first``: the step time without the joiners); the joiners
+    take their slots from the next step on."""
+    c: Costs = ctx.costs
+    if n <= 0:
+        return pay(s, **epoch), ()
+    copy = c.copy_s if s.members[region] > 0 else c.far_copy_s
+    first = step_time(ctx, s)
+    if not c.overlapped or not math.isfinite(first):  # no member computes: nothing to overlap
+        return pay(add_members(s, ctx, region, n), copy=copy, **epoch), ()
+    s = add_copying(pay(s, copy=max(0.0, copy - first), **epoch), region, n)
+    return s, (Event(t=s.stall_until + first, kind="copied", region=region, count=n),)
+
+
+def _copied(ctx: Context, s: State, e: Event) -> State:
+    """Overlapped joiners have their state: they take slots; any beyond full strength (a
+    replacement planned in meanwhile took the place) refill the spare pool."""
+    if s.down and s.down[e.region]:  # the region was lost meanwhile: nobody joins
+        return s
+    s = add_copying(s, e.region, -e.count)
+    room = ctx.target[e.region] - s.members[e.region] - copying_in(s, e.region)
+    joining = min(e.count, room)
+    back = min(e.count - joining, ctx.spares - s.spares)
+    return add_members(s, ctx, e.region, joining)._replace(spares=s.spares + max(0, back))
 
 
 def _replacements(s: State, e: Event, n: int) -> tuple[State, tuple[Event, ...]]:
@@ -153,14 +188,13 @@ def _replacements(s: State, e: Event, n: int) -> tuple[State, tuple[Event, ...]]
 def _arrive(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
     """Replacements (or woken workers) join at a boundary, or refill the spare pool."""
     c: Costs = ctx.costs
-    joining = min(e.count, missing(s, ctx), ctx.target[e.region] - s.members[e.region])
+    room = ctx.target[e.region] - s.members[e.region] - copying_in(s, e.region)
+    joining = min(e.count, missing(s, ctx), room)
     spare = min(e.count - joining, ctx.spares - s.spares)
     s = s._replace(spares=s.spares + max(0, spare))
     if joining <= 0:
         return s, ()
-    s = add_members(s, ctx, e.region, joining)
-    copy = 0.0 if c.swarm_s > 0 else c.join_s - c.reconfigure_s
-    return pay(s, reform=c.reconfigure_s, copy=copy), ()
+    return _plan_in(ctx, s, e.region, joining, reform=c.reconfigure_s)
 
 
 def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
@@ -169,7 +203,7 @@ def _hang(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, ...]]:
         return pay(s, wait=e.duration_s), ()
     s = lose_inflight(s, _lost_fraction(c, s, 1))
     s, later = _promote(ctx, s, e.region, 1, min(s.spares, 1), c.horizon_s)
-    wake_s = e.duration_s + c.swarm_s + c.boundary_s
+    wake_s = e.duration_s + c.boundary_s
     return s, (*later, Event(t=s.t + wake_s, kind="resumed", region=e.region))
 
 
@@ -181,6 +215,7 @@ def _region_loss(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event, 
     settle = 0.0
     s = lose_inflight(s, _lost_fraction(c, s, s.members[e.region]))
     s = set_down(add_members(s, ctx, e.region, -ctx.target[e.region]), e.region, True)
+    s = add_copying(s, e.region, -copying_in(s, e.region))  # its joiners are lost too
     back = Event(t=s.t + e.duration_s, kind="region_back", region=e.region)
     if e.region == ctx.coordinator and not s.coordinator_lost:
         if ctx.standby is None or s.down[ctx.standby]:
@@ -210,7 +245,7 @@ def _hardware_back(ctx: Context, s: State, e: Event) -> tuple[State, tuple[Event
         Event(t=t0, kind="launch", count=e.count),
         Event(t=t0 + c.start_s, kind="started", count=e.count),
         Event(
-            t=t0 + c.start_s + c.swarm_s + c.boundary_s,
+            t=t0 + c.start_s + c.boundary_s,
             kind="replaced",
             region=e.region,
             count=e.count,

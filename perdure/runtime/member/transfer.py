@@ -1,0 +1,180 @@
+"""State transfer at a membership epoch's start: a live replica's state to the members
+that lack it (``comm/swarm.py``), and each member's own shard of the optimizer state
+(``shard_group.py``).
+
+The copy is blocking, at the epoch's start, or overlapped with the epoch's first step
+(``copy_overlap.py``; the coordinator planned that step with no slot on a receiver,
+``control/copy_rule.overlaps``). A receiver copies at once either way; an overlapping
+holder leaves the copy to a server thread and passes its gate before the first step's
+reduction. Every copy leaves an event: ``state_received`` on a receiver, ``state_sent``
+on a holder.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from perdure import events as ev
+from perdure.events import JsonLines
+from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy, StateCopyFailed
+from perdure.runtime.member.copy_overlap import (
+    CopyServer,
+    committed_offer,
+    is_overlapped,
+    receive,
+)
+from perdure.runtime.member.epoch import Epoch
+from perdure.runtime.member.shard_group import Shards
+from perdure.runtime.replica.trainer import Trainer
+
+
+@dataclass(kw_only=True)
+class StateTransfer:
+    """One member's side of the epoch's state copy; ``copy`` returns True when this
+    member received a replica's state."""
+
+    name: str
+    events: JsonLines
+    state_copy: StateCopy
+    shard_degree: int
+    timeout: Callable[[], timedelta]
+    store: Callable[[], dist.Store]
+    """A store connection of the copy group's own (the server thread's)."""
+    should_stop: Callable[[], bool]
+
+    def copy(self, ep: Epoch, tr: Trainer) -> bool:
+        receivers = ep.start.receivers
+        if not receivers:
+            return False
+        members = ep.plan.members
+        receiving = self.name in receivers
+        overlapped = is_overlapped(ep.runner.first and ep.runner.first[1], receivers)
+        offer = None
+        if not receiving:
+            offer = tr.export()
+            if overlapped:
+                offer = committed_offer(offer, list(tr.module.parameters()))
+        job = CopyJob(
+            receivers=tuple(sorted(members.index(r) for r in receivers)),
+            source=members.index(ep.start.source),
+            shard_degree=self.shard_degree,
+            layout=tr.copy_layout(),
+            offer=offer,
+            target=tr.copy_target(ep.comm.device) if receiving else None,
+            timeout=self.timeout(),
+        )
+        mode = "overlapped" if overlapped else "blocking"
+        t0 = time.monotonic()
+        if overlapped and not receiving:
+            server = CopyServer(lambda: self._copy_comm(ep), self.state_copy, job)
+            ep.copy, step = server, tr.next_step
+            ep.runner.gate = lambda: self._sent(ep, server, mode, step)
+            return False
+        got: Received | None = None
+        if overlapped:
+            got = receive(lambda: self._copy_comm(ep), self.state_copy, job)
+        else:
+            got = self.state_copy.copy(ep.comm, job)
+        if got is None:
+            stats = dict(self.state_copy.stats)
+            self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
+            return False
+        try:
+            tr.adopt(got.model, got.optimizer, got.extra)
+        except Exception as e:  # a peer's structure that does not load: refused
+            raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
+        self.events.write(
+            {
+                "event": ev.STATE_RECEIVED,
+                "worker": self.name,
+                "epoch": ep.number,
+                "from": members[got.template],
+                "holders": [members[h] for h in got.holders],
+                "bytes": got.nbytes,
+                "refetched": got.refetched,
+                "seconds": round(time.monotonic() - t0, 4),
+                "next_step": tr.next_step,
+                "mode": mode,
+                "overlapped_step": ep.start.start_step if overlapped else None,
+            }
+        )
+        return True
+
+    def _copy_comm(self, ep: Epoch) -> Comm:
+        """The overlapped copy's process group: the epoch's members under
+        ``<prefix>copy/``, over a store connection of its own (the server thread's)."""
+        return ep.comm.subgroup(self.store(), "copy", ep.rank, ep.size)
+
+    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
+        """A holder's gate: its copy served, before the first step's reduction."""
+        sent = server.wait(self.should_stop)
+        ep.copy = None
+        seconds = sent.pop("seconds")
+        self._sent_event(ep, mode, step, seconds, sent)
+
+    def _sent_event(
+        self, ep: Epoch, mode: str, step: int, seconds: float, stats: dict[str, Any]
+    ) -> None:
+        self.events.write(
+            {
+                "event": ev.STATE_SENT,
+                "worker": self.name,
+                "epoch": ep.number,
+                "to": list(ep.start.receivers),
+                "next_step": step,
+                "bytes": stats.get("bytes_sent", 0),
+                "ranges": stats.get("ranges_sent", 0),
+                "seconds": seconds,
+                "mode": mode,
+                "overlapped_step": ep.start.start_step if mode == "overlapped" else None,
+            }
+        )
+
+    def exchange_shards(self, ep: Epoch, tr: Trainer, shards: Shards, scatters: bool) -> None:
+        """Every member holds its own shard's optimizer state before the first step."""
+        t0 = time.monotonic()
+        tr.keep_shard(*shards.exchange(ep.comm, tr.held, tr.whole_optimizer(), tr.filled))
+        sc = shards.scatter
+        self.events.write(
+            {
+                "event": ev.SHARD_REDUCE,
+                "worker": self.name,
+                "epoch": ep.number,
+                "mode": "whole" if sc is None else "scatter",
+                "range": None if sc is None else list(sc.mine),
+                "why": shards.why_whole if scatters else None,
+            }
+        )
+        if tr.gather is not None:
+            self.events.write(
+                {
+                    "event": ev.PARAMS_AT_REST,
+                    "worker": self.name,
+                    "epoch": ep.number,
+                    "shard": shards.mine,
+                    "bytes": tr.gather.held,
+                    "of": sum(tr.gather.nbytes),
+                    "init_peak_bytes": tr.peak_param_bytes,
+                    "ckpt_read_bytes": tr.ckpt_read_bytes,
+                }
+            )
+        if shards.received is not None:
+            src, nbytes = shards.received
+            self.events.write(
+                {
+                    "event": ev.SHARD_RECEIVED,
+                    "worker": self.name,
+                    "epoch": ep.number,
+                    "shard": shards.mine,
+                    "from": ep.plan.members[src],
+                    "bytes": nbytes,
+                    "seconds": round(time.monotonic() - t0, 4),
+                }
+            )
