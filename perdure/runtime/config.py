@@ -178,7 +178,8 @@ class TrainConfig:
     slot (see docs/performance.md), and every rank of a group computes as many slots as the busiest
     one (a rank with fewer computes throwaway ones: the gathers are collectives of the
     group). Limits: the gradient sum keeps its whole size on every rank (with
-    ``shard_reduce = "scatter"`` only the own range of it is reduced and converted);
+    ``shard_reduce = "scatter"`` only the own range of it is reduced and converted; with
+    ``shard_reduce_slots = "each"`` a rank of several slots holds its range's integers);
     re-running a non-finite slot holds the whole parameters for a moment (a checkpoint is
     read by shard: each rank reads only its tensors' byte ranges); a
     model whose use of parameters depends on the data (an expert router) cannot run so."""
@@ -203,6 +204,21 @@ class TrainConfig:
     of the additions gives the same bits, so not part of the math). Where each
     shard cannot own one contiguous range (gather units of ``shard_params`` that interleave
     in the buffer's order), a run falls back to ``whole`` and logs why."""
+    shard_reduce_slots: Literal["once", "each"] = "once"
+    """With several slots per rank in a replica group, when its gradient sum is
+    reduce-scattered (FSDP2's two choices under gradient accumulation). ``once`` (the
+    default): a rank adds its slots into one local integer accumulator and reduces it once,
+    its last slot's buckets behind its backward (O(P) gradient memory, DDP's bytes on the
+    wire). ``each``: every slot's buckets are reduce-scattered inside the group as its
+    backward finishes them, into the rank's 1/k accumulator, and the cross-group all-reduce
+    runs once on that shard at the end (O(P/k) plus the buckets in flight; the group's
+    bytes once per slot, FSDP2's reduce-scatter without ``no_sync``). A performance
+    setting, not part of the math: integer sums are associative, so both give the same
+    bits. ``each`` needs ``reduction = "exact"`` with ``reduction_exponents = "streamed"``
+    and ``shard_degree`` > 1 (``comm/streamed.py``, ``Rounds``); it takes effect where the
+    group reduce-scatters (``shard_reduce``) and the reduction is not in region tiers
+    (``cluster.hierarchical_reduce`` with several regions): elsewhere a rank reduces once.
+    Measured in docs/performance.md section 12f."""
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
     """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
     in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
@@ -254,6 +270,29 @@ class TrainConfig:
             "'scatter' needs train.reduction = 'exact' (the chain's left fold is no sum of "
             "integers that any grouping may add)",
             self.shard_reduce,
+        )
+        each = self.shard_reduce_slots == "each"
+        c.check(
+            not each or (self.reduction == "exact" and self.reduction_exponents == "streamed"),
+            "shard_reduce_slots",
+            "'each' needs train.reduction = 'exact' with train.reduction_exponents = "
+            f"'streamed' (got {self.reduction!r} with {self.reduction_exponents!r}): only the "
+            "streamed form reduce-scatters each slot as its backward finishes it",
+            self.shard_reduce_slots,
+        )
+        c.check(
+            not each or self.shard_degree > 1,
+            "shard_reduce_slots",
+            "'each' needs train.shard_degree > 1 (a slot is reduce-scattered inside a "
+            "replica group)",
+            self.shard_reduce_slots,
+        )
+        c.check(
+            not each or self.shard_reduce != "whole",
+            "shard_reduce_slots",
+            "'each' needs train.shard_reduce 'scatter' or 'auto' (a slot is "
+            "reduce-scattered, not reduced whole)",
+            self.shard_reduce_slots,
         )
         c.check(
             1 <= self.reduction_block <= 1 << 20,

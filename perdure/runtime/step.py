@@ -245,12 +245,13 @@ class StepRunner:
         if not self.lockstep:
             self.seams.salvage.put(key, slot, buf)
 
-    def _pad(self, t: int, abort: Callable[[], bool]) -> None:
+    def _pad(self, t: int, abort: Callable[[], bool], red: CarriedReduction | None = None) -> None:
         """Sharded at rest: the throwaway slots that keep this rank's gathers in step with
         its group's busiest rank (the gradient goes to a scratch buffer, unused). Run
         before the reduction starts, so that every rank enters it after as many slots
         (the reduction can open with a collective of the epoch, and a rank waiting in it
-        would starve its group's gathers)."""
+        would starve its group's gathers); ``red`` (a pass's) is told of each
+        (``skip``: where every slot is a round of the group's, a round of zeros)."""
         extra = self.passes - len(self.slots)
         if extra <= 0:
             return
@@ -260,6 +261,8 @@ class StepRunner:
         for _ in range(extra):
             if not self.tr.compute_slots(t, range(slot, slot + 1), [self._scratch], abort):
                 raise Abandoned("membership epoch changed during compute")
+            if red is not None:
+                red.skip(self.comm, timeout=self.seams.timeout(), abort=abort)
 
     def _carried(self, t: int, t0: float, red: CarriedReduction) -> torch.Tensor:
         """A reducer with carried exponents (``comm/carried.py``, ``comm/streamed.py``):
@@ -281,40 +284,49 @@ class StepRunner:
         self, t: int, red: CarriedReduction, used: Any, t0: float | None = None
     ) -> tuple[torch.Tensor | None, Any]:
         """One pass over this member's slots of step ``t``: the sum rounded against
-        ``used`` (None: no sum) and the step's true maxima. The last slot's buckets go on
-        the wire as its backward finishes them. ``t0``: the step's start, to time the
-        compute (the first pass only)."""
+        ``used`` (None: no sum) and the step's true maxima. Each slot but the last is
+        handed to the reducer (as its backward runs, where it reduces every slot:
+        ``begin_slot``); the last slot's buckets go on the wire as its backward finishes
+        them. ``t0``: the step's start, to time the compute (the first pass only)."""
         if len(self.bufs) != 1:
             self.bufs = [self.tr.layout.new_buffer()]
         buf = self.bufs[0]
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
-        red.open(buf, used, adds=max(0, len(self.slots) - 1))
+        timeout = self.seams.timeout()
+        red.open(buf, used, adds=max(0, len(self.slots) - 1), rounds=self._rounds(t))
+        # Sharded at rest, a slot's gathers are collectives of the replica group: no slot
+        # streams (a backward held by its reduction would starve its group's gathers).
+        streams = not self.lockstep
         for slot in self.slots[:-1]:
-            self._compute(t, slot, buf, abort, None)
+            ready = red.begin_slot(self.comm, timeout=timeout, abort=abort, stream=streams)
+            self._compute(t, slot, buf, abort, ready)
             red.add(buf)
-        # Sharded at rest, the last slot's gathers are collectives of the replica group:
-        # it is computed before the reduction starts, so no rank interleaves the two.
-        streams = bool(self.slots) and not self.lockstep
+        self._pad(t, abort, red)  # before the last slot: every rank passes as often
         if self.slots and not streams:
             self._compute(t, self.slots[-1], buf, abort, None)
         self._injected_drop()
-        self._pad(t, abort)  # before the reduction starts: it opens with a collective
         self.open_gate()
-        ready = Readiness() if streams else None
+        ready = Readiness(abort) if self.slots and streams else None
         fut = red.finish(
             self.comm,
             buf,
             last=buf if self.slots else None,
             ready=ready,
             abort=abort,
-            timeout=self.seams.timeout(),
+            timeout=timeout,
             send_delay_s=self.seams.delay_s(),
         )
-        if streams:
+        if ready is not None:
             self._compute(t, self.slots[-1], buf, abort, ready)
         if t0 is not None and self.slots:
             self.timer.record(time.monotonic() - t0, len(self.slots))
         return self.comm.result(fut)
+
+    def _rounds(self, t: int) -> int:
+        """The most slots a rank of this member's replica group computes in step ``t``."""
+        plan, k = self.plan_at(t), self.tr.config.train.shard_degree
+        group = [r for r in range(self.size) if group_of(r, k) == group_of(self.rank, k)]
+        return max(len(plan.slots_of(r)) for r in group)
 
     def _compute(
         self, t: int, slot: int, buf: torch.Tensor, abort: Callable[[], bool], ready: Any

@@ -328,7 +328,8 @@ class Worker:
             salvage=self.salvage,
         )
         scatter = self.shards.scatter if self.shards is not None else None
-        reducer = make_reducer(self.config.train, rank, len(plan.members), scatter)
+        tiered = comm.tiers is not None
+        reducer = make_reducer(self.config.train, rank, len(plan.members), scatter, tiered=tiered)
         return StepRunner(self.trainer, plan, rank, comm, reducer, seams, self.timer, first)
 
     def _failed(self, e: Exception) -> None:

@@ -177,11 +177,17 @@ class CarriedReducer:
         """The epoch's scratch: ``n`` integers, then ``BINS`` histogram counts a bucket."""
 
     def open(
-        self, like: torch.Tensor, used: Sequence[int] | torch.Tensor | None, *, adds: int = 1
+        self,
+        like: torch.Tensor,
+        used: Sequence[int] | torch.Tensor | None,
+        *,
+        adds: int = 1,
+        rounds: int = 0,
     ) -> None:
         """Begin a pass over one step's slots, rounded against ``used`` (an exponent per
-        bucket, or per block), or None for a pass that only measures the maxima. ``adds``:
-        unused (the 64-bit accumulator and its histograms never fit the float buffer)."""
+        bucket, or per block), or None for a pass that only measures the maxima. ``adds``
+        and ``rounds``: unused (the 64-bit accumulator and its histograms never fit the
+        float buffer; every slot is added locally and the sum reduced once)."""
         n = like.numel()
         buckets = len(_bucket_ranges(n, self.block))
         self.n, self.added, self.summing = n, 0, used is not None
@@ -209,6 +215,14 @@ class CarriedReducer:
 
     def predict(self, pred: list[int] | None, maxima: list[int]) -> list[int]:
         return predict(maxima)
+
+    def begin_slot(
+        self, comm: Any, *, timeout: timedelta, abort: Callable[[], bool], stream: bool
+    ) -> None:
+        """Nothing: each slot is computed whole and given to :meth:`add`."""
+
+    def skip(self, comm: Any, *, timeout: timedelta, abort: Callable[[], bool]) -> None:
+        """Nothing: a padding pass adds nothing to the local accumulator."""
 
     def add(self, buf: torch.Tensor) -> None:
         """One finished slot: its non-finite values zeroed (its flag is set already), its

@@ -64,14 +64,30 @@ class CarriedReduction(Reducer, Protocol):
     :meth:`accepts`; a refused pass is computed again against :meth:`fitted` maxima, which
     cannot fail. ``P`` is the prediction's type, ``M`` the maxima's."""
 
-    def open(self, like: torch.Tensor, exps: Any, *, adds: int) -> None:
+    def open(self, like: torch.Tensor, exps: Any, *, adds: int, rounds: int = 0) -> None:
         """Begin a pass rounded against ``exps`` (None: measure the maxima only) that will
         :meth:`add` ``adds`` slots before :meth:`finish` (where it is 0 the reducer may
-        keep its integers in ``like`` itself: the member's one slot is converted in place)."""
+        keep its integers in ``like`` itself: the member's one slot is converted in place).
+        ``rounds``: the most slots a rank of the member's replica group computes in the
+        pass (1 without groups)."""
+        ...
+
+    def begin_slot(
+        self, comm: Comm, *, timeout: timedelta, abort: Callable[[], bool], stream: bool
+    ) -> Readiness | None:
+        """Before a slot that is not this member's last is computed into ``like``: the
+        readiness its backward reports to, where the reducer takes the slot's buckets as
+        they finish (``train.shard_reduce_slots = "each"``, and ``stream``), else None."""
         ...
 
     def add(self, buf: torch.Tensor) -> None:
         """A finished slot that is not this member's last."""
+        ...
+
+    def skip(self, comm: Comm, *, timeout: timedelta, abort: Callable[[], bool]) -> None:
+        """A throwaway pass of this member (a padding slot of ``train.shard_params``),
+        which adds nothing; where every slot is reduced in rounds its group must match,
+        a round of zeros."""
         ...
 
     def finish(
@@ -105,10 +121,16 @@ def uses_tiers(train: TrainConfig, hierarchical: bool) -> bool:
 
 
 def make_reducer(
-    train: TrainConfig, rank: int, size: int, scatter: Scatter | None = None
+    train: TrainConfig,
+    rank: int,
+    size: int,
+    scatter: Scatter | None = None,
+    *,
+    tiered: bool = False,
 ) -> Reducer:
     """The reducer that ``train.reduction`` selects, for one epoch's member; ``scatter``:
-    its replica group's reduce-scatter (the exact reduction only)."""
+    its replica group's reduce-scatter (the exact reduction only); ``tiered``: the epoch
+    reduces in region tiers (``comm/tiers.py``), where the streamed form does not scatter."""
     from perdure.runtime.comm.chain import ChainReducer
     from perdure.runtime.comm.exact import ExactReducer
 
@@ -119,8 +141,9 @@ def make_reducer(
         from perdure.runtime.comm.streamed import StreamedReducer
 
         bits, block = train.reduction_bits, train.reduction_block
+        each = train.shard_reduce_slots == "each" and scatter is not None and not tiered
         return StreamedReducer(
-            rank, size, slots=train.slots, bits=bits, block=block, scatter=scatter
+            rank, size, slots=train.slots, bits=bits, block=block, scatter=scatter, each=each
         )
     if train.reduction == "exact" and train.reduction_exponents == "carried":
         from perdure.runtime.comm.carried import CarriedReducer

@@ -33,7 +33,7 @@ the second tier is the backend's flat all-reduce (the two-tier region reduction,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -88,9 +88,21 @@ class ScatterExchange:
     ``acc``. Every rank sends the same buckets in the same order (a bucket whose part is
     empty on some ranks too: the collectives of a group must match)."""
 
-    def __init__(self, sc: Scatter, acc: torch.Tensor, pg: Any, tiers: Tiers | None) -> None:
+    def __init__(
+        self,
+        sc: Scatter,
+        acc: torch.Tensor,
+        pg: Any,
+        tiers: Tiers | None,
+        fold: Callable[[int, int, torch.Tensor], None] | None = None,
+    ) -> None:
+        """``fold(x, y, part)``: one round of several (``train.shard_reduce_slots =
+        "each"``, ``streamed.Rounds``): each bucket's group sum of this rank's range
+        ``[x, y)`` is handed to ``fold`` once settled, and then the whole bucket's pages
+        are dropped (its own part too: the rank's accumulator holds it); such an exchange
+        is only settled, never finished."""
         assert acc.numel() == sc.size and not acc.is_floating_point()
-        self.sc, self.acc, self.pg, self.tiers = sc, acc, pg, tiers
+        self.sc, self.acc, self.pg, self.tiers, self.fold = sc, acc, pg, tiers, fold
         lo, hi = sc.mine
         n = 0 if sc.in_group == "all_reduce" else hi - lo
         self.got = torch.empty(n, dtype=acc.dtype, device=acc.device)
@@ -130,12 +142,45 @@ class ScatterExchange:
         work.wait(timeout)
         a, b = self.buckets[self.settled]
         x, y = min(max(x, a), b), min(max(y, a), b)  # a shard's cut of another bucket: empty
-        if x == y:
+        if self.fold is not None:
+            if x < y:
+                lo = self.sc.mine[0]
+                inplace = self.sc.in_group == "all_reduce"
+                own = self.acc[x:y] if inplace else self.got[x - lo : y - lo]
+                self.fold(x, y, own)
+            release(self.acc[a:b])
+        elif x == y:
             release(self.acc[a:b])
         else:
             release(self.acc[a:x])
             release(self.acc[y:b])
         self.settled += 1
+
+    def crossed(
+        self, buckets: Iterable[tuple[int, int]], timeout: timedelta
+    ) -> Iterator[tuple[int, int]]:
+        """After every round (``fold``; nothing pending): this rank's range, put back in
+        ``acc`` whole, all-reduced across groups and the tail over every member; yields
+        them as :meth:`finish` does. The cross-group calls are :meth:`finish`'s, one per
+        ``buckets`` range that meets this rank's range (``[a, b)``, in order): another
+        group may reduce once, and the collectives across groups must match."""
+        assert self.settled == len(self.pending), "rounds pending"
+        sc, cross = self.sc, self.sc.cross
+        lo, hi = sc.mine
+        tail = self.acc[sc.numel :]
+        tail_work = self.pg.allreduce([tail]) if tail.numel() else None
+        works = []
+        for a, b in buckets:
+            x, y = max(a, lo), min(b, hi, sc.numel)
+            if x < y and cross is not None:
+                works.append(cross.allreduce([self.acc[x:y]]))
+        for work in works:
+            work.wait(timeout)
+        if lo < hi:
+            yield lo, hi
+        if tail_work is not None:
+            tail_work.wait(timeout)
+            yield sc.numel, sc.size
 
     def finish(self, timeout: timedelta) -> Iterator[tuple[int, int]]:
         """The value ranges whose sums over every member are in ``acc``, in order: this

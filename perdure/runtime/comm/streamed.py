@@ -61,6 +61,13 @@ backward) as soon as its region's sum is done, several in flight; the MAX of the
 maxima goes the same way beside the last bucket; the broadcasts inside each region
 follow the last bucket.
 
+With several slots a rank in replica groups and ``train.shard_reduce_slots = "each"``,
+every slot streams so, each in a round of its own (:class:`Rounds`): its buckets are
+reduce-scattered inside the group as its backward finishes them and the group's sum of
+the rank's range is added into a ``P / k`` accumulator, so no rank holds P integers; the
+range goes across groups once, after the last round. The same integers are added, so the
+same bits.
+
 Limits: the first step costs a second compute pass; a member's finished slots are not
 salvaged across a membership change (they are inside its accumulator); across regions a
 step still pays about one one-way delay over the slow links after its backward (the last
@@ -71,10 +78,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -172,6 +179,49 @@ class Outliers:
         return lane
 
 
+class Rounds:
+    """One pass's rounds under ``train.shard_reduce_slots = "each"``: every slot of a rank
+    is reduce-scattered inside its replica group as a round of its own, and the group's
+    sum of the rank's range is added into :attr:`acc` (``P / k`` integers, not ``P``).
+    Every rank of a group runs ``total`` rounds (its group's most slots), one per slot and
+    rounds of zeros for the slots it lacks, since the group's collectives must match;
+    the tail (buffer moves, flags, losses: every rank needs it whole) is added up locally
+    and all-reduced once with the range at the end. Integer addition is associative:
+    the rounds give the bits of one reduction of the summed slots."""
+
+    def __init__(self, total: int, sc: Scatter, dtype: torch.dtype) -> None:
+        self.total, self.done = total, 0
+        self.lo, self.hi = sc.mine
+        self.numel = sc.numel
+        self.acc = torch.zeros(self.hi - self.lo, dtype=dtype)
+        self.tail = torch.zeros(sc.size - sc.numel, dtype=dtype)
+
+    @property
+    def left(self) -> int:
+        return self.total - self.done
+
+    @property
+    def nbytes(self) -> int:
+        """What the rank holds for the sum beside the slot buffer."""
+        return (self.acc.numel() + self.tail.numel()) * self.acc.element_size()
+
+    def fold(self, x: int, y: int, part: torch.Tensor) -> None:
+        """The group's sum of ``[x, y)`` (inside the rank's range) for this round."""
+        self.acc[x - self.lo : y - self.lo] += part
+
+    def end_round(self, ints: torch.Tensor) -> None:
+        """The round's tail (this rank's own values: the tail is not exchanged per round)."""
+        self.tail += ints[self.numel :]
+        self.done += 1
+
+    def put_back(self, ints: torch.Tensor) -> None:
+        """The accumulated range and tail into the integer buffer, for the exchange across
+        groups; the accumulator's memory goes."""
+        ints[self.lo : self.hi] = self.acc
+        ints[self.numel :] = self.tail
+        self.acc = self.acc[:0]
+
+
 # -- one member's side ---------------------------------------------------------------------
 
 
@@ -198,9 +248,23 @@ class StreamedReducer:
         block: int,
         fused: bool = True,
         scatter: Scatter | None = None,
+        each: bool = False,
     ) -> None:
+        """``each``: reduce-scatter every slot in its own round (``Rounds``,
+        ``train.shard_reduce_slots = "each"``), where the pass scatters at all."""
         self.exact = ExactReducer(rank, size, slots=slots, bits=bits, block=block, fused=fused)
         self.size, self.block, self.bits, self.scatter = size, block, bits, scatter
+        self.each = each and scatter is not None and size > 1
+        self.rounds: Rounds | None = None
+        self.held_peak = 0
+        """The most bytes this reducer held for a pass's sum beside the slot buffer (its
+        integer accumulator, or the rounds' ``P / k`` one): a deterministic count of the
+        gradient side's extra, for tests and benchmarks."""
+        self._comm: tuple[Any, timedelta, Callable[[], bool]] | None = None
+        """The comm, timeout and abort of the pass's rounds (``begin_slot``)."""
+        self._like = torch.zeros(0)
+        self._streaming = False
+        self._error: BaseException | None = None
         self.start = self.exact.start
         self.n, self.added, self.summing = 0, 0, False
         self.peaks = torch.zeros(0, dtype=torch.int32)
@@ -212,13 +276,17 @@ class StreamedReducer:
 
     # -- the step's calls --------------------------------------------------------------
 
-    def open(self, like: torch.Tensor, exps: torch.Tensor | None, *, adds: int = 1) -> None:
+    def open(
+        self, like: torch.Tensor, exps: torch.Tensor | None, *, adds: int = 1, rounds: int = 0
+    ) -> None:
         """Begin a pass over one step's slots, rounded against ``exps`` (one per block:
         :meth:`used` of the prediction, or :meth:`fitted` maxima), or None for a pass
         that only measures the maxima. ``adds``: the slots :meth:`add` will take before
         :meth:`finish`; with none (one slot a member) and 32 bits the integers live in
         ``like`` itself, each value converted in place (a float32 and an int32 have one
-        size), so the member holds one buffer of P values, not two."""
+        size), so the member holds one buffer of P values, not two. ``rounds``: the most
+        slots a rank of this member's replica group computes in the pass (``each``: the
+        rounds every rank of the group runs)."""
         n = like.numel()
         nblocks = -(-n // self.block)
         if exps is not None and exps.numel() != nblocks:
@@ -228,8 +296,16 @@ class StreamedReducer:
             )
         self.n, self.added, self.summing = n, 0, exps is not None
         self.peaks = torch.zeros(nblocks, dtype=torch.int32)
+        sc, self._error, self._like, self._streaming = self.scatter, None, like, False
+        # with one round a group, the rank's one slot is that round: reduced once
+        each = self.each and self.summing and rounds > 1 and sc is not None and n == sc.size
+        assert not each or rounds >= adds + 1, "a group's rounds below a member's slots"
+        self.rounds = Rounds(rounds, sc, self.exact.dtype) if each and sc is not None else None
         self.aliased = (
-            adds == 0 and self.bits == 32 and like.dtype == torch.float32 and like.is_contiguous()
+            (adds == 0 or self.rounds is not None)  # each slot is sent before the next
+            and self.bits == 32
+            and like.dtype == torch.float32
+            and like.is_contiguous()
         )
         if self.aliased:
             self.ints = like.view(torch.int32)
@@ -238,6 +314,11 @@ class StreamedReducer:
         ):
             self.ints = torch.empty(n, dtype=self.exact.dtype, device=like.device)
         self.outliers = Outliers(self.block, cap=max(CAP_FLOOR, n // CAP_FRACTION))
+        if self.rounds is not None:
+            held = self.rounds.nbytes + (0 if self.aliased else self.ints.nbytes)
+        else:
+            held = 0 if self.aliased or not self.summing else self.ints.nbytes
+        self.held_peak = max(self.held_peak, held)
         if exps is None:
             return
         self.exps = exps
@@ -261,11 +342,104 @@ class StreamedReducer:
     def predict(self, pred: torch.Tensor | None, maxima: torch.Tensor) -> torch.Tensor:
         return predict(pred, maxima)
 
+    def begin_slot(
+        self, comm: Any, *, timeout: timedelta, abort: Callable[[], bool], stream: bool
+    ) -> Readiness | None:
+        """Before a slot that is not the member's last is computed into the pass's
+        buffer. With rounds (``each``) and ``stream``, the slot's round starts on the comm
+        thread (behind the previous one) and the returned readiness follows its backward:
+        each bucket is rounded and reduce-scattered as the backward finishes it, and the
+        backward is held to the round's window (it may not overwrite what the previous
+        round still reads). Else None: the slot is computed whole, then given to :meth:`add`."""
+        if self.rounds is None:
+            return None
+        self._comm = (comm, timeout, abort)
+        if not stream:
+            return None
+        ready = Readiness(abort)
+        ready.allow(0)  # until its round starts: the previous round may still read
+        self._submit(self._like, ready)
+        self._streaming = True
+        return ready
+
     def add(self, buf: torch.Tensor) -> None:
-        """One finished slot (not the member's last): peaks merged, integers added."""
-        for i in self._buckets:
-            self._add_bucket(buf, i)
+        """One finished slot (not the member's last): peaks merged, integers added; with
+        rounds, its round (under way already if :meth:`begin_slot` streamed it, else run
+        now and waited for)."""
+        if self.rounds is None:
+            for i in self._buckets:
+                self._add_bucket(buf, i)
+        elif not self._streaming:
+            self._wait(self._submit(buf, None))
+        self._streaming = False
         self.added += 1
+
+    def skip(self, comm: Any, *, timeout: timedelta, abort: Callable[[], bool]) -> None:
+        """A padding pass of this member (``train.shard_params``: a throwaway slot that
+        keeps its group's gathers in step): with rounds, a round of zeros now, so that
+        the group's rounds stay in step with its passes; else nothing."""
+        if self.rounds is not None:
+            self._comm = (comm, timeout, abort)
+            self._wait(self._submit(None, None))
+
+    def _wait(self, fut: Future[None]) -> None:
+        assert self._comm is not None, "begin_slot() first"
+        self._comm[0].result(fut)
+
+    def _submit(self, buf: torch.Tensor | None, ready: Readiness | None) -> Future[None]:
+        """One round on the comm thread: of ``buf`` (final unless ``ready`` follows it as
+        its backward fills it), or of zeros (None). A round after one that failed fails
+        alike, so that the pass's result raises what the first one did."""
+        assert self._comm is not None, "begin_slot() first"
+        comm, timeout, abort = self._comm
+
+        def wait(upto: int, tick: Callable[[], None]) -> None:
+            if ready is not None:
+                ready.wait(upto, lambda: _ticked(tick, abort), timeout.total_seconds())
+
+        def run() -> None:
+            try:
+                if self._error is not None:
+                    raise self._error
+                self._run_round(comm.pg, buf, wait, timeout, ready)
+            except BaseException as e:
+                self._error = e
+                raise
+            finally:
+                if ready is not None:
+                    ready.close()
+
+        return cast("Future[None]", comm.submit(run))
+
+    def _run_round(
+        self,
+        pg: Any,
+        buf: torch.Tensor | None,
+        wait: Callable[[int, Callable[[], None]], None],
+        timeout: timedelta,
+        window: Readiness | None,
+    ) -> None:
+        """One slot's buckets (``buf``; None: zeros) rounded as ``wait`` says they are
+        final and reduce-scattered in the group, each bucket's sum of this rank's range
+        folded into the rounds' accumulator and its pages dropped once settled; the
+        backward (``window``) may write one bucket past the one on the wire."""
+        rounds, sc = self.rounds, self.scatter
+        assert rounds is not None and sc is not None
+        ex = ScatterExchange(sc, self.ints, pg, None, fold=rounds.fold)
+        buckets = self._buckets
+        if window is not None:
+            window.allow(self.exact._values(self.n, 0)[1] if self.aliased else math.inf)
+        for i in buckets:
+            lo, hi = self.exact._values(self.n, i)
+            wait(hi, _idle)
+            self._add_bucket(buf, i)
+            ex.send(lo, hi)
+            if window is not None and self.aliased:
+                ex.settle(1, timeout)
+                nxt = i + 1 if i + 1 < len(buckets) else None
+                window.allow(math.inf if nxt is None else self.exact._values(self.n, nxt)[1])
+        ex.settle(0, timeout)
+        rounds.end_round(self.ints)
 
     def finish(
         self,
@@ -287,7 +461,10 @@ class StreamedReducer:
         pg = comm.pg if self.size > 1 else None
         t = timeout.total_seconds()
         window = ready if self._scatters(pg, tiers) and self.aliased else None
-        if window is not None:  # set before the backward writes: its first bucket only
+        if self.rounds is not None and ready is not None:  # its round sets it once it starts
+            window = ready
+            window.allow(0)
+        elif window is not None:  # set before the backward writes: its first bucket only
             window.allow(self.exact._values(self.n, 0)[1])
 
         def wait(upto: int, tick: Callable[[], None]) -> None:
@@ -327,8 +504,8 @@ class StreamedReducer:
         already), its block peaks merged, its integers added (set by the first slot;
         zeros for a member that adds no slot at all)."""
         lo, hi = self.exact._values(self.n, i)
-        if buf is None:
-            if self.added == 0:
+        if buf is None:  # a member without a slot, or a round of zeros
+            if self.added == 0 or self.rounds is not None:
                 self.ints[lo:hi].zero_()
             return
         part = buf[lo:hi]
@@ -352,7 +529,7 @@ class StreamedReducer:
             a, b = lo + j * self.block, min(hi, lo + (j + 1) * self.block)
             self.outliers.keep(blo + j, buf[a:b])
             buf[a:b] = 0.0
-        add = self.added > 0
+        add = self.added > 0 and self.rounds is None  # a round holds one slot
         if fused is not None:
             fused.accumulate(self.ints, [buf], self.scale, (lo, hi), self.block, add=add)
             return
@@ -380,6 +557,8 @@ class StreamedReducer:
         write one bucket past the one on the wire."""
         if pg is not None and send_delay_s > 0:
             time.sleep(send_delay_s)  # injected link latency (the delay fault)
+        if self.rounds is not None:
+            return self._finish_rounds(pg, out, last, wait, timeout, window)
         sc = self.scatter
         streams = pg is not None and tiers is None and self.summing
         ex = ScatterExchange(sc, self.ints, pg, None) if sc and self._scatters(pg, tiers) else None
@@ -418,6 +597,50 @@ class StreamedReducer:
         if not self.summing:
             return None, maxima
         spans = ex.finish(timeout) if ex is not None else [(0, self.n)]
+        return self._complete(pg, tiers, out, maxima, capped, spans, timeout)
+
+    def _finish_rounds(
+        self,
+        pg: Any,
+        out: torch.Tensor,
+        last: torch.Tensor | None,
+        wait: Callable[[int, Callable[[], None]], None],
+        timeout: timedelta,
+        window: Readiness | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """With rounds (``each``): the last slot's round (behind its backward), the rounds
+        of zeros this member owes its group, the MAX of the block maxima, then the
+        accumulated range across groups and the tail over every member, converted."""
+        rounds, sc = self.rounds, self.scatter
+        assert rounds is not None and sc is not None
+        if self._error is not None:  # an earlier round failed: the pass fails with it
+            raise self._error
+        if last is not None:
+            self._run_round(pg, last, wait, timeout, window)
+        while rounds.left > 0:
+            self._run_round(pg, None, lambda upto, tick: None, timeout, None)
+        flagged = torch.empty(self.peaks.numel() + 1, dtype=torch.int32)
+        flagged[:-1] = maxima_of(self.peaks)
+        flagged[-1] = int(self.outliers.full)
+        self._max(pg, None, flagged, timeout)
+        maxima, capped = flagged[:-1], bool(flagged[-1])
+        rounds.put_back(self.ints)
+        buckets = [self.exact._values(self.n, i) for i in self._buckets]
+        spans = ScatterExchange(sc, self.ints, pg, None).crossed(buckets, timeout)
+        return self._complete(pg, None, out, maxima, capped, spans, timeout)
+
+    def _complete(
+        self,
+        pg: Any,
+        tiers: Tiers | None,
+        out: torch.Tensor,
+        maxima: torch.Tensor,
+        capped: bool,
+        spans: Iterable[tuple[int, int]],
+        timeout: timedelta,
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The summed integers of ``spans`` converted into ``out`` as each lands, and the
+        blocks above their exponents through the outlier lane (None: ``capped``)."""
         over = torch.nonzero(maxima > self.exps).flatten()
         mains = None if capped else self._no_mains(over)
         back = self.exact._fused([out])

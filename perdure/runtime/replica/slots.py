@@ -145,6 +145,8 @@ class SlotEngine:
             for h in hooks:
                 h.remove()
             self.buffers.record(saved, moves)
+        if ready is not None:  # the writes below, past any hook: the whole window
+            ready.room(self.size)
         for i, p in enumerate(self.params):
             if not done[i]:
                 self._copy(i, p, out)
