@@ -189,12 +189,14 @@ class Rounds:
     and all-reduced once with the range at the end. Integer addition is associative:
     the rounds give the bits of one reduction of the summed slots."""
 
-    def __init__(self, total: int, sc: Scatter, dtype: torch.dtype) -> None:
+    def __init__(self, total: int, sc: Scatter, dtype: torch.dtype, device: torch.device) -> None:
+        """``device``: the slot buffers' (the rounds' sums land beside them: a CUDA
+        buffer's collectives are NCCL's, on the device)."""
         self.total, self.done = total, 0
         self.lo, self.hi = sc.mine
         self.numel = sc.numel
-        self.acc = torch.zeros(self.hi - self.lo, dtype=dtype)
-        self.tail = torch.zeros(sc.size - sc.numel, dtype=dtype)
+        self.acc = torch.zeros(self.hi - self.lo, dtype=dtype, device=device)
+        self.tail = torch.zeros(sc.size - sc.numel, dtype=dtype, device=device)
 
     @property
     def left(self) -> int:
@@ -300,7 +302,9 @@ class StreamedReducer:
         # with one round a group, the rank's one slot is that round: reduced once
         each = self.each and self.summing and rounds > 1 and sc is not None and n == sc.size
         assert not each or rounds >= adds + 1, "a group's rounds below a member's slots"
-        self.rounds = Rounds(rounds, sc, self.exact.dtype) if each and sc is not None else None
+        self.rounds = (
+            Rounds(rounds, sc, self.exact.dtype, like.device) if each and sc is not None else None
+        )
         self.aliased = (
             (adds == 0 or self.rounds is not None)  # each slot is sent before the next
             and self.bits == 32
