@@ -120,4 +120,6 @@ def test_a_kill_in_a_three_region_streamed_run_keeps_the_one_workers_weights(
     s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == exact_ref["final_hash"] and s["replica_hashes_agree"]
     members = [e["plan"]["members"] for e in events(tmp_path, "epoch_started")]
-    assert "r1-0" in members[0] and "r1-0" not in members[-1], members
+    # The kill takes r1-0 out of the next epoch; the launcher's replacement (the same name)
+    # may join again before the run ends, so the last epoch may hold it again.
+    assert "r1-0" in members[0] and "r1-0" not in members[1], members
