@@ -328,42 +328,43 @@ class OuterStep:
     def load(self, state: Any, source: str) -> None:
         """The outer state saved beside the recipe's (:data:`OUTER_KEY`); ``None`` (a
         checkpoint without it) is refused: it was not made by a DiLoCo run."""
-        m = state.get("momentum") if isinstance(state, dict) else None
-        want = self.momentum.shape
-        if not (isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.shape == want):
-            got = "none" if m is None else type(m).__name__
-            if isinstance(m, torch.Tensor):
-                got = f"{m.dtype} {list(m.shape)}"
-            raise ValueError(
-                f"{source}: optimizer.{OUTER_KEY}.momentum must be a float32 tensor of "
-                f"{want[0]} values, the outer optimizer's momentum (outer.replicas is set; "
-                f"got {got})"
-            )
-        self.momentum = m.detach().cpu().clone()
+        state = state if isinstance(state, dict) else {}
+        self.momentum = _saved(
+            state,
+            "momentum",
+            self.momentum.shape,
+            source,
+            "the outer optimizer's momentum (outer.replicas is set)",
+        )
         self._staged = None
         if self.pending is not None:
-            d = state.get("pending")
-            if not (isinstance(d, torch.Tensor) and d.dtype == torch.float32 and d.shape == want):
-                got = "none" if d is None else type(d).__name__
-                if isinstance(d, torch.Tensor):
-                    got = f"{d.dtype} {list(d.shape)}"
-                raise ValueError(
-                    f"{source}: optimizer.{OUTER_KEY}.pending must be a float32 tensor of "
-                    f"{want[0]} values, the last outer step's mean pseudo-gradient "
-                    f"(outer.delay = 1; got {got})"
-                )
-            self.pending = d.detach().cpu().clone()
-        if self.estimates is None:
-            return
-        e = state.get("estimates")
-        want = self.estimates.shape
-        if not (isinstance(e, torch.Tensor) and e.dtype == torch.float32 and e.shape == want):
-            got = "none" if e is None else type(e).__name__
-            if isinstance(e, torch.Tensor):
-                got = f"{e.dtype} {list(e.shape)}"
-            raise ValueError(
-                f"{source}: optimizer.{OUTER_KEY}.estimates must be a float32 tensor of "
-                f"{list(want)} values, the replicas' error-feedback estimates "
-                f"(outer.error_feedback is set; got {got})"
+            self.pending = _saved(
+                state,
+                "pending",
+                self.pending.shape,
+                source,
+                "the last outer step's mean pseudo-gradient (outer.delay = 1)",
             )
-        self.estimates = e.detach().cpu().clone()
+        if self.estimates is not None:
+            self.estimates = _saved(
+                state,
+                "estimates",
+                self.estimates.shape,
+                source,
+                "the replicas' error-feedback estimates (outer.error_feedback is set)",
+            )
+
+
+def _saved(state: dict[str, Any], key: str, shape: torch.Size, source: str, what: str) -> Any:
+    """``state[key]``, a float32 tensor of ``shape``, copied to the CPU; else refused,
+    naming the field, what it is and what was found."""
+    t = state.get(key)
+    if isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.shape == shape:
+        return t.detach().cpu().clone()
+    got = "none" if t is None else type(t).__name__
+    if isinstance(t, torch.Tensor):
+        got = f"{t.dtype} {list(t.shape)}"
+    raise ValueError(
+        f"{source}: optimizer.{OUTER_KEY}.{key} must be a float32 tensor of {list(shape)} "
+        f"values, {what}; got {got}"
+    )
