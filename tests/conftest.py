@@ -57,6 +57,7 @@ _STARTS_PROCESSES_INSIDE = frozenset(
         "test_outer.py::test_a_kept_replica_is_copied_only_under_the_same_step_and_state_version",
         "test_outer.py::test_the_outer_step_is_torchs_nesterov_sgd_on_the_mean_pseudo_gradient",
         "test_outer.py::test_the_replicas_estimates_travel_in_the_state_and_a_state_without_them_is_refused",
+        "test_outer.py::test_a_delayed_outer_step_applies_the_previous_steps_mean_and_step_zero_moves_nothing",
         "test_outer.py::test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step",
         "test_netns_regions.py::test_the_delay_router_adds_the_asked_round_trip_between_regions_and_none_inside_one",
         "test_placement.py::test_a_checkpoint_records_the_placement_and_settings_in_force",
