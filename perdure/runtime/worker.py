@@ -41,7 +41,7 @@ from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.reducer import make_reducer, uses_tiers
-from perdure.runtime.comm.swarm import StateCopy, SwarmCopy
+from perdure.runtime.comm.swarm import SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
 from perdure.runtime.control.channel import UNACKED_S
@@ -110,8 +110,6 @@ class Worker:
         self.leaving = False
         self.suspects: dict[str, int] = {}
         self.salvage = SlotSalvage()
-        self.state_copy: StateCopy = SwarmCopy()
-        """How a joiner gets a live replica's state (``comm/swarm.py``)."""
 
     def leave(self) -> None:
         """Graceful stop (SIGTERM): ask to be left out at the next step boundary."""
@@ -153,7 +151,7 @@ class Worker:
         self.transfer = StateTransfer(
             name=self.name,
             events=self.events,
-            state_copy=self.state_copy,
+            state_copy=SwarmCopy(),  # how a joiner gets a live replica's state
             shard_degree=config.train.shard_degree,
             timeout=self._timeout,
             store=self._store,
