@@ -25,14 +25,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# -X faulthandler: a crash after pytest's own handler is off still prints every thread's
-# stack (tests/conftest.py skips the interpreter's teardown unless PERDURE_TEST_TEARDOWN=1)
+# -n $(TEST_WORKERS): the suite on that many pytest-xdist worker processes, one test file at
+# a time each (pyproject's --dist loadfile); `make test TEST_WORKERS=0` runs it serially in
+# one process (docs/testing.md). -X faulthandler: a crash after pytest's own handler is off
+# still prints every thread's stack (tests/conftest.py skips the interpreter's teardown
+# unless PERDURE_TEST_TEARDOWN=1).
+TEST_WORKERS ?= 2
+
 test: lint
-	$(PY) -X faulthandler -m pytest -q
+	$(PY) -X faulthandler -m pytest -q -n $(TEST_WORKERS)
 
 # The unit tier, for the edit loop: no test that starts a process (tests/conftest.py).
 test-fast: $(STAMP)
-	PERDURE_TEST_TIER=unit $(PY) -X faulthandler -m pytest -q -m "not integration and not slow"
+	PERDURE_TEST_TIER=unit $(PY) -X faulthandler -m pytest -q -n $(TEST_WORKERS) -m "not integration and not slow"
 
 BENCH_STAMP := $(VENV)/.bench-installed
 

@@ -13,6 +13,10 @@ frames the namespace sent on the link; ``in``: frames it received):
   carried before in that connection (a resent range, or the resent part of a segment
   that overlaps one, is left out; sequence numbers are unwrapped past 2**32).
 
+Each emitted line also holds ``conns``: per link and direction, the first-send bytes of
+each connection direction (``"SRC:SPORT>DST:DPORT"``), so a reader can tell the data plane
+from the control plane by port (the coordinator's channel and store ports are known).
+
 Only IPv4 over Ethernet is parsed (the test regions' links); anything else counts in
 ``wire`` only. A frame the socket's buffer could not take is lost to the counts:
 ``drops`` (the kernel's ``PACKET_STATISTICS``) says how many, so a non-zero value makes
@@ -143,6 +147,8 @@ class Counts:
     first: int = 0
     frames: int = 0
     seen: FirstSend = field(default_factory=FirstSend)
+    conns: dict[str, int] = field(default_factory=dict)
+    """First-send bytes per connection direction, ``"SRC:SPORT>DST:DPORT"``."""
 
     def add(self, frame: bytes | memoryview) -> None:
         self.frames += 1
@@ -150,11 +156,19 @@ class Counts:
         seg = parse(frame)
         if seg is not None:
             self.payload += seg.length
-            self.first += self.seen.add(seg)
+            new = self.seen.add(seg)
+            self.first += new
+            if new:
+                key = f"{_ip(seg.src)}:{seg.sport}>{_ip(seg.dst)}:{seg.dport}"
+                self.conns[key] = self.conns.get(key, 0) + new
 
     def to_dict(self) -> dict[str, int]:
         return {"wire": self.wire, "payload": self.payload, "first": self.first,
                 "frames": self.frames}  # fmt: skip
+
+
+def _ip(raw: bytes) -> str:
+    return ".".join(str(b) for b in raw)
 
 
 def sniff(prefix: str, period_s: float) -> None:
@@ -170,9 +184,12 @@ def sniff(prefix: str, period_s: float) -> None:
         stats = sock.getsockopt(SOL_PACKET, PACKET_STATISTICS, 8)
         drops += struct.unpack("II", stats)[1]  # reset by each read
         links: dict[str, dict[str, dict[str, int]]] = {}
+        conns: dict[str, dict[str, dict[str, int]]] = {}
         for (link, way), c in sorted(counts.items()):
             links.setdefault(link, {})[way] = c.to_dict()
-        print(json.dumps({"t": time.time(), "drops": drops, "links": links}), flush=True)
+            conns.setdefault(link, {})[way] = dict(c.conns)
+        line = {"t": time.time(), "drops": drops, "links": links, "conns": conns}
+        print(json.dumps(line), flush=True)
 
     print("ready", flush=True)
     next_emit = time.monotonic() + period_s

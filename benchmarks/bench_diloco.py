@@ -3,6 +3,8 @@ second, bytes across regions per token, and held-out loss against tokens and wal
 
     .venv/bin/python benchmarks/bench_diloco.py            # sync, H = 10, 50, 200; fp32, int8
     .venv/bin/python benchmarks/bench_diloco.py --quick    # sync, H = 50 fp32 and int8
+    .venv/bin/python benchmarks/bench_diloco.py --no-sync --inner-steps 50 --delays 0 1
+                                          # H = 50, each beside its overlapped twin
 
 Needs root (namespaces, a TUN device, ``tc``). The hosts and the router are the tests'
 (``tests/netns_regions.py``): one bridge per region, every packet between regions goes
@@ -41,7 +43,15 @@ dropped: TCP sends them again, so they are in the byte counters twice. The contr
 (heartbeats every ``cluster.heartbeat_ms``, the coordinator's messages) crosses regions at
 a rate per second, not per token: ``data_bytes_per_token`` leaves it out (the rate is the
 quietest quarter of a DiLoCo run's 0.25 s intervals, where only it crosses), for both
-modes; ``cross_region_bytes_per_token`` keeps it.
+modes; ``cross_region_bytes_per_token`` keeps it. The first sends are also split by
+connection (``first_send.conns``) into the control plane (the coordinator's channel and
+store ports: ``control_bytes``) and the data plane (``data_plane_bytes``), measured, not
+estimated; two run lengths tell a run's fixed bytes from an outer step's
+(docs/performance.md section 18c). With ``--delays 0 1`` each DiLoCo row has an
+``outer.delay = 1`` twin (``_overlap``: the outer reduction behind the next step's
+replicas) with ``tokens_per_s_vs_delay0`` and ``window_tokens_per_s_vs_delay0`` (the
+tokens over the wall time from the first epoch to the final checkpoint: step times leave
+out an overlapped run's last reduction and one waited for at a fingerprint comparison).
 
 The machine has 2 shared cores for 5 processes and the delay line: the absolute rates are
 this machine's; the ratio is what the wire makes of the same compute. Results:
@@ -75,22 +85,24 @@ GOAL = (
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "max_len": 64}
 
 
-def modes(quick: bool, hs: list[int] | None, precisions: list[str], sync: bool
-          ) -> list[tuple[str, int, str]]:  # fmt: skip
-    """(name, H, precision); H = 1 is the synchronous step."""
-    out = [("sync", 1, "fp32")] if sync else []
+def modes(quick: bool, hs: list[int] | None, precisions: list[str], sync: bool,
+          delays: tuple[int, ...] = (0,)) -> list[tuple[str, int, str, int]]:  # fmt: skip
+    """(name, H, precision, outer.delay); H = 1 is the synchronous step."""
+    out = [("sync", 1, "fp32", 0)] if sync else []
     for h in hs if hs is not None else ([50] if quick else [10, 50, 200]):
-        out += [(f"diloco_h{h}_{p}", h, p) for p in precisions]
+        for p in precisions:  # each overlapped row right after its twin: the same load
+            out += [(f"diloco_h{h}_{p}{'_overlap' if d else ''}", h, p, d) for d in delays]
     return out
 
 
 def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int,
                coordinator: str, ports: int, exponents: str = "step",
-               outer: tuple[float, float] = (1.0, 0.5)) -> Any:  # fmt: skip
+               outer: tuple[float, float] = (1.0, 0.5), delay: int = 0) -> Any:  # fmt: skip
     """The run's config: the same model, data, batch and tokens in both modes (DiLoCo's
     exponents ``step`` by default, as configs/diloco.toml: an outer step is rare, so one
     small MAX round before its sum costs less than the streamed form's first outer step
-    computed twice)."""
+    computed twice). ``delay`` 1: ``outer.delay = 1``, each outer step's reduction behind
+    the next step's replicas (the overlapped rows)."""
     from tests.runtime_support import small_config
 
     outer_steps = max(1, steps // h)
@@ -115,7 +127,7 @@ def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int
     if h > 1:
         lr, momentum = outer
         sections["outer"] = {"replicas": REGIONS, "inner_steps": h, "precision": precision,
-                             "lr": lr, "momentum": momentum}  # fmt: skip
+                             "lr": lr, "momentum": momentum, "delay": delay}  # fmt: skip
         sections["train"] = {"reduction_exponents": exponents}
     return small_config(
         dataset,
@@ -204,9 +216,14 @@ class Counter(threading.Thread):
 class Sniffer(threading.Thread):
     """``_tcp_payload.py`` in the router's namespace on its region links (``rv*``): the
     TCP payload that crossed a region boundary, first sends told from resends, sampled
-    every ``period_s`` with its wall-clock time (as :class:`Counter`)."""
+    every ``period_s`` with its wall-clock time (as :class:`Counter`). ``control``: the
+    first sends of connections to or from the coordinator's ``control_ports`` (its channel
+    and its store: heartbeats, notices, group formation), the rest being the data plane
+    (gloo's pairs)."""
 
-    def __init__(self, rs: Any, period_s: float = 0.25) -> None:
+    def __init__(self, rs: Any, period_s: float = 0.25, control_ports: tuple[int, ...] = ()
+                 ) -> None:  # fmt: skip
+        self.control_ports = set(control_ports)
         super().__init__(daemon=True)
         script = str(Path(__file__).parent / "_tcp_payload.py")
         argv = ["ip", "netns", "exec", rs.router, PY, script, "--prefix", "rv",
@@ -217,6 +234,8 @@ class Sniffer(threading.Thread):
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError("the TCP payload sniffer did not start")
         self.samples: list[tuple[float, dict[str, int]]] = []
+        self.conns: list[tuple[float, dict[str, int]]] = []
+        """Each sample's first sends per connection direction into the regions."""
         self.drops = 0
 
     def run(self) -> None:
@@ -227,7 +246,16 @@ class Sniffer(threading.Thread):
             for link in got["links"].values():  # into the regions: the router's sends
                 for k in totals:
                     totals[k] += link.get("out", {}).get(k, 0)
+            totals["control"] = 0
+            conns: dict[str, int] = {}
+            for link in got.get("conns", {}).values():
+                for key, n in link.get("out", {}).items():
+                    conns[key] = conns.get(key, 0) + n
+                    ends = key.split(">")
+                    if any(int(e.rsplit(":", 1)[1]) in self.control_ports for e in ends):
+                        totals["control"] += n
             self.samples.append((got["t"], totals))
+            self.conns.append((got["t"], conns))
             self.drops = got["drops"]
 
     def stop(self) -> None:
@@ -244,6 +272,18 @@ class Sniffer(threading.Thread):
         """The counts' last reading at or before ``t`` (the first one if none)."""
         before = [c for ts, c in self.samples if ts <= t]
         return before[-1] if before else self.samples[0][1]
+
+    def conns_between(self, t0: float, t1: float) -> dict[str, int]:
+        """First sends per connection direction in ``[t0, t1]`` (the readings at or before
+        each), the largest first."""
+
+        def at(t: float) -> dict[str, int]:
+            before = [c for ts, c in self.conns if ts <= t]
+            return before[-1] if before else {}
+
+        a, b = at(t0), at(t1)
+        delta = {k: n - a.get(k, 0) for k, n in b.items() if n - a.get(k, 0)}
+        return dict(sorted(delta.items(), key=lambda kv: -kv[1]))
 
     def idle_rate(self, t0: float, t1: float) -> float:
         """First-send bytes per second of the quietest quarter of the intervals in
@@ -271,7 +311,7 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
     run_dir, logs, coord = tmp / "run", tmp / "logs", rs.hosts[0].address
     counter, dropped = Counter(rs), drops(rs)
     counter.start()
-    sniffer = Sniffer(rs)
+    sniffer = Sniffer(rs, control_ports=(ports, ports + 1))
     sniffer.start()
     procs = [_start(rs, 0, ["coordinator", "--config", str(path), "--run-dir", str(run_dir)],
                     logs / "coordinator.log", tmp)]  # fmt: skip
@@ -325,6 +365,12 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
         delta = {k: b[k] - a[k] for k in a}
         first_send = {
             "from_step": s0,
+            "control_bytes": delta["control"],
+            "data_plane_bytes": delta["first"] - delta["control"],
+            "data_plane_bytes_per_step": round((delta["first"] - delta["control"]) / n, 1)
+            if n
+            else None,
+            "conns": sniffer.conns_between(t0, t1),
             "steps": n,
             "window_s": round(t1 - t0, 2),
             "bytes": delta["first"],
@@ -334,17 +380,22 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
             "tokens": n * tokens_per_step,
             "bytes_per_step": round(delta["first"] / n, 1) if n else None,
             "bytes_per_token": round(delta["first"] / (n * tokens_per_step), 3) if n else None,
+            # the whole window's rate: every step, evaluations, the last reduction and the
+            # final save included (tokens_per_s sums the steps' own step_s)
+            "window_tokens_per_s": round(n * tokens_per_step / (t1 - t0), 1) if n else None,
             "capture_drops": sniffer.drops,
         }
     return {
         "mode": name,
         "inner_steps": h,
+        "outer_delay": cfg.outer.delay if h > 1 else None,
         "ok": codes == [0] * len(procs) and len(steps) == cfg.train.steps,
         "exit_codes": codes,
         "steps": len(steps),
         "tokens": total_tokens,
         "tokens_per_s": round(len(timed) * tokens_per_step / sum(timed), 1) if timed else None,
         "step_s_median": statistics.median(timed) if timed else None,
+        "step_s_each": [m["step_s"] for m in steps],
         "cross_region_bytes": crossed,
         "cross_region_bytes_training": training,
         "shaper_drops": dropped,
@@ -369,7 +420,17 @@ def seq_len(cfg: Any) -> int:
 
 
 def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each DiLoCo row against the synchronous one: speed, bytes and loss ratios."""
+    """Each DiLoCo row against the synchronous one: speed, bytes and loss ratios; each
+    overlapped row (``outer.delay = 1``) against its delay-0 twin: speed."""
+    for r in rows:
+        twin = next((q for q in rows if q["mode"] == r["mode"].removesuffix("_overlap")
+                     and q is not r), None)  # fmt: skip
+        if r.get("outer_delay") and twin is not None and r["ok"] and twin["ok"]:
+            r["tokens_per_s_vs_delay0"] = round(r["tokens_per_s"] / twin["tokens_per_s"], 3)
+            f, g = r.get("first_send"), twin.get("first_send")
+            if f and g and f["window_tokens_per_s"] and g["window_tokens_per_s"]:
+                ratio = f["window_tokens_per_s"] / g["window_tokens_per_s"]
+                r["window_tokens_per_s_vs_delay0"] = round(ratio, 3)
     sync = next((r for r in rows if r["inner_steps"] == 1), None)
     if sync is None:
         return {}
@@ -401,7 +462,7 @@ def derive(rows: list[dict[str, Any]]) -> dict[str, Any]:
         r["data_bytes_per_token_vs_sync"] = round(
             r["data_bytes_per_token"] / sync["data_bytes_per_token"], 5
         )
-        r["bytes_bound"] = 1 / r["inner_steps"] / (4 if r["mode"].endswith("int8") else 1)
+        r["bytes_bound"] = 1 / r["inner_steps"] / (4 if "int8" in r["mode"] else 1)
         f, fs = r.get("first_send"), sync.get("first_send")
         if f and fs and f["steps"] and fs["steps"]:
             for k in ("bytes_per_token", "data_bytes_per_token"):
@@ -484,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="DiLoCo's train.reduction_exponents")  # fmt: skip
     ap.add_argument("--precisions", nargs="+", default=["fp32", "int8"], choices=["fp32", "int8"])
     ap.add_argument("--no-sync", action="store_true", help="DiLoCo rows only")
+    ap.add_argument("--delays", type=int, nargs="+", default=[0], choices=[0, 1],
+                    help="outer.delay of the DiLoCo rows (1: the overlapped rows)")  # fmt: skip
     ap.add_argument("--outer-lr", type=float, default=1.0, help="outer.lr")
     ap.add_argument("--outer-momentum", type=float, default=0.5, help="outer.momentum")
     ap.add_argument("--out")
@@ -502,13 +565,14 @@ def main(argv: list[str] | None = None) -> int:
                       include="*.py")  # fmt: skip
         with regions([2, 1, 1, 1], rtt_ms=a.rtt_ms) as rs:
             shaped = shape(rs, a.rate_mbit)
-            for name, h, precision in modes(a.quick, a.inner_steps, a.precisions, not a.no_sync):
+            arms = modes(a.quick, a.inner_steps, a.precisions, not a.no_sync, tuple(a.delays))
+            for name, h, precision, delay in arms:
                 ports += 2
                 tmp = Path(d) / name
                 tmp.mkdir()
                 cfg = run_config(dataset, held_out, h, precision, a.steps,
                                  rs.hosts[0].address, ports, a.exponents,
-                                 (a.outer_lr, a.outer_momentum))  # fmt: skip
+                                 (a.outer_lr, a.outer_momentum), delay)  # fmt: skip
                 row = one_run(rs, cfg, name, h, tmp, ports, a.warmup if h == 1 else 1,
                               a.timeout_s)  # fmt: skip
                 rows.append(row)

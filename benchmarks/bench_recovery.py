@@ -186,7 +186,10 @@ def kill_costs(metrics: list[dict], events: list[dict]) -> list[dict]:
     """Per injected kill, from the faulty run's own logs (no second run, so no drift of
     the shared machine between runs): seconds from the kill to the commit of the next new
     step, and the *stall*: that commit's gap to the previous one less the run's median
-    gap (what the kill added to the step it hit)."""
+    gap (what the kill added to the step it hit), also in median step times
+    (``stall_steps``), and where the time went, each from the kill: the coordinator's
+    ``leave`` (detection), its ``epoch_started`` (the survivors abandoned the step and
+    reported ready) and the receiver's ``state_received`` (the copy done)."""
     gaps = _gaps(metrics)
     median = statistics.median(gaps.values())
     out = []
@@ -195,11 +198,22 @@ def kill_costs(metrics: list[dict], events: list[dict]) -> list[dict]:
         if not after:
             continue
         nxt = after[0]
+        stall = gaps.get(nxt["step"], median) - median
+
+        def since(name: str, f: dict = f, nxt: dict = nxt) -> float | None:
+            hit = [e["t"] for e in events if e.get("event") == name and f["t"] <= e["t"]]
+            return round(hit[0] - f["t"], 4) if hit and hit[0] <= nxt["t"] else None
+
         out.append(
             {
                 "at_step": f.get("step"),
                 "kill_to_next_s": nxt["t"] - f["t"],
-                "stall_s": gaps.get(nxt["step"], median) - median,
+                "stall_s": stall,
+                "stall_steps": stall / median,
+                "median_step_s": median,
+                "detected_s": since("leave"),
+                "epoch_started_s": since("epoch_started"),
+                "state_received_s": since("state_received"),
             }
         )
     return out

@@ -248,9 +248,17 @@ def to_toml(cfg: dict) -> str:
 
 
 def perdure_run(
-    cfg: dict, steps: int, run_dir: Path, chaos: str | None = None, timeout_s: float = 600
+    cfg: dict,
+    steps: int,
+    run_dir: Path,
+    chaos: str | None = None,
+    timeout_s: float = 600,
+    cwd: Path = REPO,
 ) -> dict:
-    """``perdure run`` as a user starts it; returns metrics, events, summary and wall time."""
+    """``perdure run`` as a user starts it; returns metrics, events, summary and wall time.
+    ``cwd``: where it runs; its ``perdure`` package is the one every process imports
+    (``python -m perdure`` puts the working directory first on ``sys.path``, before
+    ``PYTHONPATH``), so a worktree of another commit runs that commit's code."""
     cfg = json.loads(json.dumps(cfg))
     cfg["train"]["steps"] = steps
     # the config is written outside the repository: tasks resolve from the repository
@@ -273,7 +281,7 @@ def perdure_run(
         cp.write_text(chaos)
         cmd += ["--chaos", str(cp)]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s + 60)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout_s + 60)
     wall = time.perf_counter() - t0
 
     def jl(name):

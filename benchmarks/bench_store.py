@@ -24,7 +24,7 @@ TOKEN = "bench-token"
 def _store(kind: str, rank: int, port: int, world: int):
     import torch.distributed as dist
 
-    from perdure.runtime.control.store import AuthStore
+    from perdure.runtime.control.auth_store import AuthStore
 
     if kind == "tcp":
         return dist.TCPStore(

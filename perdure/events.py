@@ -119,6 +119,10 @@ STEP_ABANDONED: Final = "step_abandoned"
 """A member left a step because the membership epoch changed."""
 SLOTS_SALVAGED: Final = "slots_salvaged"
 """A member reused slots it finished in an abandoned attempt of the same step."""
+OUTER_UNDONE: Final = "outer_undone"
+"""``outer.delay = 1``: the reduction of an outer step (``step``) that a member had already
+applied the update of was lost when its epoch ended (``why``); the member undid the update
+and redoes the step in the next epoch, keeping its own replicas of it."""
 EXPONENTS_REFIT: Final = "exponents_refit"
 """A step's carried exponents (``train.reduction_exponents = "carried"``) did not fit its
 gradients: every member computed the step again against the step's true exponents."""
@@ -210,6 +214,7 @@ NAMES: frozenset[str] = frozenset(
         PARAMS_PEAK,
         STEP_ABANDONED,
         SLOTS_SALVAGED,
+        OUTER_UNDONE,
         EXPONENTS_REFIT,
         LOSS_SCALE,
         COLLECTIVE_FAILED,

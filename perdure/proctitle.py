@@ -5,7 +5,8 @@ and every process of a run looks alike: an operator cannot tell which pid to loo
 (or to ``kill``). Each process names its role, and once it knows them its worker name and
 run: ``perdure worker eu_west-1 (run mine)``, ``perdure spare spare-0 (run mine)``,
 ``perdure coordinator (run mine)``, ``perdure standby (run mine)``, ``perdure zygote
-(run mine)``. The run is named by its run directory's last part.
+(run mine)``; a launcher's base zygote (``launch/zygote_base.py``), which serves all its
+runs, is ``perdure zygote-base``. The run is named by its run directory's last part.
 
 Uses ``setproctitle`` (it rewrites the process's argv area, so ``/proc/<pid>/cmdline``
 changes too, and sets the kernel's short ``comm`` name). Limits: without ``setproctitle``
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import PurePath
 
-ROLES = ("worker", "spare", "coordinator", "standby", "zygote")
+ROLES = ("worker", "spare", "coordinator", "standby", "zygote", "zygote-base")
 """The roles a title may name."""
 
 

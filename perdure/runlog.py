@@ -25,11 +25,24 @@ it (its writer preempted in between) lands in the next one, slightly out of orde
 would have landed late in one shared file; each writer's own lines keep their order. A
 record written after the final merge (a worker's last line after the
 coordinator exited, on a deployment without the local launcher) stays in its part file
-only. Two coordinators alive at once (a primary cut off from its run while a standby took
-over) would write over each other's appends: each merger records its coordinator's
-generation in the state, recovers and appends under an advisory lock, and one that finds
-a newer generation recorded stands down for good (the newer one reads every part,
-the old coordinator's included, from the recorded offsets).
+only.
+
+Two coordinators alive at once (a primary cut off from its run, or hung, while a standby
+took over) must not write over each other's appends. Each generation keeps its own record
+(``merged.g<N>.json``; a merger reads the newest), and a merger that claims a generation
+writes its record first, then *rebases* the merged file: copies its recorded bytes into a
+fresh file and renames it over the old one. An older merger checks for a newer record
+after it opens the merged file and before it writes, so it either sees the claim and
+stands down for good, or opened the old file, which the rename has taken out of the run
+(its late append lands in no file a reader sees). So the newer merger never waits for the
+older: a primary SIGSTOPped inside its merge holds the advisory lock (``merge.lock``:
+mergers of one generation, and the launcher's last merge, take turns on it) until it
+wakes, and the standby's merger merges without it after ``LOCK_S``. A merger that claims
+nothing (the launcher's, a tool's) that cannot have the lock in ``LOCK_S`` skips its merge
+(the parts keep every line). Limits: a reader holding the merged file open across a
+takeover keeps reading the old file (readers here reopen it by name); a new launch
+(another lease store, whose generations start again at 1) removes the earlier launches'
+records once its own is written.
 """
 
 from __future__ import annotations
@@ -52,6 +65,15 @@ LOGS = ("events", "metrics")
 MERGE_S = 0.05
 """How often the active coordinator merges the part files."""
 STATE = "merged.json"
+"""The record of a merger that claims no generation; a generation's is ``merged.g<N>.json``."""
+LOCK_S = 1.0
+"""How long a merger waits for the advisory lock before it merges without it (a merger
+that claimed its generation) or skips this merge (one that claims nothing)."""
+OWNER_LOCK_S = 0.05
+"""The same for a merger that owns its generation, which needs the lock only against a
+merger that claims nothing (and merges every ``MERGE_S``: it must not wait a second each
+time an older generation's stopped merger holds the lock)."""
+_STATE_NAME = re.compile(r"merged(?:\.g([0-9]{1,18}))?\.json")
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 
 
@@ -99,7 +121,6 @@ class Merger:
         assert log in LOGS, log
         self.merged = Path(run_dir) / f"{log}.jsonl"
         self.parts = Path(run_dir) / f"{log}.d"
-        self.state_path = self.parts / STATE
         self.offsets: dict[str, int] = {}
         self.size = 0
         self.per_step = log == "metrics"
@@ -108,10 +129,16 @@ class Merger:
         self.claimed: int | None = None
         """The newest generation recorded in the state."""
         self.stood_down = False
-        with self._lock():
-            self._recover()
+        self.owns = False
+        """Whether this merger claimed its generation and rebased the merged file: it may
+        then merge without the lock (module docstring)."""
+        self.ready = False
+        """Whether it has recovered (a merger that claims nothing and could not have the
+        lock recovers at its first merge that has it)."""
+        with self._lock() as locked:
             # a new launch starts the count again (its lease store may be new); a standby
             # claims over an older generation
+            self._recover(truncate=locked)
             newer = new_launch or (generation is not None and generation > (self.claimed or 0))
             claim = generation is not None and newer
             if claim:
@@ -120,26 +147,73 @@ class Merger:
                 self.last_step = -1
             if claim or new_launch:  # a standby taking over from this launch must not see
                 self._save()  # the old one's steps
+            if new_launch:
+                self._forget_other_records()
+            if claim:
+                self._rebase()
+                self.owns = True
+            self.ready = locked or self.owns
 
-    def _recover(self) -> None:
-        """Pick up where the last merger's record says it stopped."""
+    def _recover(self, truncate: bool = True) -> None:
+        """Pick up where the newest record says its merger stopped."""
+        state = newest_record(self.parts)
         try:
-            state = json.loads(self.state_path.read_text())
+            assert state is not None
             self.size = int(state["size"])
             self.offsets = {str(k): int(v) for k, v in state["offsets"].items()}
             self.last_step = int(state.get("last_step", -1))
             self.claimed = _generation(state)
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        except (AssertionError, ValueError, KeyError, TypeError, AttributeError):
             self.size = self.merged.stat().st_size if self.merged.exists() else 0
             self.offsets = {}
             return
-        if self.merged.exists() and self.merged.stat().st_size > self.size:
+        if truncate and self.merged.exists() and self.merged.stat().st_size > self.size:
             with open(self.merged, "r+b") as f:  # an append its merger did not record
                 f.truncate(self.size)
+
+    def _rebase(self) -> None:
+        """The merged file as a fresh file of its recorded bytes, renamed over the old one
+        (module docstring: what fences an older merger's late append)."""
+        if not self.merged.exists():
+            return
+        tmp = self.merged.with_name(f"{self.merged.name}.{os.getpid()}.tmp")
+        try:
+            with open(self.merged, "rb") as src, open(tmp, "wb") as dst:
+                left = self.size
+                while left > 0:
+                    chunk = src.read(min(left, 1 << 20))
+                    if not chunk:
+                        break
+                    dst.write(chunk)
+                    left -= len(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+            self.size -= left  # a merged file shorter than its record: what it holds
+            os.replace(tmp, self.merged)
+        except OSError:  # a full disk: the old file stays, older mergers stand down by the record
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+    def _forget_other_records(self) -> None:
+        """A new launch's record is the only one: an earlier launch's generations (its
+        lease store's count) must not supersede it."""
+        own = self.parts / _state_name(self.claimed)
+        for _, path in _records(self.parts):
+            if path != own:
+                with contextlib.suppress(OSError):
+                    path.unlink()
 
     def merge(self, final: bool = False) -> int:
         """Append the parts' new complete lines (those stamped before now, or all of
         them when ``final``) in ``t`` order; returns how many were appended."""
+        if self.stood_down:
+            return 0
+        if not self.ready:  # claims nothing, found the lock held at its start
+            with self._lock() as locked:
+                if not locked:
+                    return 0  # the parts keep the lines
+                self._recover()
+                self.ready = True
         cutoff = float("inf") if final else time.time()
         batch: list[tuple[float, str, bytes]] = []
         reached: dict[str, int] = {}
@@ -148,17 +222,18 @@ class Merger:
             if end != self.offsets.get(path.name, 0):
                 reached[path.name] = end
             batch += [(t, path.name, line) for t, line in lines]
-        if not reached or self.stood_down:
+        if not reached:
             return 0
         batch.sort(key=lambda x: (x[0], x[1]))
         kept, last_step = self._first_per_step([line for _, _, line in batch])
         data = b"".join(line + b"\n" for line in kept)
-        with self._lock():
-            if self._superseded():
-                self.stood_down = True
-                return 0
+        with self._lock() as locked:
+            if not (locked or self.owns):
+                return 0  # another merger holds the lock: the parts keep the lines
             try:
-                self._append(data)
+                if self._superseded() or not self._append(data):
+                    self.stood_down = True
+                    return 0
             except OSError:
                 return 0  # a full disk or a lost mount: the parts keep the records; retried
             self.last_step = last_step
@@ -171,25 +246,23 @@ class Merger:
         """Whether a newer generation's merger has claimed the log since this one did."""
         if self.generation is None:
             return False
-        try:
-            newest = _generation(json.loads(self.state_path.read_text()))
-        except (OSError, ValueError, TypeError, AttributeError):
-            return False
-        return newest is not None and newest > self.generation
+        newest = max((g for g, _ in _records(self.parts)), default=0)
+        return newest > self.generation
 
     @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
+    def _lock(self) -> Iterator[bool]:
         """Recover, check and append as one step against another merger of the run (an
-        advisory lock on a file beside the parts: the mergers of one file system)."""
+        advisory lock on a file beside the parts: the mergers of one file system). Yields
+        whether it was had within ``LOCK_S``: its holder may be a process stopped inside
+        its merge, which a newer generation does not wait for (module docstring)."""
         try:
             self.parts.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.parts / "merge.lock", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError:  # no lock to be had (a read-only run directory): merge unlocked
-            yield
+            yield True
             return
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
+            yield _flock(fd, OWNER_LOCK_S if self.owns else LOCK_S)
         finally:
             os.close(fd)  # releases the lock
 
@@ -207,11 +280,15 @@ class Merger:
             out.append(line)
         return out, last
 
-    def _append(self, data: bytes) -> None:
+    def _append(self, data: bytes) -> bool:
+        """Write ``data`` at the recorded size; False if a newer generation claimed the
+        log (checked after the open: module docstring), nothing written."""
         if not data:
-            return
+            return True
         fd = os.open(self.merged, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
+            if self._superseded():
+                return False
             os.lseek(fd, self.size, os.SEEK_SET)
             view = memoryview(data)
             while view:
@@ -223,15 +300,65 @@ class Merger:
             raise
         finally:
             os.close(fd)
+        return True
 
     def _save(self) -> None:
-        tmp = self.state_path.with_name(STATE + ".tmp")
+        """Record the merged size and the parts' offsets, in the claimed generation's
+        record (an older merger never writes a newer one's)."""
+        path = self.parts / _state_name(self.claimed)
+        tmp = path.with_name(path.name + ".tmp")
         with contextlib.suppress(OSError):
             state = {"size": self.size, "offsets": self.offsets, "last_step": self.last_step}
             if self.claimed is not None:
                 state["generation"] = self.claimed
             tmp.write_text(json.dumps(state))
-            os.replace(tmp, self.state_path)
+            os.replace(tmp, path)
+
+
+def _state_name(generation: int | None) -> str:
+    return STATE if generation is None else f"merged.g{generation}.json"
+
+
+def _records(parts: Path) -> list[tuple[int, Path]]:
+    """Every merger's record in ``parts``: (generation, path), oldest first (0: the record
+    of mergers that claimed none)."""
+    try:
+        names = [p for p in parts.iterdir() if _STATE_NAME.fullmatch(p.name)]
+    except OSError:
+        return []
+    out = []
+    for p in names:
+        m = _STATE_NAME.fullmatch(p.name)
+        assert m is not None
+        out.append((int(m.group(1) or 0), p))
+    return sorted(out)
+
+
+def newest_record(parts: str | Path) -> dict[str, Any] | None:
+    """The newest generation's merge record in a log's parts folder (``<log>.d``): the
+    merged size, each part's offset, ``last_step``, ``generation``; None where none can
+    be read."""
+    for _, path in reversed(_records(Path(parts))):
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(state, dict):
+            return state
+    return None
+
+
+def _flock(fd: int, timeout_s: float) -> bool:
+    """An exclusive ``flock`` on ``fd`` within ``timeout_s``, polled: whether it was had."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
 
 
 def _new_lines(path: Path, offset: int, cutoff: float) -> tuple[list[tuple[float, bytes]], int]:
@@ -315,4 +442,14 @@ class Mergers:
             m.merge(final=final)
 
 
-__all__ = ["LOGS", "MERGE_S", "Merger", "Mergers", "merge_all", "part", "writer_id"]
+__all__ = [
+    "LOCK_S",
+    "LOGS",
+    "MERGE_S",
+    "Merger",
+    "Mergers",
+    "merge_all",
+    "newest_record",
+    "part",
+    "writer_id",
+]

@@ -26,6 +26,7 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _INTEGRATION_HINTS = re.compile(
     r"run_to_end|run_ranks|subprocess|multiprocessing|get_context|Popen|netns|\bray\b"
     r"|launch\.api|LocalLauncher|\bspawn|fresh_clone|\brun\(|invoke\(\s*\w+,\s*\[\s*\"run"
+    r"|run_zygote|Zygote\("
 )
 
 # Tests whose calls into perdure start a process the hints cannot see (a data build's
@@ -57,6 +58,7 @@ _STARTS_PROCESSES_INSIDE = frozenset(
         "test_outer.py::test_a_kept_replica_is_copied_only_under_the_same_step_and_state_version",
         "test_outer.py::test_the_outer_step_is_torchs_nesterov_sgd_on_the_mean_pseudo_gradient",
         "test_outer.py::test_the_replicas_estimates_travel_in_the_state_and_a_state_without_them_is_refused",
+        "test_outer.py::test_the_overlapped_delayed_step_moves_the_same_bits_and_an_undo_puts_the_state_back",
         "test_outer.py::test_a_delayed_outer_step_applies_the_previous_steps_mean_and_step_zero_moves_nothing",
         "test_outer.py::test_one_inner_sgd_step_and_a_plain_outer_step_are_the_synchronous_sgd_step",
         "test_netns_regions.py::test_the_delay_router_adds_the_asked_round_trip_between_regions_and_none_inside_one",
@@ -119,6 +121,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests/unit/ holds tests that start no process; move these files to "
             f"tests/integration/: {sorted(misplaced)}"
         )
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts the same way
+        _slowest_first(items)
+        _scale_timeouts(config, items)
+
+
+def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``-n N`` a test shares the cores with N - 1 others: pytest-timeout's hang
+    guards (``timeout`` in pyproject, ``@pytest.mark.timeout``) are N times as long. They
+    bound a hang, not an outcome; two tests timed out at 120 s under -n 2 on a machine at
+    load 12-20, each at its run's step 210 of 240 and 85 of 300, still training."""
+    import os
+
+    n = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    default = float(config.getini("timeout") or 0)
+    for item in items if n > 1 else ():
+        mark = item.get_closest_marker("timeout")
+        base = (
+            default
+            if mark is None
+            else float(mark.args[0] if mark.args else mark.kwargs["timeout"])
+        )
+        if base > 0:
+            item.add_marker(pytest.mark.timeout(base * n), append=False)
 
 
 @pytest.fixture(autouse=True)
@@ -141,11 +166,52 @@ def _unit_tier_starts_no_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
+# -- parallel runs (pytest-xdist) --------------------------------------------------------
+#
+# `make test` runs the suite on 2 worker processes (`-n 2 --dist loadfile`): each test
+# file is one unit of work for one worker, in file order, so a module-scoped fixture (a
+# whole run that several tests read) runs once and a test that reads what an earlier one
+# of its file left still sees it. `-n 0` runs everything in this process. What two tests
+# running at once must not share is made unique per test (random namespace, bridge and
+# veth names, port 0, tmp_path, a run directory's name where process titles are matched);
+# see docs/testing.md.
+
+
+# The slowest files first (from the "slowest 15 files" table of a serial run): each is one
+# unit of work for one worker, and a long one handed out last would run alone at the end
+# while the other worker idles. Only the order of handing out depends on this list (a
+# stale one costs minutes, never a result); every other file keeps its collection order.
+_SLOWEST_FIRST = (
+    "test_chaos_runs.py",
+    "test_exact_runs.py",
+    "test_shard_params_runs.py",
+    "test_shard_runs.py",
+    "test_ray_launcher.py",
+    "test_multihost.py",
+    "test_diloco_runs.py",
+    "test_runtime_runs.py",
+)
+
+
+def _slowest_first(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(_SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.path).name, len(rank)))  # stable
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """On the xdist controller: add a finished worker's fuzz counts to this process's."""
+    counts = getattr(node, "workeroutput", {}).get("checkpoint_fuzz")
+    if counts:
+        from tests import checkpoint_fuzzing
+
+        checkpoint_fuzzing.TALLY.verdicts.update(counts)
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     """The checkpoint fuzz counts (inputs, clean errors, tracebacks, silent loads), when
-    the fuzz tests ran: a line to quote, without ``-s``."""
-    import sys
-
+    the fuzz tests ran: a line to quote, without ``-s``. Under xdist this runs on the
+    controller, whose counts are the workers' summed (:func:`pytest_testnodedown`)."""
     fuzz = sys.modules.get("tests.checkpoint_fuzzing")
     if fuzz is not None and fuzz.TALLY.inputs:
         terminalreporter.write_line(fuzz.TALLY.summary())
@@ -185,6 +251,13 @@ _status: list[int] = []
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     _status.append(int(exitstatus))
+    # In an xdist worker: hand this worker's checkpoint fuzz counts to the controller,
+    # which prints the sum (a worker's own terminal summary is shown nowhere). xdist
+    # sends ``workeroutput`` after every sessionfinish hook, this one included.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    fuzz = sys.modules.get("tests.checkpoint_fuzzing")
+    if workeroutput is not None and fuzz is not None and fuzz.TALLY.inputs:
+        workeroutput["checkpoint_fuzz"] = dict(fuzz.TALLY.verdicts)
 
 
 @pytest.hookimpl(trylast=True)

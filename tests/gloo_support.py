@@ -15,6 +15,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _rank(target: Callable[..., None], done: Any, *args: Any) -> None:
+    """Run ``target``, then stay alive until the parent has read every result: a tensor put
+    on the queue travels as a descriptor that its sender serves, so a sender that exits
+    first leaves the parent a dead socket (seen under load: FileNotFoundError in get)."""
+    target(*args)
+    done.wait(120)
+
+
 def run_ranks(
     target: Callable[..., None], world: int, results: int, timeout_s: float = 60
 ) -> list[Any]:
@@ -24,12 +32,16 @@ def run_ranks(
     port = free_port()
     ctx = mp.get_context("spawn")
     q: mp.Queue = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, world, port, q)) for r in range(world)]
+    done = ctx.Event()
+    procs = [
+        ctx.Process(target=_rank, args=(target, done, r, world, port, q)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
         return [q.get(timeout=timeout_s) for _ in range(results)]
     finally:
+        done.set()
         for p in procs:
             p.join(30)
             if p.is_alive():

@@ -34,6 +34,7 @@ from perdure.launch.supervisor import (
     last_error,
 )
 from perdure.launch.zygote import Zygote
+from perdure.launch.zygote_base import run_zygote
 from perdure.run_config import RunConfig, to_dict
 from perdure.runtime.control.address import host_port
 from perdure.runtime.control.launched import record_launched
@@ -53,6 +54,7 @@ class LocalSpawner:
         """Each worker name's GPU index on this host (for train.device = 'cuda')."""
 
     def start_coordinators(self, ctx: RunContext) -> Iterator[Started]:
+        self._start_zygote(ctx)  # the coordinators are its forks too
         cfg_path = ctx.run_dir / "config.json"
         cfg_path.write_text(json.dumps(to_dict(ctx.config), indent=2))
         for name, region in coordinator_names(ctx.config.cluster):
@@ -66,6 +68,7 @@ class LocalSpawner:
                 expected=ctx.config.cluster.workers,
                 writes_summary=True,  # by the launcher, once every process has stopped
                 log=ctx.log_of(name),
+                zygote=self.zygote,
             )
             ports = wait_ports(ctx.run_dir / f"{name}.json", popen)
             yield Started(
@@ -75,16 +78,19 @@ class LocalSpawner:
             )
 
     def prepare_workers(self, ctx: RunContext) -> None:
-        """The fork server every worker starts from (see ``launch/zygote.py``), where
-        ``fork`` exists. Workers are then started as ordinary processes if it is not ready
-        within ``ZYGOTE_READY_S`` (its log says why)."""
-        if not hasattr(os, "fork"):
+        """The zygote is started with the coordinators (``_start_zygote``)."""
+        self._start_zygote(ctx)
+
+    def _start_zygote(self, ctx: RunContext) -> None:
+        """The fork server every coordinator and worker starts from (see
+        ``launch/zygote.py``), where ``fork`` exists; once. They are started as ordinary
+        processes if it is not ready within ``ZYGOTE_READY_S`` (its log says why)."""
+        if not hasattr(os, "fork") or self.zygote is not None:
             return
-        self.zygote = Zygote(
-            child_env(ctx.token),
-            ctx.run_dir / "logs" / "zygote.log",
-            run_dir=str(ctx.run_dir),
-            preload=preload_modules(ctx.config),
+        env, log_path = child_env(ctx.token), ctx.run_dir / "logs" / "zygote.log"
+        run_dir, preload = str(ctx.run_dir), preload_modules(ctx.config)
+        self.zygote = run_zygote(env, log_path, run_dir=run_dir, preload=preload) or Zygote(
+            env, log_path, run_dir=run_dir, preload=preload
         )
         if not self.zygote.wait_ready(ZYGOTE_READY_S):
             ctx.events.write({"event": ev.ZYGOTE_UNAVAILABLE, "log": "logs/zygote.log"})

@@ -44,9 +44,12 @@ def start_coordinator(
     log: Path,
     allow_config_change: bool = False,
     writes_summary: bool = False,
-) -> subprocess.Popen[bytes]:
+    zygote: Zygote | None = None,
+) -> Process:
     """``writes_summary``: the caller writes summary.json itself once every process has
-    stopped (the local launcher), so the coordinator does not (``--no-summary``)."""
+    stopped (the local launcher), so the coordinator does not (``--no-summary``). With a
+    ready ``zygote``, the coordinator is forked from it (no Python start-up, no imports);
+    without, it is a new ``python -m perdure coordinator``."""
     args = coordinator_args(
         config_json,
         run_dir,
@@ -56,6 +59,11 @@ def start_coordinator(
         allow_config_change=allow_config_change,
         writes_summary=writes_summary,
     )
+    if zygote is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        forked = zygote.spawn_command(args, child_env(token), log)
+        if forked is not None:
+            return forked
     return spawn(python_cmd(*args), token, log)
 
 

@@ -38,7 +38,7 @@ class StoreClient:
     def _connected(self) -> dist.Store:
         from datetime import timedelta
 
-        from perdure.runtime.control.store import AuthStore
+        from perdure.runtime.control.auth_store import AuthStore
 
         if self._store is None:
             host, port = self.addrs[self._at]

@@ -38,9 +38,9 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 if TYPE_CHECKING:
     from perdure.runtime.entry import WorkerSpec
@@ -58,22 +58,37 @@ that whatever an imported module prints goes to the log instead of into the prot
 def serve(argv: Sequence[str] | None = None) -> None:
     """Import, then fork on request. The launcher starts it before any worker and waits
     for it, so the imports run once, at normal priority, on an otherwise idle machine."""
-    global _protocol_fd
     args = _parser().parse_args(argv)
-    _protocol_fd = os.dup(1)
+    protocol = os.dup(1)
     os.dup2(2, 1)  # prints (from torch, perdure or the task's module) go to the log
     from perdure.lifecycle import die_with_parent
     from perdure.proctitle import set_title
 
     die_with_parent()  # the launcher's pid is in the environment
     set_title("zygote", run_dir=args.run_dir)
+    import_runtime()
+    serve_run(args.preload, protocol)
+
+
+def import_runtime() -> None:
+    """What every worker imports before its first step, imported once here."""
     # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
     import torch._inductor.config  # noqa: F401
 
     import perdure.runtime.entry
     import perdure.runtime.worker  # noqa: F401
 
-    preloaded = [m for m in args.preload if preload(m)]
+
+def serve_run(modules: Sequence[str], protocol_fd: int) -> None:
+    """Preload the task's ``modules``, say ready on ``protocol_fd``, then fork a worker
+    for each request read from stdin until the launcher closes it (fd 0)."""
+    global _protocol_fd
+    _protocol_fd = protocol_fd
+    preloaded = [m for m in modules if preload(m)]
+    from perdure.provenance import pin_commit
+
+    for module in preloaded:  # the commit of the code the workers will run (provenance.py)
+        pin_commit(module)
     _reply({"ready": True, "pid": os.getpid(), "preloaded": preloaded})
     pending = b""
     while True:
@@ -160,9 +175,16 @@ def _child(req: dict[str, Any], zygote: int) -> NoReturn:
         os.environ[PARENT_ENV] = str(zygote)
         os.chdir(req["cwd"])
         signal.signal(signal.SIGINT, signal.SIG_DFL)
-        from perdure.runtime.entry import WorkerSpec, run_worker
+        if "argv" in req:  # a perdure command (the run's coordinator), not a worker
+            import runpy
 
-        code = run_worker(WorkerSpec(**req["spec"]))
+            # what `python -m perdure ARGV` would run, without the interpreter's start-up
+            sys.argv = ["perdure", *req["argv"]]
+            runpy.run_module("perdure", run_name="__main__", alter_sys=True)
+        else:
+            from perdure.runtime.entry import WorkerSpec, run_worker
+
+            code = run_worker(WorkerSpec(**req["spec"]))
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -177,6 +199,27 @@ def _child(req: dict[str, Any], zygote: int) -> NoReturn:
 # -- the launcher's side -------------------------------------------------------------------
 
 
+class RequestSink(Protocol):
+    """Where the launcher writes requests (a pipe, or a socket's sending side)."""
+
+    def write(self, data: bytes, /) -> int: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class ZygoteProcess(Protocol):
+    """What :class:`Zygote` needs of the fork server's process: a ``subprocess.Popen``
+    with pipes, or a zygote forked by a base (``zygote_base.py``)."""
+
+    @property
+    def stdin(self) -> RequestSink | None: ...
+    @property
+    def stdout(self) -> Iterable[bytes] | None: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
+
+
 class Zygote:
     """The launcher's handle on a fork server; ``spawn`` returns a Popen-like process."""
 
@@ -187,22 +230,28 @@ class Zygote:
         *,
         run_dir: str | None = None,
         preload: Sequence[str] = (),
+        started: ZygoteProcess | None = None,
     ) -> None:
+        """``started``: a zygote another process forked for this run
+        (``zygote_base.py``); by default it is started here, a new Python process."""
         log.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "perdure.launch.zygote"]
-        if run_dir:
-            cmd += ["--run-dir", run_dir]
-        for module in preload:
-            cmd += ["--preload", module]
-        with open(log, "ab") as err:
-            self.proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=err,
-                env=env,
-                start_new_session=True,
-            )
+        if started is not None:
+            self.proc: ZygoteProcess = started
+        else:
+            cmd = [sys.executable, "-m", "perdure.launch.zygote"]
+            if run_dir:
+                cmd += ["--run-dir", run_dir]
+            for module in preload:
+                cmd += ["--preload", module]
+            with open(log, "ab") as err:
+                self.proc = subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=err,
+                    env=env,
+                    start_new_session=True,
+                )
         self._cond = threading.Condition()
         self._ready = False
         self.preloaded: list[str] = []
@@ -227,12 +276,24 @@ class Zygote:
         self, spec: WorkerSpec, env: dict[str, str], log: Path, timeout_s: float = 10.0
     ) -> ForkedProcess | None:
         """Fork a worker that runs ``spec``; None if the zygote is not ready."""
+        return self._fork({"spec": spec.to_dict()}, env, log, timeout_s)
+
+    def spawn_command(
+        self, argv: Sequence[str], env: dict[str, str], log: Path, timeout_s: float = 10.0
+    ) -> ForkedProcess | None:
+        """Fork a process that runs ``perdure ARGV`` (the run's coordinators: their Python
+        start-up and imports, ~0.7 s of CPU each, are the zygote's); None if not ready."""
+        return self._fork({"argv": list(argv)}, env, log, timeout_s)
+
+    def _fork(
+        self, what: dict[str, Any], env: dict[str, str], log: Path, timeout_s: float
+    ) -> ForkedProcess | None:
         if not self.ready or self.proc.stdin is None:
             return None
         with self._cond:
             self._next_id += 1
             rid = self._next_id
-        req = {"id": rid, "spec": spec.to_dict(), "env": env, "log": str(log), "cwd": os.getcwd()}
+        req = {"id": rid, **what, "env": env, "log": str(log), "cwd": os.getcwd()}
         try:
             self.proc.stdin.write((json.dumps(req) + "\n").encode())
             self.proc.stdin.flush()
@@ -300,13 +361,7 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if end is not None and time.monotonic() > end:
-                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            time.sleep(0.02)
-        assert self.returncode is not None
-        return self.returncode
+        return wait_polling(self.poll, f"pid {self.pid}", timeout)
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -315,6 +370,17 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+def wait_polling(poll: Callable[[], int | None], what: str, timeout: float | None) -> int:
+    """``Popen.wait`` for a process this one cannot ``waitpid`` (another's child): poll
+    every 20 ms until ``poll`` gives its code; ``subprocess.TimeoutExpired`` at ``timeout``."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while (code := poll()) is None:
+        if end is not None and time.monotonic() > end:
+            raise subprocess.TimeoutExpired(what, timeout or 0.0)
+        time.sleep(0.02)
+    return code
 
 
 def _exists(pid: int) -> bool:

@@ -53,6 +53,37 @@ EPOCH_TAGS = ("membership/members", "membership/epoch")
 COUNTERS = ("faults/injected", "failures/observed")
 
 
+class _EventWriter:
+    """Scalars into one event file, as ``torch.utils.tensorboard.SummaryWriter`` writes
+    them (a ``simple_value`` per point; a purge step as a file-version event and a
+    session start at that step), from the ``tensorboard`` package alone: the coordinator
+    writes these files and never imports torch (its import was most of the coordinator's
+    start-up)."""
+
+    def __init__(self, log_dir: Path, *, purge_step: int | None) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+        from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+        self._writer = EventFileWriter(str(log_dir), max_queue_size=10, flush_secs=3600)
+        if purge_step is not None:  # hides the earlier launch's points from this step on
+            self._writer.add_event(Event(step=purge_step, file_version="brain.Event:2"))
+            start = SessionLog(status=SessionLog.START)
+            self._writer.add_event(Event(step=purge_step, session_log=start))
+
+    def add_scalar(self, tag: str, value: float, *, global_step: int, walltime: float) -> None:
+        from tensorboard.compat.proto.event_pb2 import Event
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._writer.add_event(Event(summary=summary, step=int(global_step), wall_time=walltime))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 @dataclass(frozen=True)
 class Point:
     tag: str
@@ -167,7 +198,7 @@ class TensorBoardSink:
         self.log_dir = log_dir
         self.takeover = takeover
         self.last: dict[str, float] = written_keys(log_dir) if takeover else {}
-        self._writer: Any = None
+        self._writer: _EventWriter | None = None
         self.written = 0
 
     def write(self, points: Iterable[Point]) -> int:
@@ -182,14 +213,12 @@ class TensorBoardSink:
         self.written += len(fresh)
         return len(fresh)
 
-    def _open(self, first_step: int) -> Any:
+    def _open(self, first_step: int) -> _EventWriter:
         if self._writer is None:
-            from torch.utils.tensorboard import SummaryWriter
-
             earlier = any(self.log_dir.glob("events.out.tfevents.*"))
             purge = first_step if earlier and not self.takeover else None
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.log_dir), purge_step=purge, flush_secs=3600)
+            self._writer = _EventWriter(self.log_dir, purge_step=purge)
         return self._writer
 
     def close(self) -> None:

@@ -126,6 +126,17 @@ def _check_outer(config: RunConfig, c: Checker) -> None:
         train.shard_degree,
     )
     c.check(
+        outer.delay == 0
+        or outer.precision == "int8"
+        or train.reduction != "exact"
+        or train.reduction_exponents == "step",
+        "train.reduction_exponents",
+        "must be 'step' with outer.delay = 1 and fp32 pseudo-gradients: the outer "
+        "reduction runs behind the next step's replicas, and carried exponents would make "
+        "it a second pass over replicas computed before (not built)",
+        train.reduction_exponents,
+    )
+    c.check(
         train.precision != "fp16",
         "train.precision",
         "cannot be 'fp16' with outer.replicas set: the loss scale's overflow verdict is a "

@@ -652,8 +652,10 @@ class OuterConfig:
     (one step late, as streaming/overlapped DiLoCo: outer step t applies step t - 1's
     mean, and step 0 moves nothing; the replicas of step t + 1 then start from parameters
     that do not depend on step t's reduction). The last step's mean is left pending, in
-    the checkpoint (``"pending"``). Limit: only the math is built: the reduction of step t
-    still finishes before step t + 1's inner steps start (the overlap it allows is not)."""
+    the checkpoint (``"pending"``). With 1, step t's reduction runs on the comm thread
+    behind step t + 1's replicas and is waited for at the next outer boundary (a
+    checkpoint or a fingerprint comparison waits for it at once); with fp32 it needs
+    ``train.reduction_exponents = "step"``."""
 
     def __post_init__(self) -> None:
         c = Checker()

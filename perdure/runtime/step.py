@@ -68,12 +68,26 @@ class StepEnd:
     before_update: Callable[[], None]
     """Called before the optimizer touches the state (the checkpoint snapshot in flight
     must have copied it)."""
-    after_update: Callable[[int, float, float], None]
+    after_update: Callable[[int, float | None, float], None]
     """``(step, loss, step_s)`` once the update is in: the commit (metrics, fingerprints,
-    a due checkpoint)."""
+    a due checkpoint). ``loss`` None: an overlapped outer step, whose loss arrives with its
+    reduction (its metrics line is :attr:`StepRunner.settled`'s)."""
 
 
-def train_step(run: StepRunner, t: int, end: StepEnd) -> float:
+@dataclass
+class OuterFlight:
+    """An overlapped outer step's reduction (``outer.delay = 1``), on the comm thread
+    while the next step's replicas run: the step, the future of its sum, the replicas this
+    member sent (their buffers stay the flight's until it settles) and the step's time."""
+
+    step: int
+    fut: Any
+    slots: list[int]
+    bufs: list[torch.Tensor]
+    step_s: float = 0.0
+
+
+def train_step(run: StepRunner, t: int, end: StepEnd) -> float | None:
     """One optimizer step of this member, top to bottom (torchtitan's ``train_step``):
 
     1. plan: this member's slots of step ``t``;
@@ -89,15 +103,46 @@ def train_step(run: StepRunner, t: int, end: StepEnd) -> float:
        (``end.after_update``).
 
     Steps 1-4 are :meth:`StepRunner.gradient`; every decision in them is a function of
-    the slots, so the result is the same bits on every membership. Returns the loss."""
+    the slots, so the result is the same bits on every membership. Returns the loss
+    (None for an overlapped outer step: :func:`overlapped_outer_step`)."""
     tr, t0 = run.tr, time.monotonic()
     tr.poison_due(t)  # a scheduled data fault (chaos): identical on every member
+    if run.overlap:
+        overlapped_outer_step(run, t, end, t0)
+        return None
     total = run.gradient(t, t0)  # 1-4
     end.before_update()
     loss = tr.apply(t, total)  # 5
     run.log_scale_changes()
     end.after_update(t, loss, time.monotonic() - t0)  # 6
     return loss
+
+
+def overlapped_outer_step(run: StepRunner, t: int, end: StepEnd, t0: float) -> None:
+    """Outer step ``t`` under ``outer.delay = 1``, its reduction behind the next step's
+    replicas (streaming DiLoCo's overlap, the math :meth:`OuterStep.apply` defines):
+
+    1. this member's replicas of step ``t`` from the parameters ``theta_t``, while step
+       ``t - 1``'s reduction is still on the comm thread;
+    2. settle step ``t - 1``'s reduction: its mean becomes the pending one, its metrics
+       line is written (:meth:`StepRunner.settle`);
+    3. start step ``t``'s reduction on the comm thread (:meth:`StepRunner.launch`);
+    4. the update: step ``t - 1``'s mean moves the parameters to ``theta_t+1``
+       (``Trainer.apply_pending``), which does not need step ``t``'s sum;
+    5. the commit (evaluation, fingerprints and a due checkpoint settle step ``t`` first).
+
+    A reduction lost with a member is undone at the epoch's end
+    (:meth:`StepRunner.close_flight`): the state goes back to before step ``t``'s update
+    and the next epoch redoes step ``t``, keeping this member's replicas of it."""
+    run.outer_replicas(t, t0)  # 1
+    run.settle()  # 2
+    run.launch(t)  # 3
+    end.before_update()
+    run.tr.apply_pending(t)  # 4
+    step_s = time.monotonic() - t0
+    if run.flight is not None:
+        run.flight.step_s = step_s
+    end.after_update(t, None, step_s)  # 5
 
 
 class StepRunner:
@@ -144,6 +189,15 @@ class StepRunner:
         self.gate: Callable[[], Any] | None = None
         """Called once before this member's first collective on the epoch's group (an
         overlapped state copy's holder: its copy must be served first, ``copy_overlap``)."""
+        self.overlap = outer.on and outer.delay == 1
+        """``outer.delay = 1``: an outer step's reduction runs behind the next step's
+        replicas (:func:`overlapped_outer_step`)."""
+        self.flight: OuterFlight | None = None
+        """The overlapped outer step whose reduction is in flight, if any."""
+        self._spare: list[torch.Tensor] = []
+        self.settled: Callable[[int, float, float], None] = lambda step, loss, step_s: None
+        """``(step, loss, step_s)``: an overlapped outer step's reduction is in (its
+        metrics line; set by the worker)."""
 
     def open_gate(self) -> None:
         """Pass the gate (once): what must finish before this member's first collective."""
@@ -237,6 +291,99 @@ class StepRunner:
         if estimates is not None:  # outer.error_feedback: made current by the update
             outer.stage_estimates(estimates)
         return cast(torch.Tensor, total)
+
+    # -- the overlapped outer step (outer.delay = 1) ------------------------------------------
+
+    def outer_replicas(self, t: int, t0: float) -> None:
+        """This member's replicas of outer step ``t`` into ``self.bufs`` (those it kept
+        from an abandoned attempt copied), while the previous step's reduction is on the
+        comm thread: no collective here."""
+        tr = self.tr
+        self.slots = self.plan_at(t).slots_of(self.rank)
+        tr.prefetch(t + 1, self.plan_at(t + 1).slots_of(self.rank))
+        tr.begin_step()
+        abort = lambda: self.seams.should_stop(t)  # noqa: E731
+        if len(self.bufs) != len(self.slots):
+            self.bufs = [tr.layout.new_buffer() for _ in self.slots]
+        computed = self._fill(t, (t, tr.state_version), range(len(self.slots)), abort, None)
+        if computed:
+            self.timer.record(time.monotonic() - t0, computed)
+        self._log_salvage(t)
+
+    def launch(self, t: int) -> None:
+        """Start outer step ``t``'s reduction on the comm thread (int8: its records'
+        all-gather, encoded now against the estimates the last settled step left) and
+        hand this member's replica buffers to it: the next step's go to the spare set."""
+        assert self.flight is None, "an outer step launched over one in flight"
+        self._injected_drop()
+        self.open_gate()
+        delay, timeout = self.seams.delay_s(), self.seams.timeout()
+        if self.int8 is not None:
+            plan = self.plan_at(t)
+            width = max(len(plan.slots_of(r)) for r in range(self.size))
+            outer = self.tr.outer
+            assert outer is not None
+            fut = self.int8.start(
+                self.comm, self.slots, self.bufs, width, timeout, delay, outer.estimates
+            )
+        else:
+            abort = lambda: self.seams.should_stop(t)  # noqa: E731
+            fut = self.reducer.start(
+                self.comm, self.bufs, timeout=timeout, abort=abort, send_delay_s=delay
+            )
+        self.flight = OuterFlight(t, fut, list(self.slots), self.bufs)
+        self.bufs, self._spare = self._spare, []
+
+    def settle(self) -> None:
+        """Wait for the outer step in flight, if any (leaving once that step must be
+        abandoned: a member was lost), then commit it: the non-finite check, its mean
+        pending (``Trainer.settle_outer``), its metrics line (:attr:`settled`). Raises
+        Abandoned or CommFailed with the flight kept, for :meth:`close_flight` to undo."""
+        f = self.flight
+        if f is None:
+            return
+        result = self.comm.result(f.fut, abort=lambda: self.seams.should_stop(f.step))
+        total, estimates = result if self.int8 is not None else (result, None)
+        bad = self.tr.layout.bad_slots(total)
+        if bad:
+            raise MathError(
+                f"step {f.step}: the pseudo-gradients of virtual replicas {bad} are not finite "
+                "(outer.replicas: a non-finite inner step stops a DiLoCo run; its "
+                "quarantine path is not built)"
+            )
+        outer = self.tr.outer
+        assert outer is not None
+        if estimates is not None:  # outer.error_feedback: made current by settle_outer
+            outer.stage_estimates(estimates)
+        loss = self.tr.settle_outer(f.step, total)
+        self.flight, self._spare = None, f.bufs
+        self.settled(f.step, loss, f.step_s)
+
+    def close_flight(self) -> None:
+        """The epoch ends: settle the outer step in flight, or where its reduction was
+        lost (or cannot be trusted), undo its update (``Trainer.undo_outer``): the
+        member reports the step before it, with its own replicas of that step kept
+        (salvage), and the next epoch redoes the step, the same bits as if nothing had
+        happened. Either way no reduction is in flight afterwards."""
+        f = self.flight
+        if f is None:
+            return
+        try:
+            self.settle()
+            return
+        except (Abandoned, CommFailed) as e:
+            why = str(e)
+        except Exception as e:  # the next epoch redoes the step and meets it again
+            why = f"{type(e).__name__}: {e}"
+        self.flight = None
+        t = self.tr.undo_outer()
+        assert t == f.step, (t, f.step)
+        self.seams.salvage.clear()
+        for slot, buf in zip(f.slots, f.bufs, strict=True):
+            self._keep((t, self.tr.state_version), slot, buf)
+        self.seams.events.write(
+            {"event": ev.OUTER_UNDONE, "worker": self.seams.name, "step": t, "why": why[:200]}
+        )
 
     def _take(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> bool:
         return not self.lockstep and self.seams.salvage.take(key, slot, buf)
@@ -488,6 +635,7 @@ class StepRunner:
 
     def any_member(self, flag: bool) -> bool:
         """Whether ``flag`` holds on any member (``Comm.any_rank``)."""
+        self.settle()
         return self.comm.any_rank(flag, self.seams.timeout())
 
     def compare_fingerprints(self) -> bool:
@@ -503,6 +651,7 @@ class StepRunner:
         Sharded at rest, a rank holds its shard's parameters only (-1 in its CRCs for the
         others): replicas are compared within each set of ranks that hold the same
         tensors."""
+        self.settle()  # the step in flight's collective comes first on every member
         crcs = self.tr.fingerprint()
         dev = self.comm.device
         mine = torch.tensor(crcs, dtype=torch.int64, device=dev)

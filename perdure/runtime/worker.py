@@ -44,10 +44,10 @@ from perdure.runtime.comm.reducer import make_reducer, uses_tiers
 from perdure.runtime.comm.swarm import SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
+from perdure.runtime.control.auth_store import AuthStore
 from perdure.runtime.control.channel import UNACKED_S
 from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
-from perdure.runtime.control.store import AuthStore
 from perdure.runtime.member import saves
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.heartbeat import Heartbeat
@@ -240,6 +240,7 @@ class Worker:
         rank = plan.members.index(self.name)
         self.inflight = self.trainer.next_step
         abort = lambda: self._should_stop(self.inflight)  # noqa: E731
+
         try:
             store = self._store()
             comm = Comm(
@@ -257,16 +258,22 @@ class Worker:
             if uses_tiers(self.config.train, self.config.cluster.hierarchical_reduce):
                 comm.add_tiers(store, self.region)
             self._shard_group(store, comm, rank)
+            first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
+            # the overlapped copy's group, with the epoch's: every member meets in it at
+            # once, before the holders compute and whatever a receiver builds next
+            copy_comm = self.transfer.copy_group(start, first, comm, rank, len(plan.members))
         except (Abandoned, CommFailed) as e:
             if self.shards is not None:  # its groups, as far as they were built
                 self.shards.close()
                 self.shards = None
                 self.trainer.shards = None
+            if "comm" in locals():
+                comm.close()
             self._failed(e)
             return
-        first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
         runner = self._runner(plan, rank, comm, first)
-        ep = Epoch(start.epoch, plan, rank, start, comm, runner)
+        ep = Epoch(start.epoch, plan, rank, start, comm, runner, copy_comm=copy_comm)
+        runner.settled = lambda t, loss, step_s: self._line(ep, t, loss, step_s)
         try:
             self._transfer(ep)
             ep.ckpt = saves.checkpointer(
@@ -426,8 +433,10 @@ class Worker:
             )
 
     def _close_epoch(self, ep: Epoch) -> None:
-        if ep.copy is not None:
-            ep.copy.close()
+        ep.runner.close_flight()  # an overlapped outer step: settled, or undone
+        self.transfer.settle(ep)  # a copy served before the epoch ended: its event
+        if ep.copy_comm is not None:  # built, and the copy never ran (or ran: closed again)
+            ep.copy_comm.close()
         ep.comm.close()
         if self.shards is not None:
             self.shards.close()
@@ -491,24 +500,33 @@ class Worker:
             log.warning("%s: part %s repaired via %s", self.name, record["part"], record["via"])
             self.events.write({"event": ev.PART_REPAIRED, "worker": self.name, **record})
 
-    def _commit(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
-        """After step ``t``'s update: its metrics line, a due evaluation, the replicas'
-        fingerprints every ``fingerprint_every`` steps, and a due checkpoint's save."""
+    def _line(self, ep: Epoch, t: int, loss: float, step_s: float) -> None:
+        assert self.trainer is not None
+        self.metrics.write(step_line(self.trainer, self.config, ep, t, loss, step_s, self.name))
+
+    def _commit(self, ep: Epoch, t: int, loss: float | None, step_s: float) -> None:
+        """After step ``t``'s update: its metrics line (an overlapped outer step's once
+        its reduction is in: ``StepRunner.settle``), a due evaluation, the replicas'
+        fingerprints every ``fingerprint_every`` steps, and a due checkpoint's save (an
+        overlapped outer step's reduction settled first: the checkpoint holds its mean)."""
         tr = self.trainer
         assert tr is not None
-        self.metrics.write(step_line(tr, self.config, ep, t, loss, step_s, self.name))
+        if loss is not None:
+            self._line(ep, t, loss, step_s)
         self.evaluation.after(tr, t, self.metrics.write if ep.rank == 0 else _drop)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
             self.has_state = False  # receive a live peer's state in the next epoch
             raise CommFailed(f"replica diverged at step {tr.next_step}")
         if saves.due(self.config, tr.next_step, self.client.last_step(self.config.train.steps)):
+            ep.runner.settle()
             saves.save_due(tr, ep, self.config, self.name)
 
     def _finish(self, ep: Epoch) -> None:
         """The final checkpoint (all members write it in parallel), then report done."""
         tr = self.trainer
         assert tr is not None and ep.ckpt is not None
+        ep.runner.settle()  # an overlapped outer step's reduction: in the final state
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
             self.has_state = False  # no run ends with replicas that disagree

@@ -179,17 +179,81 @@ def test_error_feedback_resumed_from_a_mid_run_checkpoint_retraces_the_run(
     assert s["final_hash"] == ef_ref["final_hash"]
 
 
+DELAYED = {**OUTER, "delay": 1}
+DELAYED_EF = {**EF, "delay": 1}
+
+
+@pytest.fixture(scope="module")
+def delay_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("diloco-delay")
+    return {**run_to_end(_cfg(small_dataset, 1, DELAYED), run_dir), "run_dir": run_dir}
+
+
 def test_a_delayed_outer_step_is_another_math_with_one_hash_on_one_worker_and_two_resumed(
-    diloco_ref: dict, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory
+    diloco_ref: dict, delay_ref: dict, small_dataset: Path, tmp_path: Path
 ) -> None:
     """``outer.delay = 1``: the mean not yet applied travels in the checkpoint, so two
-    workers resumed from one worker's step-4 checkpoint end with its hash."""
-    delayed = {**OUTER, "delay": 1}
-    ref_dir = tmp_path_factory.mktemp("diloco-delay")
-    ref = run_to_end(_cfg(small_dataset, 1, delayed), ref_dir)
-    assert ref["final_hash"] != diloco_ref["final_hash"]
-    half = ref_dir / "checkpoints" / f"step-{STEPS // 2:09d}"
+    workers resumed from one worker's step-4 checkpoint end with its hash. The checkpoint
+    was due while step 3's reduction ran behind step 4's replicas: the save waited for it
+    (the reduction settles first), so the mean it holds is step 3's."""
+    assert delay_ref["final_hash"] != diloco_ref["final_hash"]
+    half = delay_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
     assert float(load_checkpoint(half).optimizer["outer"]["pending"].abs().max()) > 0
-    two = run_to_end(_cfg(small_dataset, 2, delayed), tmp_path_factory.mktemp("d2"),
-                     resume=str(half))  # fmt: skip
-    assert two["final_hash"] == ref["final_hash"]
+    two = run_to_end(_cfg(small_dataset, 2, DELAYED), tmp_path, resume=str(half))
+    assert two["final_hash"] == delay_ref["final_hash"]
+
+
+@pytest.mark.parametrize("outer", [DELAYED, DELAYED_EF], ids=["fp32", "int8-ef"])
+def test_a_worker_killed_while_the_outer_reduction_is_in_flight_does_not_change_the_hash(
+    delay_ref: dict, small_dataset: Path, tmp_path_factory: pytest.TempPathFactory,
+    outer: dict,
+) -> None:  # fmt: skip
+    """The overlapped form of ``outer.delay = 1``: an outer step's reduction runs behind
+    the next step's replicas. r1-0's sends are held 1.5 s (``delay``; the bench threshold
+    raised above it, so nobody is benched), so at any moment a reduction it has not sent
+    to is in flight, longer than the kill takes to land even on a loaded machine, and it
+    is killed after step 3: the survivors undo the update of the step whose reduction was
+    lost (``outer_undone``), redo that step in the next epoch with their own replicas kept,
+    and end with the one worker's hash (int8 with error feedback: its estimates too)."""
+    ref = delay_ref
+    if outer is DELAYED_EF:
+        ref_dir = tmp_path_factory.mktemp("diloco-delay-ef")
+        ref = run_to_end(_cfg(small_dataset, 1, outer), ref_dir)
+    faults = [
+        {"kind": "delay", "target": "r1-0", "at_step": 0, "delay_ms": 1500, "duration_s": 60},
+        {"kind": "kill", "target": "r1-0", "at_step": 3},
+    ]
+    run_dir = tmp_path_factory.mktemp("killed")
+    cfg = _cfg(small_dataset, 4, outer, regions=2, chaos={"faults": faults},
+               cluster={"bench_lag_ms": 10_000})  # fmt: skip
+    s = run_to_end(cfg, run_dir)
+    assert s["final_hash"] == ref["final_hash"] and s["replica_hashes_agree"]
+    undone = events(run_dir, "outer_undone")
+    assert undone and {e["worker"] for e in undone} <= {"r0-0", "r0-1", "r1-1"}, undone
+    assert all(e["step"] >= 3 for e in undone), undone
+
+
+def test_a_member_leaving_at_a_step_boundary_settles_the_outer_reductions_before_it(
+    delay_ref: dict, small_dataset: Path, tmp_path: Path
+) -> None:
+    """r1-0's sends are held 400 ms, so an outer reduction is in flight at any moment, and
+    it is stopped after step 3 (SIGTERM: it leaves at the next step boundary ``after``,
+    and a new process joins under its name later). Every step before the boundary is
+    settled, whoever was in flight (its reduction is waited for, not abandoned); a member
+    that had already applied a step at or past the boundary undoes it (that step belongs
+    to the next epoch), so the next epoch starts at the boundary and the run ends with
+    the one worker's hash."""
+    faults = [
+        {"kind": "delay", "target": "r1-0", "at_step": 0, "delay_ms": 400, "duration_s": 60},
+        {"kind": "stop", "target": "r1-0", "at_step": 3, "duration_s": 1.0},
+    ]
+    cfg = _cfg(small_dataset, 4, DELAYED, regions=2, chaos={"faults": faults})
+    s = run_to_end(cfg, tmp_path)
+    assert s["final_hash"] == delay_ref["final_hash"] and s["replica_hashes_agree"]
+    (leave,) = [e for e in events(tmp_path, "epoch_announced") if "gracefully" in e["reason"]]
+    after = leave["after"]
+    assert after > 3, leave
+    assert [(e["worker"], e["next_step"]) for e in events(tmp_path, "left")] == [("r1-0", after)]
+    (started,) = [e for e in events(tmp_path, "epoch_started") if e["epoch"] == leave["epoch"]]
+    assert started["start_step"] == after
+    assert all(e["step"] >= after for e in events(tmp_path, "outer_undone"))

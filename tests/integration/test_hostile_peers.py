@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from perdure.runtime.control.store import AuthStore
+from perdure.runtime.control.auth_store import AuthStore
 from tests.runtime_support import run_to_end, small_config
 
 STEPS = 40

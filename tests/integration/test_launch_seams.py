@@ -91,7 +91,8 @@ def test_posting_moves_to_the_standby_store_when_the_primary_is_gone(
     import socket
     from datetime import timedelta
 
-    from perdure.runtime.control.store import AuthStore, StoreServer
+    from perdure.runtime.control.auth_store import AuthStore
+    from perdure.runtime.control.store import StoreServer
 
     monkeypatch.setattr(store_client, "STORE_TIMEOUT_S", 0.5)
     with socket.socket() as s:  # a port nobody listens on: the primary is gone

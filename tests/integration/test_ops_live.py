@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,7 +97,9 @@ def _wait(cond, what: str, live: Live, within_s: float = 60.0) -> None:  # type:
 @pytest.fixture(scope="module")
 def live(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
     tmp = tmp_path_factory.mktemp("live")
-    rd, imports = tmp / "run", tmp / "imports.txt"
+    # The run's name is in every process title the tests look for: unique, so that a run
+    # of a test running at the same time (make test: -n 2) is never taken for this one.
+    rd, imports = tmp / f"live-{uuid.uuid4().hex[:12]}", tmp / "imports.txt"
     env = {**os.environ, "PERDURE_TEST_IMPORT_LOG": str(imports)}
     cmd = [sys.executable, "-c", _LAUNCHER, str(small_dataset), str(rd), str(ROOT), HOST]
     launcher = subprocess.Popen(cmd, cwd=ROOT, env=env)

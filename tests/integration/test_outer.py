@@ -19,9 +19,11 @@ from tests.runtime_support import small_config
 
 
 def _trainer(dataset: Path, **outer: object) -> Trainer:
+    """``outer.delay = 1`` with the exponents' step form (what it needs with fp32)."""
+    train = {"reduction_exponents": "step"} if outer.get("delay") else {}
     cfg = small_config(
         dataset, workers=1, steps=4, slots=4, batch=16,
-        outer={"replicas": 4, "inner_steps": 2, **outer},
+        outer={"replicas": 4, "inner_steps": 2, **outer}, train=train,
     )  # fmt: skip
     return Trainer(cfg)
 
@@ -229,3 +231,49 @@ def test_a_delayed_outer_step_applies_the_previous_steps_mean_and_step_zero_move
     assert torch.equal(optim["outer"]["pending"], late.layout.grads(totals[1]).div(4))
     with pytest.raises(ConfigError, match=r"outer\.delay.*must be one of \[0, 1\]"):
         small_config(small_dataset, slots=4, outer={"replicas": 4, "delay": 2})
+
+
+def test_the_overlapped_delayed_step_moves_the_same_bits_and_an_undo_puts_the_state_back(
+    small_dataset: Path,
+) -> None:
+    """The overlapped form of ``outer.delay = 1`` (``Trainer.apply_pending`` before the
+    step's sum exists, ``settle_outer`` once it is in) is :meth:`Trainer.apply`'s
+    arithmetic bit for bit; ``undo_outer`` (the reduction lost with a member) restores
+    the parameters, the momentum, the pending mean and the step, under a new state
+    version, and the step redone lands on the same bits."""
+    late, split = _trainer(small_dataset, delay=1), _trainer(small_dataset, delay=1)
+    gen = torch.Generator().manual_seed(2)
+    totals = []
+    for _ in range(4):
+        total = late.layout.new_buffer()
+        late.layout.grads(total).copy_(torch.randn(late.layout.numel, generator=gen))
+        late.layout.losses(total).copy_(torch.rand(4, generator=gen))
+        totals.append(total)
+    for t in range(3):
+        loss = late.apply(t, totals[t])
+        split.apply_pending(t)
+        assert split.settle_outer(t, totals[t]) == loss
+        assert split.next_step == late.next_step == t + 1
+        assert split.digest() == late.digest()
+    before, version = split.digest(), split.state_version
+    theta = [p.detach().clone() for p in split.model.parameters()]
+    split.apply_pending(3)
+    assert not torch.equal(next(split.model.parameters()).detach(), theta[0])
+    with pytest.raises(AssertionError, match="in flight"):
+        split.digest()  # no state is read while a reduction is in flight
+    assert split.undo_outer() == 3 == split.next_step
+    assert split.digest() == before and split.state_version > version + 1
+    split.apply_pending(3)
+    split.settle_outer(3, totals[3])
+    late.apply(3, totals[3])
+    assert split.digest() == late.digest()
+
+
+def test_a_delayed_outer_step_with_fp32_needs_the_exponents_step_form(
+    small_dataset: Path,
+) -> None:
+    """The overlapped reduction of ``outer.delay = 1`` is one pass over replicas already
+    computed: carried exponents (a second pass on a missed prediction) are refused."""
+    with pytest.raises(ConfigError, match=r"train\.reduction_exponents.*must be 'step'"):
+        small_config(small_dataset, slots=4, outer={"replicas": 4, "delay": 1})
+    small_config(small_dataset, slots=4, outer={"replicas": 4, "delay": 1, "precision": "int8"})

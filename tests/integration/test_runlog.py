@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
+import os
 from pathlib import Path
 from typing import Any
 
 from perdure import events as ev
 from perdure.events import read_jsonl
-from perdure.runlog import STATE, Merger, merge_all, part, writer_id
+from perdure.runlog import Merger, merge_all, newest_record, part, writer_id
+
+
+def _record(run_dir: Path, log: str) -> dict[str, Any]:
+    state = newest_record(run_dir / f"{log}.d")
+    assert state is not None
+    return state
 
 
 def _write(run_dir: str, name: str, n: int) -> None:
@@ -55,7 +61,7 @@ def test_a_new_merger_goes_on_where_the_last_stopped_and_drops_an_unrecorded_app
         log.write({"event": ev.JOIN, "i": i})
     Merger(tmp_path, "events").merge(final=True)  # e.g. a standby that took over
     assert [r["i"] for r in read_jsonl(tmp_path / "events.jsonl")] == [0, 1, 2, 3, 4]
-    state = json.loads((tmp_path / "events.d" / STATE).read_text())
+    state = _record(tmp_path, "events")
     assert state["size"] == (tmp_path / "events.jsonl").stat().st_size
 
 
@@ -96,7 +102,7 @@ def test_every_member_logs_its_steps_and_the_merge_keeps_each_step_once(tmp_path
     _steps(w1, range(8, 10))
     Merger(tmp_path, "metrics").merge(final=True)  # a standby taking over goes on
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == list(range(10))
-    state = json.loads((tmp_path / "metrics.d" / STATE).read_text())
+    state = _record(tmp_path, "metrics")
     assert state["last_step"] == 9
 
 
@@ -145,9 +151,96 @@ def test_a_cut_off_primary_still_merging_stands_down_for_the_standby_that_took_o
     assert primary.merge(final=True) == 0  # for good
     assert standby.merge(final=True) == 1
     assert [r["i"] for r in read_jsonl(tmp_path / "events.jsonl")] == [0, 1, 2, 3]
-    assert json.loads((tmp_path / "events.d" / STATE).read_text())["generation"] == 2
+    assert _record(tmp_path, "events")["generation"] == 2
     merge_all(tmp_path, final=True)  # the launcher's last merge claims nothing
-    assert json.loads((tmp_path / "events.d" / STATE).read_text())["generation"] == 2
+    assert _record(tmp_path, "events")["generation"] == 2
     relaunch = Merger(tmp_path, "events", new_launch=True, generation=1)  # a new lease store
     old.write({"event": ev.JOIN, "i": 4})
     assert relaunch.merge(final=True) == 1 and not relaunch.stood_down
+
+
+def _stop_inside_a_merge(run_dir: str) -> None:
+    """A primary's merger (generation 1) that SIGSTOPs itself inside its append, after it
+    opened the merged file and checked for a newer claim, holding the lock."""
+    import signal
+
+    import perdure.runlog as runlog
+
+    m = Merger(run_dir, "events", new_launch=True, generation=1)
+    part(run_dir, "events", "coordinator.a").write({"event": ev.JOIN, "i": 1})
+    real = os.fsync
+
+    def stop_then_sync(fd: int) -> None:
+        os.kill(os.getpid(), signal.SIGSTOP)
+        real(fd)
+
+    runlog.os.fsync = stop_then_sync  # type: ignore[attr-defined]
+    m.merge(final=True)  # stopped in here; woken, its write went to the replaced file
+    runlog.os.fsync = real  # type: ignore[attr-defined]
+    part(run_dir, "events", "coordinator.a").write({"event": ev.JOIN, "i": 3})
+    assert m.merge(final=True) == 0 and m.stood_down
+
+
+def test_a_primary_stopped_inside_its_merge_neither_stalls_the_standby_nor_overwrites_it(
+    tmp_path: Path,
+) -> None:
+    """The hung primary holds the merge lock; the standby (generation 2) takes over within
+    the lock's timeout, merges every part from the recorded offsets, and the primary's
+    append, finished once it wakes, lands in the file the takeover replaced: the merged
+    log holds each line once."""
+    import signal
+    import time
+
+    part(tmp_path, "events", "coordinator.a").write({"event": ev.JOIN, "i": 0})
+    Merger(tmp_path, "events").merge(final=True)
+    ctx = mp.get_context("fork")
+    proc = ctx.Process(target=_stop_inside_a_merge, args=(str(tmp_path),))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not _stopped(proc.pid):
+            assert time.monotonic() < deadline and proc.is_alive(), "never stopped"
+            time.sleep(0.01)
+        standby = Merger(tmp_path, "events", generation=2)  # does not wait for the lock
+        assert standby.owns
+        part(tmp_path, "events", "standby.b").write({"event": ev.COORDINATOR_TAKEOVER, "i": 2})
+        assert standby.merge(final=True) == 2  # the primary's unrecorded line, and its own
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.join(30)
+        assert proc.exitcode == 0
+        assert standby.merge(final=True) == 1  # the primary's last line, from its part
+    finally:
+        if proc.is_alive():
+            os.kill(proc.pid, signal.SIGKILL)
+    assert [r["i"] for r in read_jsonl(tmp_path / "events.jsonl")] == [0, 1, 2, 3]
+    assert _record(tmp_path, "events")["generation"] == 2
+    assert _record(tmp_path, "events")["size"] == (tmp_path / "events.jsonl").stat().st_size
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def test_a_merger_that_claims_nothing_skips_a_merge_while_the_lock_is_held(
+    tmp_path: Path,
+) -> None:
+    """The launcher's or a tool's merge does not wait on a stopped holder past the lock's
+    timeout: it merges nothing, and everything once the lock is free."""
+    import fcntl
+
+    log = part(tmp_path, "events", "w0")
+    log.write({"event": ev.JOIN, "i": 0})
+    (tmp_path / "events.d").mkdir(exist_ok=True)
+    fd = os.open(tmp_path / "events.d" / "merge.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # another open file: conflicts even in this process
+    try:
+        m = Merger(tmp_path, "events")
+        assert not m.ready and m.merge(final=True) == 0
+        assert not (tmp_path / "events.jsonl").exists()
+    finally:
+        os.close(fd)
+    assert m.merge(final=True) == 1
+    assert [r["i"] for r in read_jsonl(tmp_path / "events.jsonl")] == [0]

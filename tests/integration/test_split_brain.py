@@ -88,7 +88,13 @@ def test_a_worker_cut_from_the_primary_only_causes_no_takeover_and_changes_no_bi
     relay = Relay((host, int(port)))
     for name in WORKERS:  # r0-1 reaches the primary through the relay only
         run.worker(name, [relay.address if name == "r0-1" else primary, standby])
-    run.wait_step(20)
+    # after the save of step 20 committed: a member lost while its part of a save is being
+    # written abandons that save (``member.saves``), which a loaded machine made happen
+    wait_for(
+        lambda: [e for e in run.events(ev.CHECKPOINT_SAVED) if e.get("step") == 20],
+        60,
+        "the save of step 20",
+    )
     relay.cut()
     wait_for(
         lambda: [e for e in run.events(ev.REFUSED) if e.get("retry") and e["worker"] == "r0-1"],
@@ -107,8 +113,18 @@ def test_a_worker_cut_from_the_primary_only_causes_no_takeover_and_changes_no_bi
     assert "r0-1" in run.events(ev.EPOCH_STARTED)[-1]["plan"]["members"]  # rejoined
     lines = _every_step_once(run)
     assert {m["generation"] for m in lines} == {1}
+    # every due save once: committed; skipped (the previous one still writing); or cut
+    # short by r0-1's rejoin, when the epoch it was a collective of ended before its parts
+    # were all written (``member.saves``: a loaded machine's slow save met the join's
+    # boundary at step 60 in a CI run). The final save is waited for, and the save before
+    # the cut committed (waited for above).
     saved = collections.Counter(e["step"] for e in run.events(ev.CHECKPOINT_SAVED))
-    assert saved == {20: 1, 40: 1, 60: 1, 80: 1}
+    cut = collections.Counter(
+        e["step"] for e in run.events(ev.CHECKPOINT_FAILED) if "membership changed" in e["error"]
+    )
+    busy = collections.Counter(e["step"] for e in run.events(ev.CHECKPOINT_SKIPPED))
+    assert saved + cut + busy == {20: 1, 40: 1, 60: 1, 80: 1}  # busy: the last still writing
+    assert saved[20] == saved[STEPS] == 1
     assert _final_hashes(run) == {reference["final_hash"]}
 
 

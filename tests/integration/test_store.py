@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from perdure.runtime.control.store import AuthStore, StoreServer
+from perdure.runtime.control.auth_store import AuthStore
+from perdure.runtime.control.store import StoreServer
 
 TOKEN = "run-token"
 

@@ -12,14 +12,20 @@ import pytest
 
 from perdure.launch.procs import child_env
 from perdure.launch.zygote import UNKNOWN_EXIT, ForkedProcess, Zygote
+from perdure.launch.zygote_base import ForkedZygote, run_zygote
 from perdure.runtime.entry import WorkerSpec
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="the zygote forks")
 
 
-@pytest.fixture
-def zygote(tmp_path: Path):
-    z = Zygote(child_env("test-token"), tmp_path / "zygote.log")
+@pytest.fixture(params=["own", "from_base"])
+def zygote(request: pytest.FixtureRequest, tmp_path: Path):
+    """A zygote started on its own, and one forked by this process's base
+    (``zygote_base.py``): the launcher cannot tell them apart."""
+    env, log = child_env("test-token"), tmp_path / "zygote.log"
+    z = run_zygote(env, log, run_dir=None, preload=[]) if request.param == "from_base" else None
+    z = z or Zygote(env, log)
+    assert isinstance(z.proc, ForkedZygote) == (request.param == "from_base")
     end = time.monotonic() + 30
     while not z.ready:
         assert time.monotonic() < end, (tmp_path / "zygote.log").read_text()
@@ -97,3 +103,17 @@ def test_a_task_module_that_fails_to_import_is_logged_and_the_zygote_still_serve
         assert p.wait(20) == 1  # it forks as before: the workers report the import themselves
     finally:
         z.close()
+
+
+def test_a_forked_command_runs_the_perdure_cli_and_reports_its_exit(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """The local launcher forks the run's coordinators from the zygote (``spawn_command``)."""
+    ok = zygote.spawn_command(["coordinator", "--help"], child_env("t"), tmp_path / "c.log")
+    bad = zygote.spawn_command(
+        ["coordinator", "--no-such-flag"], child_env("t"), tmp_path / "b.log"
+    )
+    assert ok is not None and bad is not None
+    assert (ok.wait(30), bad.wait(30)) == (0, 2)  # click's usage error
+    assert "Run a coordinator" in (tmp_path / "c.log").read_text()
+    assert "No such option '--no-such-flag'" in (tmp_path / "b.log").read_text()

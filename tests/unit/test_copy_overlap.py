@@ -85,7 +85,7 @@ JOB = CopyJob(receivers=(1,), source=0, shard_degree=1, layout={})
 
 def test_a_holders_gate_opens_once_its_copy_is_served_and_reports_what_it_sent() -> None:
     comm, copy = _Comm(), _Copy()
-    server = CopyServer(lambda: comm, copy, JOB)  # type: ignore[arg-type]
+    server = CopyServer(lambda: comm, copy, JOB, step=3)  # type: ignore[arg-type]
     copy.go.set()
     sent = server.wait(lambda: False)
     assert (sent["bytes_sent"], sent["ranges_sent"]) == (7, 1) and sent["seconds"] >= 0
@@ -94,7 +94,7 @@ def test_a_holders_gate_opens_once_its_copy_is_served_and_reports_what_it_sent()
 
 def test_a_copy_that_fails_fails_the_step_at_its_gate() -> None:
     copy = _Copy(CommFailed("peer closed"))
-    server = CopyServer(_Comm, copy, JOB)  # type: ignore[arg-type]
+    server = CopyServer(_Comm, copy, JOB, step=3)  # type: ignore[arg-type]
     copy.go.set()
     with pytest.raises(CommFailed, match="peer closed"):
         server.wait(lambda: False)
@@ -102,8 +102,28 @@ def test_a_copy_that_fails_fails_the_step_at_its_gate() -> None:
 
 def test_a_gate_waiting_for_a_copy_leaves_when_the_epoch_changes() -> None:
     copy = _Copy()
-    server = CopyServer(_Comm, copy, JOB)  # type: ignore[arg-type]
+    server = CopyServer(_Comm, copy, JOB, step=3)  # type: ignore[arg-type]
     with pytest.raises(Abandoned):
         server.wait(lambda: True)
     server.close()
     copy.go.set()
+
+
+def test_a_copy_served_in_full_reports_it_without_a_wait_and_one_still_out_reports_nothing() -> (
+    None
+):
+    """An epoch that ends before a holder's gate still records a copy that was served
+    (``StateTransfer.settle``): ``finished`` says so without waiting, and says nothing of
+    a copy still under way or one that failed."""
+    out, done, failed = _Copy(), _Copy(), _Copy(CommFailed("peer closed"))
+    servers = [CopyServer(_Comm, c, JOB, step=3) for c in (out, done, failed)]  # type: ignore[arg-type]
+    done.go.set()
+    failed.go.set()
+    for s in servers[1:]:
+        s._thread.join(10)
+    assert servers[0].finished() is None
+    got = servers[1].finished()
+    assert got is not None and (got["bytes_sent"], got["ranges_sent"]) == (7, 1)
+    assert servers[2].finished() is None
+    servers[0].close()
+    out.go.set()

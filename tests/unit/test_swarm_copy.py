@@ -165,8 +165,8 @@ def test_a_receivers_non_contiguous_tensor_is_filled_once_its_ranges_are_in() ->
 class _Corrupt(SwarmCopy):
     """Flips one byte of every ``every``-th range it sends (on the wire, not its state)."""
 
-    def __init__(self, every: int) -> None:
-        super().__init__(chunk_bytes=1000, window=3)
+    def __init__(self, every: int, bundle: int = 0) -> None:
+        super().__init__(chunk_bytes=1000, window=3, bundle_bytes=bundle)
         self.every, self.n = every, 0
 
     def _outgoing(self, data: torch.Tensor) -> torch.Tensor:
@@ -179,7 +179,10 @@ class _Corrupt(SwarmCopy):
 
 
 def test_a_range_that_fails_its_checksum_is_fetched_again_from_another_holder() -> None:
-    out = _run(3, (2,), lambda r: _Corrupt(every=10) if r == 1 else SwarmCopy(chunk_bytes=1000))
+    def copier(r: int) -> SwarmCopy:  # every range a message of its own
+        return _Corrupt(every=10) if r == 1 else SwarmCopy(chunk_bytes=1000, bundle_bytes=0)
+
+    out = _run(3, (2,), copier)
     got, m, _ = out[2]
     assert isinstance(got, Received)
     _assert_same_as_holders(got, m)  # the corrupted bytes were overwritten
@@ -283,3 +286,37 @@ def test_a_sharded_joiner_copies_a_holder_of_its_own_shard_and_only_that_shard()
     ]
     assert [r.holder(0) for r in ranges] == [0, 1, 3, 0, 0, 0]
     assert [r.holder(1) for r in ranges] == [1, 3, 0, None, None, None]
+
+
+def test_a_states_small_tensors_travel_as_one_message_per_holder_bit_for_bit() -> None:
+    """24 ranges (6 model tensors, AdamW's step and two moments of each: 86 KB) from one
+    holder: one bundle, one message; from three holders: one message each, the bytes
+    still balanced by the plan; the joiner's state is the holders' bit for bit."""
+    out = _run(2, (1,), lambda r: SwarmCopy())
+    got, m, stats = out[1]
+    _assert_same_as_holders(got, m)
+    assert (out[0][2]["ranges_sent"], out[0][2]["messages_sent"]) == (24, 1)
+    assert (stats["ranges_received"], stats["messages_received"]) == (24, 1)
+    out = _run(4, (3,), lambda r: SwarmCopy())
+    got, m, stats = out[3]
+    _assert_same_as_holders(got, m)
+    assert [out[r][2]["messages_sent"] for r in (0, 1, 2)] == [1, 1, 1]
+    assert sum(out[r][2]["ranges_sent"] for r in (0, 1, 2)) == 24
+    assert stats["messages_received"] == 3 and got.holders == [0, 1, 2]
+
+
+def test_a_bundle_that_fails_its_checksum_is_fetched_again_range_by_range_elsewhere() -> None:
+    """Every message holder 1 sends is corrupted on the wire: each of its ranges fails
+    (one checksum for the bundle) and comes again from holder 0; the bits are right."""
+
+    def copier(r: int) -> SwarmCopy:
+        if r == 1:
+            return _Corrupt(every=1, bundle=4096)
+        return SwarmCopy(chunk_bytes=1000, bundle_bytes=4096)
+
+    out = _run(3, (2,), copier)
+    got, m, _ = out[2]
+    assert isinstance(got, Received)
+    _assert_same_as_holders(got, m)
+    assert out[1][2]["messages_sent"] < out[1][2]["ranges_sent"]
+    assert got.refetched == out[1][2]["ranges_sent"] > 0

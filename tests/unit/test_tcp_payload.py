@@ -106,3 +106,12 @@ def test_counts_add_frames_wire_bytes_payload_and_first_sends() -> None:
         "first": 1000,
         "frames": 5,
     }
+
+
+def test_counts_keep_each_connections_first_sends_apart() -> None:
+    """What tells the data plane from the control plane: first sends by connection."""
+    c = Counts()
+    for fr in (frame(1000, 500), frame(1000, 500), frame(1, 40, sport=29700, dport=41000)):
+        c.add(fr)
+    assert c.conns == {"10.231.1.1:5000>10.231.2.1:6000": 500,
+                       "10.231.1.1:29700>10.231.2.1:41000": 40}  # fmt: skip

@@ -19,10 +19,12 @@ a sequence of collectives over the epoch's group):
 3. *Transfer.* A holder sends views of its own tensors (no staging on the CPU, where the
    group's tensors live; a chunk-sized staging copy each otherwise) followed by the
    range's XXH3-64; a receiver receives into views of its own tensors (the model's own
-   parameters, made resident first) and checks the checksum. Each rank keeps at most
-   ``window`` ranges in flight, all ranks post in one global order (receiver, range), so
-   no cycle of waits can form; a source's extra memory is at most ``window`` chunks (none
-   on the CPU) whatever the state's size.
+   parameters, made resident first) and checks the checksum. Small ranges of one
+   receiver asked of one holder travel together (``bundle_bytes``: one staging buffer on
+   each end, one checksum; a bundle that fails it fails all its ranges). Each rank keeps
+   at most ``window`` messages in flight, all ranks post in one global order (receiver,
+   first range), so no cycle of waits can form; a source's extra memory is at most
+   ``window`` chunks (only bundles on the CPU) whatever the state's size.
 4. *Verdict.* The receivers' failed ranges are all-gathered; each is fetched again from
    the next holder that offers it. A range that failed from every such holder ends the
    copy with :class:`StateCopyFailed` on every rank (a data-plane fault: the epoch ends,
@@ -34,9 +36,8 @@ offer that fails makes its holder ineligible on every rank alike, a template tha
 refuses the copy); the bytes of a range are trusted to the backend's framing (gloo and
 NCCL match a receive's size to the send's, and every rank derives both sizes from the
 same plan); XXH3-64 catches corruption, not a forger. A non-contiguous source tensor is
-made contiguous once, whole. Each range is two messages, however small its tensor (tiny
-tensors are not coalesced). The copy happens while the survivors wait at the epoch's
-start: it costs the run its time. ``Shards.exchange`` moves a shard with it too; there a
+made contiguous once, whole. Each message is two sends (its bytes, its checksum).
+``Shards.exchange`` moves a shard with it too; there a
 rank that holds nothing of the shard passes no offer and takes part in the collectives
 only.
 """
@@ -72,8 +73,17 @@ CHUNK_BYTES = 4 << 20
 bytes, small enough that ``WINDOW`` of them in flight spread over every holder."""
 
 WINDOW = 12
-"""Ranges in flight per rank: at most ``WINDOW * CHUNK_BYTES`` (48 MiB) of staging on a
-source whose tensors are not where the group's are (none on the CPU)."""
+"""Messages in flight per rank: at most ``WINDOW * CHUNK_BYTES`` (48 MiB) of staging on a
+source whose tensors are not where the group's are, ``WINDOW * BUNDLE_BYTES`` (12 MiB) of
+bundles (below) on either end."""
+
+BUNDLE_BYTES = 1 << 20
+"""The largest bundle: consecutive ranges of at most a quarter of this, all of one
+receiver and asked of one holder, travel as one message (one staging copy on each end,
+one checksum). A replica's biases, norms and AdamW's 4-byte steps are hundreds of tiny
+tensors; one message each cost a copy of a 1.8 MB state 113 ranges, ~0.05-0.08 s of
+Python beside a holder's compute (docs/performance.md, section 17). 0 sends every range
+alone."""
 
 MESSAGE_COST = 4096
 """What a range costs a holder beyond its bytes, in bytes, when ranges are balanced."""
@@ -191,6 +201,7 @@ class SwarmCopy:
 
     chunk_bytes: int = CHUNK_BYTES
     window: int = WINDOW
+    bundle_bytes: int = BUNDLE_BYTES
     stats: dict[str, int] = field(default_factory=dict)
     """Counters of the last copy on this rank (``ranges_sent``, ``bytes_sent``, ...)."""
 
@@ -199,6 +210,8 @@ class SwarmCopy:
             raise ValueError(f"SwarmCopy.chunk_bytes must be >= 1 (got {self.chunk_bytes})")
         if self.window < 1:
             raise ValueError(f"SwarmCopy.window must be >= 1 (got {self.window})")
+        if self.bundle_bytes < 0:
+            raise ValueError(f"SwarmCopy.bundle_bytes must be >= 0 (got {self.bundle_bytes})")
 
     def copy(self, comm: Comm, job: CopyJob) -> Received | None:
         me = comm.rank
@@ -209,10 +222,18 @@ class SwarmCopy:
         raw = b""
         if job.offer is not None and not receiving:
             tensors, raw = self._encode(job.offer)
+
         offers = _parse_all(_all_gather_bytes(comm, raw, job.timeout), set(job.receivers))
         templates = {r: _template(r, job, offers) for r in job.receivers}
         ranges = _plan(job, offers, templates, self.chunk_bytes)
-        self.stats = {"ranges_sent": 0, "bytes_sent": 0, "ranges_received": 0, "refetched": 0}
+        self.stats = {
+            "ranges_sent": 0,
+            "bytes_sent": 0,
+            "messages_sent": 0,
+            "ranges_received": 0,
+            "messages_received": 0,
+            "refetched": 0,
+        }
         sink = _Sink(offers[templates[me]], job) if receiving else None
         attempts = {(r.dst, r.index): 0 for r in ranges}
         todo = ranges
@@ -240,7 +261,8 @@ class SwarmCopy:
             self.stats["refetched"] += len(todo)
         if sink is None:
             return None
-        return sink.received(templates[me], sorted(sources), self.stats["refetched"])
+        got = sink.received(templates[me], sorted(sources), self.stats["refetched"])
+        return got
 
     # -- one round of ranges ----------------------------------------------------------------
 
@@ -252,27 +274,31 @@ class SwarmCopy:
         sink: _Sink | None,
         job: CopyJob,
     ) -> list[int]:
-        """Send and receive this rank's ranges, ``window`` in flight; the indices of the
-        ranges received here whose checksum did not match."""
+        """Send and receive this rank's ranges, ``window`` messages in flight; the indices
+        of the ranges received here whose checksum did not match."""
         pg, dev, t = comm.pg, comm.device, job.timeout
         flight: deque[tuple[list[Any], Callable[[], None]]] = deque()
         bad: list[int] = []
         source = _Source(tensors, dev)
-        for r, h in ops:
+        for msg in _messages(ops, self.bundle_bytes):
+            first, h = msg[0]
             assert h is not None
-            tag = (2 * r.index) % (1 << 30)
+            ranges = [r for r, _ in msg]
+            tag = (2 * first.index) % (1 << 30)
             if h == comm.rank:
-                data, check = source.chunk(r.key, r.lo, r.hi, self._outgoing)
-                works = [pg.send([data], r.dst, tag), pg.send([check], r.dst, tag + 1)]
-                self.stats["ranges_sent"] += 1
-                self.stats["bytes_sent"] += r.hi - r.lo
+                data, check = source.message(ranges, self._outgoing)
+                works = [pg.send([data], first.dst, tag), pg.send([check], first.dst, tag + 1)]
+                self.stats["ranges_sent"] += len(ranges)
+                self.stats["bytes_sent"] += sum(r.hi - r.lo for r in ranges)
+                self.stats["messages_sent"] += 1
                 flight.append((works, lambda: None))
             else:
                 assert sink is not None
-                buf, done = sink.slot(r, dev, bad)
+                buf, done = sink.message(ranges, dev, bad)
                 check = torch.zeros(1, dtype=torch.int64, device=dev)
                 works = [pg.recv([buf], h, tag), pg.recv([check], h, tag + 1)]
-                self.stats["ranges_received"] += 1
+                self.stats["ranges_received"] += len(ranges)
+                self.stats["messages_received"] += 1
                 flight.append((works, functools.partial(_checked, done, check)))
             while len(flight) >= self.window:
                 _finish(flight.popleft(), t)
@@ -288,6 +314,33 @@ class SwarmCopy:
     def _outgoing(self, data: torch.Tensor) -> torch.Tensor:
         """The bytes sent for a range (a seam for tests that corrupt them on the wire)."""
         return data
+
+
+def _messages(
+    ops: list[tuple[Range, int | None]], bundle_bytes: int
+) -> list[list[tuple[Range, int | None]]]:
+    """This rank's ranges as messages, in the global order of each message's first range:
+    a range above a quarter of ``bundle_bytes`` alone; smaller ones of one receiver asked
+    of one holder gathered, in order, into bundles of at most ``bundle_bytes``. The two
+    ends of a message see the same ranges of their pair in the same order, so they cut the
+    same bundles; ordered by first range, every rank still posts in one global order, so
+    no cycle of waits can form."""
+    out: list[list[tuple[Range, int | None]]] = []
+    open_: dict[tuple[int, int | None], tuple[list[tuple[Range, int | None]], int]] = {}
+    small = bundle_bytes // 4
+    for r, h in ops:
+        n = r.hi - r.lo
+        if n > small or bundle_bytes == 0:
+            out.append([(r, h)])
+            continue
+        pair = (r.dst, h)
+        msg, size = open_.get(pair, ([], bundle_bytes))
+        if size + n > bundle_bytes:
+            msg, size = [], 0
+            out.append(msg)
+        msg.append((r, h))
+        open_[pair] = (msg, size + n)
+    return out
 
 
 def _checked(done: Callable[[int], None], check: torch.Tensor) -> None:
@@ -325,10 +378,15 @@ class _Source:
             self._flat = (key, t.reshape(-1).view(torch.uint8))
         return self._flat[1]
 
-    def chunk(
-        self, key: str, lo: int, hi: int, outgoing: Callable[[torch.Tensor], torch.Tensor]
+    def message(
+        self, ranges: list[Range], outgoing: Callable[[torch.Tensor], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        view = self._bytes(key)[lo:hi]
+        """A message's bytes and their checksum: a view of one range, or a bundle's ranges
+        gathered into one buffer (at most ``BUNDLE_BYTES``)."""
+        if len(ranges) == 1:
+            view = self._bytes(ranges[0].key)[ranges[0].lo : ranges[0].hi]
+        else:
+            view = torch.cat([self._bytes(r.key)[r.lo : r.hi] for r in ranges])
         check = torch.tensor([_checksum(view)], dtype=torch.int64, device=self.device)
         data = view if view.device == torch.device(self.device) else view.to(self.device)
         return outgoing(data), check
@@ -353,19 +411,26 @@ class _Sink:
             self._flat[key] = t.detach().reshape(-1).view(torch.uint8)
         self.nbytes = sum(template.nbytes(k) for k in template.tensors)
 
-    def slot(
-        self, r: Range, device: torch.device, bad: list[int]
+    def message(
+        self, ranges: list[Range], device: torch.device, bad: list[int]
     ) -> tuple[torch.Tensor, Callable[[int], None]]:
-        """Where range ``r`` lands, and what checks it once it did."""
-        view = self._flat[r.key][r.lo : r.hi]
-        direct = view.device == torch.device(device)
-        buf = view if direct else torch.empty(r.hi - r.lo, dtype=torch.uint8, device=device)
+        """Where a message lands, and what checks it once it did: one range straight into
+        its tensor where the group's device allows; a bundle into one buffer, copied out
+        range by range once its checksum matched (else all its ranges are bad)."""
+        views = [self._flat[r.key][r.lo : r.hi] for r in ranges]
+        direct = len(views) == 1 and views[0].device == torch.device(device)
+        size = sum(v.numel() for v in views)
+        buf = views[0] if direct else torch.empty(size, dtype=torch.uint8, device=device)
 
         def done(check: int) -> None:
-            if not direct:
-                view.copy_(buf)
             if _checksum(buf) != check:
-                bad.append(r.index)
+                bad.extend(r.index for r in ranges)
+                return
+            if not direct:
+                at = 0
+                for v in views:
+                    v.copy_(buf[at : at + v.numel()])
+                    at += v.numel()
 
         return buf, done
 

@@ -3,11 +3,13 @@
 torch's ``TCPStore`` has no authentication and its server listens on every interface, so
 anyone who can reach the port can list, read, write and delete the keys that process
 groups rendezvous through (and, before this module, inject faults). Here the keys live
-in a ``HashStore`` (torch's own in-memory store) inside the coordinator, served by
+in a ``MemoryStore`` (``store_memory.py``: ``HashStore``'s semantics in plain Python, so
+that the coordinator never imports torch) inside the coordinator, served by
 :class:`StoreServer` on the configured address only; each connection first answers a
 challenge with an HMAC of the run token, like the control channel. Workers talk to it
-through :class:`AuthStore`, a ``torch.distributed.Store`` subclass, so ``PrefixStore``,
-``ProcessGroupGloo`` and ``ProcessGroupNCCL`` use it as they would a ``TCPStore``.
+through ``auth_store.AuthStore``, a ``torch.distributed.Store`` subclass, so
+``PrefixStore``, ``ProcessGroupGloo`` and ``ProcessGroupNCCL`` use it as they would a
+``TCPStore``.
 
 Wire format (``store_wire.py``): frames of a 4-byte big-endian length and a body; a
 body is a JSON header line and then raw bytes (the values). Admission: the server sends a
@@ -36,21 +38,17 @@ import struct
 import threading
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any
-
-import torch.distributed as dist
 
 from perdure.runtime.control.channel import verify
 from perdure.runtime.control.refusals import Refusals
+from perdure.runtime.control.store_memory import MemoryStore, StoreTimeout, StoreValueError
 from perdure.runtime.control.store_wire import (
     AUTH_BYTES,
     AUTH_MAGIC,
     StoreProtocolError,
-    as_bytes,
     as_int,
     frame,
-    handshake,
     parse_request,
     recv_frame,
     send_frame,
@@ -63,17 +61,13 @@ MAX_CLIENTS = 1024
 MAX_PENDING = 64
 """Connections that have not proved the token yet, at once; a new one drops the oldest. A
 worker's answer takes one round trip, so a flood that turns this many over in less than
-that is needed to keep one out (and its client retries, ``RETRY_S``)."""
+that is needed to keep one out (and its client retries: ``auth_store.RETRY_S``)."""
 ADMISSION_S = 5.0
 """From accept to a checked answer, whatever the peer sends meanwhile (a deadline, not a
 per-read timeout: dribbling one byte at a time does not extend it)."""
 BACKLOG = 1024
 SELECT_S = 0.1
 ACCEPT_BATCH = 256
-RETRY_S = 10.0
-"""How long a client keeps trying when the server accepted its connection and then closed
-it before its verdict (dropped as the oldest pending one under a flood): at most its own
-timeout. A refusal or a closed port fails at once."""
 IDLE_S = 3600.0
 """A connection that sends nothing for this long is closed (workers reconnect)."""
 
@@ -92,7 +86,7 @@ class _Pending:
 
 
 class StoreServer:
-    """Serves a ``HashStore`` to clients that prove the run token.
+    """Serves a ``MemoryStore`` to clients that prove the run token.
 
     Admission runs on one thread over non-blocking sockets (a selector), so a connection
     that has not proved the token costs a socket and a few bytes, never a thread: at most
@@ -106,7 +100,7 @@ class StoreServer:
 
     def __init__(self, host: str, port: int, token: str) -> None:
         self.token = token
-        self.backend = dist.HashStore()
+        self.backend = MemoryStore()
         try:
             self.listener = socket.create_server((host, port), backlog=BACKLOG)
         except OSError as e:
@@ -279,143 +273,31 @@ class StoreServer:
             return self._run(op, keys, header, blobs)
         except StoreProtocolError as e:
             return {"ok": False, "error": str(e), "timeout": False}, []
-        except dist.DistStoreError as e:  # a wait that timed out, a missing key
-            return {"ok": False, "error": str(e).splitlines()[0][:300], "timeout": True}, []
+        except StoreTimeout as e:  # a wait that timed out
+            return {"ok": False, "error": str(e)[:300], "timeout": True}, []
+        except StoreValueError as e:  # an add to a value that is not a number
+            return {"ok": False, "error": str(e)[:300], "timeout": False}, []
 
     def _run(
         self, op: str, keys: list[str], header: dict[str, Any], blobs: list[bytes]
     ) -> tuple[dict[str, Any], list[bytes]]:
         b = self.backend
         if op == "set":
-            b.set(keys[0], blobs[0])  # type: ignore[arg-type]  # bytes are accepted
-        elif op == "get":  # wait first: HashStore.get would block for its own timeout
-            b.wait(keys, timedelta(milliseconds=as_int(header.get("timeout_ms"), lo=1)))
+            b.set(keys[0], blobs[0])
+        elif op == "get":  # wait first: a missing key is a wait that timed out
+            b.wait(keys[:1], as_int(header.get("timeout_ms"), lo=1) / 1000)
             return {"ok": True}, [b.get(keys[0])]
         elif op == "add":
             return {"ok": True, "n": b.add(keys[0], as_int(header.get("n")))}, []
         elif op == "check":
             return {"ok": True, "n": int(b.check(keys))}, []
         elif op == "wait":
-            b.wait(keys, timedelta(milliseconds=as_int(header.get("timeout_ms"), lo=1)))
+            b.wait(keys, as_int(header.get("timeout_ms"), lo=1) / 1000)
         elif op == "delete_key":
             return {"ok": True, "n": int(b.delete_key(keys[0]))}, []
         elif op == "compare_set":
-            new = b.compare_set(keys[0], blobs[0], blobs[1])  # type: ignore[arg-type]
+            new = b.compare_set(keys[0], blobs[0], blobs[1])
             return {"ok": True}, [new]
         else:
             return {"ok": True, "n": b.num_keys()}, []
         return {"ok": True}, []
-
-
-# -- the client ------------------------------------------------------------------------------
-
-
-class AuthStore(dist.Store):
-    """A ``torch.distributed.Store`` that talks to a :class:`StoreServer` with the token.
-
-    Thread-safe (one operation at a time on its connection); raises
-    ``torch.distributed.DistStoreError`` for a timed-out wait or a missing key and
-    ``DistNetworkError`` when the server is unreachable, as ``TCPStore`` does, so callers
-    handle both the same way.
-    """
-
-    def __init__(self, host: str, port: int, token: str, timeout: timedelta) -> None:
-        super().__init__()
-        self.host, self.port, self._timeout = host, port, timeout
-        self._lock = threading.Lock()
-        self._sock = self._admitted(token)
-
-    def _admitted(self, token: str) -> socket.socket:
-        """A connection that proved the token; retried (up to ``RETRY_S``) only when the
-        server accepted it and closed it before its verdict, or said it was crowded out
-        (``retry``: its cap or deadline, as under a flood); a wrong token is final."""
-        limit = self._timeout.total_seconds()
-        end = time.monotonic() + min(limit, RETRY_S)
-        pause = 0.02
-        while True:
-            try:
-                sock = socket.create_connection((self.host, self.port), timeout=limit)
-            except OSError as e:
-                msg = f"store {self.host}:{self.port} unreachable: {e}"
-                raise dist.DistNetworkError(msg) from e
-            try:
-                reply = handshake(sock, token)
-            except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
-                reply = {"ok": False, "error": f"unreachable: {e}", "retry": True}
-            if not reply.get("ok") and reply.get("retry") is True:  # a crowded door
-                sock.close()
-                if time.monotonic() + pause >= end:
-                    msg = f"store {self.host}:{self.port} {reply.get('error')}"
-                    raise dist.DistNetworkError(msg)
-                time.sleep(pause)
-                pause = min(0.5, pause * 2)
-                continue
-            if not reply.get("ok"):
-                sock.close()
-                msg = f"store {self.host}:{self.port} refused: {reply.get('error')}"
-                raise dist.DistNetworkError(msg)
-            return sock
-
-    # -- the Store interface ---------------------------------------------------------------
-
-    def set(self, key: str, value: Any) -> None:
-        self._call({"op": "set", "keys": [key]}, (as_bytes(value),))
-
-    def get(self, key: str) -> bytes:
-        ms = self._ms(None)
-        return self._call({"op": "get", "keys": [key], "timeout_ms": ms}, extra_s=ms / 1000)[1][0]
-
-    def add(self, key: str, value: int) -> int:
-        return int(self._call({"op": "add", "keys": [key], "n": int(value)})[0]["n"])
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        blobs = (as_bytes(expected), as_bytes(desired))
-        return self._call({"op": "compare_set", "keys": [key]}, blobs)[1][0]
-
-    def check(self, keys: list[str]) -> bool:
-        return bool(self._call({"op": "check", "keys": list(keys)})[0]["n"])
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        ms = self._ms(timeout)
-        self._call({"op": "wait", "keys": list(keys), "timeout_ms": ms}, extra_s=ms / 1000)
-
-    def _ms(self, timeout: timedelta | None) -> int:
-        t = timeout if timeout is not None else self._timeout
-        return max(1, int(t.total_seconds() * 1000))
-
-    def delete_key(self, key: str) -> bool:
-        return bool(self._call({"op": "delete_key", "keys": [key]})[0]["n"])
-
-    def num_keys(self) -> int:
-        return int(self._call({"op": "num_keys"})[0]["n"])
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout
-
-    @property
-    def timeout(self) -> timedelta:  # type: ignore[override]
-        return self._timeout
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.close()
-
-    # -- one round trip --------------------------------------------------------------------
-
-    def _call(
-        self,
-        header: dict[str, Any],
-        blobs: tuple[bytes, ...] = (),
-        extra_s: float = 0.0,
-    ) -> tuple[dict[str, Any], list[bytes]]:
-        with self._lock:
-            try:
-                self._sock.settimeout(extra_s + 10.0)
-                send_frame(self._sock, header, blobs)
-                reply, out = recv_frame(self._sock)
-            except (OSError, ConnectionError, StoreProtocolError, struct.error) as e:
-                self.close()
-                raise dist.DistNetworkError(f"store {self.host}:{self.port}: {e}") from e
-        if not reply.get("ok"):
-            raise dist.DistStoreError(str(reply.get("error")))
-        return reply, out

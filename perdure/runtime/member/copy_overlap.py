@@ -73,22 +73,34 @@ def committed_offer(state: State, params: Sequence[torch.Tensor]) -> State:
 
 class CopyServer:
     """A holder's side of an overlapped copy on a background thread (see the module's
-    docstring): builds the copy group (``make_comm``), runs the copy, records what it
-    sent (``sent``: seconds and the copy's counters) or the exception that ended it."""
+    docstring): builds the copy group (``make_comm``) on the caller's thread, runs the
+    copy on its own, records what it sent (``sent``: seconds and the copy's counters) or
+    the exception that ended it.
 
-    def __init__(self, make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob) -> None:
+    Why the group is built before the thread starts: building a gloo group is a few dozen
+    store round trips, each of which needs the GIL back in Python. On a thread beside a
+    main thread that computes slots, each waited up to the interpreter's switch interval
+    (5 ms) for it: measured, the copy group formed 0.10-0.13 s after the epoch's own group
+    (about 0.01 s) and was the largest share of a kill's cost (docs/performance.md,
+    section 17). Built first, it costs the holder about what the epoch's group does, and
+    every member meets in it at once (the receivers build it first thing too)."""
+
+    def __init__(
+        self, make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob, *, step: int
+    ) -> None:
         self.job = job
+        self.step = step
+        """The step the holder's committed state is at: its ``state_sent`` event's."""
         self.sent: dict[str, Any] | None = None
         self.error: BaseException | None = None
-        self._comm: Comm | None = None
-        self._make, self._copy = make_comm, copy
+        self._copy = copy
         self._t0 = time.monotonic()
+        self._comm: Comm = make_comm()  # CommFailed / Abandoned: raised to the caller
         self._thread = threading.Thread(target=self._serve, name="state-copy", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
         try:
-            self._comm = self._make()
             got = self._copy.copy(self._comm, self.job)
             assert got is None, "a holder received state"
             stats = dict(self._copy.stats)
@@ -96,8 +108,7 @@ class CopyServer:
         except BaseException as e:  # handed to the step loop by wait()
             self.error = e
         finally:
-            if self._comm is not None:
-                self._comm.close()
+            self._comm.close()
 
     def wait(self, abort: Callable[[], bool]) -> dict[str, Any]:
         """Block until the copy is served (the step's gate before its reduction); raise
@@ -113,15 +124,21 @@ class CopyServer:
         assert self.sent is not None
         return self.sent
 
+    def finished(self) -> dict[str, Any] | None:
+        """What was sent, where the copy was served in full by now (no wait); else None."""
+        if self._thread.is_alive() or self.error is not None or self.sent is None:
+            return None
+        return dict(self.sent)
+
     def close(self) -> None:
         """Leave the copy (an epoch that ended first): its group's thread is let go, and
         the server thread ends at its next operation's abort check or timeout."""
-        if self._comm is not None:
-            self._comm.close()
+        self._comm.close()
 
 
 def receive(make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob) -> Received:
     """A receiver's side of an overlapped copy: build the copy group, copy, close it."""
+
     comm = make_comm()
     try:
         got = copy.copy(comm, job)

@@ -161,6 +161,9 @@ class OuterStep:
         next one (zeros at the start: step 0 moves nothing)."""
         if cfg.delay:
             self.pending = torch.zeros(engine.layout.numel, dtype=torch.float32)
+        self._undo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """While an overlapped outer step's reduction is in flight: the parameters (flat),
+        the momentum and the pending mean before :meth:`apply_pending` (:meth:`undo`)."""
         self._scratch: torch.Tensor | None = None
         self._kept: dict[int, torch.Tensor] = {}
         """Replicas computed under ``_kept_key`` (see :meth:`replica`): one slot buffer
@@ -298,13 +301,22 @@ class OuterStep:
         ``outer.error_feedback``, of the R new estimates, staged with it): their mean
         ``d`` (an IEEE division by R), ``m = momentum * m + d``, and each parameter moved
         by ``-lr * (d + momentum * m)`` (torch's Nesterov SGD, on the flat buffer)."""
-        cfg = self.cfg
         if self.estimates is not None:
             assert self._staged is not None, "an error-feedback outer step without estimates"
             self.estimates, self._staged = self._staged, None
-        d = self.engine.layout.grads(total).cpu().div(cfg.replicas)
+        d = self.mean(total)
         if self.pending is not None:  # outer.delay = 1: the previous step's mean now
             d, self.pending = self.pending, d
+        self._move(d)
+
+    def mean(self, total: torch.Tensor) -> torch.Tensor:
+        """The mean pseudo-gradient of a reduced sum: an IEEE division by R, on the CPU."""
+        return self.engine.layout.grads(total).cpu().div(self.cfg.replicas)
+
+    def _move(self, d: torch.Tensor) -> None:
+        """Nesterov SGD on the flat buffer: ``m = momentum * m + d``, each parameter moved
+        by ``-lr * (d + momentum * m)``."""
+        cfg = self.cfg
         self.norm = float(torch.linalg.vector_norm(d))
         self.momentum.mul_(cfg.momentum).add_(d)
         step = d.add(self.momentum, alpha=cfg.momentum)
@@ -315,9 +327,52 @@ class OuterStep:
                 p.add_(step[offset : offset + n].view_as(p).to(p.device), alpha=-cfg.lr)
                 offset += n
 
+    # -- the overlapped form of outer.delay = 1 ------------------------------------------------
+    #
+    # :meth:`apply` with ``outer.delay = 1`` takes step t's sum and applies step t - 1's
+    # mean. Split in two, the same arithmetic lets step t's reduction run behind step t + 1's
+    # replicas (``runtime/step.py``, ``OuterFlight``): :meth:`apply_pending` moves the
+    # parameters by the mean already pending (step t - 1's) before step t's sum exists, and
+    # :meth:`settle` makes step t's sum the pending mean once its reduction is done. Until
+    # then :meth:`undo` can put the state back as it was before :meth:`apply_pending` (the
+    # reduction was lost with a member: the step is redone from there).
+
+    def apply_pending(self) -> None:
+        """Outer step t's update under ``outer.delay = 1`` before step t's sum is known:
+        the pending mean (step t - 1's) applied as :meth:`apply` applies it, the state
+        before kept for :meth:`undo` (the parameters' flat copy and the momentum: two
+        parameter copies while a reduction is in flight)."""
+        assert self.pending is not None and self._undo is None, "no pending mean to apply"
+        self._undo = (self._flat(), self.momentum.clone(), self.pending)
+        d, self.pending = self.pending, None
+        self._move(d)
+
+    def settle(self, total: torch.Tensor) -> None:
+        """Step t's reduced sum arrived (with ``outer.error_feedback``, the new estimates
+        staged with it): its mean becomes the pending one, the estimates current."""
+        assert self.pending is None and self._undo is not None, "no outer step in flight"
+        if self.estimates is not None:
+            assert self._staged is not None, "an error-feedback outer step without estimates"
+            self.estimates, self._staged = self._staged, None
+        self.pending, self._undo = self.mean(total), None
+
+    def undo(self) -> None:
+        """Step t's reduction was lost: the parameters, the momentum and the pending mean
+        as they were before :meth:`apply_pending` (the estimates were not touched)."""
+        assert self._undo is not None, "no outer step in flight"
+        theta, self.momentum, self.pending = self._undo
+        self._restore(theta)
+        self._staged, self._undo = None, None
+
+    @property
+    def in_flight(self) -> bool:
+        """An update applied whose step's reduction has not settled (see :meth:`settle`)."""
+        return self._undo is not None
+
     # -- state -----------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
+        assert not self.in_flight, "the outer state read while a reduction is in flight"
         out = {"momentum": self.momentum.clone()}
         if self.estimates is not None:
             out["estimates"] = self.estimates.clone()
@@ -336,12 +391,12 @@ class OuterStep:
             source,
             "the outer optimizer's momentum (outer.replicas is set)",
         )
-        self._staged = None
-        if self.pending is not None:
+        self._staged, self._undo = None, None
+        if self.cfg.delay:
             self.pending = _saved(
                 state,
                 "pending",
-                self.pending.shape,
+                self.momentum.shape,  # [P], as the momentum
                 source,
                 "the last outer step's mean pseudo-gradient (outer.delay = 1)",
             )

@@ -227,6 +227,8 @@ class Trainer:
         (``"streamed"``); None until a step has measured them. State of the run, in
         checkpoints and state copies."""
         self._staged: list[int] | torch.Tensor | None = None
+        self._undo_step: tuple[int, int] | None = None
+        """``(next_step, state_version)`` before :meth:`apply_pending` (:meth:`undo_outer`)."""
         self.state_version = 0
         """Changes with every change of the state a slot's gradient depends on (an update,
         received or restored state, a quarantine): the key of salvaged slot buffers."""
@@ -477,6 +479,45 @@ class Trainer:
             self.torn = False
         self._check_update(step, lr)
         return self._committed(step, loss)
+
+    # -- the overlapped outer step (outer.delay = 1, ``runtime/step.py``) -------------------
+
+    def apply_pending(self, step: int) -> None:
+        """Outer step ``step``'s update under ``outer.delay = 1`` before its own reduction
+        is done: the pending mean (step ``step - 1``'s) moves the parameters, as
+        :meth:`apply` would move them, and ``step`` is committed as far as the next
+        replicas are concerned (``next_step``, ``state_version``). Its sum arrives with
+        :meth:`settle_outer`; a reduction lost before then is :meth:`undo_outer`'s."""
+        assert self.outer is not None
+        self._undo_step = (self.next_step, self.state_version)  # the version: a record only
+        self.outer.apply_pending()
+        self.grad_norm = self.outer.norm
+        self._check_update(step, self.config.outer.lr)
+        self._committed(step, 0.0)
+
+    def settle_outer(self, step: int, total: torch.Tensor) -> float:
+        """Outer step ``step``'s reduced sum, in after :meth:`apply_pending`: its mean is
+        now the pending one; returns the step's loss (the replicas' mean inner loss) and
+        sets its ``user_metrics``, as :meth:`apply` does from the same sum."""
+        assert self.outer is not None
+        B = self.config.train.global_batch
+        loss = float(self.engine.slot_losses(total).sum()) / B
+        self.user_metrics = self.engine.step_metrics(total, B)
+        self.outer.settle(total)
+        self._undo_step = None
+        return loss
+
+    def undo_outer(self) -> int:
+        """The reduction of the step :meth:`apply_pending` applied was lost: the state as
+        it was before (parameters, outer momentum, pending mean, ``next_step``), under a
+        new ``state_version`` (a version is never reused: the caller keeps its replicas
+        of the step under the new one). Returns the step, to be redone."""
+        assert self.outer is not None and self._undo_step is not None
+        self.outer.undo()
+        self.next_step = self._undo_step[0]
+        self.state_version += 1
+        self._undo_step = None
+        return self.next_step
 
     def _check_update(self, step: int, lr: float) -> None:
         if not self._params_finite():
@@ -835,6 +876,7 @@ class Trainer:
         self.decisions = list(ckpt.decisions)
         self.held = ALL
         self.torn = False
+        self._undo_step = None
         self.state_version += 1
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
         return notes
@@ -893,6 +935,7 @@ class Trainer:
         self.held = int(extra.get("held", ALL))
         self._drop_pending()
         self.torn = False
+        self._undo_step = None
         self.state_version += 1
 
     def copy_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
