@@ -86,23 +86,31 @@ MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "max_len": 
 
 
 def modes(quick: bool, hs: list[int] | None, precisions: list[str], sync: bool,
-          delays: tuple[int, ...] = (0,)) -> list[tuple[str, int, str, int]]:  # fmt: skip
-    """(name, H, precision, outer.delay); H = 1 is the synchronous step."""
-    out = [("sync", 1, "fp32", 0)] if sync else []
+          delays: tuple[int, ...] = (0,), crosses: tuple[str, ...] = ("auto",)
+          ) -> list[tuple[str, int, str, int, str]]:  # fmt: skip
+    """(name, H, precision, outer.delay, cluster.cross_region_reduce); H = 1 is the
+    synchronous step (``auto``: the direct exchange). Several ``crosses``: each DiLoCo
+    row once per setting, one right after the other (the same load), named by it."""
+    out = [("sync", 1, "fp32", 0, "auto")] if sync else []
     for h in hs if hs is not None else ([50] if quick else [10, 50, 200]):
         for p in precisions:  # each overlapped row right after its twin: the same load
-            out += [(f"diloco_h{h}_{p}{'_overlap' if d else ''}", h, p, d) for d in delays]
+            for d in delays:
+                for c in crosses:  # the setting before "_overlap": derive()'s twin
+                    tag = f"_{c}" if len(crosses) > 1 else ""
+                    out.append((f"diloco_h{h}_{p}{tag}{'_overlap' if d else ''}", h, p, d, c))
     return out
 
 
 def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int,
                coordinator: str, ports: int, exponents: str = "step",
-               outer: tuple[float, float] = (1.0, 0.5), delay: int = 0) -> Any:  # fmt: skip
+               outer: tuple[float, float] = (1.0, 0.5), delay: int = 0,
+               cross: str = "auto") -> Any:  # fmt: skip
     """The run's config: the same model, data, batch and tokens in both modes (DiLoCo's
     exponents ``step`` by default, as configs/diloco.toml: an outer step is rare, so one
     small MAX round before its sum costs less than the streamed form's first outer step
     computed twice). ``delay`` 1: ``outer.delay = 1``, each outer step's reduction behind
-    the next step's replicas (the overlapped rows)."""
+    the next step's replicas (the overlapped rows). ``cross``: how the regions' leaders
+    combine (``cluster.cross_region_reduce``: not part of the math)."""
     from tests.runtime_support import small_config
 
     outer_steps = max(1, steps // h)
@@ -110,6 +118,7 @@ def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int
         "task": {"options": MODEL},
         "cluster": {
             "hierarchical_reduce": True,
+            "cross_region_reduce": cross,
             "host": coordinator,
             "channel_port": ports,
             "port": ports + 1,
@@ -549,6 +558,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="outer.delay of the DiLoCo rows (1: the overlapped rows)")  # fmt: skip
     ap.add_argument("--outer-lr", type=float, default=1.0, help="outer.lr")
     ap.add_argument("--outer-momentum", type=float, default=0.5, help="outer.momentum")
+    ap.add_argument(
+        "--cross",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "direct", "ring"],
+        help="cluster.cross_region_reduce of the DiLoCo rows (several: side by side)",
+    )
     ap.add_argument("--out")
     a = ap.parse_args(argv)
 
@@ -565,14 +581,15 @@ def main(argv: list[str] | None = None) -> int:
                       include="*.py")  # fmt: skip
         with regions([2, 1, 1, 1], rtt_ms=a.rtt_ms) as rs:
             shaped = shape(rs, a.rate_mbit)
-            arms = modes(a.quick, a.inner_steps, a.precisions, not a.no_sync, tuple(a.delays))
-            for name, h, precision, delay in arms:
+            arms = modes(a.quick, a.inner_steps, a.precisions, not a.no_sync, tuple(a.delays),
+                         tuple(a.cross))  # fmt: skip
+            for name, h, precision, delay, cross in arms:
                 ports += 2
                 tmp = Path(d) / name
                 tmp.mkdir()
                 cfg = run_config(dataset, held_out, h, precision, a.steps,
                                  rs.hosts[0].address, ports, a.exponents,
-                                 (a.outer_lr, a.outer_momentum), delay)  # fmt: skip
+                                 (a.outer_lr, a.outer_momentum), delay, cross)  # fmt: skip
                 row = one_run(rs, cfg, name, h, tmp, ports, a.warmup if h == 1 else 1,
                               a.timeout_s)  # fmt: skip
                 rows.append(row)
@@ -586,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         "shaping": shaped,
         "sync_steps": a.steps,
         "outer": {"lr": a.outer_lr, "momentum": a.outer_momentum, "exponents": a.exponents},
+        "cross_region_reduce": a.cross,
         "model": MODEL,
         "goal": GOAL,
         "bars": bars,

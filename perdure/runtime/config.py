@@ -473,6 +473,17 @@ class ClusterConfig:
     region, then among one leader per region, then broadcast inside the region, so the
     slow links carry one exchange per region whatever the worker count
     (runtime/comm/tiers.py). The sum is exact either way: not a math setting."""
+    cross_region_reduce: Literal["auto", "direct", "ring"] = "auto"
+    """How the regions' leaders combine an exact sum over the slow links (with
+    ``hierarchical_reduce``). ``direct``: every leader sends its buffer to every other at
+    once, one one-way delay, R - 1 buffers out of each leader. ``ring``: the backend's
+    all-reduce among the leaders (gloo's ring: 2(R - 1)/R of a buffer out of each, half
+    the bytes at R = 4, in 2(R - 1) delays one after another). ``auto``: ``direct`` for
+    the synchronous step, whose buckets are latency-bound behind the backward; ``ring``
+    for DiLoCo's outer step (``outer.replicas``), whose one reduction per H inner steps is
+    bandwidth-bound. The sum is exact either way: not a math setting. (For one buffer of
+    N bytes at link rate B and one-way delay d, the ring is faster once
+    (R - 1)(R - 2)/R x N/B > (2R - 3) d: at R = 4, N/B > 3.3 d.)"""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
 

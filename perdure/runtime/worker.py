@@ -40,7 +40,7 @@ from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
-from perdure.runtime.comm.reducer import make_reducer, uses_tiers
+from perdure.runtime.comm.reducer import direct_leaders, make_reducer, uses_tiers
 from perdure.runtime.comm.swarm import SwarmCopy
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.address import interface_address
@@ -256,7 +256,9 @@ class Worker:
                 device=self.placement.buffers,
             )
             if uses_tiers(self.config.train, self.config.cluster.hierarchical_reduce):
-                comm.add_tiers(store, self.region)
+                cluster, diloco = self.config.cluster, self.config.outer.replicas > 0
+                direct = direct_leaders(cluster.cross_region_reduce, diloco)
+                comm.add_tiers(store, self.region, direct=direct)
             self._shard_group(store, comm, rank)
             first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
             # the overlapped copy's group, with the epoch's: every member meets in it at

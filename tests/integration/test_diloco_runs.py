@@ -15,6 +15,7 @@ import pytest
 
 from perdure.checkpoint import load_checkpoint
 from perdure.events import read_jsonl
+from perdure.run_config import with_overrides
 from tests.runtime_support import events, run_to_end, small_config
 
 STEPS = 8
@@ -51,11 +52,19 @@ def test_one_worker_trains_the_four_replicas_and_the_inner_loss_goes_down(
     assert half.optimizer["state"] == {}  # the inner state starts afresh every outer step
 
 
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize(
+    "workers,regions,cross",
+    [(2, 0, "auto"), (4, 0, "auto"), (4, 2, "direct"), (4, 2, "ring")],
+    ids=["2", "4", "2x2-direct", "2x2-ring"],
+)
 def test_the_worker_and_region_count_do_not_change_the_hash(
-    diloco_ref: dict, small_dataset: Path, tmp_path: Path, workers: int
+    diloco_ref: dict, small_dataset: Path, tmp_path: Path, workers: int, regions: int, cross: str
 ) -> None:
-    s = run_to_end(_cfg(small_dataset, workers), tmp_path)
+    """One region a worker (the flat all-reduce), or two of two workers whose leaders
+    combine by the direct exchange or by the ring (``cluster.cross_region_reduce``)."""
+    cfg = _cfg(small_dataset, workers, regions=regions)
+    cfg = with_overrides(cfg, cluster={"cross_region_reduce": cross})
+    s = run_to_end(cfg, tmp_path)
     assert s["final_hash"] == diloco_ref["final_hash"] and s["replica_hashes_agree"]
 
 

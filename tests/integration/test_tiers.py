@@ -23,8 +23,11 @@ def test_tiers_are_each_regions_ranks_and_one_leader_per_region() -> None:
     assert plan_tiers(regions, 5) == ([5], [0, 2, 5])
 
 
-def _reduce_all(regions: list[str], slots: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-    """Each rank in a thread: flat and tiered exact sums of its slots."""
+def _reduce_all(
+    regions: list[str], slots: list[list[torch.Tensor]], *, direct: bool = True
+) -> list[list[torch.Tensor]]:
+    """Each rank in a thread: flat and tiered exact sums of its slots (the leaders
+    combining by the direct exchange, or by the backend's all-reduce)."""
     store = dist.HashStore()
     out: list[list[torch.Tensor]] = [[] for _ in regions]
     errors: list[BaseException] = []
@@ -32,8 +35,13 @@ def _reduce_all(regions: list[str], slots: list[list[torch.Tensor]]) -> list[lis
     def rank_main(r: int) -> None:
         try:
             comm = Comm(store, "t", r, len(regions), TIMEOUT, lambda: False)
-            comm.add_tiers(store, regions[r])
-            assert comm.tiers is not None and comm.tiers.regions == tuple(regions)
+            comm.add_tiers(store, regions[r], direct=direct)
+            alone = len(set(regions)) == len(regions)
+            if not direct and alone:  # the flat all-reduce is then the leaders' own
+                assert comm.tiers is None
+            else:
+                assert comm.tiers is not None and comm.tiers.regions == tuple(regions)
+                assert comm.tiers.direct == direct
             red = ExactReducer(r, len(regions), slots=8, bits=64, block=16)
             flat = red.reduce(comm.pg, slots[r], TIMEOUT).clone()
             tiered = red.reduce(comm.pg, slots[r], TIMEOUT, tiers=comm.tiers).clone()
@@ -82,3 +90,15 @@ def test_one_member_per_region_is_combined_by_the_direct_exchange_with_the_same_
     reference = alone.reduce(None, [b.clone() for rank in slots for b in rank], TIMEOUT)
     for flat, tiered in _reduce_all(regions, [[b.clone() for b in rank] for rank in slots]):
         assert torch.equal(flat, reference) and torch.equal(tiered, reference)
+
+
+def test_leaders_combined_by_the_backends_all_reduce_give_the_same_bits() -> None:
+    g = torch.Generator().manual_seed(2)
+    regions = ["a", "a", "b", "c", "c"]
+    slots = [[torch.randn(999, generator=g) * 10 ** (r % 4) for _ in range(2)] for r in range(5)]
+    alone = ExactReducer(0, 1, slots=16, bits=64, block=16)
+    reference = alone.reduce(None, [b.clone() for rank in slots for b in rank], TIMEOUT)
+    for regions_now in (regions, ["a", "b", "c", "d", "e"]):
+        copies = [[b.clone() for b in rank] for rank in slots]
+        for flat, tiered in _reduce_all(regions_now, copies, direct=False):
+            assert torch.equal(flat, reference) and torch.equal(tiered, reference)

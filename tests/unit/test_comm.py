@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed, is_collective_failure
+from perdure.runtime.comm.reducer import direct_leaders
 
 
 @pytest.fixture
@@ -138,3 +139,10 @@ def test_a_closed_comm_drops_its_group_off_the_callers_thread_and_refuses_later_
         c.pg.allreduce([])
     c.close()  # again: nothing more to drop
     assert dropped == ["pg-drop"]
+
+
+def test_the_outer_step_combines_regions_by_ring_and_the_step_directly_unless_told() -> None:
+    assert direct_leaders("auto", diloco=False)
+    assert not direct_leaders("auto", diloco=True)
+    assert direct_leaders("direct", diloco=True) and direct_leaders("direct", diloco=False)
+    assert not direct_leaders("ring", diloco=False) and not direct_leaders("ring", diloco=True)

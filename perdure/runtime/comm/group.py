@@ -93,14 +93,16 @@ class Comm:
         self.tiers: Tiers | None = None
         """The region and leader groups of a two-tier reduction (``add_tiers``)."""
 
-    def add_tiers(self, store: dist.Store, region: str) -> None:
-        """Build this epoch's two-tier groups (``comm/tiers.py``); every member calls it."""
+    def add_tiers(self, store: dist.Store, region: str, *, direct: bool = True) -> None:
+        """Build this epoch's two-tier groups (``comm/tiers.py``); every member calls it,
+        with the same ``direct`` (the leaders' direct exchange, or the backend's
+        all-reduce)."""
         g = self._group
 
         def make(prefix: str, rank: int, size: int) -> Any:
             return dataclasses.replace(g, prefix=prefix, rank=rank, size=size).make(store)
 
-        args = (store, g.prefix, self.rank, self.size, region, make, self.timeout)
+        args = (store, g.prefix, self.rank, self.size, region, make, self.timeout, direct)
         self.tiers = self.call(lambda: build_tiers(*args))
 
     def subgroup(self, store: dist.Store, name: str, rank: int, size: int) -> Comm:

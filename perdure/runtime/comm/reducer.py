@@ -120,6 +120,13 @@ def uses_tiers(train: TrainConfig, hierarchical: bool) -> bool:
     return hierarchical and train.reduction == "exact"
 
 
+def direct_leaders(setting: str, diloco: bool) -> bool:
+    """Whether the regions' leaders combine by the direct exchange (else by the backend's
+    all-reduce): ``cluster.cross_region_reduce``, ``auto`` being direct except for
+    DiLoCo's outer step (``diloco``), which is bandwidth-bound."""
+    return setting == "direct" or (setting == "auto" and not diloco)
+
+
 def make_reducer(
     train: TrainConfig,
     rank: int,

@@ -10,8 +10,11 @@ additions gives the same bits, so it can instead:
    worker count: with at most ``DIRECT_MAX`` regions by a *direct exchange* (every leader
    sends its tensor to every other leader at once and folds the R tensors itself: one
    one-way delay over the slow links, where a ring all-reduce takes 2(R - 1) rounds one
-   after another, measured at ~3.9 RTT for 4 regions); with more, by the backend's
-   all-reduce (the direct exchange sends (R - 1) times the bytes of each leader);
+   after another, measured at ~3.9 RTT for 4 regions); with more, or where
+   ``cluster.cross_region_reduce`` asks for it (DiLoCo's outer step by default: one
+   reduction per H inner steps, bound by the links' bandwidth, not their delay), by the
+   backend's all-reduce (the direct exchange sends R - 1 buffers out of each leader,
+   gloo's ring 2(R - 1)/R);
 3. broadcast the result from each leader inside its region.
 
 MAX (the block exponents) composes the same way. The tiers are built at the start of a
@@ -58,6 +61,9 @@ class Tiers:
     cross: Any
     regions: tuple[str, ...]
     """Every rank's region, by rank."""
+    direct: bool = True
+    """The leaders combine by the direct exchange (else by the backend's all-reduce:
+    ``cluster.cross_region_reduce``, or past ``DIRECT_MAX`` leaders)."""
 
 
 def plan_tiers(regions: list[str], rank: int) -> tuple[list[int], list[int]]:
@@ -76,28 +82,32 @@ def build_tiers(
     region: str,
     make: Callable[[str, int, int], Any],
     timeout: timedelta,
+    direct: bool = True,
 ) -> Tiers | None:
     """Exchange regions under ``prefix`` and build the tiers with ``make(prefix, rank,
     size)`` (the epoch's own group factory); None when there is nothing to gain (one
-    region, or one member per region)."""
+    region; or one member per region where the leaders would not combine by the direct
+    exchange: the flat group's all-reduce is then the same collective). ``direct``: the
+    leaders combine by the direct exchange (up to ``DIRECT_MAX`` of them)."""
     sub = dist.PrefixStore(f"{prefix}/tiers", store)
     sub.set(f"region/{rank}", region)
     sub.wait([f"region/{r}" for r in range(size)], timeout)
     regions = [sub.get(f"region/{r}").decode() for r in range(size)]
     mine, leaders = plan_tiers(regions, rank)
-    if len(leaders) == 1 or (len(leaders) == size and size > DIRECT_MAX):
-        return None  # one region; or one member each, too many for a direct exchange
+    direct = direct and len(leaders) <= DIRECT_MAX
+    if len(leaders) == 1 or (len(leaders) == size and not direct):
+        return None  # one region; or one member each, not combined by a direct exchange
     tag = str(leaders.index(mine[0]))
     local = make(f"{prefix}/local/{tag}", mine.index(rank), len(mine)) if len(mine) > 1 else None
     cross = make(f"{prefix}/cross", leaders.index(rank), len(leaders)) if rank in leaders else None
-    return Tiers(local, cross, tuple(regions))
+    return Tiers(local, cross, tuple(regions), direct)
 
 
 def tiered_allreduce(tiers: Tiers, t: torch.Tensor, op: Any, timeout: timedelta) -> None:
     """``t`` = the all-reduce of every member's ``t`` with ``op`` (SUM or MAX), in tiers."""
     if tiers.local is not None:
         tiers.local.allreduce([t], _opts(op)).wait(timeout)
-    if tiers.cross is not None and tiers.cross.size() <= DIRECT_MAX:
+    if tiers.cross is not None and tiers.direct:
         direct_allreduce(tiers.cross, t, op, timeout)
     elif tiers.cross is not None:
         tiers.cross.allreduce([t], _opts(op)).wait(timeout)
@@ -174,7 +184,7 @@ class TieredBuckets:
     ) -> None:
         self.tiers, self.timeout = tiers, timeout
         cross = tiers.cross
-        self.direct = cross is not None and cross.size() <= DIRECT_MAX
+        self.direct = cross is not None and tiers.direct
         self.flights = [
             _Flight(t, op, BUCKET_TAG + i % TAG_RANGE) for i, (t, op) in enumerate(parts)
         ]
