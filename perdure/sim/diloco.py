@@ -32,7 +32,11 @@ overlapped exchange's intra-region part is taken not to slow the inner steps' ow
 reductions (they share the NICs); a region hosting several replicas sends one payload
 (their sum: exact for the integers, a few bits more than int8 for int8, not counted);
 the outer optimizer's step and the outer state's memory (two fp32 copies of the
-parameters) are not counted.
+parameters) are not counted. The exchange is modelled on a link per region pair, where
+the runtime's two ways of combining the regions' leaders (``cluster.cross_region_reduce``:
+the direct exchange, or the ring that is its default for the outer step, half the bytes
+at four regions) take the same time; on a shared uplink per region, as in
+``benchmarks/bench_diloco.py``, the ring is faster (docs/performance.md, 18d).
 """
 
 from __future__ import annotations
