@@ -185,7 +185,8 @@ class StepRunner:
         """int8 DiLoCo: the pseudo-gradients go through an all-gather of int8 records,
         not the reducer (``comm/int8_gather.py``)."""
         if outer.on and outer.precision == "int8":
-            self.int8 = Int8Gather(trainer.layout, train.reduction_block)
+            compress = outer.wire_compression == "zlib"
+            self.int8 = Int8Gather(trainer.layout, train.reduction_block, compress=compress)
         self.gate: Callable[[], Any] | None = None
         """Called once before this member's first collective on the epoch's group (an
         overlapped state copy's holder: its copy must be served first, ``copy_overlap``)."""

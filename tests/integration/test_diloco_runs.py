@@ -120,13 +120,16 @@ def int8_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     return {**run_to_end(_cfg(small_dataset, 1, INT8), run_dir), "run_dir": run_dir}
 
 
+@pytest.mark.parametrize("wire", ["zlib", "none"])
 def test_int8_is_another_math_with_one_hash_on_one_worker_and_two_resumed(
-    diloco_ref: dict, int8_ref: dict, small_dataset: Path, tmp_path: Path
+    diloco_ref: dict, int8_ref: dict, small_dataset: Path, tmp_path: Path, wire: str
 ) -> None:
-    """int8 puts int8 records on the wire (``comm/int8_gather.py``): 1 worker, and 2
-    resumed from its step-4 checkpoint, end with one hash, not fp32's."""
+    """int8 puts int8 records on the wire (``comm/int8_gather.py``), compressed or not
+    (``outer.wire_compression``, not in the hash): 1 worker, and 2 resumed from its
+    step-4 checkpoint, end with one hash, not fp32's."""
     half = int8_ref["run_dir"] / "checkpoints" / f"step-{STEPS // 2:09d}"
-    two = run_to_end(_cfg(small_dataset, 2, INT8), tmp_path, resume=str(half))
+    cfg = _cfg(small_dataset, 2, {**INT8, "wire_compression": wire})
+    two = run_to_end(cfg, tmp_path, resume=str(half))
     assert two["final_hash"] == int8_ref["final_hash"] != diloco_ref["final_hash"]
 
 

@@ -4,15 +4,21 @@ the gathered sum is the same bits whichever member hosted which replica."""
 
 from __future__ import annotations
 
+import threading
+from datetime import timedelta
+
 import pytest
 import torch
+import torch.distributed as dist
 
-from perdure.runtime.comm.int8_gather import Int8Gather
+from perdure.runtime.comm.group import Comm
+from perdure.runtime.comm.int8_gather import Int8Gather, compress, gather_compressed, inflate
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.outer import decode_int8, ef21_encode, ef21_update, encode_int8
 
 P, R, M, BLOCK = 10_000, 4, 1, 256
 LAYOUT = GradLayout(numel=P, slots=R, metrics=M)
+TIMEOUT = timedelta(seconds=30)
 
 
 def _replicas() -> list[torch.Tensor]:
@@ -108,3 +114,65 @@ def test_with_error_feedback_every_member_makes_the_same_new_estimates_from_the_
     assert LAYOUT.losses(one).tolist() == [2.5 + r / 4 for r in range(R)]
     plain = _reduce([[0, 1, 2, 3]], bufs)
     assert not torch.equal(LAYOUT.grads(one), LAYOUT.grads(plain))  # another math
+
+
+# -- the compressed wire (outer.wire_compression = "zlib") ----------------------------------
+
+
+def test_compressed_records_inflate_to_the_same_bytes_and_are_smaller() -> None:
+    gather = Int8Gather(LAYOUT, BLOCK)
+    bufs = _replicas()
+    full = gather.pack([0, 1], bufs[:2], 2)
+    sparse = gather.pack([3], [bufs[3]], 2)  # one unused record of zeros
+    for raw in (full, sparse):
+        packed = compress(raw)
+        assert torch.equal(inflate(packed, raw.numel(), 0), raw)
+    assert compress(full).numel() < 0.95 * full.numel()
+    assert compress(sparse).numel() < 0.6 * sparse.numel()  # the unused record: ~nothing
+
+
+def test_a_payload_that_inflates_to_another_size_or_not_at_all_is_refused() -> None:
+    raw = Int8Gather(LAYOUT, BLOCK).pack([0], [_replicas()[0]], 1)
+    packed = compress(raw)
+    assert raw.numel() == 10_056
+    with pytest.raises(RuntimeError, match="member 2's records inflate to more than the plan's"):
+        inflate(packed, raw.numel() - 1, 2)  # a bomb's way: more than the plan's size
+    with pytest.raises(RuntimeError, match="inflate to 10056 bytes, not the plan's 10057"):
+        inflate(packed, raw.numel() + 1, 2)
+    with pytest.raises(RuntimeError, match="inflate to 0 bytes, not the plan's 10056"):
+        inflate(packed[:8], raw.numel(), 2)  # cut short
+    with pytest.raises(RuntimeError, match="member 1's records do not inflate"):
+        inflate(torch.full((64,), 7, dtype=torch.uint8), raw.numel(), 1)
+    trailing = torch.cat([packed, torch.zeros(3, dtype=torch.uint8)])
+    with pytest.raises(RuntimeError, match="trailing bytes"):
+        inflate(trailing, raw.numel(), 0)
+
+
+def test_members_of_different_compressed_sizes_gather_every_members_records() -> None:
+    """Three members in threads over gloo: 2, 1 and 0 replicas each (so three compressed
+    sizes); every member gets every member's records, bit for bit, and the same sum."""
+    gather = Int8Gather(LAYOUT, BLOCK, compress=True)
+    bufs = _replicas()
+    hosts = [[0, 1], [2, 3], []]
+    width = 2
+    raws = [gather.pack(h, [bufs[r] for r in h], width) for h in hosts]
+    store = dist.HashStore()
+    got: list[list[torch.Tensor]] = [[] for _ in hosts]
+    errors: list[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            comm = Comm(store, "z", rank, len(hosts), TIMEOUT, lambda: False)
+            got[rank] = gather_compressed(comm, raws[rank], TIMEOUT)
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(len(hosts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for rank in range(len(hosts)):
+        assert [torch.equal(a, b) for a, b in zip(got[rank], raws, strict=True)] == [True] * 3
+    assert torch.equal(gather.total(got[2], R)[0], _reduce([[0, 1], [2, 3]], bufs))
