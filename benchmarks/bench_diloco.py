@@ -86,31 +86,37 @@ MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "dropout": 0.0, "max_len": 
 
 
 def modes(quick: bool, hs: list[int] | None, precisions: list[str], sync: bool,
-          delays: tuple[int, ...] = (0,), crosses: tuple[str, ...] = ("auto",)
-          ) -> list[tuple[str, int, str, int, str]]:  # fmt: skip
-    """(name, H, precision, outer.delay, cluster.cross_region_reduce); H = 1 is the
-    synchronous step (``auto``: the direct exchange). Several ``crosses``: each DiLoCo
-    row once per setting, one right after the other (the same load), named by it."""
-    out = [("sync", 1, "fp32", 0, "auto")] if sync else []
+          delays: tuple[int, ...] = (0,), crosses: tuple[str, ...] = ("auto",),
+          wires: tuple[str, ...] = ("zlib",)
+          ) -> list[tuple[str, int, str, int, str, str]]:  # fmt: skip
+    """(name, H, precision, outer.delay, cluster.cross_region_reduce,
+    outer.wire_compression); H = 1 is the synchronous step (``auto``: the direct
+    exchange). Several ``crosses`` (``wires``, int8 rows only): each DiLoCo row once per
+    setting, one right after the other (the same load), named by it."""
+    out = [("sync", 1, "fp32", 0, "auto", "zlib")] if sync else []
     for h in hs if hs is not None else ([50] if quick else [10, 50, 200]):
         for p in precisions:  # each overlapped row right after its twin: the same load
             for d in delays:
-                for c in crosses:  # the setting before "_overlap": derive()'s twin
-                    tag = f"_{c}" if len(crosses) > 1 else ""
-                    out.append((f"diloco_h{h}_{p}{tag}{'_overlap' if d else ''}", h, p, d, c))
+                for c in crosses:  # the settings before "_overlap": derive()'s twin
+                    for w in wires if p == "int8" else wires[:1]:
+                        tag = f"_{c}" if len(crosses) > 1 else ""
+                        tag += f"_{w}" if p == "int8" and len(wires) > 1 else ""
+                        name = f"diloco_h{h}_{p}{tag}{'_overlap' if d else ''}"
+                        out.append((name, h, p, d, c, w))
     return out
 
 
 def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int,
                coordinator: str, ports: int, exponents: str = "step",
                outer: tuple[float, float] = (1.0, 0.5), delay: int = 0,
-               cross: str = "auto") -> Any:  # fmt: skip
+               cross: str = "auto", wire: str = "zlib") -> Any:  # fmt: skip
     """The run's config: the same model, data, batch and tokens in both modes (DiLoCo's
     exponents ``step`` by default, as configs/diloco.toml: an outer step is rare, so one
     small MAX round before its sum costs less than the streamed form's first outer step
     computed twice). ``delay`` 1: ``outer.delay = 1``, each outer step's reduction behind
     the next step's replicas (the overlapped rows). ``cross``: how the regions' leaders
-    combine (``cluster.cross_region_reduce``: not part of the math)."""
+    combine (``cluster.cross_region_reduce``: not part of the math); ``wire``: int8's
+    ``outer.wire_compression`` (not part of the math either)."""
     from tests.runtime_support import small_config
 
     outer_steps = max(1, steps // h)
@@ -136,7 +142,8 @@ def run_config(dataset: Path, held_out: Path, h: int, precision: str, steps: int
     if h > 1:
         lr, momentum = outer
         sections["outer"] = {"replicas": REGIONS, "inner_steps": h, "precision": precision,
-                             "lr": lr, "momentum": momentum, "delay": delay}  # fmt: skip
+                             "lr": lr, "momentum": momentum, "delay": delay,
+                             "wire_compression": wire}  # fmt: skip
         sections["train"] = {"reduction_exponents": exponents}
     return small_config(
         dataset,
@@ -565,6 +572,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=["auto", "direct", "ring"],
         help="cluster.cross_region_reduce of the DiLoCo rows (several: side by side)",
     )
+    ap.add_argument(
+        "--wire",
+        nargs="+",
+        default=["zlib"],
+        choices=["zlib", "none"],
+        help="outer.wire_compression of the int8 rows (several: side by side)",
+    )
     ap.add_argument("--out")
     a = ap.parse_args(argv)
 
@@ -582,14 +596,15 @@ def main(argv: list[str] | None = None) -> int:
         with regions([2, 1, 1, 1], rtt_ms=a.rtt_ms) as rs:
             shaped = shape(rs, a.rate_mbit)
             arms = modes(a.quick, a.inner_steps, a.precisions, not a.no_sync, tuple(a.delays),
-                         tuple(a.cross))  # fmt: skip
-            for name, h, precision, delay, cross in arms:
+                         tuple(a.cross), tuple(a.wire))  # fmt: skip
+            for name, h, precision, delay, cross, wire in arms:
                 ports += 2
                 tmp = Path(d) / name
                 tmp.mkdir()
                 cfg = run_config(dataset, held_out, h, precision, a.steps,
                                  rs.hosts[0].address, ports, a.exponents,
-                                 (a.outer_lr, a.outer_momentum), delay, cross)  # fmt: skip
+                                 (a.outer_lr, a.outer_momentum), delay, cross,
+                                 wire)  # fmt: skip
                 row = one_run(rs, cfg, name, h, tmp, ports, a.warmup if h == 1 else 1,
                               a.timeout_s)  # fmt: skip
                 rows.append(row)
@@ -604,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
         "sync_steps": a.steps,
         "outer": {"lr": a.outer_lr, "momentum": a.outer_momentum, "exponents": a.exponents},
         "cross_region_reduce": a.cross,
+        "wire_compression": a.wire,
         "model": MODEL,
         "goal": GOAL,
         "bars": bars,
