@@ -142,7 +142,8 @@ def test_a_killed_rank_of_a_group_is_absorbed_and_changes_no_bit(
     s = run_to_end(_cfg(small_dataset, 4, 2, at_rest, chaos={"faults": kill}), run_dir)
     assert s["final_hash"] == unsharded
     assert sorted(m["step"] for m in read_jsonl(run_dir / "metrics.jsonl")) == list(range(STEPS))
-    assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
+    leaves = events(run_dir, ev.LEAVE)
+    assert [e["worker"] for e in leaves] == ["r0-0"], leaves  # a failure shows the reasons
     sizes = [len(e["plan"]["members"]) for e in events(run_dir, ev.EPOCH_STARTED)]
     assert sizes[:2] == [4, 2] and all(n % 2 == 0 for n in sizes)  # whole groups only
     plans = {e["epoch"]: e["plan"]["members"] for e in events(run_dir, ev.EPOCH_STARTED)}
