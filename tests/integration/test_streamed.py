@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -378,13 +379,13 @@ def _few_low(maxima: torch.Tensor) -> torch.Tensor:
     return torch.where(some, _low(maxima), predict(None, maxima))
 
 
-def _region_rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
+def _region_rank(rank: int, world: int, port: int, q: mp.Queue, direct: bool = True) -> None:
     from perdure.runtime.comm.group import Comm
 
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, TIMEOUT)
     comm = Comm(store, "r/", rank, world, TIMEOUT, lambda: False)
-    comm.add_tiers(store, REGIONS[rank])
-    assert comm.tiers is not None
+    comm.add_tiers(store, REGIONS[rank], direct=direct)
+    assert comm.tiers is not None and comm.tiers.direct == direct
     bufs, mine = _slots(6, WIDE), BY_RANK[rank]
 
     def one_pass(red: StreamedReducer, exps: torch.Tensor | None) -> Any:
@@ -410,11 +411,16 @@ def _region_rank(rank: int, world: int, port: int, q: mp.Queue) -> None:
     q.put((rank, maxima.tolist(), low.numpy().tobytes(), out.numpy().tobytes()))
 
 
-def test_buckets_streamed_across_regions_give_the_one_rank_bits_with_outliers_too() -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "ring"])
+def test_buckets_streamed_across_regions_give_the_one_rank_bits_with_outliers_too(
+    direct: bool,
+) -> None:
     """Five members in three regions (one alone in its own): each bucket of the last slot
-    goes through its region's all-reduce and the leaders' direct exchange as its
-    'backward' finishes it; the sums are the one-rank pass's bits, outlier lane included."""
-    got = {r: rest for r, *rest in run_ranks(_region_rank, len(REGIONS), len(REGIONS), 120)}
+    goes through its region's all-reduce and the leaders' direct exchange (or their ring
+    all-reduce: ``cluster.cross_region_reduce``) as its 'backward' finishes it; the sums
+    are the one-rank pass's bits, outlier lane included."""
+    target = partial(_region_rank, direct=direct)
+    got = {r: rest for r, *rest in run_ranks(target, len(REGIONS), len(REGIONS), 120)}
     bufs = _slots(6, WIDE)
     red = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
     _, maxima = _pass(red, bufs, None)
