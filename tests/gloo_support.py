@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -46,3 +47,27 @@ def run_ranks(
             p.join(30)
             if p.is_alive():
                 p.kill()
+
+
+def run_threads(target: Callable[[int], Any], world: int, timeout_s: float = 60) -> list[Any]:
+    """``target(rank)`` for each rank in a thread of this process (in-process groups over
+    a ``HashStore``: no process started); the results by rank. The first error of any
+    rank is raised here."""
+    out: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def rank_main(r: int) -> None:
+        try:
+            out[r] = target(r)
+        except BaseException as e:  # re-raised by the caller's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), f"a rank outlived {timeout_s} s"
+    return out

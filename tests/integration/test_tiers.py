@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import torch.distributed as dist
 from perdure.runtime.comm.exact import ExactReducer
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.tiers import plan_tiers
+from tests.gloo_support import run_threads
 from tests.runtime_support import events, run_to_end, small_config
 
 TIMEOUT = timedelta(seconds=30)
@@ -29,33 +29,22 @@ def _reduce_all(
     """Each rank in a thread: flat and tiered exact sums of its slots (the leaders
     combining by the direct exchange, or by the backend's all-reduce)."""
     store = dist.HashStore()
-    out: list[list[torch.Tensor]] = [[] for _ in regions]
-    errors: list[BaseException] = []
 
-    def rank_main(r: int) -> None:
-        try:
-            comm = Comm(store, "t", r, len(regions), TIMEOUT, lambda: False)
-            comm.add_tiers(store, regions[r], direct=direct)
-            alone = len(set(regions)) == len(regions)
-            if not direct and alone:  # the flat all-reduce is then the leaders' own
-                assert comm.tiers is None
-            else:
-                assert comm.tiers is not None and comm.tiers.regions == tuple(regions)
-                assert comm.tiers.direct == direct
-            red = ExactReducer(r, len(regions), slots=8, bits=64, block=16)
-            flat = red.reduce(comm.pg, slots[r], TIMEOUT).clone()
-            tiered = red.reduce(comm.pg, slots[r], TIMEOUT, tiers=comm.tiers).clone()
-            out[r] = [flat, tiered]
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
+    def rank_main(r: int) -> list[torch.Tensor]:
+        comm = Comm(store, "t", r, len(regions), TIMEOUT, lambda: False)
+        comm.add_tiers(store, regions[r], direct=direct)
+        alone = len(set(regions)) == len(regions)
+        if not direct and alone:  # the flat all-reduce is then the leaders' own
+            assert comm.tiers is None
+        else:
+            assert comm.tiers is not None and comm.tiers.regions == tuple(regions)
+            assert comm.tiers.direct == direct
+        red = ExactReducer(r, len(regions), slots=8, bits=64, block=16)
+        flat = red.reduce(comm.pg, slots[r], TIMEOUT).clone()
+        tiered = red.reduce(comm.pg, slots[r], TIMEOUT, tiers=comm.tiers).clone()
+        return [flat, tiered]
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(len(regions))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return out
+    return run_threads(rank_main, len(regions))
 
 
 def test_a_tiered_sum_is_bitwise_the_flat_sum_and_the_single_process_sum() -> None:

@@ -4,7 +4,6 @@ the gathered sum is the same bits whichever member hosted which replica."""
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import pytest
@@ -15,6 +14,7 @@ from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.int8_gather import Int8Gather, compress, gather_compressed, inflate
 from perdure.runtime.replica.layout import GradLayout
 from perdure.runtime.replica.outer import decode_int8, ef21_encode, ef21_update, encode_int8
+from tests.gloo_support import run_threads
 
 P, R, M, BLOCK = 10_000, 4, 1, 256
 LAYOUT = GradLayout(numel=P, slots=R, metrics=M)
@@ -157,22 +157,12 @@ def test_members_of_different_compressed_sizes_gather_every_members_records() ->
     width = 2
     raws = [gather.pack(h, [bufs[r] for r in h], width) for h in hosts]
     store = dist.HashStore()
-    got: list[list[torch.Tensor]] = [[] for _ in hosts]
-    errors: list[BaseException] = []
 
-    def member(rank: int) -> None:
-        try:
-            comm = Comm(store, "z", rank, len(hosts), TIMEOUT, lambda: False)
-            got[rank] = gather_compressed(comm, raws[rank], TIMEOUT)
-        except BaseException as e:  # reported by the main thread
-            errors.append(e)
+    def member(rank: int) -> list[torch.Tensor]:
+        comm = Comm(store, "z", rank, len(hosts), TIMEOUT, lambda: False)
+        return gather_compressed(comm, raws[rank], TIMEOUT)
 
-    threads = [threading.Thread(target=member, args=(r,)) for r in range(len(hosts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
+    got = run_threads(member, len(hosts))
     for rank in range(len(hosts)):
         assert [torch.equal(a, b) for a, b in zip(got[rank], raws, strict=True)] == [True] * 3
     assert torch.equal(gather.total(got[2], R)[0], _reduce([[0, 1], [2, 3]], bufs))
