@@ -113,8 +113,8 @@ def test_a_copy_served_in_full_reports_it_without_a_wait_and_one_still_out_repor
     None
 ):
     """An epoch that ends before a holder's gate still records a copy that was served
-    (``StateTransfer.settle``): ``finished`` says so without waiting, and says nothing of
-    a copy still under way or one that failed."""
+    (``StateTransfer.settle``): ``finished`` says so without waiting, says nothing of a
+    copy still under way or one that failed, and reports one served within its wait."""
     out, done, failed = _Copy(), _Copy(), _Copy(CommFailed("peer closed"))
     servers = [CopyServer(_Comm, c, JOB, step=3) for c in (out, done, failed)]  # type: ignore[arg-type]
     done.go.set()
@@ -125,5 +125,10 @@ def test_a_copy_served_in_full_reports_it_without_a_wait_and_one_still_out_repor
     got = servers[1].finished()
     assert got is not None and (got["bytes_sent"], got["ranges_sent"]) == (7, 1)
     assert servers[2].finished() is None
+    assert servers[2].finished(0.05) is None  # a failed copy: nothing, however long
+    # one still on its way is given the wait it is offered: served meanwhile, reported
+    assert servers[0].finished(0.01) is None
+    threading.Timer(0.05, out.go.set).start()
+    late = servers[0].finished(10)
+    assert late is not None and (late["bytes_sent"], late["ranges_sent"]) == (7, 1)
     servers[0].close()
-    out.go.set()

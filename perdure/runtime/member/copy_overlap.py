@@ -124,9 +124,18 @@ class CopyServer:
         assert self.sent is not None
         return self.sent
 
-    def finished(self) -> dict[str, Any] | None:
-        """What was sent, where the copy was served in full by now (no wait); else None."""
-        if self._thread.is_alive() or self.error is not None or self.sent is None:
+    def finished(self, wait_s: float = 0.0) -> dict[str, Any] | None:
+        """What was sent, where the copy was served in full (waiting up to ``wait_s`` for
+        a copy still on its way); else None. Served in full is :attr:`sent` being set:
+        the thread may still be closing the copy's group (seen in a clean-clone CI: the
+        receiver held its state, the holder's thread was still alive)."""
+        end = time.monotonic() + wait_s
+        while self.sent is None and self.error is None and self._thread.is_alive():
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            self._thread.join(min(_SLICE_S, left))
+        if self.error is not None or self.sent is None:
             return None
         return dict(self.sent)
 

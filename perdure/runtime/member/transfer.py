@@ -36,6 +36,11 @@ from perdure.runtime.member.shard_group import Shards
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.trainer import Trainer
 
+SETTLE_WAIT_S = 0.5
+"""Longest an epoch's close waits for a holder's overlapped copy still on its way (its
+last range, its bookkeeping) before leaving it: a copy that cannot finish ends at its
+abort check, which the epoch's change has set."""
+
 
 @dataclass(kw_only=True)
 class StateTransfer:
@@ -141,13 +146,14 @@ class StateTransfer:
         """An epoch that ends while its overlapped copy is out: a holder whose copy was
         served in full still leaves its ``state_sent`` event (the receiver holds what it
         sent, though the gate before the first step's reduction was never reached: the
-        epoch ended in that step, a peer evicted under load, say). A copy not served in
-        full leaves none; the server is left to its abort check either way."""
+        epoch ended in that step, a peer evicted under load, say); one still on its way
+        is given ``SETTLE_WAIT_S``. A copy not served in full leaves none; the server is
+        left to its abort check either way."""
         server = ep.copy
         if server is None:
             return
         ep.copy = None
-        sent = server.finished()
+        sent = server.finished(SETTLE_WAIT_S)
         server.close()
         if sent is not None:
             seconds = sent.pop("seconds")
