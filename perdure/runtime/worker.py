@@ -256,7 +256,7 @@ class Worker:
                 device=self.placement.buffers,
             )
             if uses_tiers(self.config.train, self.config.cluster.hierarchical_reduce):
-                cluster, diloco = self.config.cluster, self.config.outer.replicas > 0
+                cluster, diloco = self.config.cluster, self.config.outer.on
                 direct = direct_leaders(cluster.cross_region_reduce, diloco)
                 comm.add_tiers(store, self.region, direct=direct)
             self._shard_group(store, comm, rank)

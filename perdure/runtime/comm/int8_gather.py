@@ -193,7 +193,7 @@ class Int8Gather:
         (``comm.result``) is :meth:`total`'s (the reduced buffer, the new estimates).
         ``width``: the records of the plan's busiest member; ``send_delay_s``: an injected
         link latency; ``estimates``: the replicas' (``outer.error_feedback``)."""
-        mine = self.pack(slots, bufs, width, estimates).to(comm.device)
+        mine = self.pack(slots, bufs, width, estimates)  # on the CPU, where zlib works
         replicas = self.layout.slots
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -201,10 +201,11 @@ class Int8Gather:
                 time.sleep(send_delay_s)
             outs = [mine]
             if comm.size > 1 and self.compress:
-                outs = gather_compressed(comm, mine.cpu(), timeout)
+                outs = gather_compressed(comm, mine, timeout)
             elif comm.size > 1:
-                outs = [torch.empty_like(mine) for _ in range(comm.size)]
-                comm.pg.allgather([outs], [mine]).wait(timeout)
+                wire = mine.to(comm.device)
+                outs = [torch.empty_like(wire) for _ in range(comm.size)]
+                comm.pg.allgather([outs], [wire]).wait(timeout)
             return self.total(outs, replicas, estimates)
 
         return comm.submit(run)
