@@ -130,3 +130,36 @@ def write_toml(config: RunConfig, path: Path) -> Path:
         lines.append("")
     path.write_text("\n".join(lines))
     return path
+
+
+def step_runner(config: RunConfig, events: list[dict[str, Any]]) -> Any:
+    """A one-member ``StepRunner`` in this process (a ``HashStore`` group of one, the
+    config's own reducer), its events appended to ``events``: a step's flow without
+    processes."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from perdure.runtime.comm.group import Comm
+    from perdure.runtime.comm.reducer import make_reducer
+    from perdure.runtime.plan import make_plan
+    from perdure.runtime.replica.trainer import Trainer
+    from perdure.runtime.step import Seams, SlotTimer, StepRunner
+
+    class Log:
+        def write(self, record: dict[str, Any]) -> None:
+            events.append(record)
+
+    timeout = timedelta(seconds=30)
+    tr = Trainer(config)
+    comm = Comm(dist.HashStore(), "t/", 0, 1, timeout, lambda: False)
+    seams = Seams(
+        name="w0",
+        events=Log(),  # type: ignore[arg-type]
+        timeout=lambda: timeout,
+        should_stop=lambda t: False,
+        evict=lambda w, r: None,
+    )
+    plan = make_plan(["w0"], config.train.slots)
+    reducer = make_reducer(config.train, 0, 1)
+    return StepRunner(tr, plan, 0, comm, reducer, seams, SlotTimer())

@@ -36,9 +36,10 @@ class CheckpointConfig:
     snapshot_overlap: bool = True
     """Let the snapshot copy run on a background thread after ``save()`` returns, so it
     overlaps the next forward and backward; the step loop calls ``wait_snapshot()`` before
-    it mutates state (``optimizer.step``). Turn it off when forward mutates state the
-    checkpoint holds (e.g. BatchNorm running statistics): the copy then completes inside
-    ``save()``."""
+    anything writes the state: the update, or the step's first slot where computing the
+    slots writes it (DiLoCo's inner steps move the parameters, BatchNorm's forward its
+    running statistics): for those the copy overlaps only the commit. Off: the copy
+    completes inside ``save()``."""
 
     def __post_init__(self) -> None:
         c = Checker()

@@ -66,8 +66,10 @@ class StepEnd:
     """The worker's side of a step's end, which the step itself does not know about."""
 
     before_update: Callable[[], None]
-    """Called before the optimizer touches the state (the checkpoint snapshot in flight
-    must have copied it)."""
+    """Called before the optimizer touches the state, and before the slots are computed
+    where computing them writes it too (``Trainer.computes_in_place``: DiLoCo's inner
+    steps, BatchNorm's buffers): the checkpoint snapshot in flight must have copied it.
+    Called twice in such a step: the second call returns at once."""
     after_update: Callable[[int, float | None, float], None]
     """``(step, loss, step_s)`` once the update is in: the commit (metrics, fingerprints,
     a due checkpoint). ``loss`` None: an overlapped outer step, whose loss arrives with its
@@ -107,6 +109,8 @@ def train_step(run: StepRunner, t: int, end: StepEnd) -> float | None:
     (None for an overlapped outer step: :func:`overlapped_outer_step`)."""
     tr, t0 = run.tr, time.monotonic()
     tr.poison_due(t)  # a scheduled data fault (chaos): identical on every member
+    if tr.computes_in_place:  # the slots write the state before the update does
+        end.before_update()
     if run.overlap:
         overlapped_outer_step(run, t, end, t0)
         return None

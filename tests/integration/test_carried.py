@@ -34,7 +34,7 @@ from perdure.runtime.comm.exact import ExactReducer
 from perdure.runtime.comm.exact_kernels import load
 from perdure.runtime.config import TrainConfig
 from tests.gloo_support import run_ranks
-from tests.runtime_support import small_config
+from tests.runtime_support import small_config, step_runner
 
 S, BLOCK = 8, 256
 N = 3 * (1 << 20) + 1000  # three full buckets, then whole blocks and a partial block
@@ -247,37 +247,12 @@ def test_three_ranks_with_any_slot_assignment_give_the_one_rank_bits_and_verdict
 # -- in the step runner --------------------------------------------------------------------
 
 
-def _runner(config: Any, events: list[dict[str, Any]]) -> Any:
-    from perdure.runtime.comm.group import Comm
-    from perdure.runtime.comm.reducer import make_reducer
-    from perdure.runtime.plan import make_plan
-    from perdure.runtime.replica.trainer import Trainer
-    from perdure.runtime.step import Seams, SlotTimer, StepRunner
-
-    class Log:
-        def write(self, record: dict[str, Any]) -> None:
-            events.append(record)
-
-    tr = Trainer(config)
-    comm = Comm(dist.HashStore(), "t/", 0, 1, TIMEOUT, lambda: False)
-    seams = Seams(
-        name="w0",
-        events=Log(),  # type: ignore[arg-type]
-        timeout=lambda: TIMEOUT,
-        should_stop=lambda t: False,
-        evict=lambda w, r: None,
-    )
-    plan = make_plan(["w0"], config.train.slots)
-    reducer = make_reducer(config.train, 0, 1)
-    return StepRunner(tr, plan, 0, comm, reducer, seams, SlotTimer())
-
-
 def test_a_missed_prediction_is_computed_again_against_the_steps_true_maxima(
     small_dataset: Path,
 ) -> None:
     train = {"reduction": "exact", "reduction_exponents": "carried", "reduction_bits": 64}
     events: list[dict[str, Any]] = []
-    run = _runner(small_config(small_dataset, workers=1, train=train), events)
+    run = step_runner(small_config(small_dataset, workers=1, train=train), events)
     tr = run.tr
     first = run.gradient(0, 0.0).clone()  # nothing carried: a measuring pass, then the sum
     assert events == [] and len(run.bufs) == 1  # one slot buffer for 8 slots

@@ -300,6 +300,16 @@ class Trainer:
         return self.engine.layout
 
     @property
+    def computes_in_place(self) -> bool:
+        """Whether computing a step's slots writes, for a while, state a checkpoint holds
+        (and puts it back after): DiLoCo's inner steps move the parameters, a slot's
+        forward moves the tracked buffers (BatchNorm's running statistics, restored after
+        each slot, ``replica/buffers.py``). A checkpoint snapshot still copying must be
+        done before such a step computes, not only before its update: a clean-clone CI
+        saw a DiLoCo checkpoint hold parameters one inner step on."""
+        return self.outer is not None or self.engine.buffers.numel > 0
+
+    @property
     def tokens_per_step(self) -> int:
         """Tokens a step reads: with DiLoCo an outer step's, ``outer.inner_steps`` x B."""
         inner = self.config.outer.inner_steps if self.outer is not None else 1
