@@ -34,7 +34,7 @@ from perdure.runtime.comm.streamed import (
 )
 from perdure.runtime.config import TrainConfig
 from tests.gloo_support import run_ranks
-from tests.runtime_support import small_config
+from tests.runtime_support import small_config, step_runner
 
 S, BLOCK = 8, 256
 N = 3 * (1 << 20) + 1000  # three full buckets, then whole blocks and a partial block
@@ -319,18 +319,12 @@ def _low(maxima: torch.Tensor) -> torch.Tensor:
 # -- in the step runner --------------------------------------------------------------------
 
 
-def _runner(config: Any, events: list[dict[str, Any]]) -> Any:
-    from tests.integration.test_carried import _runner as carried_runner
-
-    return carried_runner(config, events)
-
-
 def test_a_missed_prediction_takes_the_outlier_lane_and_an_explosion_is_computed_again(
     small_dataset: Path,
 ) -> None:
     train = {"reduction": "exact", "reduction_bits": 32, "reduction_exponents": "streamed"}
     events: list[dict[str, Any]] = []
-    run = _runner(small_config(small_dataset, workers=1, train=train), events)
+    run = step_runner(small_config(small_dataset, workers=1, train=train), events)
     tr = run.tr
     first = run.gradient(0, 0.0).clone()  # nothing carried: a measuring pass, then the sum
     assert events == [] and len(run.bufs) == 1  # one slot buffer for 8 slots
