@@ -132,10 +132,18 @@ def write_toml(config: RunConfig, path: Path) -> Path:
     return path
 
 
-def step_runner(config: RunConfig, events: list[dict[str, Any]]) -> Any:
+def step_runner(
+    config: RunConfig,
+    events: list[dict[str, Any]],
+    *,
+    trainer: Any = None,
+    should_stop: Any = None,
+    salvage: Any = None,
+) -> Any:
     """A one-member ``StepRunner`` in this process (a ``HashStore`` group of one, the
     config's own reducer), its events appended to ``events``: a step's flow without
-    processes."""
+    processes. ``trainer``, ``should_stop`` (of the step) and ``salvage``: an epoch's
+    (default: a new trainer, never, a new salvage)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -151,14 +159,17 @@ def step_runner(config: RunConfig, events: list[dict[str, Any]]) -> Any:
             events.append(record)
 
     timeout = timedelta(seconds=30)
-    tr = Trainer(config)
+    from perdure.runtime.replica.salvage import SlotSalvage
+
+    tr = trainer if trainer is not None else Trainer(config)
     comm = Comm(dist.HashStore(), "t/", 0, 1, timeout, lambda: False)
     seams = Seams(
         name="w0",
         events=Log(),  # type: ignore[arg-type]
         timeout=lambda: timeout,
-        should_stop=lambda t: False,
+        should_stop=should_stop or (lambda t: False),
         evict=lambda w, r: None,
+        salvage=salvage if salvage is not None else SlotSalvage(),
     )
     plan = make_plan(["w0"], config.train.slots)
     reducer = make_reducer(config.train, 0, 1)

@@ -424,6 +424,7 @@ class StepRunner:
         pred = self.tr.exponents
         used = None if pred is None else red.used(pred)
         total, maxima = self._stream(t, red, used, t0)
+        self._log_salvage(t)
         if total is None or pred is None or not red.accepts(pred, maxima):
             if pred is not None and self.rank == 0:
                 self.seams.events.write({"event": ev.EXPONENTS_REFIT, "step": t})
@@ -445,34 +446,64 @@ class StepRunner:
         buf = self.bufs[0]
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         timeout = self.seams.timeout()
-        red.open(buf, used, adds=max(0, len(self.slots) - 1), rounds=self._rounds(t))
+        key = (t, self.tr.state_version)
+        kept, partial = self._kept_sum(key)
+        resumed = red.open(
+            buf, used, adds=max(0, len(self.slots) - 1), rounds=self._rounds(t), resume=partial
+        )
+        added = list(kept) if resumed else []  # the slots the accumulator holds
+        if resumed:
+            self.seams.salvage.reused_sum(kept)
+        todo = [s for s in self.slots if s not in added]
         # Sharded at rest, a slot's gathers are collectives of the replica group: no slot
         # streams (a backward held by its reduction would starve its group's gathers).
         streams = not self.lockstep
-        for slot in self.slots[:-1]:
-            ready = red.begin_slot(self.comm, timeout=timeout, abort=abort, stream=streams)
-            self._compute(t, slot, buf, abort, ready)
-            red.add(buf)
-        self._pad(t, abort, red)  # before the last slot: every rank passes as often
-        if self.slots and not streams:
-            self._compute(t, self.slots[-1], buf, abort, None)
-        self._injected_drop()
-        self.open_gate()
-        ready = Readiness(abort) if self.slots and streams else None
+        try:  # until the last slot goes on the wire, an abandoned pass keeps its sum
+            for slot in todo[:-1]:
+                ready = red.begin_slot(self.comm, timeout=timeout, abort=abort, stream=streams)
+                self._compute(t, slot, buf, abort, ready)
+                red.add(buf)
+                added.append(slot)
+            self._pad(t, abort, red)  # before the last slot: every rank passes as often
+            if todo and not streams:
+                self._compute(t, todo[-1], buf, abort, None)
+            self._injected_drop()
+            self.open_gate()
+        except (Abandoned, CommFailed):
+            self._keep_sum(key, red, tuple(added))
+            raise
+        ready = Readiness(abort) if todo and streams else None
         fut = red.finish(
             self.comm,
             buf,
-            last=buf if self.slots else None,
+            last=buf if todo else None,
             ready=ready,
             abort=abort,
             timeout=timeout,
             send_delay_s=self.seams.delay_s(),
         )
         if ready is not None:
-            self._compute(t, self.slots[-1], buf, abort, ready)
-        if t0 is not None and self.slots:
-            self.timer.record(time.monotonic() - t0, len(self.slots))
+            self._compute(t, todo[-1], buf, abort, ready)
+        if t0 is not None and todo:
+            self.timer.record(time.monotonic() - t0, len(todo))
         return self.comm.result(fut)
+
+    def _kept_sum(self, key: tuple[int, int]) -> tuple[tuple[int, ...], Any]:
+        """A partial sum an abandoned pass of this step kept, if every slot of it is among
+        this member's (``replica/salvage.py``); never sharded at rest (lockstep passes)."""
+        if self.lockstep:
+            return (), None
+        return self.seams.salvage.take_sum(key, self.slots)
+
+    def _keep_sum(
+        self, key: tuple[int, int], red: CarriedReduction, slots: tuple[int, ...]
+    ) -> None:
+        """The pass is abandoned between slots: keep the sum of ``slots`` (those added)."""
+        if self.lockstep or not slots:
+            return
+        partial = red.partial()
+        if partial is not None:
+            self.seams.salvage.put_sum(key, slots, partial)
 
     def _rounds(self, t: int) -> int:
         """The most slots a rank of this member's replica group computes in step ``t``."""

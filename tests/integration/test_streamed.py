@@ -239,6 +239,56 @@ def test_an_accepted_prediction_is_within_the_folds_error_of_each_blocks_maximum
         assert float(rel.median()) <= float(rel_fold.median())
 
 
+@pytest.mark.parametrize("bits", [32, 64])
+def test_a_pass_resumed_from_an_abandoned_ones_partial_sum_gives_the_whole_pass_bits(
+    bits: int,
+) -> None:
+    """Salvage across a membership change (``replica/salvage.py``): a pass abandoned after
+    three slots keeps their integers, peaks and outlier blocks (every 257th block is
+    predicted too low: the outlier lane); a new reducer's pass starts from them, adds the
+    other slots in another order and ends with the one pass's sum and maxima, bit for bit."""
+    bufs = _slots(5)
+    _, maxima = _pass(StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK), bufs, None)
+    exps = _few_low(maxima)
+    want, want_max = _pass(StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK), bufs, exps)
+    assert want is not None and int((maxima > exps).sum()) > 0  # the lane is taken
+    old = StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK)
+    buf = torch.empty_like(bufs[0])
+    assert not old.open(buf, exps, adds=S - 1)
+    for i in (0, 1, 2):
+        buf.copy_(bufs[i])
+        old.add(buf)
+    kept = old.partial()
+    assert kept is not None and kept.added == 3 and kept.outliers.kept
+    assert old.ints.numel() == 0  # let go: the kept integers are never written again
+    new = StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK)
+    assert new.open(buf, exps, adds=S - 1, resume=kept)
+    for i in (6, 3, 5, 4):
+        buf.copy_(bufs[i])
+        new.add(buf)
+    buf.copy_(bufs[7])
+    out, got_max = new.finish(_Solo(), buf, timeout=TIMEOUT, last=buf).result()
+    assert torch.equal(out, want) and torch.equal(got_max, want_max)
+
+
+def test_a_partial_sum_is_refused_against_other_exponents_and_none_is_kept_unsummed() -> None:
+    bufs = _slots(6, n=4 * BLOCK)
+    exps = predict(None, _pass(StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK), bufs, None)[1])
+    red = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
+    buf = bufs[0].clone()
+    red.open(buf, None, adds=S - 1)  # a measuring pass: no sum to keep
+    red.add(buf)
+    assert red.partial() is None
+    red.open(buf, exps, adds=S - 1)
+    assert red.partial() is None  # nothing added yet
+    red.add(buf)
+    kept = red.partial()
+    assert kept is not None
+    other = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
+    assert not other.open(buf, exps + 1, adds=S - 1, resume=kept)
+    assert other.added == 0 and other.ints is not kept.ints
+
+
 def test_a_member_without_slots_adds_zeros() -> None:
     red = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
     buf = torch.full((4 * BLOCK,), 7.0)

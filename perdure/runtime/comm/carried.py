@@ -183,11 +183,13 @@ class CarriedReducer:
         *,
         adds: int = 1,
         rounds: int = 0,
-    ) -> None:
+        resume: Any = None,
+    ) -> bool:
         """Begin a pass over one step's slots, rounded against ``used`` (an exponent per
         bucket, or per block), or None for a pass that only measures the maxima. ``adds``
         and ``rounds``: unused (the 64-bit accumulator and its histograms never fit the
-        float buffer; every slot is added locally and the sum reduced once)."""
+        float buffer; every slot is added locally and the sum reduced once). ``resume``:
+        never taken (False): this form keeps no partial sum (:meth:`partial`)."""
         n = like.numel()
         buckets = len(_bucket_ranges(n, self.block))
         self.n, self.added, self.summing = n, 0, used is not None
@@ -196,11 +198,17 @@ class CarriedReducer:
             self.acc = torch.empty(n + buckets * BINS, dtype=torch.int64, device=like.device)
         self.ints, self.hist = self.acc[:n], self.acc[n:]
         if used is None:
-            return
+            return False
         blocks = used if isinstance(used, torch.Tensor) else expand(used, n, self.block)
         k = self.exact._shift(blocks)
         self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
         self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
+        return False
+
+    def partial(self) -> None:
+        """No salvage here: a refused prediction computes the pass again, and its
+        histograms would have to be kept with the sum (the streamed form's is built)."""
+        return None
 
     # the carried state's rules, for the step (pure: the module's functions)
 

@@ -64,12 +64,22 @@ class CarriedReduction(Reducer, Protocol):
     :meth:`accepts`; a refused pass is computed again against :meth:`fitted` maxima, which
     cannot fail. ``P`` is the prediction's type, ``M`` the maxima's."""
 
-    def open(self, like: torch.Tensor, exps: Any, *, adds: int, rounds: int = 0) -> None:
+    def open(
+        self, like: torch.Tensor, exps: Any, *, adds: int, rounds: int = 0, resume: Any = None
+    ) -> bool:
         """Begin a pass rounded against ``exps`` (None: measure the maxima only) that will
         :meth:`add` ``adds`` slots before :meth:`finish` (where it is 0 the reducer may
         keep its integers in ``like`` itself: the member's one slot is converted in place).
         ``rounds``: the most slots a rank of the member's replica group computes in the
-        pass (1 without groups)."""
+        pass (1 without groups). ``resume``: a :meth:`partial` of an abandoned pass of the
+        same step (opaque to the step); True where the pass starts from it, its slots
+        then counted among ``adds`` and not added again."""
+        ...
+
+    def partial(self) -> Any:
+        """Between slots, before :meth:`finish`: the sum of the slots added so far, kept
+        for a later pass of the same step (salvage across a membership change), or None
+        where this pass cannot give it."""
         ...
 
     def begin_slot(

@@ -80,6 +80,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
@@ -177,6 +178,21 @@ class Outliers:
             r = row[j]
             lane[r, : values.numel()] += (values * scale[r]).round_().to(dtype)
         return lane
+
+
+@dataclass
+class PartialSum:
+    """What a summing pass holds after some of a member's slots (:meth:`StreamedReducer.
+    partial`): their integers added, their block peaks merged, their outlier blocks kept,
+    all against ``exps``. Integer addition is associative and the peaks a maximum, so a
+    later pass of the same step against the same exponents can start from it and add the
+    other slots in any order: the same bits as one pass over them all."""
+
+    exps: torch.Tensor
+    ints: torch.Tensor
+    peaks: torch.Tensor
+    outliers: Outliers
+    added: int
 
 
 class Rounds:
@@ -279,8 +295,14 @@ class StreamedReducer:
     # -- the step's calls --------------------------------------------------------------
 
     def open(
-        self, like: torch.Tensor, exps: torch.Tensor | None, *, adds: int = 1, rounds: int = 0
-    ) -> None:
+        self,
+        like: torch.Tensor,
+        exps: torch.Tensor | None,
+        *,
+        adds: int = 1,
+        rounds: int = 0,
+        resume: PartialSum | None = None,
+    ) -> bool:
         """Begin a pass over one step's slots, rounded against ``exps`` (one per block:
         :meth:`used` of the prediction, or :meth:`fitted` maxima), or None for a pass
         that only measures the maxima. ``adds``: the slots :meth:`add` will take before
@@ -288,7 +310,10 @@ class StreamedReducer:
         ``like`` itself, each value converted in place (a float32 and an int32 have one
         size), so the member holds one buffer of P values, not two. ``rounds``: the most
         slots a rank of this member's replica group computes in the pass (``each``: the
-        rounds every rank of the group runs)."""
+        rounds every rank of the group runs). ``resume``: an abandoned pass's
+        :meth:`partial` of this step, whose slots the caller does not compute again; taken
+        (True) where this pass sums against the same exponents without rounds, and it then
+        counts among ``adds``."""
         n = like.numel()
         nblocks = -(-n // self.block)
         if exps is not None and exps.numel() != nblocks:
@@ -324,11 +349,39 @@ class StreamedReducer:
             held = 0 if self.aliased or not self.summing else self.ints.nbytes
         self.held_peak = max(self.held_peak, held)
         if exps is None:
-            return
+            return False
         self.exps = exps
         k = self.exact._shift(exps)
         self.scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k)
         self.inv = torch.ldexp(torch.ones_like(k, dtype=torch.float32), -k)
+        return resume is not None and self._resume(resume)
+
+    def _resume(self, kept: PartialSum) -> bool:
+        """Start from ``kept`` (see :meth:`open`): its integers become the accumulator."""
+        ok = (
+            self.rounds is None
+            and not self.aliased
+            and kept.ints.shape == self.ints.shape
+            and kept.ints.dtype == self.ints.dtype
+            and kept.ints.device == self.ints.device
+            and torch.equal(kept.exps, self.exps)
+        )
+        if ok:
+            self.ints, self.peaks, self.outliers = kept.ints, kept.peaks, kept.outliers
+            self.added = kept.added
+            self.held_peak = max(self.held_peak, self.ints.nbytes)
+        return ok
+
+    def partial(self) -> PartialSum | None:
+        """The pass's sum so far, for a later pass of the same step (salvage across a
+        membership change): only between slots, before :meth:`finish`, of a summing pass
+        without rounds that added a slot; None otherwise. The reducer lets go of the
+        integers (its next pass allocates its own), so the kept sum is never written."""
+        if not self.summing or self.rounds is not None or self.aliased or self.added == 0:
+            return None
+        kept = PartialSum(self.exps, self.ints, self.peaks, self.outliers, self.added)
+        self.ints = torch.zeros(0, dtype=self.exact.dtype)
+        return kept
 
     # the carried state's rules, for the step (pure: the module's functions)
 

@@ -13,11 +13,22 @@ checkpoint and quarantine, since the same slot position then holds other samples
 whose reduction found non-finite slots drops everything (a suspect worker's slot must be
 recomputed, not copied). Only slots whose backward completed are recorded.
 
+The forms that add a member's slots into one accumulator (``comm/streamed.py``) keep a
+*partial sum* instead: the integers of the slots the member had added when its pass was
+abandoned (between slots, before its last slot went on the wire), with the peaks and
+outliers beside them, under the same key. It is taken whole or not at all: a member whose
+new slots include every one of them starts its pass from it and computes the others
+(integer addition is associative: the same bits); otherwise it computes its slots again.
+
 Memory: the kept buffers are the previous epoch runner's own (no copy is made until they
-are reused), released with the key's change.
+are reused), and a partial sum is the abandoned pass's accumulator itself; both are
+released with the key's change.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -28,13 +39,36 @@ class SlotSalvage:
     def __init__(self) -> None:
         self.key: tuple[int, int] | None = None
         self.slots: dict[int, torch.Tensor] = {}
+        self.summed: tuple[tuple[int, ...], Any] | None = None
+        """A partial sum under :attr:`key`: its slots and the reducer's opaque state."""
         self.reused: list[int] = []
+
+    def _at(self, key: tuple[int, int]) -> None:
+        if key != self.key:
+            self.key, self.slots, self.summed = key, {}, None
 
     def put(self, key: tuple[int, int], slot: int, buf: torch.Tensor) -> None:
         """Record ``buf`` (complete) as slot ``slot`` under ``key``."""
-        if key != self.key:
-            self.key, self.slots = key, {}
+        self._at(key)
         self.slots[slot] = buf
+
+    def put_sum(self, key: tuple[int, int], slots: Sequence[int], partial: Any) -> None:
+        """Record a reducer's partial sum of ``slots`` under ``key`` (the last one kept)."""
+        self._at(key)
+        self.summed = (tuple(sorted(slots)), partial)
+
+    def take_sum(self, key: tuple[int, int], slots: Sequence[int]) -> tuple[tuple[int, ...], Any]:
+        """The partial sum under ``key`` whose slots are all among ``slots`` (a pass of
+        them may start from it), handed over once; else ``((), None)``."""
+        got = self.summed if key == self.key else None
+        if got is None or not set(got[0]) <= set(slots):
+            return (), None
+        self.summed = None
+        return got
+
+    def reused_sum(self, slots: Sequence[int]) -> None:
+        """A pass started from a partial sum of ``slots`` (logged as reused)."""
+        self.reused.extend(slots)
 
     def take(self, key: tuple[int, int], slot: int, into: torch.Tensor) -> bool:
         """Copy slot ``slot`` of ``key`` into ``into``; False when it is not kept. A slot
@@ -50,11 +84,14 @@ class SlotSalvage:
     def held(self, key: tuple[int, int]) -> list[int]:
         """The slots kept under ``key`` (what a member reports when it is ready to redo
         that step), in order."""
-        return sorted(self.slots) if key == self.key else []
+        if key != self.key:
+            return []
+        summed = set(self.summed[0]) if self.summed is not None else set()
+        return sorted(set(self.slots) | summed)
 
     def pop_reused(self) -> list[int]:
         out, self.reused = self.reused, []
         return out
 
     def clear(self) -> None:
-        self.key, self.slots = None, {}
+        self.key, self.slots, self.summed = None, {}, None
