@@ -3,11 +3,12 @@ from __future__ import annotations
 import inspect
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.runtime_support import build_small_dataset
+from tests.runtime_support import build_small_dataset, close_trainers
 
 
 @pytest.fixture(scope="session")
@@ -144,6 +145,13 @@ def _scale_timeouts(config: pytest.Config, items: list[pytest.Item]) -> None:
         )
         if base > 0:
             item.add_marker(pytest.mark.timeout(base * n), append=False)
+
+
+@pytest.fixture(autouse=True)
+def _close_step_runners() -> Iterator[None]:
+    """Close the trainers ``tests.runtime_support.step_runner`` built in the test."""
+    yield
+    close_trainers()
 
 
 @pytest.fixture(autouse=True)

@@ -132,6 +132,16 @@ def write_toml(config: RunConfig, path: Path) -> Path:
     return path
 
 
+OPEN_TRAINERS: list[Any] = []
+"""Trainers :func:`step_runner` built, closed after each test (``conftest``): their
+loaders' prefetch threads would outlive it (a data test asserts none is left)."""
+
+
+def close_trainers() -> None:
+    while OPEN_TRAINERS:
+        OPEN_TRAINERS.pop().close()
+
+
 def step_runner(
     config: RunConfig,
     events: list[dict[str, Any]],
@@ -161,7 +171,10 @@ def step_runner(
     timeout = timedelta(seconds=30)
     from perdure.runtime.replica.salvage import SlotSalvage
 
-    tr = trainer if trainer is not None else Trainer(config)
+    if trainer is None:
+        trainer = Trainer(config)
+        OPEN_TRAINERS.append(trainer)
+    tr = trainer
     comm = Comm(dist.HashStore(), "t/", 0, 1, timeout, lambda: False)
     seams = Seams(
         name="w0",

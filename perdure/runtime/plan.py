@@ -5,6 +5,13 @@ in which the deterministic reduction visits members). Members of one region are 
 adjacent so that the chain crosses regions R-1 times. A plan never changes the math: the
 reduction adds slot gradients in slot order whoever holds them.
 
+A *rotated* plan starts at a slot other than 0 and wraps: its ranges run over
+``[offset, offset + S)`` and slot ``s`` of a range is slot ``s mod S``. Only a redone step
+takes one (:func:`redo_plan` with ``rotate``), where the reduction's result does not depend
+on the order it meets the slots (the exact reduction's integers): after a loss the
+survivors keep whole what they finished, and the lost member's slots go to both of its
+neighbours, whichever end of the order it held.
+
 Limit: every member holds at least one slot, so a membership epoch has at most S members;
 extra workers wait as spares. The one exception is an epoch's first step while receivers
 copy state behind it (:func:`idle_plan`): there a receiver's range is empty.
@@ -28,16 +35,23 @@ class Plan:
     def __post_init__(self) -> None:
         assert len(self.members) == len(self.ranges)
         assert all(lo <= hi for lo, hi in self.ranges), self.ranges
-        assert self.ranges and self.ranges[0][0] == 0 and self.slots > 0, self.ranges
+        assert self.ranges and self.slots > 0 and 0 <= self.offset < self.slots, self.ranges
         assert all(a[1] == b[0] for a, b in zip(self.ranges, self.ranges[1:], strict=False))
 
     @property
-    def slots(self) -> int:
-        return self.ranges[-1][1]
+    def offset(self) -> int:
+        """The slot the first range starts at: 0 but in a rotated plan (the module doc)."""
+        return self.ranges[0][0]
 
-    def slots_of(self, rank: int) -> range:
+    @property
+    def slots(self) -> int:
+        return self.ranges[-1][1] - self.ranges[0][0]
+
+    def slots_of(self, rank: int) -> Sequence[int]:
         lo, hi = self.ranges[rank]
-        return range(lo, hi)
+        if hi <= self.slots:
+            return range(lo, hi)
+        return [s % self.slots for s in range(lo, hi)]
 
     def counts(self) -> list[int]:
         return [hi - lo for lo, hi in self.ranges]
@@ -135,23 +149,29 @@ def redo_cost(
     """The most slots any member must compute under ``ranges``: the slots of its range it
     does not hold finished (``kept``), plus its ``lag`` (slots' worth of time it starts
     late: a member that first receives state)."""
+    S = ranges[-1][1] - ranges[0][0]
     return max(
-        lag[i] + sum(1 for s in range(lo, hi) if s not in kept[i])
+        lag[i] + sum(1 for s in range(lo, hi) if s % S not in kept[i])
         for i, (lo, hi) in enumerate(ranges)
     )
 
 
 def idle_plan(
-    plan: Plan, kept: Sequence[set[int]], idle: Sequence[str], *, plan_kept: bool = True
+    plan: Plan,
+    kept: Sequence[set[int]],
+    idle: Sequence[str],
+    *,
+    plan_kept: bool = True,
+    rotate: bool = False,
 ) -> Plan:
     """The plan of an epoch's first step while ``idle`` members (the receivers of an
     overlapped state copy, ``runtime/member/copy_overlap.py``) copy state behind it: each of them
     an empty range, the others (the holders) every slot between them, in ``plan``'s member
     order, shares as ``plan``'s ranges weigh them, and, where a holder kept slots of an
     abandoned attempt (``kept``, by member), the ranges that leave the least to compute
-    again (:func:`redo_plan` over the holders alone; ``plan_kept`` False skips that search,
-    for plans too large for it). The slots fix the math, not who computes them: the same
-    bits as ``plan``'s. A pure function of its inputs."""
+    again (:func:`redo_plan` over the holders alone, ``rotate`` passed on; ``plan_kept``
+    False skips that search, for plans too large for it). The slots fix the math, not
+    who computes them: the same bits as ``plan``'s. A pure function of its inputs."""
     busy = [i for i, m in enumerate(plan.members) if m not in set(idle)]
     if not busy:
         raise ValueError(f"idle_plan: every member of {list(plan.members)} is idle")
@@ -160,8 +180,8 @@ def idle_plan(
         [plan.members[i] for i in busy], apportion(plan.slots, [counts[i] for i in busy])
     )
     if plan_kept and any(kept[i] for i in busy):
-        sub = redo_plan(sub, [kept[i] for i in busy], [0] * len(busy))
-    ranges, lo, j = [], 0, 0
+        sub = redo_plan(sub, [kept[i] for i in busy], [0] * len(busy), rotate=rotate)
+    ranges, lo, j = [], sub.offset, 0
     for i in range(len(plan.members)):
         if j < len(busy) and busy[j] == i:
             ranges.append(sub.ranges[j])
@@ -178,24 +198,81 @@ takes about 0.1 s of its thread there, 0.7 s at 4096 x 46); beyond, the step is 
 with the epoch's plan."""
 
 
-def redo_plan(plan: Plan, kept: Sequence[set[int]], lag: Sequence[int]) -> Plan:
+def redo_plan(
+    plan: Plan, kept: Sequence[set[int]], lag: Sequence[int], *, rotate: bool = False
+) -> Plan:
     """The plan for the one step an epoch redoes after a loss (the first-step plan of a
     ``Start``): contiguous ranges over ``plan``'s members in their order, each at least one
     slot, that minimise the most slots any member computes (:func:`redo_cost`). A member
     keeps the slots it finished in the abandoned attempt (salvage), so after a death the
     survivors, who hold most of their own ranges finished, take the lost member's slots
-    beside theirs instead of leaving them all to its stand-in, which starts late. A pure
-    function of its inputs; ``plan`` itself when nothing is gained. O(n S log S)."""
-    lo_c, hi_c = 0, redo_cost(kept, lag, plan.ranges)
-    best = plan.ranges
-    while lo_c < hi_c:  # the least feasible cost: feasibility is monotone in the cost
+    beside theirs instead of leaving them all to its stand-in, which starts late.
+    ``rotate`` (a reduction whose result does not depend on the slots' order): the ranges
+    may also start inside a run of slots nobody kept and wrap (a rotated plan, the module
+    doc), so that a member lost at either end of the order has two neighbours too; among
+    equal costs the unrotated plan wins. A pure function of its inputs; ``plan`` itself
+    when nothing is gained. O(n S log S) per start tried (:func:`_wrap_points`)."""
+    S = plan.slots
+    starts = _wrap_points(S, kept) if rotate else [0]
+    best: tuple[tuple[int, int], ...] | None = None
+    best_key = (0, 0)
+    for o in starts:
+        ranges = _least(S, [{(s - o) % S for s in k} for k in kept], lag)
+        if ranges is None:
+            continue
+        shifted = tuple((lo + o, hi + o) for lo, hi in ranges)
+        key = (redo_cost(kept, lag, shifted), _computed(kept, shifted))
+        if best is None or key < best_key:
+            best, best_key = shifted, key
+    if best is None or best_key[0] >= redo_cost(kept, lag, plan.ranges):
+        return plan
+    return Plan(plan.members, best)
+
+
+def _wrap_points(S: int, kept: Sequence[set[int]]) -> list[int]:
+    """Where a rotated redo plan may start: slot 0, and the start, quarter points and
+    middle of each circular run of slots no member kept (the lost member's share, split
+    between the members on either side of it). At most 4 per run: 4n + 1 in all."""
+    held = set().union(*kept) if kept else set()
+    if not held or len(held) == S:
+        return [0]
+    first = next(s for s in range(S) if s in held)
+    out, run = [0], []
+    for j in range(1, S + 1):  # circularly, from just after a kept slot
+        s = (first + j) % S
+        if s not in held:
+            run.append(s)
+            continue
+        if run:
+            n = len(run)
+            out += [run[n * q // 4] for q in range(4)]
+            run = []
+    return list(dict.fromkeys(out))
+
+
+def _least(
+    S: int, kept: Sequence[set[int]], lag: Sequence[int]
+) -> tuple[tuple[int, int], ...] | None:
+    """Unrotated ranges of the least feasible cost (feasibility is monotone in it: a
+    binary search over :func:`_within`), or None where no cost below every slot is."""
+    lo_c, hi_c = 0, S + max(lag, default=0)
+    best = None
+    while lo_c < hi_c:
         c = (lo_c + hi_c) // 2
-        ranges = _within(plan.slots, c, kept, lag)
+        ranges = _within(S, c, kept, lag)
         if ranges is None:
             lo_c = c + 1
         else:
             hi_c, best = c, ranges
-    return plan if best == plan.ranges else Plan(plan.members, best)
+    return best if best is not None else _within(S, hi_c, kept, lag)
+
+
+def _computed(kept: Sequence[set[int]], ranges: Sequence[tuple[int, int]]) -> int:
+    """The slots computed in all under ``ranges`` (the tie-break between equal costs)."""
+    S = ranges[-1][1] - ranges[0][0]
+    return sum(
+        1 for i, (lo, hi) in enumerate(ranges) for s in range(lo, hi) if s % S not in kept[i]
+    )
 
 
 def _within(

@@ -447,7 +447,7 @@ class StepRunner:
         abort = lambda: self.seams.should_stop(t)  # noqa: E731
         timeout = self.seams.timeout()
         key = (t, self.tr.state_version)
-        kept, partial = self._kept_sum(key)
+        kept, partial = self._kept_sum(key) if used is not None else ((), None)
         resumed = red.open(
             buf, used, adds=max(0, len(self.slots) - 1), rounds=self._rounds(t), resume=partial
         )
@@ -482,11 +482,15 @@ class StepRunner:
             timeout=timeout,
             send_delay_s=self.seams.delay_s(),
         )
-        if ready is not None:
-            self._compute(t, todo[-1], buf, abort, ready)
-        if t0 is not None and todo:
-            self.timer.record(time.monotonic() - t0, len(todo))
-        return self.comm.result(fut)
+        try:  # once every bucket is sent, the reducer may still hold the member's sum
+            if ready is not None:
+                self._compute(t, todo[-1], buf, abort, ready)
+            if t0 is not None and todo:
+                self.timer.record(time.monotonic() - t0, len(todo))
+            return self.comm.result(fut)
+        except (Abandoned, CommFailed):
+            self._keep_sum(key, red, tuple(added + todo))
+            raise
 
     def _kept_sum(self, key: tuple[int, int]) -> tuple[tuple[int, ...], Any]:
         """A partial sum an abandoned pass of this step kept, if every slot of it is among

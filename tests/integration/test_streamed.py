@@ -33,7 +33,7 @@ from perdure.runtime.comm.streamed import (
     used,
 )
 from perdure.runtime.config import TrainConfig
-from tests.gloo_support import run_ranks
+from tests.gloo_support import run_ranks, run_threads
 from tests.runtime_support import small_config, step_runner
 
 S, BLOCK = 8, 256
@@ -268,6 +268,48 @@ def test_a_pass_resumed_from_an_abandoned_ones_partial_sum_gives_the_whole_pass_
         new.add(buf)
     buf.copy_(bufs[7])
     out, got_max = new.finish(_Solo(), buf, timeout=TIMEOUT, last=buf).result()
+    assert torch.equal(out, want) and torch.equal(got_max, want_max)
+
+
+def test_a_member_whose_reduction_fails_after_its_last_bucket_keeps_its_whole_sum() -> None:
+    """Two ranks in threads over gloo: rank 0 adds three slots and streams its last; rank
+    1 never enters the reduction, so rank 0's all-reduce fails (1 s timeout) after every
+    bucket went on the wire from the last slot's buffer (``_wire``). Its four slots'
+    integers are intact: a one-member pass resumed from them that adds the other four
+    slots gives the one-member pass over all eight, bit for bit."""
+    from perdure.runtime.comm.group import Comm
+
+    bufs = _slots(8, n=3 * BLOCK * 64 + 5)
+    exps = predict(None, _pass(StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK), bufs, None)[1])
+    want, want_max = _pass(StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK), bufs, exps)
+    store, short = dist.HashStore(), timedelta(seconds=1)
+
+    def member(rank: int) -> Any:
+        comm = Comm(store, "w", rank, 2, short, lambda: False)
+        if rank == 1:
+            return None  # never reduces
+        red = StreamedReducer(0, 2, slots=S, bits=32, block=BLOCK)
+        buf = torch.empty_like(bufs[0])
+        red.open(buf, exps, adds=3)
+        for i in (0, 1, 2):
+            buf.copy_(bufs[i])
+            red.add(buf)
+        buf.copy_(bufs[3])
+        fut = red.finish(comm, buf, timeout=short, last=buf)
+        with pytest.raises(Exception):  # noqa: B017 (gloo's timeout or a closed peer)
+            comm.result(fut)
+        return red.partial()
+
+    kept = run_threads(member, 2)[0]
+    assert kept is not None and kept.added == 4
+    solo = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
+    buf = torch.empty_like(bufs[0])
+    assert solo.open(buf, exps, adds=S - 1, resume=kept)
+    for i in (4, 5, 6):
+        buf.copy_(bufs[i])
+        solo.add(buf)
+    buf.copy_(bufs[7])
+    out, got_max = solo.finish(_Solo(), buf, timeout=TIMEOUT, last=buf).result()
     assert torch.equal(out, want) and torch.equal(got_max, want_max)
 
 

@@ -158,6 +158,50 @@ def test_an_idle_plan_keeps_the_holders_salvaged_slots_beside_them() -> None:
     assert redo_cost([set(range(5)), set()], [0, 0], (first.ranges[0], first.ranges[2])) == 4
 
 
+def test_a_member_lost_at_the_end_of_the_order_is_split_between_both_neighbours_rotated() -> None:
+    """With a reduction whose sum does not depend on the slots' order (``rotate``), the
+    redone step's ranges may wrap: c, last in the order, held 8..11; a (0..3 finished)
+    and b (4..7) take two each instead of b taking all four. Without ``rotate``, b does."""
+    plan = make_plan(["a", "b", "c"], 12)
+    kept = [set(range(4)), set(range(4, 8)), set()]
+    turned = idle_plan(plan, kept, ["c"], rotate=True)
+    assert turned.offset == 10 and turned.ranges == ((10, 16), (16, 22), (22, 22))
+    assert list(turned.slots_of(0)) == [10, 11, 0, 1, 2, 3]
+    assert list(turned.slots_of(1)) == [4, 5, 6, 7, 8, 9] and list(turned.slots_of(2)) == []
+    assert idle_plan(plan, kept, ["c"]).ranges == ((0, 6), (6, 12), (12, 12))
+    first = idle_plan(plan, [set(), set(range(4, 8)), set(range(8, 12))], ["a"], rotate=True)
+    assert [sorted(first.slots_of(r)) for r in range(3)] == [
+        [],
+        [2, 3, 4, 5, 6, 7],
+        [0, 1, 8, 9, 10, 11],
+    ]
+    middle = [set(range(4)), set(), set(range(8, 12))]  # nothing to gain: not rotated
+    assert idle_plan(plan, middle, ["b"], rotate=True) == idle_plan(plan, middle, ["b"])
+
+
+@given(
+    st.integers(2, 4).flatmap(
+        lambda n: st.tuples(
+            st.integers(n, 9).flatmap(
+                lambda S: st.tuples(
+                    st.just(S),
+                    st.lists(st.sets(st.integers(0, S - 1)), min_size=n, max_size=n),
+                )
+            ),
+            st.lists(st.integers(0, 2), min_size=n, max_size=n),
+        )
+    )
+)
+def test_a_rotated_redo_plan_covers_every_slot_once_and_never_costs_more(case) -> None:
+    (S, kept), lag = case
+    n = len(kept)
+    plan = make_plan([f"m{i}" for i in range(n)], S)
+    straight, turned = redo_plan(plan, kept, lag), redo_plan(plan, kept, lag, rotate=True)
+    assert sorted(s for r in range(n) for s in turned.slots_of(r)) == list(range(S))
+    assert all(len(turned.slots_of(r)) >= 1 for r in range(n))
+    assert redo_cost(kept, lag, turned.ranges) <= redo_cost(kept, lag, straight.ranges)
+
+
 def test_an_idle_plan_needs_a_holder() -> None:
     with pytest.raises(ValueError, match="every member"):
         idle_plan(make_plan(["a", "b"], 4), [set(), set()], ["a", "b"])

@@ -291,6 +291,12 @@ class StreamedReducer:
         self.outliers = Outliers(block, cap=block)
         self.aliased = False
         """The integers are the float buffer's own bytes (:meth:`open`)."""
+        self._phase = "adding"
+        """Where the pass is, for :meth:`partial`: ``adding`` (slots added, nothing sent),
+        ``finishing`` (the last slot is being added and sent: the integers are no longer
+        this member's sum alone), ``sent`` (every bucket added and on the wire from a copy
+        of its own, ``_wire``: :attr:`own` is this member's whole sum)."""
+        self.own: torch.Tensor | None = None
 
     # -- the step's calls --------------------------------------------------------------
 
@@ -322,6 +328,7 @@ class StreamedReducer:
                 f"(train.reduction_block = {self.block})"
             )
         self.n, self.added, self.summing = n, 0, exps is not None
+        self._phase, self.own = "adding", None
         self.peaks = torch.zeros(nblocks, dtype=torch.int32)
         sc, self._error, self._like, self._streaming = self.scatter, None, like, False
         # with one round a group, the rank's one slot is that round: reduced once
@@ -374,13 +381,21 @@ class StreamedReducer:
 
     def partial(self) -> PartialSum | None:
         """The pass's sum so far, for a later pass of the same step (salvage across a
-        membership change): only between slots, before :meth:`finish`, of a summing pass
-        without rounds that added a slot; None otherwise. The reducer lets go of the
-        integers (its next pass allocates its own), so the kept sum is never written."""
-        if not self.summing or self.rounds is not None or self.aliased or self.added == 0:
+        membership change): between slots, before :meth:`finish`, the slots added; once
+        :meth:`finish` has added the last slot and sent every bucket from a copy
+        (``_wire``), the member's whole sum, however the reduction then ended; None
+        otherwise (a pass with rounds, a measuring one, nothing added, or the last slot
+        on its way into the integers). The reducer lets go of the integers (its next pass
+        allocates its own), so the kept sum is never written."""
+        if not self.summing or self.rounds is not None or self.aliased:
             return None
-        kept = PartialSum(self.exps, self.ints, self.peaks, self.outliers, self.added)
-        self.ints = torch.zeros(0, dtype=self.exact.dtype)
+        if self._phase == "sent" and self.own is not None:
+            kept = PartialSum(self.exps, self.own, self.peaks, self.outliers, self.added + 1)
+        elif self._phase == "adding" and self.added > 0:
+            kept = PartialSum(self.exps, self.ints, self.peaks, self.outliers, self.added)
+        else:
+            return None
+        self.ints, self.own, self._phase = torch.zeros(0, dtype=self.exact.dtype), None, "taken"
         return kept
 
     # the carried state's rules, for the step (pure: the module's functions)
@@ -517,6 +532,7 @@ class StreamedReducer:
         tiers = getattr(comm, "tiers", None)
         pg = comm.pg if self.size > 1 else None
         t = timeout.total_seconds()
+        self._phase = "finishing"
         window = ready if self._scatters(pg, tiers) and self.aliased else None
         if self.rounds is not None and ready is not None:  # its round sets it once it starts
             window = ready
@@ -628,6 +644,7 @@ class StreamedReducer:
         tick = tiered.poll if tiered is not None else _idle
         pending = []
         buckets = self._buckets
+        wire = self._wire(last) if streams and ex is None and tiered is None else None
         for i in buckets:
             wait(self.exact._values(self.n, i)[1], tick)
             self._add_bucket(last, i)
@@ -640,7 +657,12 @@ class StreamedReducer:
                     nxt = i + 1 if i + 1 < len(buckets) else None
                     window.allow(math.inf if nxt is None else self.exact._values(self.n, nxt)[1])
             elif streams:  # on the wire while the backward finishes the next bucket
-                pending.append(pg.allreduce([self.exact._flat(self.ints, i)]))
+                flat = self.exact._flat(self.ints, i)
+                if wire is not None:  # from a copy: the member's own sum stays whole
+                    flat = self.exact._flat(wire, i).copy_(flat)
+                pending.append(pg.allreduce([flat]))
+        if wire is not None:  # the sums land in the wire copy, converted from there
+            self.own, self.ints, self._phase = self.ints, wire, "sent"
         flagged[:-1] = maxima_of(self.peaks)
         flagged[-1] = int(self.outliers.full)
         if tiered is not None:  # the maxima beside the last bucket
@@ -654,7 +676,21 @@ class StreamedReducer:
         if not self.summing:
             return None, maxima
         spans = ex.finish(timeout) if ex is not None else [(0, self.n)]
-        return self._complete(pg, tiers, out, maxima, capped, spans, timeout)
+        done = self._complete(pg, tiers, out, maxima, capped, spans, timeout)
+        if wire is not None and self.own is not None:  # the accumulator, for the next pass
+            self.ints, self.own, self._phase = self.own, None, "done"
+        return done
+
+    def _wire(self, last: torch.Tensor | None) -> torch.Tensor | None:
+        """Where a pass's all-reduce runs from, so that its own integers survive a
+        reduction that fails (salvage: :meth:`partial`): the last slot's buffer, as int32
+        (each bucket of it is added into the integers before it is overwritten, and the
+        sum is converted back into it); None where it cannot hold them (64-bit integers,
+        a buffer of another shape, or the integers already in it: :attr:`aliased`)."""
+        if last is None or self.aliased or self.bits != 32:
+            return None
+        ok = last.dtype == torch.float32 and last.is_contiguous() and last.numel() == self.n
+        return last.view(torch.int32) if ok and last.device == self.ints.device else None
 
     def _finish_rounds(
         self,

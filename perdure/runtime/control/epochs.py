@@ -149,16 +149,24 @@ def first_plan(
         set(ready[m].kept) if ready[m].next_step == start and m not in receivers else set()
         for m in plan.members
     ]
+    rotate = order_free(train, outer)
     if receivers and overlaps(train, outer):
         small = plan.slots * len(plan.members) <= REDO_MAX_WORK
-        return idle_plan(plan, kept, receivers, plan_kept=small)
+        return idle_plan(plan, kept, receivers, plan_kept=small, rotate=rotate)
     if train.shard_params or plan.slots * len(plan.members) > REDO_MAX_WORK:
         return None
     if not any(kept):
         return None
     lag = [1 if m in receivers else 0 for m in plan.members]
-    first = redo_plan(plan, kept, lag)
+    first = redo_plan(plan, kept, lag, rotate=rotate)
     return None if first == plan else first
+
+
+def order_free(train: TrainConfig, outer: OuterConfig) -> bool:
+    """Whether a redone step may take a rotated plan (``plan.redo_plan``): the exact
+    reduction's sum does not depend on the order it meets the slots (integers); the
+    chain's does, and DiLoCo's replicas keep their order."""
+    return train.reduction == "exact" and not outer.on
 
 
 class Epochs:

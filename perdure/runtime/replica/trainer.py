@@ -328,7 +328,7 @@ class Trainer:
     def compute_slots(
         self,
         step: int,
-        slots: range,
+        slots: Sequence[int],
         bufs: Sequence[torch.Tensor],
         should_abort: Callable[[], bool] = lambda: False,
         ready: Progress | None = None,
@@ -390,7 +390,7 @@ class Trainer:
             return
         self.engine.compute(0, 0, batch, self.engine.new_buffer())
 
-    def prefetch(self, step: int, slots: range, *, inner: bool = False) -> None:
+    def prefetch(self, step: int, slots: Sequence[int], *, inner: bool = False) -> None:
         """Read ``step``'s samples of ``slots`` in the background (with DiLoCo, an outer
         step's first inner step, unless ``inner``: ``step`` is an inner step's)."""
         if self.outer is not None and not inner:
