@@ -489,7 +489,7 @@ class StepRunner:
                 self.timer.record(time.monotonic() - t0, len(todo))
             return self.comm.result(fut)
         except (Abandoned, CommFailed):
-            self._keep_sum(key, red, tuple(added + todo))
+            self._keep_sum(key, red, tuple(self.slots))
             raise
 
     def _kept_sum(self, key: tuple[int, int]) -> tuple[tuple[int, ...], Any]:
