@@ -211,7 +211,8 @@ def redo_plan(
     may also start inside a run of slots nobody kept and wrap (a rotated plan, the module
     doc), so that a member lost at either end of the order has two neighbours too; among
     equal costs the unrotated plan wins. A pure function of its inputs; ``plan`` itself
-    when nothing is gained. O(n S log S) per start tried (:func:`_wrap_points`)."""
+    when nothing is gained. O(n S log S) per start tried (:func:`_wrap_points`: at most
+    5 with ``rotate``)."""
     S = plan.slots
     starts = _wrap_points(S, kept) if rotate else [0]
     best: tuple[tuple[int, int], ...] | None = None
@@ -231,23 +232,22 @@ def redo_plan(
 
 def _wrap_points(S: int, kept: Sequence[set[int]]) -> list[int]:
     """Where a rotated redo plan may start: slot 0, and the start, quarter points and
-    middle of each circular run of slots no member kept (the lost member's share, split
-    between the members on either side of it). At most 4 per run: 4n + 1 in all."""
+    middle of the longest circular run of slots no member kept (the lost member's share,
+    split between the members on either side of it): at most 5 plans are searched."""
     held = set().union(*kept) if kept else set()
     if not held or len(held) == S:
         return [0]
     first = next(s for s in range(S) if s in held)
-    out, run = [0], []
+    runs: list[list[int]] = [[]]
     for j in range(1, S + 1):  # circularly, from just after a kept slot
         s = (first + j) % S
-        if s not in held:
-            run.append(s)
-            continue
-        if run:
-            n = len(run)
-            out += [run[n * q // 4] for q in range(4)]
-            run = []
-    return list(dict.fromkeys(out))
+        if s in held:
+            runs.append([])
+        else:
+            runs[-1].append(s)
+    run = max(runs, key=len)  # the first of the longest
+    n = len(run)
+    return list(dict.fromkeys([0] + [run[n * q // 4] for q in range(4)]))
 
 
 def _least(

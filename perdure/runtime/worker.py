@@ -154,7 +154,6 @@ class Worker:
             state_copy=SwarmCopy(),  # how a joiner gets a live replica's state
             shard_degree=config.train.shard_degree,
             timeout=self._timeout,
-            store=self._store,
             should_stop=lambda: self._should_stop(self.inflight),
         )
         # Beat from admission on: building the trainer can take seconds on a busy machine.
@@ -437,9 +436,7 @@ class Worker:
     def _close_epoch(self, ep: Epoch) -> None:
         ep.runner.close_flight()  # an overlapped outer step: settled, or undone
         self.transfer.settle(ep)  # a copy served before the epoch ended: its event
-        if ep.copy_comm is not None:  # built, and the copy never ran (or ran: closed again)
-            ep.copy_comm.close()
-        ep.comm.close()
+        ep.comm.close()  # the overlapped copy's group too (``copy_comm``: the same)
         if self.shards is not None:
             self.shards.close()
             self.shards = None

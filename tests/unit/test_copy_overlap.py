@@ -84,11 +84,15 @@ JOB = CopyJob(receivers=(1,), source=0, shard_degree=1, layout={})
 
 
 def test_a_holders_gate_opens_once_its_copy_is_served_and_reports_what_it_sent() -> None:
+    """The copy's group is the epoch's own: served, it stays open for the step's
+    reduction (only an epoch that ends first closes it, ``close``)."""
     comm, copy = _Comm(), _Copy()
     server = CopyServer(lambda: comm, copy, JOB, step=3)  # type: ignore[arg-type]
     copy.go.set()
     sent = server.wait(lambda: False)
     assert (sent["bytes_sent"], sent["ranges_sent"]) == (7, 1) and sent["seconds"] >= 0
+    assert not comm.closed
+    server.close()
     assert comm.closed
 
 

@@ -149,7 +149,8 @@ def first_plan(
         set(ready[m].kept) if ready[m].next_step == start and m not in receivers else set()
         for m in plan.members
     ]
-    rotate = order_free(train, outer)
+    # a rotated plan searches up to 5 starts: within the one plan's budget
+    rotate = order_free(train, outer) and 5 * plan.slots * len(plan.members) <= REDO_MAX_WORK
     if receivers and overlaps(train, outer):
         small = plan.slots * len(plan.members) <= REDO_MAX_WORK
         return idle_plan(plan, kept, receivers, plan_kept=small, rotate=rotate)

@@ -6,8 +6,8 @@ Where ``copy_rule.overlaps`` allows it, the coordinator plans the epoch's first 
 
 - a *holder* builds its offer from its committed state (after step ``s - 1``), starts a
   :class:`CopyServer` and begins step ``s`` at once: its slots' forwards and backwards run
-  while the server sends ranges on a second process group (``<prefix>copy/``, so the
-  copy's messages never interleave with the step's collectives on the epoch's group);
+  while the server sends ranges on the epoch's group (its comm thread: the copy's
+  messages never interleave with the step's collectives, which come after the gate);
 - a *receiver* copies on that group in its own main thread (:func:`receive`: it has
   nothing else to do), adopts the state of step ``s - 1``, and enters step ``s`` with no
   slot: its part in the reduction adds nothing, and it applies the step's update from the
@@ -73,17 +73,16 @@ def committed_offer(state: State, params: Sequence[torch.Tensor]) -> State:
 
 class CopyServer:
     """A holder's side of an overlapped copy on a background thread (see the module's
-    docstring): builds the copy group (``make_comm``) on the caller's thread, runs the
-    copy on its own, records what it sent (``sent``: seconds and the copy's counters) or
-    the exception that ended it.
+    docstring): takes the copy's group (``make_comm``: the epoch's own, whose comm thread
+    runs the copy's operations, ``StateTransfer.copy_group``) on the caller's thread, runs
+    the copy on its own, records what it sent (``sent``: seconds and the copy's counters)
+    or the exception that ended it. The group is the epoch's to close.
 
-    Why the group is built before the thread starts: building a gloo group is a few dozen
-    store round trips, each of which needs the GIL back in Python. On a thread beside a
-    main thread that computes slots, each waited up to the interpreter's switch interval
-    (5 ms) for it: measured, the copy group formed 0.10-0.13 s after the epoch's own group
-    (about 0.01 s) and was the largest share of a kill's cost (docs/performance.md,
-    section 17). Built first, it costs the holder about what the epoch's group does, and
-    every member meets in it at once (the receivers build it first thing too)."""
+    Why no group is built on the thread: building a gloo group is a few dozen store round
+    trips, each of which needs the GIL back in Python. On a thread beside a main thread
+    that computes slots, each waited up to the interpreter's switch interval (5 ms) for
+    it: measured, a copy group of its own formed 0.10-0.13 s after the epoch's (about
+    0.01 s) and was the largest share of a kill's cost (docs/performance.md, section 17)."""
 
     def __init__(
         self, make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob, *, step: int
@@ -107,8 +106,6 @@ class CopyServer:
             self.sent = {"seconds": round(time.monotonic() - self._t0, 4), **stats}
         except BaseException as e:  # handed to the step loop by wait()
             self.error = e
-        finally:
-            self._comm.close()
 
     def wait(self, abort: Callable[[], bool]) -> dict[str, Any]:
         """Block until the copy is served (the step's gate before its reduction); raise
@@ -140,18 +137,15 @@ class CopyServer:
         return dict(self.sent)
 
     def close(self) -> None:
-        """Leave the copy (an epoch that ended first): its group's thread is let go, and
-        the server thread ends at its next operation's abort check or timeout."""
+        """Leave the copy (an epoch that ended first): its group is closed (the epoch's
+        own, closed with the epoch anyway), and the server thread ends at its next
+        operation's abort check or timeout."""
         self._comm.close()
 
 
 def receive(make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob) -> Received:
-    """A receiver's side of an overlapped copy: build the copy group, copy, close it."""
-
-    comm = make_comm()
-    try:
-        got = copy.copy(comm, job)
-    finally:
-        comm.close()
+    """A receiver's side of an overlapped copy, on the copy's group (the epoch's own: it
+    stays open for the step the receiver joins next)."""
+    got = copy.copy(make_comm(), job)
     assert got is not None, "a receiver got no state"
     return got

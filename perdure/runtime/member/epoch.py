@@ -26,7 +26,7 @@ class Epoch:
     runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
     copy_comm: Comm | None = None
-    """The overlapped copy's process group (``<prefix>copy/``), built with the epoch's
+    """The overlapped copy's process group: the epoch's own, :attr:`comm`
     (``StateTransfer.copy_group``); None where the epoch copies blocking or not at all."""
     copy: CopyServer | None = None
     """A holder's overlapped state copy, served behind the first step (``copy_overlap``)."""

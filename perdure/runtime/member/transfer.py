@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-import torch.distributed as dist
-
 from perdure import events as ev
 from perdure.events import JsonLines
 from perdure.runtime.comm.group import Comm
@@ -52,8 +50,6 @@ class StateTransfer:
     state_copy: StateCopy
     shard_degree: int
     timeout: Callable[[], timedelta]
-    store: Callable[[], dist.Store]
-    """A store connection of the copy group's own (the server thread's)."""
     should_stop: Callable[[], bool]
 
     def copy(self, ep: Epoch, tr: Trainer) -> bool:
@@ -122,18 +118,19 @@ class StateTransfer:
     def copy_group(
         self, start: p.Start, first: tuple[int, Plan] | None, comm: Comm, rank: int, size: int
     ) -> Comm | None:
-        """The overlapped copy's process group, where the epoch's copy overlaps its first
-        step (every member decides alike from the start notice): the epoch's members
-        under ``<prefix>copy/``, over a store connection of its own (the server thread
-        sends on it). Built right after the epoch's own group, by every member, before a
-        holder computes or a receiver builds its step runner: measured, a receiver's
-        first runner took up to 0.08 s here, and the holders waited for it in this
-        group's rendezvous before they began the step."""
+        """The overlapped copy's group, where the epoch's copy overlaps its first step
+        (every member decides alike from the start notice): the epoch's own, ``comm``.
+        Nothing interleaves with the copy there: a holder's step enters no collective
+        before its gate (the copy served), a receiver none before its copy is in, and
+        every operation of either runs on the group's one comm thread, in order. A group
+        of its own (``<prefix>copy/``, as before) cost every member a rendezvous after the
+        epoch's, and the receiver its drop (~0.02 s) on its way into the redone step's
+        reduction: both on a kill's critical path (docs/performance.md, section 17)."""
         if start.recover or not start.receivers:
             return None
         if not is_overlapped(first and first[1], start.receivers):
             return None
-        return comm.subgroup(self.store(), "copy", rank, size)
+        return comm
 
     def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
         """A holder's gate: its copy served, before the first step's reduction."""
