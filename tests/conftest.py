@@ -27,7 +27,7 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 _INTEGRATION_HINTS = re.compile(
     r"run_to_end|run_ranks|subprocess|multiprocessing|get_context|Popen|netns|\bray\b"
     r"|launch\.api|LocalLauncher|\bspawn|fresh_clone|\brun\(|invoke\(\s*\w+,\s*\[\s*\"run"
-    r"|run_zygote|Zygote\("
+    r"|run_zygote|Zygote\(|step_runner\("
 )
 
 # Tests whose calls into perdure start a process the hints cannot see (a data build's
