@@ -261,14 +261,20 @@ def test_a_pass_resumed_from_an_abandoned_ones_partial_sum_gives_the_whole_pass_
     kept = old.partial()
     assert kept is not None and kept.added == 3 and kept.outliers.kept
     assert old.ints.numel() == 0  # let go: the kept integers are never written again
-    new = StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK)
-    assert new.open(buf, exps, adds=S - 1, resume=kept)
-    for i in (6, 3, 5, 4):
-        buf.copy_(bufs[i])
-        new.add(buf)
-    buf.copy_(bufs[7])
-    out, got_max = new.finish(_Solo(), buf, timeout=TIMEOUT, last=buf).result()
+    out, got_max = _resumed(kept, exps, [bufs[i] for i in (6, 3, 5, 4, 7)], bits)
     assert torch.equal(out, want) and torch.equal(got_max, want_max)
+
+
+def _resumed(kept: Any, exps: torch.Tensor, rest: list[torch.Tensor], bits: int = 32) -> Any:
+    """A one-member pass started from ``kept`` that adds ``rest`` (the last streamed)."""
+    red = StreamedReducer(0, 1, slots=S, bits=bits, block=BLOCK)
+    buf = torch.empty_like(rest[0])
+    assert red.open(buf, exps, adds=S - 1, resume=kept)
+    for b in rest[:-1]:
+        buf.copy_(b)
+        red.add(buf)
+    buf.copy_(rest[-1])
+    return red.finish(_Solo(), buf, timeout=TIMEOUT, last=buf).result()
 
 
 def test_a_member_whose_reduction_fails_after_its_last_bucket_keeps_its_whole_sum() -> None:
@@ -302,14 +308,7 @@ def test_a_member_whose_reduction_fails_after_its_last_bucket_keeps_its_whole_su
 
     kept = run_threads(member, 2)[0]
     assert kept is not None and kept.added == 4
-    solo = StreamedReducer(0, 1, slots=S, bits=32, block=BLOCK)
-    buf = torch.empty_like(bufs[0])
-    assert solo.open(buf, exps, adds=S - 1, resume=kept)
-    for i in (4, 5, 6):
-        buf.copy_(bufs[i])
-        solo.add(buf)
-    buf.copy_(bufs[7])
-    out, got_max = solo.finish(_Solo(), buf, timeout=TIMEOUT, last=buf).result()
+    out, got_max = _resumed(kept, exps, bufs[4:])
     assert torch.equal(out, want) and torch.equal(got_max, want_max)
 
 

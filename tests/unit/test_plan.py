@@ -96,8 +96,9 @@ def test_a_redo_with_nothing_kept_is_the_epochs_plan() -> None:
     assert redo_plan(plan, [set(), set(), set()], [0, 0, 0]) is plan
 
 
-@given(
-    st.integers(1, 4).flatmap(
+def _redo_cases(least_members: int) -> st.SearchStrategy:
+    """``((S, kept), lag)`` for 1 to 4 members (at least ``least_members``), S up to 9."""
+    return st.integers(least_members, 4).flatmap(
         lambda n: st.tuples(
             st.integers(n, 9).flatmap(
                 lambda S: st.tuples(
@@ -108,7 +109,9 @@ def test_a_redo_with_nothing_kept_is_the_epochs_plan() -> None:
             st.lists(st.integers(0, 2), min_size=n, max_size=n),
         )
     )
-)
+
+
+@given(_redo_cases(1))
 def test_the_redo_plan_has_the_least_cost_and_then_computes_the_fewest_slots(case) -> None:
     """Against every contiguous plan: the least most-slots-per-member, and among those the
     fewest slots computed in all (no finished slot recomputed that need not be)."""
@@ -179,19 +182,7 @@ def test_a_member_lost_at_the_end_of_the_order_is_split_between_both_neighbours_
     assert idle_plan(plan, middle, ["b"], rotate=True) == idle_plan(plan, middle, ["b"])
 
 
-@given(
-    st.integers(2, 4).flatmap(
-        lambda n: st.tuples(
-            st.integers(n, 9).flatmap(
-                lambda S: st.tuples(
-                    st.just(S),
-                    st.lists(st.sets(st.integers(0, S - 1)), min_size=n, max_size=n),
-                )
-            ),
-            st.lists(st.integers(0, 2), min_size=n, max_size=n),
-        )
-    )
-)
+@given(_redo_cases(2))
 def test_a_rotated_redo_plan_covers_every_slot_once_and_never_costs_more(case) -> None:
     (S, kept), lag = case
     n = len(kept)
