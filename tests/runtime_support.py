@@ -133,8 +133,9 @@ def write_toml(config: RunConfig, path: Path) -> Path:
 
 
 OPEN_TRAINERS: list[Any] = []
-"""Trainers :func:`step_runner` built, closed after each test (``conftest``): their
-loaders' prefetch threads would outlive it (a data test asserts none is left)."""
+"""What :func:`step_runner` built (trainers, comms), closed after each test (``conftest``):
+their loaders' prefetch threads and comm threads would outlive it (a data test asserts
+no prefetch thread is left)."""
 
 
 def close_trainers() -> None:
@@ -161,6 +162,7 @@ def step_runner(
     from perdure.runtime.comm.group import Comm
     from perdure.runtime.comm.reducer import make_reducer
     from perdure.runtime.plan import make_plan
+    from perdure.runtime.replica.salvage import SlotSalvage
     from perdure.runtime.replica.trainer import Trainer
     from perdure.runtime.step import Seams, SlotTimer, StepRunner
 
@@ -169,13 +171,11 @@ def step_runner(
             events.append(record)
 
     timeout = timedelta(seconds=30)
-    from perdure.runtime.replica.salvage import SlotSalvage
-
     if trainer is None:
         trainer = Trainer(config)
         OPEN_TRAINERS.append(trainer)
-    tr = trainer
     comm = Comm(dist.HashStore(), "t/", 0, 1, timeout, lambda: False)
+    OPEN_TRAINERS.append(comm)
     seams = Seams(
         name="w0",
         events=Log(),  # type: ignore[arg-type]
@@ -186,4 +186,4 @@ def step_runner(
     )
     plan = make_plan(["w0"], config.train.slots)
     reducer = make_reducer(config.train, 0, 1)
-    return StepRunner(tr, plan, 0, comm, reducer, seams, SlotTimer())
+    return StepRunner(trainer, plan, 0, comm, reducer, seams, SlotTimer())

@@ -502,7 +502,8 @@ class StepRunner:
     def _keep_sum(
         self, key: tuple[int, int], red: CarriedReduction, slots: tuple[int, ...]
     ) -> None:
-        """The pass is abandoned between slots: keep the sum of ``slots`` (those added)."""
+        """The pass is abandoned: keep the sum of ``slots`` where the reducer still holds
+        it (``partial``: between slots, those added; after the last bucket, all)."""
         if self.lockstep or not slots:
             return
         partial = red.partial()

@@ -260,9 +260,6 @@ class Worker:
                 comm.add_tiers(store, self.region, direct=direct)
             self._shard_group(store, comm, rank)
             first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
-            # the overlapped copy's group, with the epoch's: every member meets in it at
-            # once, before the holders compute and whatever a receiver builds next
-            copy_comm = self.transfer.copy_group(start, first, comm, rank, len(plan.members))
         except (Abandoned, CommFailed) as e:
             if self.shards is not None:  # its groups, as far as they were built
                 self.shards.close()
@@ -273,7 +270,7 @@ class Worker:
             self._failed(e)
             return
         runner = self._runner(plan, rank, comm, first)
-        ep = Epoch(start.epoch, plan, rank, start, comm, runner, copy_comm=copy_comm)
+        ep = Epoch(start.epoch, plan, rank, start, comm, runner)
         runner.settled = lambda t, loss, step_s: self._line(ep, t, loss, step_s)
         try:
             self._transfer(ep)
@@ -436,7 +433,7 @@ class Worker:
     def _close_epoch(self, ep: Epoch) -> None:
         ep.runner.close_flight()  # an overlapped outer step: settled, or undone
         self.transfer.settle(ep)  # a copy served before the epoch ended: its event
-        ep.comm.close()  # the overlapped copy's group too (``copy_comm``: the same)
+        ep.comm.close()
         if self.shards is not None:
             self.shards.close()
             self.shards = None

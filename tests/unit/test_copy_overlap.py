@@ -87,7 +87,7 @@ def test_a_holders_gate_opens_once_its_copy_is_served_and_reports_what_it_sent()
     """The copy's group is the epoch's own: served, it stays open for the step's
     reduction (only an epoch that ends first closes it, ``close``)."""
     comm, copy = _Comm(), _Copy()
-    server = CopyServer(lambda: comm, copy, JOB, step=3)  # type: ignore[arg-type]
+    server = CopyServer(comm, copy, JOB, step=3)  # type: ignore[arg-type]
     copy.go.set()
     sent = server.wait(lambda: False)
     assert (sent["bytes_sent"], sent["ranges_sent"]) == (7, 1) and sent["seconds"] >= 0
@@ -98,7 +98,7 @@ def test_a_holders_gate_opens_once_its_copy_is_served_and_reports_what_it_sent()
 
 def test_a_copy_that_fails_fails_the_step_at_its_gate() -> None:
     copy = _Copy(CommFailed("peer closed"))
-    server = CopyServer(_Comm, copy, JOB, step=3)  # type: ignore[arg-type]
+    server = CopyServer(_Comm(), copy, JOB, step=3)  # type: ignore[arg-type]
     copy.go.set()
     with pytest.raises(CommFailed, match="peer closed"):
         server.wait(lambda: False)
@@ -106,7 +106,7 @@ def test_a_copy_that_fails_fails_the_step_at_its_gate() -> None:
 
 def test_a_gate_waiting_for_a_copy_leaves_when_the_epoch_changes() -> None:
     copy = _Copy()
-    server = CopyServer(_Comm, copy, JOB, step=3)  # type: ignore[arg-type]
+    server = CopyServer(_Comm(), copy, JOB, step=3)  # type: ignore[arg-type]
     with pytest.raises(Abandoned):
         server.wait(lambda: True)
     server.close()
@@ -120,7 +120,7 @@ def test_a_copy_served_in_full_reports_it_without_a_wait_and_one_still_out_repor
     (``StateTransfer.settle``): ``finished`` says so without waiting, says nothing of a
     copy still under way or one that failed, and reports one served within its wait."""
     out, done, failed = _Copy(), _Copy(), _Copy(CommFailed("peer closed"))
-    servers = [CopyServer(_Comm, c, JOB, step=3) for c in (out, done, failed)]  # type: ignore[arg-type]
+    servers = [CopyServer(_Comm(), c, JOB, step=3) for c in (out, done, failed)]  # type: ignore[arg-type]
     done.go.set()
     failed.go.set()
     for s in servers[1:]:

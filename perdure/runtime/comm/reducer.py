@@ -77,9 +77,10 @@ class CarriedReduction(Reducer, Protocol):
         ...
 
     def partial(self) -> Any:
-        """Between slots, before :meth:`finish`: the sum of the slots added so far, kept
-        for a later pass of the same step (salvage across a membership change), or None
-        where this pass cannot give it."""
+        """After an abandoned pass: the sum of the slots it holds (those added, or every
+        one once the last is on the wire where the reducer sends from a copy), kept for a
+        later pass of the same step (salvage across a membership change); None where
+        this pass cannot give it."""
         ...
 
     def begin_slot(

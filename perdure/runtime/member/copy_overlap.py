@@ -8,8 +8,8 @@ Where ``copy_rule.overlaps`` allows it, the coordinator plans the epoch's first 
   :class:`CopyServer` and begins step ``s`` at once: its slots' forwards and backwards run
   while the server sends ranges on the epoch's group (its comm thread: the copy's
   messages never interleave with the step's collectives, which come after the gate);
-- a *receiver* copies on that group in its own main thread (:func:`receive`: it has
-  nothing else to do), adopts the state of step ``s - 1``, and enters step ``s`` with no
+- a *receiver* copies on that group in its own main thread (it has nothing else to
+  do), adopts the state of step ``s - 1``, and enters step ``s`` with no
   slot: its part in the reduction adds nothing, and it applies the step's update from the
   reduced sum like every member. So it catches up on the step it missed by taking part in
   its reduction, not by a second copy, and the run never waits for a step it already did.
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from perdure.runtime.comm.group import Abandoned, Comm
-from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy
+from perdure.runtime.comm.swarm import CopyJob, StateCopy
 from perdure.runtime.plan import Plan
 
 State = tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]
@@ -73,10 +73,10 @@ def committed_offer(state: State, params: Sequence[torch.Tensor]) -> State:
 
 class CopyServer:
     """A holder's side of an overlapped copy on a background thread (see the module's
-    docstring): takes the copy's group (``make_comm``: the epoch's own, whose comm thread
-    runs the copy's operations, ``StateTransfer.copy_group``) on the caller's thread, runs
-    the copy on its own, records what it sent (``sent``: seconds and the copy's counters)
-    or the exception that ended it. The group is the epoch's to close.
+    docstring): runs the copy on the epoch's own group (``comm``, whose comm thread runs
+    the copy's operations) from a thread of its own, and records what it sent (``sent``:
+    seconds and the copy's counters) or the exception that ended it. The group is the
+    epoch's to close.
 
     Why no group is built on the thread: building a gloo group is a few dozen store round
     trips, each of which needs the GIL back in Python. On a thread beside a main thread
@@ -84,9 +84,7 @@ class CopyServer:
     it: measured, a copy group of its own formed 0.10-0.13 s after the epoch's (about
     0.01 s) and was the largest share of a kill's cost (docs/performance.md, section 17)."""
 
-    def __init__(
-        self, make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob, *, step: int
-    ) -> None:
+    def __init__(self, comm: Comm, copy: StateCopy, job: CopyJob, *, step: int) -> None:
         self.job = job
         self.step = step
         """The step the holder's committed state is at: its ``state_sent`` event's."""
@@ -94,7 +92,7 @@ class CopyServer:
         self.error: BaseException | None = None
         self._copy = copy
         self._t0 = time.monotonic()
-        self._comm: Comm = make_comm()  # CommFailed / Abandoned: raised to the caller
+        self._comm = comm
         self._thread = threading.Thread(target=self._serve, name="state-copy", daemon=True)
         self._thread.start()
 
@@ -141,11 +139,3 @@ class CopyServer:
         own, closed with the epoch anyway), and the server thread ends at its next
         operation's abort check or timeout."""
         self._comm.close()
-
-
-def receive(make_comm: Callable[[], Comm], copy: StateCopy, job: CopyJob) -> Received:
-    """A receiver's side of an overlapped copy, on the copy's group (the epoch's own: it
-    stays open for the step the receiver joins next)."""
-    got = copy.copy(make_comm(), job)
-    assert got is not None, "a receiver got no state"
-    return got

@@ -25,9 +25,6 @@ class Epoch:
     comm: Comm
     runner: StepRunner
     ckpt: AsyncCheckpointer | None = None
-    copy_comm: Comm | None = None
-    """The overlapped copy's process group: the epoch's own, :attr:`comm`
-    (``StateTransfer.copy_group``); None where the epoch copies blocking or not at all."""
     copy: CopyServer | None = None
     """A holder's overlapped state copy, served behind the first step (``copy_overlap``)."""
 

@@ -16,22 +16,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any
 
 from perdure import events as ev
 from perdure.events import JsonLines
-from perdure.runtime.comm.group import Comm
-from perdure.runtime.comm.swarm import CopyJob, Received, StateCopy, StateCopyFailed
-from perdure.runtime.control import protocol as p
+from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed
 from perdure.runtime.member.copy_overlap import (
     CopyServer,
     committed_offer,
     is_overlapped,
-    receive,
 )
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.shard_group import Shards
-from perdure.runtime.plan import Plan
 from perdure.runtime.replica.trainer import Trainer
 
 SETTLE_WAIT_S = 0.5
@@ -76,19 +72,17 @@ class StateTransfer:
         )
         mode = "overlapped" if overlapped else "blocking"
         t0 = time.monotonic()
-        if overlapped:
-            assert ep.copy_comm is not None, "an overlapped copy's group is built with the epoch's"
-        made = lambda: cast(Comm, ep.copy_comm)  # noqa: E731
+        # Overlapped or not, the copy runs on the epoch's own group: a holder's step
+        # enters no collective before its gate (the copy served), a receiver none before
+        # its copy is in, and the group's one comm thread runs every operation in order.
+        # (A group of its own cost every member a second rendezvous and the receiver its
+        # drop, ~0.02 s, on a kill's critical path: docs/performance.md, section 17.)
         if overlapped and not receiving:
-            server = CopyServer(made, self.state_copy, job, step=tr.next_step)
+            server = CopyServer(ep.comm, self.state_copy, job, step=tr.next_step)
             ep.copy, step = server, tr.next_step
             ep.runner.gate = lambda: self._sent(ep, server, mode, step)
             return False
-        got: Received | None = None
-        if overlapped:
-            got = receive(made, self.state_copy, job)
-        else:
-            got = self.state_copy.copy(ep.comm, job)
+        got = self.state_copy.copy(ep.comm, job)
         if got is None:
             stats = dict(self.state_copy.stats)
             self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
@@ -114,23 +108,6 @@ class StateTransfer:
             }
         )
         return True
-
-    def copy_group(
-        self, start: p.Start, first: tuple[int, Plan] | None, comm: Comm, rank: int, size: int
-    ) -> Comm | None:
-        """The overlapped copy's group, where the epoch's copy overlaps its first step
-        (every member decides alike from the start notice): the epoch's own, ``comm``.
-        Nothing interleaves with the copy there: a holder's step enters no collective
-        before its gate (the copy served), a receiver none before its copy is in, and
-        every operation of either runs on the group's one comm thread, in order. A group
-        of its own (``<prefix>copy/``, as before) cost every member a rendezvous after the
-        epoch's, and the receiver its drop (~0.02 s) on its way into the redone step's
-        reduction: both on a kill's critical path (docs/performance.md, section 17)."""
-        if start.recover or not start.receivers:
-            return None
-        if not is_overlapped(first and first[1], start.receivers):
-            return None
-        return comm
 
     def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
         """A holder's gate: its copy served, before the first step's reduction."""
