@@ -75,6 +75,13 @@ def import_runtime() -> None:
     # torch itself, and what its first use_deterministic_algorithms call imports (~1.5 s)
     import torch._inductor.config  # noqa: F401
 
+    # and the reducers ``make_reducer`` imports when a member's first epoch starts: a spare
+    # promoted after a kill imported them on the kill's critical path (0.015-0.03 s here,
+    # their source compiled where no bytecode is cached: PYTHONDONTWRITEBYTECODE)
+    import perdure.runtime.comm.carried
+    import perdure.runtime.comm.chain
+    import perdure.runtime.comm.exact
+    import perdure.runtime.comm.streamed
     import perdure.runtime.entry
     import perdure.runtime.worker  # noqa: F401
 
