@@ -16,7 +16,7 @@ import perdure
 from perdure.checkpoint import load_checkpoint
 from perdure.runtime.replica.slots import SlotEngine
 from perdure.runtime.replica.task import Task
-from perdure.runtime.replica.user_rng import UncontrolledRandomness, seed_globals
+from perdure.runtime.replica.user_rng import UncontrolledRandomness, seed_globals, seed_torch
 from tests.random_task import make_task
 from tests.runtime_support import events, run_to_end, small_config
 
@@ -60,6 +60,16 @@ def test_the_draws_depend_on_the_slot_and_the_step(source: str) -> None:
     engine = SlotEngine(task.model, task.loss_fn, seed=7, slots=SLOTS)
     losses = [engine.compute(step, 1, _batch(1), engine.new_buffer()) for step in (0, 0, 1)]
     assert losses[0] == losses[1] != losses[2]
+
+
+def test_seed_torch_leaves_the_cpu_generator_where_torch_manual_seed_does() -> None:
+    for seed in (0, 7, 2**63 - 1):
+        torch.manual_seed(seed)
+        want = torch.get_rng_state()
+        torch.manual_seed(seed + 1)
+        seed_torch(seed)
+        assert torch.equal(torch.get_rng_state(), want)
+        assert torch.initial_seed() == seed
 
 
 def test_a_slot_leaves_every_global_generator_as_it_found_it() -> None:
