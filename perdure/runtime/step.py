@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -149,6 +149,18 @@ def overlapped_outer_step(run: StepRunner, t: int, end: StepEnd, t0: float) -> N
     end.after_update(t, None, step_s)  # 5
 
 
+class Gate(Protocol):
+    """What must finish before a member's first collective on the epoch's group."""
+
+    def ready(self) -> bool:
+        """Whether passing it now would not wait."""
+        ...
+
+    def __call__(self) -> None:
+        """Wait until it is passed; raise what ended it (the epoch ends)."""
+        ...
+
+
 class StepRunner:
     """Computes, reduces and checks the gradient of each step this member takes part in."""
 
@@ -191,8 +203,8 @@ class StepRunner:
         if outer.on and outer.precision == "int8":
             compress = outer.wire_compression == "zlib"
             self.int8 = Int8Gather(trainer.layout, train.reduction_block, compress=compress)
-        self.gate: Callable[[], Any] | None = None
-        """Called once before this member's first collective on the epoch's group (an
+        self.gate: Gate | None = None
+        """Passed once before this member's first collective on the epoch's group (an
         overlapped state copy's holder: its copy must be served first, ``copy_overlap``)."""
         self.overlap = outer.on and outer.delay == 1
         """``outer.delay = 1``: an outer step's reduction runs behind the next step's
@@ -209,6 +221,10 @@ class StepRunner:
         gate, self.gate = self.gate, None
         if gate is not None:
             gate()
+
+    def gate_waits(self) -> bool:
+        """Whether passing the gate now would wait (a holder's copy still on its way)."""
+        return self.gate is not None and not self.gate.ready()
 
     @property
     def size(self) -> int:
@@ -465,6 +481,10 @@ class StepRunner:
                 red.add(buf)
                 added.append(slot)
             self._pad(t, abort, red)  # before the last slot: every rank passes as often
+            # A holder whose copy is still out computes its last slot whole before the
+            # gate rather than wait at it idle: no bucket could go on the wire before the
+            # copy is served, and the sum's integers are the same bits either way.
+            streams = streams and not self.gate_waits()
             if todo and not streams:
                 self._compute(t, todo[-1], buf, abort, None)
             self._injected_drop()

@@ -437,6 +437,43 @@ def test_a_missed_prediction_takes_the_outlier_lane_and_an_explosion_is_computed
     assert len(events) == 1  # as predicted: one pass
 
 
+@pytest.mark.parametrize("copy_done", [True, False])
+def test_a_holder_whose_copy_is_out_computes_its_last_slot_before_the_gate_same_bits(
+    small_dataset: Path, copy_done: bool
+) -> None:
+    """An overlapped copy's holder passes its gate before the first bucket goes on the
+    wire: where the copy is still out, it computes its last slot whole first instead of
+    waiting idle, and the sum is the same bits as the streamed one."""
+    train = {"reduction": "exact", "reduction_bits": 32, "reduction_exponents": "streamed"}
+    cfg = small_config(small_dataset, workers=1, train=train)
+    runs = [step_runner(cfg, []) for _ in range(2)]
+    for r in runs:  # step 0 has no carried exponents: a measuring pass, then the sum's;
+        r.gradient(0, 0.0)  # carried from it, a step is one pass
+        r.tr.exponents = r.tr._staged
+    want, run = runs[0].gradient(0, 0.0), runs[1]
+    seen: list[str] = []
+    compute = run.tr.engine.compute
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen.append("compute")
+        return compute(*args, **kwargs)
+
+    class Gate:
+        def ready(self) -> bool:
+            return copy_done
+
+        def __call__(self) -> None:
+            seen.append("gate")
+
+    run.tr.engine.compute = counted  # type: ignore[method-assign]
+    run.gate = Gate()
+    assert torch.equal(run.gradient(0, 0.0), want)
+    slots = len(run.slots)
+    last_before_gate = ["compute"] * slots + ["gate"]
+    streamed = ["compute"] * (slots - 1) + ["gate", "compute"]
+    assert seen == (streamed if copy_done else last_before_gate)
+
+
 def test_received_exponents_that_are_not_an_int32_tensor_are_refused(small_dataset: Path) -> None:
     from perdure.runtime.replica.trainer import Trainer
 

@@ -119,6 +119,11 @@ class CopyServer:
         assert self.sent is not None
         return self.sent
 
+    def served(self) -> bool:
+        """Whether :meth:`wait` would return (or raise) at once: the copy served in full,
+        or ended by what it raises."""
+        return self.sent is not None or self.error is not None or not self._thread.is_alive()
+
     def finished(self, wait_s: float = 0.0) -> dict[str, Any] | None:
         """What was sent, where the copy was served in full (waiting up to ``wait_s`` for
         a copy still on its way); else None. Served in full is :attr:`sent` being set:

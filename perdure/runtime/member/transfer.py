@@ -80,7 +80,7 @@ class StateTransfer:
         if overlapped and not receiving:
             server = CopyServer(ep.comm, self.state_copy, job, step=tr.next_step)
             ep.copy, step = server, tr.next_step
-            ep.runner.gate = lambda: self._sent(ep, server, mode, step)
+            ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step), server)
             return False
         got = self.state_copy.copy(ep.comm, job)
         if got is None:
@@ -192,3 +192,18 @@ class StateTransfer:
                     "seconds": round(time.monotonic() - t0, 4),
                 }
             )
+
+
+@dataclass(frozen=True)
+class _CopyGate:
+    """A holder's gate before the first step's reduction (``StepRunner.gate``): its copy
+    served (``passed``, which leaves the ``state_sent`` event)."""
+
+    passed: Callable[[], None]
+    server: CopyServer
+
+    def ready(self) -> bool:
+        return self.server.served()
+
+    def __call__(self) -> None:
+        self.passed()
