@@ -13,6 +13,13 @@ seeded, after the fork: only module code runs in the zygote, no model is made.
 The same idea as ``multiprocessing``'s forkserver and PyTorch's fork-started DataLoader
 workers: the zygote never runs a torch op, so no thread pool or device state is forked.
 
+Every object the zygote holds is frozen (``gc.freeze``) before it forks, as Python's docs
+advise for a fork server: a worker's collections never traverse, and so never write and
+copy, the pages it shares with the zygote. Measured here (a child of a process that
+imported torch and the worker): a full collection in the child copied 74 MB of them in
+0.13 s of CPU, and a SIGKILL took 10 ms to close the child's sockets; frozen, 2 MB, 0.4 ms
+and 6.6 ms. A killed worker is detected when its sockets close.
+
 Protocol: JSON lines. The launcher writes ``{"id", "spec", "env", "log", "cwd"}`` on the
 zygote's stdin; the zygote answers ``{"id", "pid"}`` and, when a child exits, ``{"exit":
 pid, "code": code}`` (negative: killed by that signal, as ``subprocess`` reports it).
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -155,6 +163,7 @@ def _reap() -> None:
 
 def _fork(req: dict[str, Any]) -> int:
     me = os.getpid()
+    gc.freeze()
     pid = os.fork()
     if pid == 0:
         _child(req, me)

@@ -30,6 +30,7 @@ start, a run's zygote is started as its own process (``zygote.Zygote``'s default
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -108,6 +109,7 @@ def _answer(ctl: socket.socket, children: set[int]) -> bool:
             os.close(fd)
         ctl.send(json.dumps({"error": "a request carries one socket"}).encode())
         return True
+    gc.freeze()  # see launch/zygote.py: the run's zygote and its workers share these pages
     pid = os.fork()
     if pid == 0:
         _become_run_zygote(json.loads(msg), fds[0], ctl)

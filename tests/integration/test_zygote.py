@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -85,6 +86,25 @@ def test_every_reducer_a_member_builds_is_imported_by_the_zygote() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_zygote_forks_with_every_object_it_holds_frozen() -> None:
+    """A worker's collections never traverse (so never copy) the zygote's objects."""
+    code = (
+        "import gc, json, os, perdure.launch.zygote as z\n"
+        "seen = []\n"
+        "def fork():\n"
+        "    seen.append(gc.get_freeze_count())\n"
+        "    return 1  # the parent's side: no child\n"
+        "os.fork = fork\n"
+        "before = gc.get_freeze_count()\n"
+        "z._fork({})\n"
+        "print(json.dumps([before, seen[0], len(gc.get_objects())]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    before, at_fork, tracked = json.loads(out.stdout)
+    assert before == 0 and at_fork > 10_000 and tracked < at_fork / 10
 
 
 def test_a_killed_child_reports_the_signal_like_popen(zygote: Zygote, tmp_path: Path) -> None:
