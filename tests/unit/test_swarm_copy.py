@@ -197,6 +197,21 @@ def test_a_range_that_fails_from_every_holder_is_a_clear_failure_on_every_rank()
         assert "failed their XXH3-64 from every holder that offers them ([0])" in str(out[r])
 
 
+class _Claims(SwarmCopy):
+    """A receiver that reports more failed ranges than the copy has (a hostile peer)."""
+
+    def _round(self, *args: Any) -> list[int]:
+        super()._round(*args)
+        return list(range(10**6))
+
+
+def test_a_peer_claiming_more_failed_ranges_than_the_copy_has_fails_it_on_every_rank() -> None:
+    out = _run(3, (2,), lambda r: _Claims() if r == 2 else SwarmCopy())
+    for r in range(3):
+        assert isinstance(out[r], StateCopyFailed), out[r]
+        assert "a rank reports 1000000 failed ranges of the copy's" in str(out[r])
+
+
 class _Offers(SwarmCopy):
     """Offers a structure of its own instead of its state's."""
 
