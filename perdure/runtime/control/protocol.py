@@ -34,6 +34,8 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Union
 
+from perdure.config.build import type_hints
+
 PROTOCOL_VERSION = 5
 MAX_LINE = 1 << 20
 """Bytes in one message line, newline excluded."""
@@ -294,7 +296,7 @@ def decode(line: bytes) -> Message:
 
 
 def _fields(cls: type[Any], obj: dict[str, Any]) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+    hints = type_hints(cls)
     declared = {f.name: f for f in fields(cls)}
     extra = sorted(set(obj) - set(declared))
     if extra:
