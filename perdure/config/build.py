@@ -11,7 +11,6 @@ own range checks to the same report.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import types
 import typing
 import warnings
@@ -52,13 +51,19 @@ def renamed_value(value: object, renamed: Mapping[str, str], key: str) -> Any:
     return new
 
 
-@functools.cache
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
 def type_hints(cls: type) -> dict[str, Any]:
     """``typing.get_type_hints(cls)``, evaluated once per class (callers only read it).
     Evaluating a dataclass's string annotations is tens of microseconds a class: building a
     worker's config took 16 ms of a replacement's start-up, and the control channel paid
-    35-75 us a decoded message."""
-    return typing.get_type_hints(cls)
+    35-75 us a decoded message. (Two threads may both evaluate a class once: the same
+    result either way.)"""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def prepare(cls: type) -> None:

@@ -220,14 +220,14 @@ def test_a_prepared_config_class_builds_without_evaluating_an_annotation(
 ) -> None:
     """The zygote prepares RunConfig before it forks: a worker's config is then built from
     evaluated annotations (16 ms of a replacement's start-up otherwise)."""
+    import importlib
     import typing
 
-    from perdure.config.build import prepare, type_hints
-
+    build = importlib.import_module("perdure.config.build")  # the package's `build` is a function
     want = load_config(SHIPPED[0])
     data = dataclasses.asdict(want)
-    type_hints.cache_clear()  # what the load above evaluated
-    prepare(RunConfig)
+    monkeypatch.setattr(build, "_HINTS", {})  # not what the load above evaluated
+    build.prepare(RunConfig)
 
     def refused(*args: object, **kwargs: object) -> None:
         raise AssertionError("an annotation was evaluated after prepare()")
