@@ -59,14 +59,19 @@ def test_a_forked_worker_writes_its_log_and_exit_code(zygote: Zygote, tmp_path: 
     assert "no coordinator reachable" in (tmp_path / "w.log").read_text()
 
 
+def _python(code: str) -> str:
+    """What ``code`` prints in a fresh interpreter (which it must leave with 0)."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
 def test_what_the_zygote_preloads_does_not_import_the_cli() -> None:
     code = (
         "import sys, perdure.launch.zygote as z, perdure.runtime.entry, perdure.runtime.worker;"
         "print(sorted(m for m in sys.modules if m.startswith('perdure.cli')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _python(code) == "[]"
 
 
 def test_every_reducer_a_member_builds_is_imported_by_the_zygote() -> None:
@@ -83,9 +88,7 @@ def test_every_reducer_a_member_builds_is_imported_by_the_zygote() -> None:
         "    make_reducer(train, 0, 2)\n"
         "print(sorted(m for m in set(sys.modules) - before if m.startswith('perdure')))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    assert _python(code) == "[]"
 
 
 def test_the_zygote_forks_with_every_object_it_holds_frozen() -> None:
@@ -101,9 +104,7 @@ def test_the_zygote_forks_with_every_object_it_holds_frozen() -> None:
         "z._fork({})\n"
         "print(json.dumps([before, seen[0], len(gc.get_objects())]))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    before, at_fork, tracked = json.loads(out.stdout)
+    before, at_fork, tracked = json.loads(_python(code))
     assert before == 0 and at_fork > 10_000 and tracked < at_fork / 10
 
 
