@@ -225,7 +225,7 @@ class SwarmCopy:
         if job.offer is not None and not receiving:
             tensors, raw = self._encode(job.offer)
 
-        offers = _parse_all(_all_gather_bytes(comm, raw, job.timeout), set(job.receivers))
+        offers = _parse_all(_exchange_bytes(comm, raw, job.timeout), set(job.receivers))
         templates = {r: _template(r, job, offers) for r in job.receivers}
         ranges = _plan(job, offers, templates, self.chunk_bytes)
         self.stats = {
@@ -247,7 +247,7 @@ class SwarmCopy:
             sources |= {h for r, h in mine if r.dst == me and h is not None}
             round_ = functools.partial(self._round, comm, mine, tensors, sink, job)
             bad = comm.call(round_)
-            failed = _all_gather_failed(comm, bad, job.timeout, len(ranges))
+            failed = _exchange_failed(comm, bad, job.timeout, len(ranges))
             todo = []
             for dst, index in sorted(set(failed)):
                 r = by_id.get((dst, index))
@@ -466,7 +466,7 @@ CONTROL_TAG = 1 << 30
 above every range's (``2 * index % 2**30``, and its checksum's, one more)."""
 
 
-def _all_gather_bytes(comm: Comm, raw: bytes, timeout: timedelta) -> list[bytes]:
+def _exchange_bytes(comm: Comm, raw: bytes, timeout: timedelta) -> list[bytes]:
     """Every rank's ``raw``: its size, then its bytes, sent point to point to every other
     rank (:func:`_gather`)."""
     dev = comm.device
@@ -643,7 +643,7 @@ def _plan(
     return ranges
 
 
-def _all_gather_failed(
+def _exchange_failed(
     comm: Comm, bad: list[int], timeout: timedelta, most: int
 ) -> list[tuple[int, int]]:
     """Every rank's failed ranges as (receiver, index), in that order. ``most``: how many

@@ -69,9 +69,10 @@ def seed_torch(seed: int) -> None:
 
     On such a build ``torch.manual_seed`` seeds the CPU generator and queues a lazy seed for
     CUDA, XPU and MTIA each, to run if that device initialises, each with a formatted
-    traceback of its caller: 0.2 ms a call from a slot's stack here, 2 % of a slot's
-    compute. A device that is not available cannot initialise, so the CPU generator alone is
-    what the call seeds; where an accelerator is available, the call is torch's own."""
+    traceback of its caller: 0.2 ms a call from a slot's stack here (the goodput run's step
+    0.063 -> 0.058 s without it). A device that is not available cannot initialise, so the
+    CPU generator alone is what the call seeds; where an accelerator is available, the call
+    is torch's own."""
     if _accelerated():
         torch.manual_seed(seed)
     else:
