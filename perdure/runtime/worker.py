@@ -279,7 +279,7 @@ class Worker:
                 config=self.config,
                 run_dir=self.run_dir,
                 store=self._store,
-                should_stop=lambda: self._should_stop(self.inflight),
+                should_stop=self.client.save_must_stop,
                 fence=self.fence,
                 events=self.events,
                 name=self.name,

@@ -212,3 +212,26 @@ def test_a_primary_renews_before_its_first_epoch_and_while_anyone_is_connected()
     assert leadership.wants_lease(served=False, connected=0)
     assert leadership.wants_lease(served=True, connected=1)
     assert not leadership.wants_lease(served=True, connected=0)
+
+
+def test_a_save_in_flight_is_given_up_only_when_the_next_epoch_re_forms_at_once() -> None:
+    """A planned change (a join at a boundary) lets every member reach the boundary and
+    finish the save; a loss (``after = -1``) does not wait for a rank that may be gone."""
+    from perdure.runtime.control import protocol as proto
+    from perdure.runtime.control.client import Identity, MembershipClient
+
+    c = MembershipClient(
+        Identity("w", "r", "worker"),
+        [("127.0.0.1", 1)],
+        "t",
+        timeout_s=1.0,
+        progress=lambda: (0, True),
+    )
+    c.epoch_no = 3
+    assert not c.save_must_stop()
+    c.announce = proto.Announce(epoch=4, members=["w", "x"], after=150, generation=1)
+    assert c.should_stop(150) and not c.save_must_stop()
+    c.announce = proto.Announce(epoch=5, members=["w"], after=-1, generation=1)
+    assert c.should_stop(140) and c.save_must_stop()
+    c.announce, c.lost = None, True
+    assert c.save_must_stop()

@@ -280,6 +280,18 @@ class MembershipClient:
         """The step the run ends at: ``steps``, or earlier once a drain was asked for."""
         return steps if self.drain is None else min(steps, self.drain.step)
 
+    def save_must_stop(self) -> bool:
+        """True when this epoch's checkpoint commit must give up waiting for its ranks: the
+        run stopped, this worker is lost, or a newer epoch re-forms at once (``after`` < 0:
+        a member was lost, and one of the save's ranks may never reach it). A planned change
+        (a join, a rebalance, a leave at a boundary) is not one: every member of this epoch
+        reaches the boundary and closes its writer, which waits for the save in flight, so
+        the save commits instead of being abandoned."""
+        if self.stopped or self.lost:
+            return True
+        a = self.announce
+        return a is not None and a.epoch > self.epoch_no and a.after < 0
+
     def should_stop(self, step: int) -> bool:
         """True when step ``step`` must not run (or be abandoned) in the current epoch."""
         if self.stopped or self.lost:
