@@ -155,9 +155,12 @@ def test_all_four_classes_in_one_run_change_no_bit(
         POISON,
         {"kind": "kill", "target": "r0-1", "at_step": 80},
         {"kind": "delay", "target": "r1-0", "at_step": 120, "delay_ms": 500, "duration_s": 1.5},
-        # Late enough that the benched member is back first, at 14 ms a step too (it
-        # was not at step 250: the benched member's stale state lost 95 steps).
-        {"kind": "region_down", "target": "r0", "at_step": 360, "duration_s": 1.0},
+        # Late enough that the benched member is back first, at 10-14 ms a step too (it
+        # was not at step 250: the benched member's stale state lost 95 steps; nor, once
+        # in 3 runs at 10 ms a step, at 360: its return, ~3.3 s after its bench, came 0.1 s
+        # after the region's loss, and the standby re-formed from its state of step 131,
+        # not the step-300 checkpoint; see the notes of issue 34's fourth pass).
+        {"kind": "region_down", "target": "r0", "at_step": 392, "duration_s": 1.0},
     ]
     s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=100)
     _assert_absorbed(s, poison_ref, ["poison_part", "kill", "delay", "region_down"])
