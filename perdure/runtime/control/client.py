@@ -287,16 +287,14 @@ class MembershipClient:
         (a join, a rebalance, a leave at a boundary) is not one: every member of this epoch
         reaches the boundary and closes its writer, which waits for the save in flight, so
         the save commits instead of being abandoned."""
-        if self.stopped or self.lost:
-            return True
-        a = self.announce
-        return a is not None and a.epoch > self.epoch_no and a.after < 0
+        return self.should_stop(None)
 
-    def should_stop(self, step: int) -> bool:
-        """True when step ``step`` must not run (or be abandoned) in the current epoch."""
+    def should_stop(self, step: int | None) -> bool:
+        """True when step ``step`` must not run (or be abandoned) in the current epoch
+        (None: no step, only a re-forming at once counts: :meth:`save_must_stop`)."""
         if self.stopped or self.lost:
             return True
         a = self.announce
         if a is None or a.epoch <= self.epoch_no:
             return False
-        return a.after < 0 or a.after <= step
+        return a.after < 0 or (step is not None and a.after <= step)
