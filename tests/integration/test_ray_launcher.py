@@ -292,9 +292,16 @@ def test_a_killed_node_is_absorbed_and_its_worker_replaced_on_another_node(
         victims.append(node.name)
         node.kill()
 
+    # The survivors' reads are slowed from the kill on (timing only, no bit changes): the
+    # run's ~295 steps after it took ~6 s at 17 ms a step, and a replacement on a new node
+    # (Ray's node death, the actor's restart, its fork server's imports) took 4.3 s idle
+    # and over 6 s in a loaded CI, which saw the run end before it joined. At 15 ms a read
+    # of a slot, a step takes over 45 ms for the next 25 s: the run outlasts it 2-3 times.
+    pace = {"kind": "slow_storage", "target": "r0", "at_step": 5, "delay_ms": 15,
+            "duration_s": 25.0}  # fmt: skip
     watcher = _at_step(rd, 5, kill_node)
     try:
-        summary = _on_ray(_config(small_dataset), rd, cluster)
+        summary = _on_ray(_config(small_dataset, chaos={"faults": [pace]}), rd, cluster)
     finally:
         watcher.join(5)
         if victims:  # heal the cluster for whoever runs after
