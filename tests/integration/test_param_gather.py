@@ -138,6 +138,43 @@ def test_a_failed_gather_leaves_the_parameter_at_rest() -> None:
     assert not gather.live[0]
 
 
+@pytest.mark.parametrize("prefetched", [False, True], ids=["gathered", "prefetched"])
+def test_an_abandoned_gather_leaves_its_buffer_to_the_operation(prefetched: bool) -> None:
+    """A broadcast abandoned on the wire (the epoch changed) still lands its bytes whenever
+    they arrive: the parameter goes back to rest on a storage of its own, and the memory
+    the operation holds stays valid for its late write (resized to zero, it was freed
+    under gloo: a survivor's glibc abort in a clean-clone CI)."""
+    model = torch.nn.Linear(4, 3)
+    on_wire: list[torch.Tensor] = []
+
+    def abandoned(t: torch.Tensor, src: int) -> None:
+        on_wire.append(t)  # what the backend's operation keeps until it ends
+        raise RuntimeError("membership epoch changed during a collective")
+
+    def launch(t: torch.Tensor, src: int) -> Any:
+        on_wire.append(t)
+        return functools.partial(abandoned, t, src)
+
+    params = list(model.parameters())
+    gather = ParamGather(params, [1, 1], 0, abandoned, launch=launch if prefetched else None)
+    with pytest.raises(RuntimeError, match="epoch changed"):
+        if prefetched:
+            gather.prefetch([0])
+            gather.gather(0)
+        else:
+            gather.gather(0)
+    gather.release()
+    assert model.weight.untyped_storage().nbytes() == 0 and model.weight.shape == (3, 4)
+    assert not gather.live[0] and gather.held == 0
+    late = on_wire[0]
+    assert late.untyped_storage().nbytes() == 48  # still the operation's
+    gather.broadcast = lambda t, src: t.fill_(1)  # the next epoch's gather succeeds
+    gather.launch = None
+    gather.gather(0)
+    late.fill_(7)  # the abandoned one's bytes land late: not in the parameter
+    assert bool((model.weight.detach().view(torch.uint8) == 1).all())
+
+
 def test_a_parameter_hashed_or_written_stays_resizable() -> None:
     """The fingerprint and the checkpoint's byte views go through ctypes: a storage
     exported to numpy can never be resized again, and freeing one at rest resizes it."""
