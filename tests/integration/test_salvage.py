@@ -51,7 +51,15 @@ def test_survivors_reuse_their_finished_slots_and_the_bits_do_not_change(
     ref = run_to_end(
         small_config(small_dataset, workers=1, steps=STEPS, train=train), tmp_path / "ref"
     )
-    faults = [{"kind": "kill", "target": "r0-2", "at_step": STEPS // 3}]
+    # r0-2's reads are slowed from the start (timing only), so the survivors wait for it
+    # in each step's reduction with their slots done when the kill lands: at a few
+    # milliseconds a slot, a kill landing as they began the step found nothing finished
+    # (1 of 7 runs under load, more as steps got faster).
+    faults = [
+        {"kind": "slow_storage", "target": "r0-2", "at_step": 1, "delay_ms": 30,
+         "duration_s": 60.0},
+        {"kind": "kill", "target": "r0-2", "at_step": STEPS // 3},
+    ]  # fmt: skip
     cfg = small_config(small_dataset, workers=3, steps=STEPS, train=train, chaos={"faults": faults})
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"] and s["survivor_restarts"] == 0
