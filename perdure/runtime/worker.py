@@ -52,7 +52,7 @@ from perdure.runtime.member import saves
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.heartbeat import Heartbeat
 from perdure.runtime.member.metrics import Evaluation, step_line
-from perdure.runtime.member.priority import normal_priority
+from perdure.runtime.member.priority import normal_priority, prompt_threads
 from perdure.runtime.member.shard_group import Shards, optimizer_params
 from perdure.runtime.member.transfer import StateTransfer
 from perdure.runtime.member.wchaos import ChaosState, DiskFiller
@@ -126,6 +126,7 @@ class Worker:
     # -- main ------------------------------------------------------------------------------
 
     def run(self) -> int:
+        prompt_threads()
         welcome = self.client.connect()
         config = config_from_dict(welcome.config)
         self.run_dir = Path(welcome.run_dir)

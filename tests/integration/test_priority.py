@@ -108,3 +108,15 @@ def test_autogroup_nice_reads_none_for_a_process_in_no_autogroup(
     assert autogroup_nice() == nice
     monkeypatch.setattr(priority, "AUTOGROUP", tmp_path / "absent")
     assert autogroup_nice() is None
+
+
+def test_a_worker_hands_the_gil_to_a_waiting_thread_within_half_a_millisecond() -> None:
+    """The threads on a kill's path (the channel's reader, an overlapped copy's server)
+    wait for the GIL while the main thread computes: Python's 5 ms default was theirs to
+    wait per hand-over (``priority.SWITCH_S``)."""
+    before = sys.getswitchinterval()
+    try:
+        priority.prompt_threads()
+        assert sys.getswitchinterval() == pytest.approx(priority.SWITCH_S) and before >= 0.005
+    finally:
+        sys.setswitchinterval(before)

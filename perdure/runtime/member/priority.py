@@ -25,12 +25,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from pathlib import Path
 
 log = logging.getLogger(__name__)
 
 LOWEST = 19
+SWITCH_S = 0.0005
+"""A worker's interpreter switch interval (Python's default: 5 ms). The main thread computes
+slots and holds the GIL between kernels; the threads a kill's path runs through (the
+control channel's reader, which learns of the new epoch; an overlapped copy's server,
+which resumes after each wait on the wire; the heartbeat) each waited up to the interval
+for it. Only a thread that waits for the GIL makes the holder switch, so an idle process
+pays nothing for it."""
 AUTOGROUP = Path("/proc/self/autogroup")
+
+
+def prompt_threads() -> None:
+    """Hand the GIL to a waiting thread within :data:`SWITCH_S` (a worker, at its start)."""
+    sys.setswitchinterval(SWITCH_S)
 
 
 def yield_cpu() -> None:
