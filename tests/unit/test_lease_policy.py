@@ -62,12 +62,12 @@ def sends(out: list[pol.Effect], kind: type) -> list[Any]:
     return [e.msg for e in out if isinstance(e, pol.Send) and isinstance(e.msg, kind)]
 
 
-def start_epoch(d: Driver, *names: str) -> None:
+def start_epoch(d: Driver, *names: str, next_step: int = 0) -> None:
     for n in names:
         assert of(knock(d, n), pol.Accept), n
-        d.recv(n, p.Heartbeat(next_step=0, prepared=True))
+        d.recv(n, p.Heartbeat(next_step=next_step, prepared=True))
     d.tick(1.0)
-    d.ready(*names)
+    d.ready(*names, next_step=next_step)
     assert d.policy.current is not None
 
 
@@ -124,8 +124,14 @@ def test_a_standby_takes_over_an_expired_lease_only_when_no_serving_primary_answ
     d.recv("w0", p.Heartbeat(next_step=7, prepared=True))
     announces = sends(d.tick(1.0), p.Announce)
     assert [(a.generation, a.members) for a in announces] == [(2, ["w0"])]
-    starts = d.starts(d.ready("w0", next_step=7))
+    # what the workers still alive hold is compared with the newest checkpoint first (the
+    # lost members' progress is not known here): the newer of the two is where it starts
+    out = d.ready("w0", next_step=7)
+    assert of(out, pol.FindCheckpoint) and d.starts(out) == {}
+    d.feed(pol.CheckpointFound(of(out, pol.FindCheckpoint)[0].epoch, "/run/ck/5", 5, d.now))
+    starts = d.starts(d.tick())
     assert starts["w0"].generation == 2 and starts["w0"].start_step == 7
+    assert not starts["w0"].recover
 
 
 def test_a_standby_that_loses_the_race_for_the_lease_keeps_standing_by() -> None:
@@ -189,7 +195,7 @@ def test_a_primary_whose_lease_ran_out_drops_its_workers_and_coordinates_nothing
     assert of(out, pol.Reject)[0].retry and not of(out, pol.Accept)
     d.feed(pol.LeaseGranted(1, d.now + 10, d.now))
     assert d.logged(ev.LEASE_REGAINED) == [{"event": ev.LEASE_REGAINED, "generation": 1}]
-    start_epoch(d, "w0", "w1")
+    start_epoch(d, "w0", "w1", next_step=3)
     assert d.logged(ev.EPOCH_STARTED)[-1]["reason"] == "lease regained"
 
 

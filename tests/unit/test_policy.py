@@ -255,6 +255,54 @@ def test_when_every_replica_is_lost_the_epoch_starts_from_the_newest_checkpoint(
     )
 
 
+def _only_a_stale_member_left(d: Driver) -> list[pol.Effect]:
+    """w0 and w1 committed step 49 and die; w2 holds state of step 10 (it was benched)."""
+    for n in ("w0", "w1"):
+        d.recv(n, p.Heartbeat(next_step=50, prepared=True))
+    d.feed(pol.Closed("w0", "gone", d.now))
+    d.feed(pol.Closed("w1", "gone", d.now))
+    d.tick()
+    return d.ready("w2", next_step=10, has_state=True)
+
+
+def test_a_live_state_older_than_the_newest_checkpoint_gives_way_to_the_checkpoint() -> None:
+    d = running(3)
+    out = _only_a_stale_member_left(d)
+    epoch = d.policy.pending.epoch if d.policy.pending else -1
+    assert pol.FindCheckpoint(epoch) in out and d.starts(out) == {}  # 10 < 50: asked first
+    d.feed(pol.CheckpointFound(epoch, "/run/checkpoints/step-00000040", 40, d.now))
+    start = d.starts(d.tick())["w2"]
+    assert (start.recover, start.reload, start.start_step) == (
+        True,
+        "/run/checkpoints/step-00000040",
+        40,
+    )
+    [logged] = d.logged(ev.RECOVERED_FROM_CHECKPOINT)
+    assert (logged["start_step"], logged["live_step"]) == (40, 10)
+
+
+@pytest.mark.parametrize("found", [("/run/checkpoints/step-00000005", 5), (None, 0)])
+def test_a_live_state_newer_than_every_checkpoint_is_kept(found: tuple[str | None, int]) -> None:
+    d = running(3)
+    out = _only_a_stale_member_left(d)
+    epoch = d.policy.pending.epoch if d.policy.pending else -1
+    assert pol.FindCheckpoint(epoch) in out
+    d.feed(pol.CheckpointFound(epoch, found[0], found[1], d.now))
+    start = d.starts(d.tick())["w2"]
+    assert (start.recover, start.reload, start.start_step) == (False, None, 10)
+
+
+def test_survivors_up_to_date_start_at_once_without_looking_for_a_checkpoint() -> None:
+    d = running(3)
+    for n in ("w0", "w1", "w2"):
+        d.recv(n, p.Heartbeat(next_step=50, prepared=True))
+    d.feed(pol.Closed("w2", "gone", d.now))
+    d.tick()
+    out = d.ready("w0", "w1", next_step=50)
+    assert not [e for e in out if isinstance(e, pol.FindCheckpoint)]
+    assert {s.start_step for s in d.starts(out).values()} == {50}
+
+
 def test_the_run_ends_when_every_member_is_done() -> None:
     d = running(2)
     d.recv("w0", p.Done(next_step=100, final_hash="sha256:aa"))

@@ -212,6 +212,7 @@ class Epochs:
         b, c = self.b, self.b.cluster
         workers = b.alive("worker")
         if took_over or rebuild:
+            b.progress_unknown = took_over  # the lost members' progress died with them
             settled = now - b.last_admission > c.takeover_settle_ms / 1000
             if workers and settled:
                 reason = "takeover" if took_over else "lease regained"
@@ -266,13 +267,26 @@ class Epochs:
             with_state = []  # a shard of the optimizer state died with its holders
         if with_state:
             start, source, receivers = start_of(pend, with_state)
+            if b.progress_unknown or start < b.high_water:  # may be older than a checkpoint
+                found = self._checkpoint(pend)
+                if found is None:
+                    return  # asked: the answer comes as an event
+                if found.path is None or found.step <= start:
+                    self._publish(pend, start, source, receivers, None, recover=False)
+                    return
+                b.log(
+                    ev.RECOVERED_FROM_CHECKPOINT,
+                    epoch=pend.epoch,
+                    checkpoint=found.path,
+                    start_step=found.step,
+                    live_step=start,
+                )
+                self._publish(pend, found.step, pend.members[0], [], found.path, recover=True)
+                return
             self._publish(pend, start, source, receivers, None, recover=False)
             return
-        found = pend.checkpoint
+        found = self._checkpoint(pend)
         if found is None:
-            if not pend.asked:
-                pend.asked = True
-                b.out.append(FindCheckpoint(pend.epoch))
             return
         b.log(
             ev.RECOVERED_FROM_CHECKPOINT,
@@ -281,6 +295,13 @@ class Epochs:
             start_step=found.step,
         )
         self._publish(pend, found.step, pend.members[0], [], found.path, recover=True)
+
+    def _checkpoint(self, pend: Pending) -> CheckpointFound | None:
+        """The newest intact checkpoint, once the coordinator found it (asked once)."""
+        if pend.checkpoint is None and not pend.asked:
+            pend.asked = True
+            self.b.out.append(FindCheckpoint(pend.epoch))
+        return pend.checkpoint
 
     def _regroup(self, pend: Pending) -> bool:
         """An epoch whose members lack a shard (a member's update was torn by a death in
@@ -359,6 +380,8 @@ class Epochs:
         for i, m in enumerate(plan.members):
             b.workers[m].shard = i % k if k > 1 else ALL
         b.current, b.pending = plan, None
+        b.high_water = max(b.high_water, start)
+        b.progress_unknown = False
         b.last_replan = b.now
         b.fail_at = None
         b.start_step = start

@@ -59,6 +59,7 @@ class Membership:
         msg = e.msg
         if isinstance(msg, p.Heartbeat):
             info.next_step = msg.next_step
+            b.high_water = max(b.high_water, msg.next_step)
             self._note_progress(info)
             info.prepared = info.prepared or msg.prepared
             if msg.slot_s is not None:
@@ -67,6 +68,8 @@ class Membership:
                 info.lag.sample(msg.sent, e.wall, e.now)
         elif isinstance(msg, p.Ready):
             info.next_step, info.has_state = msg.next_step, msg.has_state
+            if msg.has_state:
+                b.high_water = max(b.high_water, msg.next_step)
             info.shard = msg.shard if msg.has_state else NONE
             self.epochs.on_ready(info.name, msg)
         elif isinstance(msg, p.Fail):

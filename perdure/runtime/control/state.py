@@ -106,6 +106,13 @@ class Board:
     fail_at: float | None = None
     """When a collective failure with no death to explain it was reported."""
     start_step: int = 0
+    high_water: int = 0
+    """The highest next step any worker reported (heartbeats, ready reports) or an epoch
+    started at: a live state behind it may be older than the newest checkpoint."""
+    progress_unknown: bool = False
+    """A standby that took over (or a primary that regained its lease) knows only what the
+    workers still alive report: its first epoch compares their state with the newest
+    checkpoint."""
     last_replan: float = 0.0
     last_admission: float = 0.0
     out: list[Effect] = field(default_factory=list)
