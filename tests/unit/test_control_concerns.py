@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from perdure.runtime.config import ClusterConfig, TrainConfig
-from perdure.runtime.control import admission, epochs, leadership, membership, replan
+from perdure.runtime.control import admission, boundary, epochs, leadership, membership, replan
 from perdure.runtime.control import protocol as p
 from perdure.runtime.control.detector import PhiAccrual
 from perdure.runtime.control.lease import LeaseView
@@ -107,11 +107,13 @@ def test_a_slow_member_gets_its_fair_share_and_the_others_keep_theirs() -> None:
 
 
 def test_the_boundary_lies_past_every_members_step_by_the_heartbeats_margin() -> None:
-    assert replan.boundary([3, 7, 5], None, 0.1) == 9  # no step time yet: one step of margin
-    assert replan.boundary([3, 7, 5], 0.05, 0.1) == 12  # two heartbeats are four steps
+    assert boundary.boundary([3, 7, 5], None, 0.1) == 9  # no step time yet: one step of margin
+    assert boundary.boundary([3, 7, 5], 0.05, 0.1) == 12  # two heartbeats are four steps
     plan = from_counts(["a", "b"], [2, 4])
-    assert replan.step_s(plan, {"a": 0.5, "b": 0.1}) == 1.0
-    assert replan.step_s(plan, {"a": 0.5, "b": None}) is None
+    assert boundary.step_s(plan, {"a": 0.5, "b": 0.1}) == 1.0
+    assert boundary.step_s(plan, {"a": 0.5, "b": None}) is None
+    assert boundary.step_s(plan, {"a": 0.5, "b": None}, partial=True) == 1.0  # a's 2 slots
+    assert boundary.step_s(plan, {"a": None, "b": None}, partial=True) is None
 
 
 def test_bench_out_takes_the_lagging_members_worst_first_while_it_pays() -> None:

@@ -705,6 +705,14 @@ def test_a_redo_nobody_kept_slots_of_follows_the_epochs_plan() -> None:
     assert "first" not in d.logged(ev.EPOCH_STARTED)[-1]
 
 
+def test_a_leave_whose_boundary_lies_past_the_runs_end_announces_nothing() -> None:
+    d = running(3, slots=6)
+    for w in ("w0", "w1", "w2"):
+        d.recv(w, p.Heartbeat(next_step=98, prepared=True))  # of 100 steps
+    d.recv("w1", p.Leave())
+    assert d.policy.pending is None and d.logged(ev.EPOCH_ANNOUNCED)[-1]["reason"] == "start"
+
+
 def test_a_gracefully_leaving_worker_that_exits_before_its_epoch_starts_aborts_nothing() -> None:
     """Its exit used to announce a second epoch ``after = -1``: the members gave up the
     step in flight, and one caught between the reduction and its update received state."""
@@ -713,7 +721,8 @@ def test_a_gracefully_leaving_worker_that_exits_before_its_epoch_starts_aborts_n
         d.recv(w, p.Heartbeat(next_step=5, prepared=True))
     d.recv("w1", p.Leave())
     pending = d.policy.pending
-    assert pending is not None and pending.members == ["w0", "w2"] and pending.after == 6
+    assert pending is not None and pending.members == ["w0", "w2"]
+    assert pending.after == 7  # past the last reported step, with one step of margin
     d.feed(pol.Closed("w1", "connection closed (process exited)", d.now))
     assert d.policy.pending is pending
     assert [e["reason"] for e in d.logged(ev.EPOCH_ANNOUNCED)][-1] == "w1 left gracefully"

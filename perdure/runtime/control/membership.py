@@ -14,6 +14,7 @@ from __future__ import annotations
 from perdure import events as ev
 from perdure.runtime.config import ClusterConfig
 from perdure.runtime.control import protocol as p
+from perdure.runtime.control.boundary import planned_boundary
 from perdure.runtime.control.epochs import Epochs
 from perdure.runtime.control.events import Disconnect, Received
 from perdure.runtime.control.state import Board, Member
@@ -113,9 +114,11 @@ class Membership:
         info.role = "leaving"
         members = b.members_now()
         if info.name in members:
+            after = planned_boundary(b)
+            if after >= b.s.config.train.steps:
+                return  # the run ends first: it leaves with the run (no epoch past the end)
             spare = self.promote_spare(info)
             rest = [m for m in members if m != info.name] + spare
-            after = max(b.workers[m].next_step for m in members) + 1
             stand_ins = {info.name: spare[0]} if spare else None
             self.epochs.announce(
                 rest, after=after, reason=f"{info.name} left gracefully", stand_ins=stand_ins

@@ -10,16 +10,15 @@ reported (:func:`speed`, :func:`step_s`, :func:`boundary`, :func:`to_bench`,
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
 
 from perdure import events as ev
 from perdure.runtime.config import ClusterConfig
-from perdure.runtime.control.boundary import boundary_margin
+from perdure.runtime.control.boundary import planned_boundary, step_s
 from perdure.runtime.control.epochs import Epochs, usable
 from perdure.runtime.control.lag import bench_pays, excess_over_peers
 from perdure.runtime.control.membership import Membership
 from perdure.runtime.control.state import Board, Member
-from perdure.runtime.plan import Plan, rebalance
+from perdure.runtime.plan import rebalance
 
 
 def speed(i: int, times: list[float], slow_ratio: float) -> float:
@@ -28,29 +27,6 @@ def speed(i: int, times: list[float], slow_ratio: float) -> float:
     others = times[:i] + times[i + 1 :]
     base = statistics.median(others)
     return 1.0 if times[i] <= slow_ratio * base else base / times[i]
-
-
-def step_s(plan: Plan | None, slot_s: Mapping[str, float | None]) -> float | None:
-    """The slowest member's step time, from its reported per-slot time (None until every
-    member reported one)."""
-    if plan is None:
-        return None
-    times = []
-    for r, m in enumerate(plan.members):
-        s = slot_s[m]
-        if s is None:
-            return None
-        times.append(s * len(plan.slots_of(r)))
-    return max(times, default=None)
-
-
-def boundary(next_steps: list[int], step: float | None, heartbeat_s: float) -> int:
-    """The first step of a planned (not failure-driven) epoch change: far enough ahead
-    that no member has started it when the notice arrives. Heartbeats report a member's
-    step up to a heartbeat interval late, and a member that has begun step ``after``
-    must abandon it; with steps shorter than a heartbeat, ``last + 1`` meant one
-    abandoned step per join."""
-    return max(next_steps, default=0) + 1 + boundary_margin(step, heartbeat_s)
 
 
 def to_bench(
@@ -103,10 +79,7 @@ class Replanner:
         return step_s(b.current, {m: w.slot_s for m, w in b.workers.items()})
 
     def boundary(self) -> int:
-        b = self.b
-        members = b.current.members if b.current else ()
-        steps = [b.workers[m].next_step for m in members]
-        return boundary(steps, self.step_s(), self.cluster.heartbeat_ms / 1000)
+        return planned_boundary(self.b)
 
     def before_end(self, after: int) -> bool:
         """Whether a planned epoch change at ``after`` happens before the run's last step.
