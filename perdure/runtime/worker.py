@@ -261,7 +261,11 @@ class Worker:
                 comm.add_tiers(store, self.region, direct=direct)
             self._shard_group(store, comm, rank)
             first = (start.start_step, Plan.from_dict(start.first)) if start.first else None
-        except (Abandoned, CommFailed) as e:
+        except (Abandoned, CommFailed, dist.DistError) as e:
+            # DistError: the run's store unreachable or failing (its coordinator died as
+            # the epoch started): a fault of the control plane, reported like a failed
+            # collective; the worker keeps its state and finds the standby. It raised out
+            # of the worker before (a survivor's exit, and its state lost with it).
             if self.shards is not None:  # its groups, as far as they were built
                 self.shards.close()
                 self.shards = None
@@ -295,7 +299,7 @@ class Worker:
                     "epoch": ep.number,
                 }
             )
-        except CommFailed as e:
+        except (CommFailed, dist.DistError) as e:
             self._failed(e)
         except Fenced as e:
             self._fenced(e.newer, str(e))
