@@ -237,22 +237,26 @@ def test_a_dropped_link_reforms_the_same_members_once_no_death_explains_it() -> 
     assert pending.reason == "collective failed"
 
 
+CKPT = "/run/checkpoints/step-00000040"
+
+
+def _answered(d: Driver, out: list[pol.Effect], path: str | None, step: int) -> dict[str, p.Start]:
+    """The pending epoch asked for the newest checkpoint and started nothing; the starts
+    once the coordinator's answer (``path`` at ``step``) came."""
+    epoch = d.policy.pending.epoch if d.policy.pending else -1
+    assert pol.FindCheckpoint(epoch) in out and d.starts(out) == {}
+    d.feed(pol.CheckpointFound(epoch, path, step, d.now))
+    return d.starts(d.tick())
+
+
 def test_when_every_replica_is_lost_the_epoch_starts_from_the_newest_checkpoint() -> None:
     d = running(2)
     d.feed(pol.Closed("w0", "gone", d.now))
     d.feed(pol.Closed("w1", "gone", d.now))
     d.admit("w0")
     d.tick()  # "all members lost": re-announced with whoever is alive
-    out = d.ready("w0", next_step=0, has_state=False)
-    epoch = d.policy.pending.epoch if d.policy.pending else -1
-    assert pol.FindCheckpoint(epoch) in out and d.starts(out) == {}
-    d.feed(pol.CheckpointFound(epoch, "/run/checkpoints/step-00000040", 40, d.now))
-    start = d.starts(d.tick())["w0"]
-    assert (start.recover, start.reload, start.start_step) == (
-        True,
-        "/run/checkpoints/step-00000040",
-        40,
-    )
+    start = _answered(d, d.ready("w0", next_step=0, has_state=False), CKPT, 40)["w0"]
+    assert (start.recover, start.reload, start.start_step) == (True, CKPT, 40)
 
 
 def _only_a_stale_member_left(d: Driver) -> list[pol.Effect]:
@@ -267,16 +271,8 @@ def _only_a_stale_member_left(d: Driver) -> list[pol.Effect]:
 
 def test_a_live_state_older_than_the_newest_checkpoint_gives_way_to_the_checkpoint() -> None:
     d = running(3)
-    out = _only_a_stale_member_left(d)
-    epoch = d.policy.pending.epoch if d.policy.pending else -1
-    assert pol.FindCheckpoint(epoch) in out and d.starts(out) == {}  # 10 < 50: asked first
-    d.feed(pol.CheckpointFound(epoch, "/run/checkpoints/step-00000040", 40, d.now))
-    start = d.starts(d.tick())["w2"]
-    assert (start.recover, start.reload, start.start_step) == (
-        True,
-        "/run/checkpoints/step-00000040",
-        40,
-    )
+    start = _answered(d, _only_a_stale_member_left(d), CKPT, 40)["w2"]  # 10 < 50: asked
+    assert (start.recover, start.reload, start.start_step) == (True, CKPT, 40)
     [logged] = d.logged(ev.RECOVERED_FROM_CHECKPOINT)
     assert (logged["start_step"], logged["live_step"]) == (40, 10)
 
@@ -284,11 +280,7 @@ def test_a_live_state_older_than_the_newest_checkpoint_gives_way_to_the_checkpoi
 @pytest.mark.parametrize("found", [("/run/checkpoints/step-00000005", 5), (None, 0)])
 def test_a_live_state_newer_than_every_checkpoint_is_kept(found: tuple[str | None, int]) -> None:
     d = running(3)
-    out = _only_a_stale_member_left(d)
-    epoch = d.policy.pending.epoch if d.policy.pending else -1
-    assert pol.FindCheckpoint(epoch) in out
-    d.feed(pol.CheckpointFound(epoch, found[0], found[1], d.now))
-    start = d.starts(d.tick())["w2"]
+    start = _answered(d, _only_a_stale_member_left(d), *found)["w2"]
     assert (start.recover, start.reload, start.start_step) == (False, None, 10)
 
 

@@ -265,34 +265,23 @@ class Epochs:
             if self._regroup(pend):
                 return
             with_state = []  # a shard of the optimizer state died with its holders
-        if with_state:
-            start, source, receivers = start_of(pend, with_state)
-            if b.progress_unknown or start < b.high_water:  # may be older than a checkpoint
-                found = self._checkpoint(pend)
-                if found is None:
-                    return  # asked: the answer comes as an event
-                if found.path is None or found.step <= start:
-                    self._publish(pend, start, source, receivers, None, recover=False)
-                    return
-                b.log(
-                    ev.RECOVERED_FROM_CHECKPOINT,
-                    epoch=pend.epoch,
-                    checkpoint=found.path,
-                    start_step=found.step,
-                    live_step=start,
-                )
-                self._publish(pend, found.step, pend.members[0], [], found.path, recover=True)
-                return
-            self._publish(pend, start, source, receivers, None, recover=False)
+        live = start_of(pend, with_state) if with_state else None
+        if live is not None and not (b.progress_unknown or live[0] < b.high_water):
+            self._publish(pend, *live, None, recover=False)  # up to date: no checkpoint
             return
-        found = self._checkpoint(pend)
+        found = self._checkpoint(pend)  # none live, or the live state may be older
         if found is None:
+            return  # asked: the answer comes as an event
+        if live is not None and (found.path is None or found.step <= live[0]):
+            self._publish(pend, *live, None, recover=False)
             return
+        older = {} if live is None else {"live_step": live[0]}
         b.log(
             ev.RECOVERED_FROM_CHECKPOINT,
             epoch=pend.epoch,
             checkpoint=found.path,
             start_step=found.step,
+            **older,
         )
         self._publish(pend, found.step, pend.members[0], [], found.path, recover=True)
 
