@@ -1,10 +1,11 @@
 """Planned epoch changes at a step boundary: growth, rebalance, bench-out and back.
 
 None of these abandons a step: each is announced for a boundary far enough ahead that no
-member has begun it (:func:`boundary`), except a bench-out, which is announced for now
-(the lagging link holds every step up). The rules are pure functions of what the members
-reported (:func:`speed`, :func:`step_s`, :func:`boundary`, :func:`to_bench`,
-:func:`calm_long_enough`); :class:`Replanner` applies them to the board.
+member has begun it (``boundary.planned_boundary``, which a graceful leave uses too),
+except a bench-out, which is announced for now (the lagging link holds every step up).
+The rules are pure functions of what the members reported (:func:`speed`,
+``boundary.step_s``, :func:`to_bench`, :func:`calm_long_enough`); :class:`Replanner`
+applies them to the board.
 """
 
 from __future__ import annotations

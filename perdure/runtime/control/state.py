@@ -110,9 +110,9 @@ class Board:
     """The highest next step any worker reported (heartbeats, ready reports) or an epoch
     started at: a live state behind it may be older than the newest checkpoint."""
     progress_unknown: bool = False
-    """A standby that took over (or a primary that regained its lease) knows only what the
-    workers still alive report: its first epoch compares their state with the newest
-    checkpoint."""
+    """A standby that took over knows only what the workers still alive report (the lost
+    members' progress died with the old coordinator): its first epoch compares their state
+    with the newest checkpoint. A primary that regained its lease keeps its high water."""
     last_replan: float = 0.0
     last_admission: float = 0.0
     out: list[Effect] = field(default_factory=list)
