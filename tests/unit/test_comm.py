@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed, is_collective_failure
 from perdure.runtime.comm.reducer import direct_leaders
+from perdure.runtime.comm.tiers import Tiers
 
 
 @pytest.fixture
@@ -139,6 +143,37 @@ def test_a_closed_comm_drops_its_group_off_the_callers_thread_and_refuses_later_
         c.pg.allreduce([])
     c.close()  # again: nothing more to drop
     assert dropped == ["pg-drop"]
+
+
+def test_a_group_also_held_in_a_cycle_is_destroyed_on_the_drop_thread_not_the_collectors() -> None:
+    """An abandoned operation's exception holds the group in a traceback cycle: the
+    collector frees it on whichever thread allocates next, and ran the group's destructor
+    there (20-30 ms, on a kill's critical path). The drop thread waits for those
+    references to go and destroys it itself."""
+    c = Comm(dist.HashStore(), "pg/0/", 0, 1, timedelta(seconds=5), lambda: False)
+    dropped: list[str] = []
+    done = threading.Event()
+    group = _Group(dropped, done)
+    cycle: dict[str, Any] = {"pg": group}
+    cycle["self"] = cycle
+    c.pg = group
+    del group
+    c.close()
+    time.sleep(0.1)  # the drop thread polls: the group outlives close while the cycle lives
+    assert not done.is_set()
+    del cycle
+    gc.collect()  # on this thread, as a gen-0 collection would run it
+    assert done.wait(5) and dropped == ["pg-drop"]
+
+
+def test_a_closed_comm_drops_its_region_and_leader_groups_on_the_drop_thread_too() -> None:
+    c = Comm(dist.HashStore(), "pg/0/", 0, 1, timedelta(seconds=5), lambda: False)
+    dropped: list[str] = []
+    local, cross = threading.Event(), threading.Event()
+    c.tiers = Tiers(local=_Group(dropped, local), cross=_Group(dropped, cross), regions=("a",))
+    c.close()
+    assert local.wait(5) and cross.wait(5) and dropped == ["pg-drop", "pg-drop"]
+    assert c.tiers is None
 
 
 def test_the_outer_step_combines_regions_by_ring_and_the_step_directly_unless_told() -> None:

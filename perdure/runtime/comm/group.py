@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -181,12 +182,18 @@ class Comm:
             raise
 
     def close(self) -> None:
-        """Leave the group: its comm thread is let go, and the process group is dropped on
-        a thread of its own (:func:`_drop`); any later use of it raises CommFailed."""
+        """Leave the group: its comm thread is let go, and the process group (and a
+        two-tier reduction's groups) is dropped on a thread of its own (:func:`_drop`); any
+        later use of it raises CommFailed."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         hold, self.pg = [self.pg], _CLOSED  # no other local reference: see _drop
         if hold[0] is not _CLOSED:
             _drop(hold)
+        if self.tiers is not None:  # its region's and leaders' groups, alike
+            tiers, self.tiers = self.tiers, None
+            groups = [g for g in (tiers.local, tiers.cross) if g is not None]
+            del tiers
+            _drop(groups)
 
 
 class _Closed:
@@ -199,16 +206,41 @@ class _Closed:
 _CLOSED: Any = _Closed()
 
 
+DROP_WAIT_S = 60.0
+"""Longest a dropped process group waits for its other references to go (:func:`_drop`)
+before its thread lets it go regardless."""
+
+_DROP_POLL_S = 0.02
+
+
 def _drop(hold: list[Any]) -> None:
-    """Drop a process group on a daemon thread. Its destructor joins gloo's threads and
-    closes its pairs, about 0.02 s here (0.1 s with a dead peer), with the GIL released:
-    run where the group was last referenced, it landed on a kill's critical path (the
-    receiver's copy group just before it joins the redone step's reduction, each holder's
-    at its gate, the old epoch's between a survivor's abandon and its ready report). A
-    reference held elsewhere (a reducer of the ended epoch) only moves the destructor to
-    that holder's last release. ``hold``: the only reference the caller has, in a list
-    the thread empties (a local name left in a caller's frame would drop it there)."""
-    threading.Thread(target=hold.clear, name="pg-drop", daemon=True).start()
+    """Drop a process group on a daemon thread of its own. Its destructor joins gloo's
+    threads and closes its pairs: 20-30 ms here (0.1 s with a dead peer), with the GIL
+    released, but the thread that lets the last reference go waits that long. Run where
+    the group was last referenced, it landed on a kill's critical path (the receiver's
+    copy group just before it joins the redone step's reduction, each holder's at its
+    gate, the old epoch's between a survivor's abandon and its ready report).
+
+    So the thread keeps the group until its own is the only reference, then lets it go:
+    the destructor runs here, not wherever the collector happens to run. At a kill, the
+    group is still held by the operation abandoned on the comm thread (its frames, the
+    closure it runs) and then by the exception that ends it, whose traceback is a cycle
+    only the garbage collector frees. Measured before this wait: a gen-0 collection of
+    13-23 ms in each holder at each kill, on its main thread or its copy's thread, the old
+    epoch's group destroyed inside it (docs/performance.md, section 17).
+    A reference still held after ``DROP_WAIT_S`` is left to its holder. ``hold``: the
+    only reference the caller has, in a list the thread empties (a local name left in a
+    caller's frame would drop it there)."""
+    threading.Thread(target=_release, args=(hold,), name="pg-drop", daemon=True).start()
+
+
+def _release(hold: list[Any]) -> None:
+    end = time.monotonic() + DROP_WAIT_S
+    # 2: the list's reference and getrefcount's argument (indexed: a loop variable would
+    # be a third)
+    while time.monotonic() < end and any(sys.getrefcount(hold[i]) > 2 for i in range(len(hold))):
+        time.sleep(_DROP_POLL_S)
+    hold.clear()
 
 
 @dataclass(frozen=True)
