@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch import nn
 
+from perdure.runtime.comm import swarm
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.comm.swarm import (
     CopyJob,
@@ -236,6 +237,27 @@ def test_a_holder_offering_garbage_is_left_out_and_the_others_serve() -> None:
     assert isinstance(got, Received)
     _assert_same_as_holders(got, m)
     assert got.holders == [0] and out[1][2]["ranges_sent"] == 0
+
+
+def test_an_offer_longer_than_the_head_arrives_whole_in_a_second_exchange(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(swarm, "HEAD_BYTES", 256)  # every holder's offer spills over
+    out = _run(3, (2,), lambda r: SwarmCopy(chunk_bytes=1000))
+    got, m, _ = out[2]
+    assert isinstance(got, Received)
+    _assert_same_as_holders(got, m)
+    assert got.holders == [0, 1]
+
+
+def test_an_offer_over_the_limit_refuses_the_copy_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(swarm, "MAX_OFFER_BYTES", 100)
+    out = _run(3, (2,), lambda r: SwarmCopy())
+    for r in range(3):
+        assert isinstance(out[r], StateCopyFailed), out[r]
+        assert "(the limit is MAX_OFFER_BYTES = 100)" in str(out[r])
 
 
 def _offer_json(**change: Any) -> bytes:

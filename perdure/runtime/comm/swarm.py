@@ -7,7 +7,8 @@ a sequence of collectives over the epoch's group):
 
 1. *Offers.* Each holder's structure (its exported tensors' key, shape and dtype, the
    optimizer's tagged JSON, the extras) is sent to every rank as JSON (point to point:
-   gloo's all-gather cost ms here); a receiver offers nothing. Only this small structure
+   gloo's all-gather cost ms here), in one exchange where it fits a fixed-size head
+   (``HEAD_BYTES``); a receiver offers nothing. Only this small structure
    goes through the codec, never a tensor's bytes.
 2. *Plan*, the same on every rank: a pure function of the offers, the receivers and the
    model's layout (every rank builds the same model from the same config). A receiver
@@ -225,7 +226,8 @@ class SwarmCopy:
         if job.offer is not None and not receiving:
             tensors, raw = self._encode(job.offer)
 
-        offers = _parse_all(_exchange_bytes(comm, raw, job.timeout), set(job.receivers))
+        raws = _exchange_bytes(comm, raw, job.timeout, frozenset(job.receivers))
+        offers = _parse_all(raws, set(job.receivers))
         templates = {r: _template(r, job, offers) for r in job.receivers}
         ranges = _plan(job, offers, templates, self.chunk_bytes)
         self.stats = {
@@ -466,21 +468,48 @@ CONTROL_TAG = 1 << 30
 above every range's (``2 * index % 2**30``, and its checksum's, one more)."""
 
 
-def _exchange_bytes(comm: Comm, raw: bytes, timeout: timedelta) -> list[bytes]:
-    """Every rank's ``raw``: its size, then its bytes, sent point to point to every other
-    rank (:func:`_gather`)."""
-    dev = comm.device
-    size = torch.tensor([len(raw)], dtype=torch.int64, device=dev)
-    sizes = _gather(comm, size, [1] * comm.size, CONTROL_TAG, timeout)
-    lengths = [int(s.item()) for s in sizes]
+HEAD_BYTES = 32 << 10
+"""The first message of every rank's offer to every other rank: the offer's length (8
+bytes) and its first ``HEAD_BYTES - 8`` bytes. An offer that fits (a model of a few
+hundred tensors) goes in one exchange; a longer one sends its remainder in a second,
+whose sizes every rank read from the heads. One exchange, not two (its size, then its
+bytes): each is a round trip whose messages wait for a thread of every holder, and the
+holders are computing (docs/performance.md, section 17)."""
+
+
+def _exchange_bytes(
+    comm: Comm, raw: bytes, timeout: timedelta, quiet: frozenset[int] = frozenset()
+) -> list[bytes]:
+    """Every rank's ``raw``, sent point to point to every other rank (:func:`_gather`): a
+    head of ``HEAD_BYTES`` (its length, its first bytes), then whatever did not fit. The
+    ``quiet`` ranks (the receivers: they offer nothing) send nothing; theirs is empty."""
+    dev, room = comm.device, HEAD_BYTES - 8
+    if comm.rank in quiet:
+        raw = b""
+    head = bytearray(HEAD_BYTES)
+    head[:8] = len(raw).to_bytes(8, "little")
+    head[8 : 8 + min(len(raw), room)] = raw[:room]
+    mine = torch.frombuffer(head, dtype=torch.uint8).to(dev)
+    sizes = [0 if r in quiet else HEAD_BYTES for r in range(comm.size)]
+    heads = [
+        bytes(h.cpu().numpy().tobytes()) for h in _gather(comm, mine, sizes, CONTROL_TAG, timeout)
+    ]
+    lengths = [int.from_bytes(h[:8], "little", signed=True) if h else 0 for h in heads]
     if max(lengths) > MAX_OFFER_BYTES or min(lengths) < 0:
         raise StateCopyFailed(
             f"state copy: an offered structure of {max(lengths)} bytes (the limit is "
             f"MAX_OFFER_BYTES = {MAX_OFFER_BYTES})"
         )
-    mine = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0)
-    outs = _gather(comm, mine.to(dtype=torch.uint8, device=dev), lengths, CONTROL_TAG + 1, timeout)
-    return [bytes(o.cpu().numpy().tobytes()) for o in outs]
+    rest = [max(0, n - room) for n in lengths]
+    tails = [b""] * comm.size
+    if max(rest) > 0:
+        left = raw[room:]
+        tail = torch.frombuffer(bytearray(left), dtype=torch.uint8) if left else torch.empty(0)
+        outs = _gather(comm, tail.to(dtype=torch.uint8, device=dev), rest, CONTROL_TAG + 1, timeout)
+        tails = [
+            bytes(o.cpu().numpy().tobytes()) if n else b"" for o, n in zip(outs, rest, strict=True)
+        ]
+    return [h[8 : 8 + min(n, room)] + t for h, n, t in zip(heads, lengths, tails, strict=True)]
 
 
 def _gather(
