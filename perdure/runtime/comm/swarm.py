@@ -27,7 +27,7 @@ a sequence of collectives over the epoch's group):
    at most ``window`` messages in flight, all ranks post in one global order (receiver,
    first range), so no cycle of waits can form; a source's extra memory is at most
    ``window`` chunks (only bundles on the CPU) whatever the state's size.
-4. *Verdict.* The receivers' failed ranges are all-gathered; each is fetched again from
+4. *Verdict.* The receivers' failed ranges go to every rank; each is fetched again from
    the next holder that offers it. A range that failed from every such holder ends the
    copy with :class:`StateCopyFailed` on every rank (a data-plane fault: the epoch ends,
    the coordinator plans again), never a crash.
@@ -249,7 +249,7 @@ class SwarmCopy:
             sources |= {h for r, h in mine if r.dst == me and h is not None}
             round_ = functools.partial(self._round, comm, mine, tensors, sink, job)
             bad = comm.call(round_)
-            failed = _exchange_failed(comm, bad, job.timeout, len(ranges))
+            failed = _exchange_failed(comm, bad, job.timeout, len(ranges), job.receivers)
             todo = []
             for dst, index in sorted(set(failed)):
                 r = by_id.get((dst, index))
@@ -673,16 +673,18 @@ def _plan(
 
 
 def _exchange_failed(
-    comm: Comm, bad: list[int], timeout: timedelta, most: int
+    comm: Comm, bad: list[int], timeout: timedelta, most: int, receivers: tuple[int, ...]
 ) -> list[tuple[int, int]]:
-    """Every rank's failed ranges as (receiver, index), in that order. ``most``: how many
-    ranges the copy has; a peer that claims more failed is refused (StateCopyFailed), not
-    allocated for."""
+    """Every receiver's failed ranges as (receiver, index), in that order, on every rank.
+    Only a receiver checks ranges, so only the receivers send: a holder waits for them
+    alone, not for the other holders, whose threads run beside their compute. ``most``:
+    how many ranges the copy has; a receiver that claims more failed is refused
+    (StateCopyFailed), not allocated for."""
     dev = comm.device
-    count = torch.tensor([len(bad)], dtype=torch.int64, device=dev)
-    counts = [
-        int(c.item()) for c in _gather(comm, count, [1] * comm.size, CONTROL_TAG + 2, timeout)
-    ]
+    sends = [1 if r in receivers else 0 for r in range(comm.size)]
+    count = torch.tensor([len(bad) if sends[comm.rank] else 0], dtype=torch.int64, device=dev)
+    got = _gather(comm, count, sends, CONTROL_TAG + 2, timeout)
+    counts = [int(c.item()) if n else 0 for c, n in zip(got, sends, strict=True)]
     if max(counts) > most or min(counts) < 0:
         raise StateCopyFailed(
             f"state copy: a rank reports {max(counts)} failed ranges of the copy's {most}"
