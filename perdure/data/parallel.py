@@ -7,7 +7,8 @@ followed by the separator, computed in a worker; the builder consumes the arrays
 in chunk order. So the token stream, hence every part byte and the version id, is the
 same for any number of processes: a process count only changes who computes a chunk.
 
-Workers are ``spawn``-ed (never forked from a process that may hold threads and locks),
+Workers are ``spawn``-ed (never forked from a process that may hold threads and locks)
+and end with the builder, however it ends (``lifecycle.die_with_parent``),
 each loads the tokenizer once (an entry ``module:function`` and its file are loaded by
 name; a Python callable must be picklable), and at most ``2 x processes`` chunks are in
 flight, so memory stays bounded whatever the corpus size. A worker that dies (killed, out
@@ -31,6 +32,7 @@ import numpy as np
 from perdure.data.errors import DataError
 from perdure.data.tokenize import byte_tokenizer, check_tokens
 from perdure.data.tokenizer_entry import EntryTokenizer, as_ids, load_tokenizer
+from perdure.lifecycle import die_with_parent
 
 CHUNK_BYTES = 1 << 20
 CHUNK_DOCS = 4096
@@ -69,8 +71,12 @@ class WorkerDied(DataError):
     """A tokenizer worker process died: the build can be resumed (``--resume``)."""
 
 
-def _init(spec: Spec) -> None:
+def _init(spec: Spec, parent: int) -> None:
     global _TOKENIZER
+    # A worker ends with the build: a builder killed with SIGKILL cannot shut its pool
+    # down, and its workers, blocked on the pool's queue (one waiting for the queue's lock,
+    # which the other holds), lived on forever (seen after a killed build's test).
+    die_with_parent(parent)
     # One thread per worker: the process count is the parallelism (a tokenizers
     # encode_batch would otherwise start a thread per core in every worker).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -154,7 +160,7 @@ def run_chunks(
     ctx = multiprocessing.get_context("spawn")
     pending: deque[tuple[Future[np.ndarray], Any]] = deque()
     with ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init,
-                             initargs=(spec,)) as pool:  # fmt: skip
+                             initargs=(spec, os.getpid())) as pool:  # fmt: skip
         try:
             for head in _bounded(chunks, pending, pool, spec, 2 * processes):
                 consume(head[0].result(), head[1])

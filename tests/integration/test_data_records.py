@@ -17,6 +17,7 @@ import pytest
 
 import perdure.data.build as build_mod
 from perdure.data import DataError, build_dataset
+from tests.proc_support import descendants
 from tests.records_support import stdlib_records, train_bpe, write_all
 
 BPE = "perdure.data.hf:tokenizer_json"
@@ -180,8 +181,11 @@ def test_a_killed_build_resumed_gives_the_same_bytes(
         if state.exists() and json.loads(state.read_text())["sink"]["parts"]:
             break
         time.sleep(0.02)
+    workers = descendants(proc.pid)
+    assert len(workers) >= procs - 1  # the pool's processes (and its resource tracker)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    _all_end(workers)  # the pool ends with its builder (were left blocked on its queue)
     done = json.loads(state.read_text())
     assert 0 < done["records"] < len(records) and not out.exists()
     resumed = _driver(src, out, procs, True)
@@ -192,6 +196,22 @@ def test_a_killed_build_resumed_gives_the_same_bytes(
         == json.loads((tmp_path / "ref" / "manifest.json").read_text())["version_id"]
     )
     assert not (tmp_path / ".out.partial").exists()
+
+
+def _all_end(pids: set[int], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (left := {p for p in pids if _running(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not left, f"processes outlived their killed builder: {sorted(left)}"
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie waits for whatever reaps it here)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_resume_refuses_changed_sources(tmp_path: Path) -> None:
