@@ -361,10 +361,17 @@ class Worker:
         assert tr is not None
         if ep.start.recover:
             self._reload(ep.start.reload)
-        elif self.transfer.copy(ep, tr):
+        elif self.transfer.copy(ep, tr, writing=self._torn_by_copy):
             self.has_state = True
         if self.shards is not None:
             self.transfer.exchange_shards(ep, tr, self.shards, self.config.train.scatters)
+
+    def _torn_by_copy(self) -> None:
+        """A copy starts writing this member's tensors: until it completes, the member holds
+        no state to offer. A member behind its peers (it gave up a step they committed)
+        kept reporting its old state after a copy that failed halfway, and a coordinator
+        that lost every holder could have made that mixture the run's state."""
+        self.has_state = False
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and
