@@ -64,6 +64,7 @@ import argparse
 import itertools
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -329,20 +330,27 @@ def one_run(rs: Any, cfg: Any, name: str, h: int, tmp: Path, ports: int, warmup:
     counter.start()
     sniffer = Sniffer(rs, control_ports=(ports, ports + 1))
     sniffer.start()
-    procs = [_start(rs, 0, ["coordinator", "--config", str(path), "--run-dir", str(run_dir)],
-                    logs / "coordinator.log", tmp)]  # fmt: skip
-    for i in range(1, len(rs.hosts)):
-        r = rs.region_of[i]
-        argv = ["worker", "--coordinator", f"{coord}:{ports}", "--name", f"r{r}",
-                "--region", f"r{r}"]  # fmt: skip
-        procs.append(_start(rs, i, argv, logs / f"r{r}.log", tmp))
-    end = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs) and time.monotonic() < end:
-        time.sleep(0.2)
-    codes = [p.poll() for p in procs]
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        procs.append(_start(rs, 0, ["coordinator", "--config", str(path), "--run-dir",
+                                    str(run_dir)], logs / "coordinator.log", tmp))  # fmt: skip
+        for i in range(1, len(rs.hosts)):
+            r = rs.region_of[i]
+            argv = ["worker", "--coordinator", f"{coord}:{ports}", "--name", f"r{r}",
+                    "--region", f"r{r}"]  # fmt: skip
+            procs.append(_start(rs, i, argv, logs / f"r{r}.log", tmp))
+        end = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs) and time.monotonic() < end:
+            time.sleep(0.2)
+        codes = [p.poll() for p in procs]
+    except BaseException:  # interrupted (SIGTERM, Ctrl-C): nothing of the run outlives it
+        counter.stop()
+        sniffer.stop()
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
     counter.stop()
     time.sleep(0.5)  # a last sample past the run's end
     sniffer.stop()
@@ -548,6 +556,10 @@ def svg(rows: list[dict[str, Any]], path: Path) -> None:
     path.write_text("\n".join(parts) + "\n")
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -585,6 +597,9 @@ def main(argv: list[str] | None = None) -> int:
     from tests.netns_regions import regions
     from tests.runtime_support import build_dataset, build_small_dataset
 
+    # SIGTERM unwinds like Ctrl-C: the runs' processes killed, the namespaces torn down
+    # (they were left behind: the regions' finally never ran)
+    signal.signal(signal.SIGTERM, _interrupt)
     rows: list[dict[str, Any]] = []
     ports = 29700
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as d:
