@@ -210,7 +210,7 @@ class Worker:
         """Report ready for the announced epoch and wait for its start (None: superseded)."""
         assert self.trainer is not None
         if self.trainer.torn:
-            self.has_state = False  # half of an update: receive a whole replica's state
+            self.has_state = False  # half of an update or of a copy: receive a whole state
         held = self.trainer.held if self.has_state else NONE
         t = self.trainer.next_step
         kept = self.salvage.held((t, self.trainer.state_version)) if self.has_state else []
@@ -361,17 +361,10 @@ class Worker:
         assert tr is not None
         if ep.start.recover:
             self._reload(ep.start.reload)
-        elif self.transfer.copy(ep, tr, writing=self._torn_by_copy):
+        elif self.transfer.copy(ep, tr):
             self.has_state = True
         if self.shards is not None:
             self.transfer.exchange_shards(ep, tr, self.shards, self.config.train.scatters)
-
-    def _torn_by_copy(self) -> None:
-        """A copy starts writing this member's tensors: until it completes, the member holds
-        no state to offer. A member behind its peers (it gave up a step they committed)
-        kept reporting its old state after a copy that failed halfway, and a coordinator
-        that lost every holder could have made that mixture the run's state."""
-        self.has_state = False
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and

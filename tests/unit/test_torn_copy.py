@@ -1,5 +1,6 @@
-"""A receiver's state while a copy writes into it (``StateTransfer.copy``'s ``writing``,
-``Worker._torn_by_copy``), in process: no group, a copy that fails where a test says."""
+"""A receiver whose state copy fails after it began writing into its model tensors
+(``Trainer.copy_target`` tears the replica, ``Worker._ready`` then reports no state), in
+process: no group, a copy that fails where a test says."""
 
 from __future__ import annotations
 
@@ -13,46 +14,63 @@ import torch
 from perdure.events import JsonLines
 from perdure.runtime.comm.group import CommFailed
 from perdure.runtime.comm.swarm import CopyJob
+from perdure.runtime.control import protocol as p
 from perdure.runtime.member.transfer import StateTransfer
 from perdure.runtime.plan import from_counts
+from perdure.runtime.replica.trainer import Trainer
+from perdure.runtime.shard_plan import ALL
 from perdure.runtime.worker import Worker
 
 
 class _FailingCopy:
-    """Fails after filling ``writes`` of the receiver's tensors (0: before any)."""
+    """Fills ``writes`` of the receiver's model tensors (0: none), then fails."""
 
     def __init__(self, writes: int) -> None:
         self.writes = writes
         self.stats: dict[str, int] = {}
 
     def copy(self, comm: Any, job: CopyJob) -> None:
-        for i in range(self.writes):
-            assert job.target is not None
-            job.target(f"model/w{i}", (2,), torch.float32).fill_(7.0)
+        assert job.target is not None
+        for name in ("weight", "bias")[: self.writes]:
+            job.target(f"model/{name}", (2,), torch.float32).fill_(7.0)
         raise CommFailed("a holder's link dropped during the copy")
 
 
-def _epoch(receivers: list[str]) -> Any:
-    plan = from_counts(["r0", "r1"], [4, 4])
-    start = SimpleNamespace(receivers=receivers, source="r0")
-    runner = SimpleNamespace(first=None)
-    return SimpleNamespace(plan=plan, start=start, comm=SimpleNamespace(device="cpu"),
-                           runner=runner, number=3)  # fmt: skip
-
-
-def _trainer() -> Any:
-    tensors = {f"model/w{i}": torch.zeros(2) for i in range(3)}
-    return SimpleNamespace(
+def _member_behind() -> Any:
+    """A replica at step 41 (it gave up a step its peers committed: it receives)."""
+    tr = SimpleNamespace(
+        module=torch.nn.Linear(2, 2),
+        torn=False,
         next_step=41,
+        held=ALL,
+        state_version=3,
         export=lambda: ({}, {}, {}),
         copy_layout=lambda: {},
-        copy_target=lambda device: lambda key, shape, dtype: tensors[key],
-        module=torch.nn.Linear(1, 1),
     )
+    tr.copy_target = lambda device: Trainer.copy_target(tr, device)  # type: ignore[arg-type]
+    return tr
 
 
-def _transfer(writes: int, tmp_path: Any) -> StateTransfer:
-    return StateTransfer(
+class _Client:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+    def wait_start(self, epoch: int) -> None:
+        return None
+
+
+@pytest.mark.parametrize(("writes", "torn"), [(1, True), (2, True), (0, False)])
+def test_a_copy_that_fails_after_writing_leaves_a_member_behind_with_no_state_to_offer(
+    writes: int, torn: bool, tmp_path: Any
+) -> None:
+    """Reporting its old state after a copy wrote part of its model could have made that
+    mixture the run's state where every holder was lost with the copy; a copy that failed
+    before writing leaves its state as it was."""
+    tr = _member_behind()
+    transfer = StateTransfer(
         name="r1",
         events=JsonLines(tmp_path / "events.jsonl"),
         state_copy=_FailingCopy(writes),
@@ -60,37 +78,19 @@ def _transfer(writes: int, tmp_path: Any) -> StateTransfer:
         timeout=lambda: timedelta(seconds=5),
         should_stop=lambda: False,
     )
-
-
-@pytest.mark.parametrize("writes", [0, 1, 3])
-def test_a_receiver_is_told_once_before_the_copy_first_writes_its_tensors(
-    writes: int, tmp_path: Any
-) -> None:
-    told: list[str] = []
+    ep = SimpleNamespace(
+        plan=from_counts(["r0", "r1"], [4, 4]),
+        start=SimpleNamespace(receivers=["r1"], source="r0"),
+        comm=SimpleNamespace(device="cpu"),
+        runner=SimpleNamespace(first=None),
+    )
     with pytest.raises(CommFailed):
-        _transfer(writes, tmp_path).copy(_epoch(["r1"]), _trainer(), lambda: told.append("w"))
-    assert told == (["w"] if writes else [])
+        transfer.copy(ep, tr)  # type: ignore[arg-type]
+    assert tr.torn is torn
 
-
-def _member_behind(writes: int, tmp_path: Any) -> Worker:
     w = Worker.__new__(Worker)
-    w.name, w.shards, w.has_state = "r1", None, True
-    w.trainer = _trainer()
-    w.transfer = _transfer(writes, tmp_path)
-    return w
-
-
-@pytest.mark.parametrize(("writes", "kept"), [(1, False), (0, True)], ids=["halfway", "before"])
-def test_a_member_whose_copy_fails_halfway_offers_no_state_afterwards(
-    writes: int, kept: bool, tmp_path: Any
-) -> None:
-    """It gave up a step its peers committed, so it receives; the copy wrote part of its
-    model and failed. Reporting its old state after that (has_state) could have made the
-    mixture the run's state where every holder was lost with the copy. A copy that failed
-    before writing leaves its state as it was."""
-    w = _member_behind(writes, tmp_path)
-    ep = _epoch(["r1"])
-    ep.start.recover = False
-    with pytest.raises(CommFailed):
-        w._transfer(ep)
-    assert w.has_state is kept
+    w.trainer, w.has_state, w.client = tr, True, _Client()
+    w.salvage = SimpleNamespace(held=lambda key: [])
+    w._ready(p.Announce(epoch=4, after=-1, members=["r0", "r1"], generation=1))
+    [ready] = w.client.sent
+    assert ready.has_state is not torn and ready.next_step == 41

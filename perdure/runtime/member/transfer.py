@@ -18,11 +18,9 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-import torch
-
 from perdure import events as ev
 from perdure.events import JsonLines
-from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed, Target
+from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed
 from perdure.runtime.member.copy_overlap import (
     CopyServer,
     committed_offer,
@@ -50,10 +48,7 @@ class StateTransfer:
     timeout: Callable[[], timedelta]
     should_stop: Callable[[], bool]
 
-    def copy(self, ep: Epoch, tr: Trainer, writing: Callable[[], None] = lambda: None) -> bool:
-        """``writing``: called once, on a receiver, before the copy first writes into the
-        trainer's tensors (the model's own, written in place range by range): from then on
-        a copy that fails leaves a replica that is neither its old state nor the holders'."""
+    def copy(self, ep: Epoch, tr: Trainer) -> bool:
         receivers = ep.start.receivers
         if not receivers:
             return False
@@ -72,7 +67,7 @@ class StateTransfer:
             shard_degree=self.shard_degree,
             layout=tr.copy_layout(),
             offer=offer,
-            target=_first_call(tr.copy_target(ep.comm.device), writing) if receiving else None,
+            target=tr.copy_target(ep.comm.device) if receiving else None,
             timeout=self.timeout(),
         )
         mode = "overlapped" if overlapped else "blocking"
@@ -197,20 +192,6 @@ class StateTransfer:
                     "seconds": round(time.monotonic() - t0, 4),
                 }
             )
-
-
-def _first_call(target: Target, before: Callable[[], None]) -> Target:
-    """``target``, calling ``before`` once ahead of its first use."""
-    called = False
-
-    def wrapped(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nonlocal called
-        if not called:
-            called = True
-            before()
-        return target(key, shape, dtype)
-
-    return wrapped
 
 
 @dataclass(frozen=True)

@@ -211,9 +211,13 @@ class Trainer:
         self.shards: ShardSeam | None = None
         """This member's replica group in the current epoch (``train.shard_degree`` > 1)."""
         self.torn = False
-        """A sharded update that did not complete (a group member died during the
-        parameters' exchange): this replica's own shard moved on, the others did not, so
-        it must receive a peer's state before it trains again."""
+        """This replica must receive a peer's state before it trains again: a sharded
+        update that did not complete (a group member died during the parameters'
+        exchange: its own shard moved on, the others did not), or a state copy that began
+        writing into its model tensors (in place, range by range: :meth:`copy_target`)
+        and did not complete. A member behind its peers whose copy failed halfway reported
+        its old state before, and a coordinator that lost every holder with the copy could
+        have taken that mixture of two states as the run's. Loading a state clears it."""
         self.held = ALL
         """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all), and
         with ``train.shard_params`` which shard's parameters are resident."""
@@ -958,11 +962,13 @@ class Trainer:
         """Where a state copy writes each tensor it receives: the model's own tensors
         (made resident: sharded at rest, those of the shard received), fresh optimizer
         tensors on ``device`` (the group's, as a received state's always were); ``adopt``
-        then takes them as they are."""
+        then takes them as they are. The first model tensor handed out tears the replica
+        (:attr:`torn`) until ``adopt``."""
         named = self.module.state_dict(keep_vars=True)
 
         def target(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             if key.startswith(MODEL):
+                self.torn = True
                 t = named[key[len(MODEL) :]]
                 make_resident(t)
                 return t.detach()
