@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -25,6 +26,16 @@ PY = sys.executable
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+
+def unwind_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C (KeyboardInterrupt), so that a benchmark's ``finally``
+    blocks run: its processes killed, its network namespaces torn down."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def machine() -> dict[str, Any]:

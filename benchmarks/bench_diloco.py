@@ -64,7 +64,6 @@ import argparse
 import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -75,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PY, REPO, RESULTS, machine, write_result
+from _common import PY, REPO, RESULTS, machine, unwind_on_sigterm, write_result
 
 REGIONS = 4
 TOKEN = "bench-diloco-token"
@@ -556,10 +555,6 @@ def svg(rows: list[dict[str, Any]], path: Path) -> None:
     path.write_text("\n".join(parts) + "\n")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
@@ -597,9 +592,9 @@ def main(argv: list[str] | None = None) -> int:
     from tests.netns_regions import regions
     from tests.runtime_support import build_dataset, build_small_dataset
 
-    # SIGTERM unwinds like Ctrl-C: the runs' processes killed, the namespaces torn down
-    # (they were left behind: the regions' finally never ran)
-    signal.signal(signal.SIGTERM, _interrupt)
+    # the runs' processes killed, the namespaces torn down, whatever stops it (after a
+    # SIGTERM they were left behind: the regions' finally never ran)
+    unwind_on_sigterm()
     rows: list[dict[str, Any]] = []
     ports = 29700
     with tempfile.TemporaryDirectory(prefix="bench-diloco-") as d:

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PY, REPO, machine, write_result
+from _common import PY, REPO, machine, unwind_on_sigterm, write_result
 
 W = 2
 GLOBAL_BATCH = 8
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"bench_wire: skipped: {reason}")
         return 0
-    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: hosts torn down
+    unwind_on_sigterm()  # the hosts torn down, whatever stops it
     t_start, conditions = time.time(), machine()  # the load average before the arms
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
            "TORCH_CPP_LOG_LEVEL": "ERROR", "GLOO_SOCKET_IFNAME": "eth0"}  # fmt: skip
@@ -566,10 +566,6 @@ def _work_dir(keep: str | None) -> Any:
         return tempfile.TemporaryDirectory(prefix="bench-wire-")
     print(f"work directory (kept): {keep}", flush=True)
     return contextlib.nullcontext(keep)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _has(tool: str) -> bool:

@@ -17,7 +17,7 @@ import pytest
 
 import perdure.data.build as build_mod
 from perdure.data import DataError, build_dataset
-from tests.proc_support import descendants
+from tests.proc_support import descendants, running
 from tests.records_support import stdlib_records, train_bpe, write_all
 
 BPE = "perdure.data.hf:tokenizer_json"
@@ -200,18 +200,9 @@ def test_a_killed_build_resumed_gives_the_same_bytes(
 
 def _all_end(pids: set[int], timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while (left := {p for p in pids if _running(p)}) and time.monotonic() < deadline:
+    while (left := {p for p in pids if running(p)}) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, f"processes outlived their killed builder: {sorted(left)}"
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for whatever reaps it here)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_resume_refuses_changed_sources(tmp_path: Path) -> None:

@@ -191,9 +191,7 @@ class Comm:
             _drop(hold)
         if self.tiers is not None:  # its region's and leaders' groups, alike
             tiers, self.tiers = self.tiers, None
-            groups = [g for g in (tiers.local, tiers.cross) if g is not None]
-            del tiers
-            _drop(groups)
+            _drop([g for g in (tiers.local, tiers.cross) if g is not None])
 
 
 class _Closed:
