@@ -48,6 +48,7 @@ from perdure.runtime.control.auth_store import AuthStore
 from perdure.runtime.control.channel import UNACKED_S
 from perdure.runtime.control.client import Identity, MembershipClient
 from perdure.runtime.control.fence import Fence, Fenced
+from perdure.runtime.control.liveness import hold
 from perdure.runtime.member import saves
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.heartbeat import Heartbeat
@@ -128,8 +129,18 @@ class Worker:
     def run(self) -> int:
         prompt_threads()
         welcome = self.client.connect()
-        config = config_from_dict(welcome.config)
         self.run_dir = Path(welcome.run_dir)
+        # The kernel releases this lock as it begins to end a killed process: the
+        # coordinator on this host sees the death before the sockets close (~10 ms here).
+        alive = hold(self.run_dir, self.name)
+        try:
+            return self._run(welcome)
+        finally:
+            if alive is not None:
+                alive.release()  # an exit of its own: no death notice
+
+    def _run(self, welcome: p.Welcome) -> int:
+        config = config_from_dict(welcome.config)
         set_title("spare" if self.role == "spare" else "worker", self.name, welcome.run_dir)
         self.store_port = welcome.store_port
         writer = writer_id(self.name)  # a part file each: safe on a network file system

@@ -157,3 +157,39 @@ def test_the_coordinator_survives_any_bytes_before_and_after_admission(
     s.close()
     # still serving: a fresh worker is admitted
     _admitted(served, name + "x").close()
+
+
+class ChattyLine(FakeLine):
+    """A line whose every chunk of bytes is one heartbeat."""
+
+    def feed(self, data: bytes) -> list[Any]:
+        return [p.Heartbeat(next_step=0, prepared=True)]
+
+
+def test_a_death_notice_closes_its_worker_after_what_it_sent_and_spares_a_newer_pid(
+    tmp_path: Path,
+) -> None:
+    from perdure.runtime.control.coordinator import DIED
+
+    c = _coordinator(tmp_path, 3)
+    lines = {n: ChattyLine() for n in ("w0", "w1", "w2")}
+    try:
+        for i, (name, line) in enumerate(lines.items()):
+            c.unadmitted[i] = _conn(i, line)
+            c.sel.register(line.sock, 1, i)
+            c.queue.append(pol.Joined(i, _hello(name), True, time.monotonic()))
+        c._drain()
+        lines["w1"].peer.sendall(b"its last line\n")  # sent before it died
+        c.alive._dead.extend([("w1", 1), ("w2", 999)])  # w2's is an older process's
+        c.alive._poke.send(b"!")
+        c._on_deaths()
+        assert [(type(e).__name__, e.worker) for e in c.queue] == [
+            ("Received", "w1"),
+            ("Closed", "w1"),
+        ]
+        assert c.queue[-1].reason == DIED
+        c._drain()
+        assert not c.policy.workers["w1"].alive and "w1" not in c.lines
+        assert c.policy.workers["w2"].alive and "w2" in c.lines
+    finally:
+        c._shutdown()

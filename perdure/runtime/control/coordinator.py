@@ -25,6 +25,7 @@ import contextlib
 import logging
 import math
 import secrets
+import select
 import selectors
 import socket
 import time
@@ -45,6 +46,7 @@ from perdure.runtime.control.launched import launched_pid
 from perdure.runtime.control.lease import acquire_for_primary, holder_record
 from perdure.runtime.control.lease_agent import LeaseAgent
 from perdure.runtime.control.lease_backends import open_lease_store
+from perdure.runtime.control.liveness import Watcher
 from perdure.runtime.control.store import StoreServer
 
 log = logging.getLogger("perdure.coordinator")
@@ -52,6 +54,13 @@ log = logging.getLogger("perdure.coordinator")
 TICK_S = 0.01
 RUN_END_POLL_S = 0.5
 """How often an idle standby looks for the run's end in the merged event log."""
+
+DIED = "process exited (its liveness lock released)"
+"""A ``leave``'s reason when a worker's liveness lock tells of its death
+(``control/liveness.py``), before its socket closes."""
+
+_ALIVE = object()
+"""The selector's mark on the liveness watcher's wake socket."""
 
 
 class Coordinator:
@@ -92,6 +101,9 @@ class Coordinator:
         self.server.setblocking(False)
         self.sel = selectors.DefaultSelector()
         self.sel.register(self.server, selectors.EVENT_READ, None)
+        self.alive = Watcher(run_dir)
+        """Waits on the liveness locks of this host's workers (``control/liveness.py``)."""
+        self.sel.register(self.alive.wake, selectors.EVENT_READ, _ALIVE)
         self.door = Door(
             self.server, self.sel, token,
             challenge=lambda: (self.policy.generation, self.policy.serving),
@@ -176,7 +188,8 @@ class Coordinator:
         end = None if deadline_s is None else time.monotonic() + deadline_s
         try:
             while not self.finished and (end is None or time.monotonic() < end):
-                for key, _ in self.sel.select(timeout=TICK_S):
+                ready = self.sel.select(timeout=TICK_S)  # deaths first: see _on_deaths
+                for key, _ in sorted(ready, key=lambda kv: kv[0].data is not _ALIVE):
                     self._on_readable(key)
                 now = time.monotonic()
                 self.door.expire(now)
@@ -266,12 +279,12 @@ class Coordinator:
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.line.send(p.Refused(reason=effect.reason, retry=effect.retry))
-            self._close(conn.line)
+            close_line(self.sel, conn.line)
 
     def _disconnect(self, worker: str) -> None:
         line = self.lines.pop(worker, None)
         if line is not None:
-            self._close(line)
+            close_line(self.sel, line)
 
     def _find_checkpoint(self, epoch: int) -> pol.CheckpointFound:
         """Where a run whose every replica is lost starts again: the newest intact
@@ -290,6 +303,9 @@ class Coordinator:
     def _on_readable(self, key: selectors.SelectorKey) -> None:
         if key.data is None:
             self.door.accept()
+            return
+        if key.data is _ALIVE:
+            self._on_deaths()
             return
         sock = key.fileobj
         assert isinstance(sock, socket.socket)
@@ -317,12 +333,29 @@ class Coordinator:
             self.queue.append(pol.Closed(worker, f"protocol error: {e}", now))
             return
         wall = time.time()
+        member = self.policy.workers.get(worker)  # its liveness lock, once it has one
+        if member is not None and member.alive:  # (made after its welcome)
+            self.alive.watch(worker, member.pid)
         for msg in msgs:
             if isinstance(msg, p.FromWorker):
                 self.queue.append(pol.Received(worker, msg, now, wall))
             else:
                 self.queue.append(pol.Closed(worker, f"protocol error: sent {msg.type}", now))
                 return
+
+    def _on_deaths(self) -> None:
+        """Workers whose liveness lock the kernel released: each is closed as its socket's
+        end would close it, once what it sent before it died is read (a worker on this
+        host: its lines are in the socket already). Handled before the sockets of the
+        same wake-up, so the leave's reason is the lock's whenever it came first; the
+        socket's own end, later, finds the worker gone (a second close does nothing)."""
+        for name, pid in self.alive.take():
+            member = self.policy.workers.get(name)
+            if member is None or not member.alive or member.pid != pid:
+                continue  # gone already, or the name is another process's now
+            for chunk in _buffered(self.lines.get(name)):
+                self._on_worker_bytes(name, chunk)
+            self.queue.append(pol.Closed(name, DIED, time.monotonic()))
 
     def _on_hello(self, joined: pol.Joined) -> None:
         self.queue.append(joined)
@@ -340,11 +373,9 @@ class Coordinator:
             if record is not None:
                 self.events.write(record)
 
-    def _close(self, line: LineSocket) -> None:
-        close_line(self.sel, line)
-
     def _shutdown(self) -> None:
         self.agent.close()  # lands a queued EndLease before the process goes
+        self.alive.close()
         for line in list(self.lines.values()):
             line.close()
         self.door.close()
@@ -355,6 +386,26 @@ class Coordinator:
         if self.active:
             self.logs.tick(time.monotonic(), final=True, generation=self.policy.generation)
         self.metrics.close()  # a last pass: the final steps reach TensorBoard
+
+
+def _buffered(line: LineSocket | None) -> list[bytes]:
+    """What ``line``'s socket holds now, without waiting (its end, if there, is left to
+    the selector). Readiness is polled first: the socket has a timeout, so a ``recv``
+    would wait in Python's own poll until the peer's sockets close (~20 ms measured for a
+    dying worker: the very wait its liveness lock saves)."""
+    chunks: list[bytes] = []
+    poll = select.poll()
+    if line is not None:
+        poll.register(line.sock, select.POLLIN)
+    while line is not None and poll.poll(0):
+        try:
+            data = line.sock.recv(65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    return chunks
 
 
 def _listen(host: str, port: int, flag: str) -> socket.socket:
