@@ -39,7 +39,7 @@ from perdure.events import Tail
 from perdure.proctitle import set_title
 from perdure.run_config import RunConfig, config_from_dict
 from perdure.runlog import part, writer_id
-from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
+from perdure.runtime.comm.group import Abandoned, Comm, CommFailed, wake_waits
 from perdure.runtime.comm.reducer import direct_leaders, make_reducer, uses_tiers
 from perdure.runtime.comm.swarm import SwarmCopy
 from perdure.runtime.control import protocol as p
@@ -100,6 +100,7 @@ class Worker:
             progress=self._progress,
             address=self.host,
         )
+        self.client.on_notice = wake_waits  # a survivor leaves its collective at once
         self.inflight = -1
         self.has_state = False
         self.timer = SlotTimer()

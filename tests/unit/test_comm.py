@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
+from perdure.runtime.comm import group
 from perdure.runtime.comm.group import Abandoned, Comm, CommFailed, is_collective_failure
 from perdure.runtime.comm.reducer import direct_leaders
 from perdure.runtime.comm.tiers import Tiers
@@ -72,6 +73,36 @@ def test_a_changed_epoch_abandons_the_wait(comm: Comm) -> None:
     with pytest.raises(Abandoned):
         comm.call(lambda: release.wait(5))
     release.set()
+
+
+def test_a_notice_ends_a_wait_at_once_not_at_its_next_look(
+    comm: Comm, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``wake_waits`` (the membership client's notice: a peer's death announced before
+    the collective fails): with a minute between looks at the abort predicate, the wait
+    is left as soon as it is woken."""
+    monkeypatch.setattr(group, "_SLICE_S", 60.0)
+    release, changed = threading.Event(), threading.Event()
+    comm.should_abort = changed.is_set
+    out: list[str] = []
+
+    def wait() -> None:
+        try:
+            comm.call(lambda: release.wait(30))
+        except Abandoned:
+            out.append("abandoned")
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    end = time.monotonic() + 10
+    while not group._WAITS:  # in its wait
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    changed.set()
+    group.wake_waits()
+    waiter.join(10)
+    release.set()
+    assert out == ["abandoned"]
 
 
 def test_an_exchange_given_grace_finishes_after_the_epoch_changes(comm: Comm) -> None:

@@ -237,3 +237,28 @@ def test_a_save_in_flight_is_given_up_only_when_the_next_epoch_re_forms_at_once(
     assert c.should_stop(140) and c.save_must_stop()
     c.announce, c.lost = None, True
     assert c.save_must_stop()
+
+
+def test_the_client_tells_of_each_notice_but_not_of_a_channel_it_left() -> None:
+    """``on_notice`` (the worker wakes its collectives' waits with it): an announcement,
+    a stop and the coordinator's loss call it; a message on a channel the worker has left
+    does not."""
+    from perdure.runtime.control import protocol as proto
+    from perdure.runtime.control.client import Identity, MembershipClient
+
+    c = MembershipClient(
+        Identity("w", "r", "worker"), [("127.0.0.1", 1)], "t", timeout_s=1.0,
+        progress=lambda: (0, True),
+    )  # fmt: skip
+    calls: list[int] = []
+    c.on_notice = lambda: calls.append(1)
+    line, old = object(), object()
+    c.line, c.generation = line, 1  # type: ignore[assignment]
+    c._on_message(proto.Announce(epoch=4, members=["w"], after=-1, generation=1), line=line)
+    assert len(calls) == 1
+    c._on_message(proto.Stop(reason="done"), line=old)  # type: ignore[arg-type]
+    assert len(calls) == 1
+    c._on_message(proto.Stop(reason="done"), line=line)  # type: ignore[arg-type]
+    assert len(calls) == 2
+    c._on_lost(line)  # type: ignore[arg-type]
+    assert len(calls) == 3

@@ -26,6 +26,23 @@ from perdure.runtime.comm.tiers import Tiers, build_tiers
 
 T = TypeVar("T")
 _SLICE_S = 0.01
+"""The longest a wait in :meth:`Comm.result` goes without looking at its abort predicate
+(a notice that should end it wakes it at once: :func:`wake_waits`)."""
+
+_WAITS: set[threading.Event] = set()
+"""The events of the waits in :meth:`Comm.result` under way in this process."""
+_WAITS_LOCK = threading.Lock()
+
+
+def wake_waits() -> None:
+    """Make every wait in :meth:`Comm.result` of this process look at its abort predicate
+    now: the membership client calls it on each notice (a new epoch announced, a stop,
+    its coordinator lost). Without it a survivor learned of a peer's death up to
+    ``_SLICE_S`` late, on a kill's critical path once the death is told before the
+    collective fails (``control/liveness.py``)."""
+    with _WAITS_LOCK:
+        for woken in _WAITS:
+            woken.set()
 
 
 class Abandoned(RuntimeError):
@@ -162,15 +179,24 @@ class Comm:
         next step: it is abandoned only when its own step is)."""
         should_abort = abort or self.should_abort
         since: float | None = None
-        while True:
-            done, _ = cf.wait([fut], timeout=_SLICE_S)
-            if done:
-                break
-            if since is None and should_abort():
-                since = time.monotonic()
-            if since is not None and time.monotonic() - since >= grace_s:
-                self.close()
-                raise Abandoned("membership epoch changed during a collective")
+        woken = threading.Event()
+        fut.add_done_callback(lambda _: woken.set())
+        with _WAITS_LOCK:
+            _WAITS.add(woken)
+        try:
+            while True:
+                woken.wait(_SLICE_S)
+                woken.clear()
+                if fut.done():
+                    break
+                if since is None and should_abort():
+                    since = time.monotonic()
+                if since is not None and time.monotonic() - since >= grace_s:
+                    self.close()
+                    raise Abandoned("membership epoch changed during a collective")
+        finally:
+            with _WAITS_LOCK:
+                _WAITS.discard(woken)
         try:
             return fut.result()
         except (Abandoned, CommFailed):

@@ -94,6 +94,10 @@ class MembershipClient:
         worker that lost its coordinator stops trying to reconnect then."""
         self._trying = ""
         self.cond = threading.Condition()
+        self.on_notice: Callable[[], None] = lambda: None
+        """Called (holding ``cond``: it must not block) on each message of the coordinator
+        (an announcement, a start, a drain, a stop) and on its loss: the worker wakes its
+        collectives' waits with it to look at them (``comm.group.wake_waits``)."""
         self.announce: p.Announce | None = None
         self.starts: dict[int, p.Start] = {}
         self.stopped = False
@@ -198,6 +202,7 @@ class MembershipClient:
             elif isinstance(msg, p.Stop):
                 self.stopped, self.stop_reason = True, msg.reason
             self.cond.notify_all()
+            self.on_notice()
 
     def _on_lost(self, line: LineSocket | None = None) -> None:
         with self.cond:
@@ -205,6 +210,7 @@ class MembershipClient:
                 return  # the end of a channel this worker already left
             self.lost = True
             self.cond.notify_all()
+            self.on_notice()
 
     def _drop(self) -> None:
         """Leave the coordinator (caller holds ``cond``): the step loop stops at once and
@@ -215,6 +221,7 @@ class MembershipClient:
                 self.line.sock.shutdown(socket.SHUT_RDWR)
             self.line.close()
         self.cond.notify_all()
+        self.on_notice()
 
     def fenced_by(self, generation: int) -> bool:
         """The run directory's fence is at ``generation``: if that is newer than the
