@@ -23,7 +23,6 @@ from perdure.runtime.comm.group import Abandoned, Comm, CommFailed
 from perdure.runtime.comm.int8_gather import Int8Gather
 from perdure.runtime.comm.readiness import Readiness
 from perdure.runtime.comm.reducer import CarriedReduction, Reducer, make_reducer
-from perdure.runtime.late_start import LateStart
 from perdure.runtime.plan import Plan
 from perdure.runtime.replica.salvage import SlotSalvage
 from perdure.runtime.replica.trainer import WITHHELD, MathError, Trainer
@@ -482,73 +481,35 @@ class StepRunner:
                 red.add(buf)
                 added.append(slot)
             self._pad(t, abort, red)  # before the last slot: every rank passes as often
-            self._injected_drop()
-            # A holder whose copy is still out computes its last slot at once, and its
-            # buckets go on the wire from the moment the copy is served: a thread passes
-            # the gate, then starts the reduction behind the backward under way
-            # (``late_start.py``). Where the reducer cannot start that late, the slot is
-            # computed whole before the gate. The sum's integers are the same bits anyway.
-            late = bool(todo) and streams and self.gate_waits()
-            if late and not red.starts_late(self.comm):
-                late = streams = False
+            # A holder whose copy is still out computes its last slot whole before the
+            # gate rather than wait at it idle: no bucket could go on the wire before the
+            # copy is served, and the sum's integers are the same bits either way.
+            streams = streams and not self.gate_waits()
             if todo and not streams:
                 self._compute(t, todo[-1], buf, abort, None)
-            if not late:
-                self.open_gate()
+            self._injected_drop()
+            self.open_gate()
         except (Abandoned, CommFailed):
             self._keep_sum(key, red, tuple(added))
             raise
         ready = Readiness(abort) if todo and streams else None
-
-        def start() -> Any:
-            return red.finish(
-                self.comm,
-                buf,
-                last=buf if todo else None,
-                ready=ready,
-                abort=abort,
-                timeout=timeout,
-                send_delay_s=self.seams.delay_s(),
-            )
-
-        if late:
-            assert ready is not None
-            fut = self._late_last_slot(t, key, red, tuple(added), (todo[-1], buf), start, ready)
-        else:
-            fut = start()
+        fut = red.finish(
+            self.comm,
+            buf,
+            last=buf if todo else None,
+            ready=ready,
+            abort=abort,
+            timeout=timeout,
+            send_delay_s=self.seams.delay_s(),
+        )
         try:  # once every bucket is sent, the reducer may still hold the member's sum
-            if ready is not None and not late:
+            if ready is not None:
                 self._compute(t, todo[-1], buf, abort, ready)
             if t0 is not None and todo:
                 self.timer.record(time.monotonic() - t0, len(todo))
             return self.comm.result(fut)
         except (Abandoned, CommFailed):
             self._keep_sum(key, red, tuple(self.slots))
-            raise
-
-    def _late_last_slot(
-        self,
-        t: int,
-        key: tuple[int, int],
-        red: CarriedReduction,
-        added: tuple[int, ...],
-        last: tuple[int, torch.Tensor],
-        start: Callable[[], Any],
-        ready: Readiness,
-    ) -> Any:
-        """The ``last`` slot (its index and buffer) computed while a thread passes the
-        gate and then starts the reduction (``start``) behind its backward; the
-        reduction's future. Abandoned before the start, the pass keeps the sum of
-        ``added``; after it, whatever the reducer holds of every slot (as
-        :meth:`_stream` keeps it)."""
-        abort = lambda: self.seams.should_stop(t)  # noqa: E731
-        starter = LateStart(self.open_gate, start)
-        try:
-            self._compute(t, *last, abort, ready)
-            return starter.join(abort)
-        except (Abandoned, CommFailed):
-            started = starter.cancel()
-            self._keep_sum(key, red, tuple(self.slots) if started else added)
             raise
 
     def _kept_sum(self, key: tuple[int, int]) -> tuple[tuple[int, ...], Any]:

@@ -243,10 +243,6 @@ class CarriedReducer:
             self._accumulate(buf, i, fused)
         self.added += 1
 
-    def starts_late(self, comm: Any) -> bool:
-        """Always: this form waits for the whole last slot before it converts a bucket."""
-        return True
-
     def finish(
         self,
         comm: Any,

@@ -513,13 +513,6 @@ class StreamedReducer:
         ex.settle(0, timeout)
         rounds.end_round(self.ints)
 
-    def starts_late(self, comm: Any) -> bool:
-        """Where no window holds the backward back (see :meth:`finish`): not in rounds,
-        nor where an aliased pass reduce-scatters."""
-        pg = comm.pg if self.size > 1 else None
-        scatters = self._scatters(pg, getattr(comm, "tiers", None))
-        return self.rounds is None and not (scatters and self.aliased)
-
     def finish(
         self,
         comm: Any,
