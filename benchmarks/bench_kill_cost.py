@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, ensure_dataset, machine, stats, write_result
 from bench_recovery import (
     GP_MODEL,
+    REC_MODEL,
     in_order,
     in_run_goodput,
     kill_costs,
@@ -41,9 +42,15 @@ from bench_recovery import (
 )
 from bench_step import perdure_run
 
+MODELS = {"gp": GP_MODEL, "rec": REC_MODEL}
+"""``gp``: the goodput setup's model (its gradient is one reduction bucket); ``rec``: the
+recovery benchmark's, ~2 M parameters (three buckets: a step whose buckets stream)."""
 
-def pair(dataset: str, steps: int, code: Path, faulty_first: bool, keep: Path | None) -> dict:
-    cfg = perdure_cfg(GP_MODEL, 12, dataset)
+
+def pair(
+    dataset: str, steps: int, code: Path, faulty_first: bool, keep: Path | None, model: str = "gp"
+) -> dict:
+    cfg = perdure_cfg(MODELS[model], 12, dataset)
     cfg["cluster"]["spares"] = 1
     kills = list(range(50, steps, 50))
     os.environ["PYTHONPATH"] = str(code)  # the launcher (a console script) imports it too
@@ -89,6 +96,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--keep", type=Path, help="keep the run directories under this folder")
+    ap.add_argument(
+        "--model",
+        choices=sorted(MODELS),
+        default="gp",
+        help="gp: the goodput setup's model (d_model 64, one reduction bucket); rec: the "
+        "recovery benchmark's (~2 M parameters, three buckets)",
+    )
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     dataset = ensure_dataset()
@@ -98,7 +112,7 @@ def main(argv=None) -> int:
     for i in range(a.repeats):
         for name, code in list(arms.items()) if i % 2 else list(arms.items())[::-1]:
             keep = a.keep / f"{name}-{i}" if a.keep else None
-            r = pair(dataset, a.steps, code, i % 2 == 1, keep)
+            r = pair(dataset, a.steps, code, i % 2 == 1, keep, a.model)
             runs.setdefault(name, []).append(r)
             ks = [round(k["stall_steps"], 2) for k in r["faulty"].get("kills", [])]
             print(
@@ -113,7 +127,7 @@ def main(argv=None) -> int:
         "load_start": load0,
         "load_end": os.getloadavg(),
         "workload": {
-            "model": GP_MODEL,
+            "model": MODELS[a.model],
             "global_batch": 12,
             "steps": a.steps,
             "spares": 1,
