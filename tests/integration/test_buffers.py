@@ -81,6 +81,10 @@ def test_a_killed_worker_does_not_change_the_buffers(
     s = run_to_end(_config(small_dataset, 3, chaos=chaos), tmp_path / "run")
     assert s["replica_hashes_agree"] and s["final_hash"] == one_worker["final_hash"]
     assert s["survivor_restarts"] == 0
+    # every process's liveness lock was made, then removed: by the coordinator that saw
+    # the killed one released by the kernel, by each other worker as it finished
+    alive = tmp_path / "run" / "control" / "alive"
+    assert alive.is_dir() and list(alive.iterdir()) == []
 
 
 def test_the_final_checkpoint_counts_every_slots_batch(one_worker: dict) -> None:
