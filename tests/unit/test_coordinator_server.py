@@ -63,11 +63,7 @@ def test_a_send_failing_inside_a_start_is_handled_on_the_next_turn(tmp_path: Pat
     c = _coordinator(tmp_path, 3)
     lines = {n: FakeLine() for n in ("w0", "w1", "w2")}
     try:
-        for i, (name, line) in enumerate(lines.items()):
-            c.unadmitted[i] = _conn(i, line)
-            c.sel.register(line.sock, 1, i)
-            c.queue.append(pol.Joined(i, _hello(name), True, time.monotonic()))
-            c.queue.append(pol.Received(name, p.Heartbeat(next_step=0, prepared=True), 0.0))
+        _admit(c, lines, prepared=True)
         c.queue.append(pol.Tick(time.monotonic()))
         c._drain()
         lines["w1"].fail_on = p.Start
@@ -83,6 +79,17 @@ def test_a_send_failing_inside_a_start_is_handled_on_the_next_turn(tmp_path: Pat
         assert "w1" not in c.lines
     finally:
         c._shutdown()
+
+
+def _admit(c: Coordinator, lines: dict[str, FakeLine], *, prepared: bool = False) -> None:
+    """A worker admitted on each line, as the door hands its hello over (then its
+    trainer built, where ``prepared``)."""
+    for i, (name, line) in enumerate(lines.items()):
+        c.unadmitted[i] = _conn(i, line)
+        c.sel.register(line.sock, 1, i)
+        c.queue.append(pol.Joined(i, _hello(name), True, time.monotonic()))
+        if prepared:
+            c.queue.append(pol.Received(name, p.Heartbeat(next_step=0, prepared=True), 0.0))
 
 
 def _conn(i: int, line: FakeLine) -> Any:
@@ -172,12 +179,9 @@ def test_a_death_notice_closes_its_worker_after_what_it_sent_and_spares_a_newer_
     from perdure.runtime.control.coordinator import DIED
 
     c = _coordinator(tmp_path, 3)
-    lines = {n: ChattyLine() for n in ("w0", "w1", "w2")}
+    lines: dict[str, FakeLine] = {n: ChattyLine() for n in ("w0", "w1", "w2")}
     try:
-        for i, (name, line) in enumerate(lines.items()):
-            c.unadmitted[i] = _conn(i, line)
-            c.sel.register(line.sock, 1, i)
-            c.queue.append(pol.Joined(i, _hello(name), True, time.monotonic()))
+        _admit(c, lines)
         c._drain()
         lines["w1"].peer.sendall(b"its last line\n")  # sent before it died
         c.alive._dead.extend([("w1", 1), ("w2", 999)])  # w2's is an older process's
