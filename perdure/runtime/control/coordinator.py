@@ -28,7 +28,6 @@ import secrets
 import select
 import selectors
 import socket
-import sys
 import time
 from collections import deque
 from dataclasses import replace
@@ -62,10 +61,6 @@ DIED = "process exited (its liveness lock released)"
 
 _ALIVE = object()
 """The selector's mark on the liveness watcher's wake socket."""
-
-SWITCH_S = 0.0005
-"""The coordinator's interpreter switch interval (Python's default: 5 ms), as a worker's
-(``member/priority.py``): see :meth:`Coordinator.serve`."""
 
 
 class Coordinator:
@@ -179,11 +174,6 @@ class Coordinator:
 
     def serve(self, deadline_s: float | None = None) -> None:
         """Run until the run finishes (or ``deadline_s`` passes, or :meth:`stop`)."""
-        # The run's store serves each connection on a thread of this process, and the
-        # liveness watchers wake on threads too: each waited up to the interpreter's
-        # switch interval (5 ms) for the GIL while the loop merged the logs (3-14 ms of
-        # Python every MERGE_S), an epoch's group formation dozens of store round trips.
-        sys.setswitchinterval(SWITCH_S)
         self.events.write(
             {
                 "event": ev.COORDINATOR_UP,
