@@ -40,6 +40,17 @@ def die_with_parent(parent: int | None = None) -> bool:
     return True
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` is alive and not a zombie waiting to be reaped (Linux's
+    ``/proc``; False where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
 def _env_parent() -> int | None:
     value = os.environ.get(PARENT_ENV, "")
     return int(value) if value.isdigit() else None

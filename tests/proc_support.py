@@ -25,12 +25,3 @@ def descendants(root: int) -> set[int]:
             out.add(c)
             todo.append(c)
     return out
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (an orphan's zombie waits for whatever reaps it here)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"

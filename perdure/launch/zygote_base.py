@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from perdure.launch import zygote as zyg
+from perdure.lifecycle import running
 from perdure.runtime.entry import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ class ForkedZygote:
         self.stdout: Iterable[bytes] | None = sock.makefile("rb")
 
     def poll(self) -> int | None:
-        if self.returncode is None and not _running(self.pid):
+        if self.returncode is None and not running(self.pid):
             self.returncode = 0  # the base reaped it; its code was the base's to read
             with contextlib.suppress(OSError):
                 self._sock.close()
@@ -315,16 +316,6 @@ class _Writer:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie waiting for the base to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"
 
 
 def run_zygote(

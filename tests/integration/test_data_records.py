@@ -17,7 +17,8 @@ import pytest
 
 import perdure.data.build as build_mod
 from perdure.data import DataError, build_dataset
-from tests.proc_support import descendants, running
+from perdure.lifecycle import running
+from tests.proc_support import descendants
 from tests.records_support import stdlib_records, train_bpe, write_all
 
 BPE = "perdure.data.hf:tokenizer_json"

@@ -35,10 +35,10 @@ def test_a_lock_appears_under_its_final_name_already_held(tmp_path: Path) -> Non
         assert held.path == liveness.lock_path(tmp_path, "w0", os.getpid(), boot)
         assert [p.name for p in held.path.parent.iterdir()] == [held.path.name]  # no .tmp
         assert held.path.stat().st_size == liveness.LOCK_BYTES
-        mapped = liveness._map(held.path)
-        assert mapped is not None
+        mutex = liveness._map(held.path)
+        assert mutex is not None
         answer: list[int] = []
-        waiter = threading.Thread(target=lambda: answer.append(liveness._lock_for(mapped[1], 0.05)))
+        waiter = threading.Thread(target=lambda: answer.append(liveness._lock_for(mutex, 0.05)))
         waiter.start()
         waiter.join(10)
         assert answer == [errno.ETIMEDOUT]  # another thread cannot take it: it is held

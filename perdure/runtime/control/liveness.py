@@ -83,6 +83,8 @@ def _libc() -> Any:
 
 
 _LIBC = _libc()
+_CLOCKED = _LIBC is not None and hasattr(_LIBC, "pthread_mutex_clocklock")
+"""glibc waits on the monotonic clock (``pthread_mutex_clocklock``, 2.30 and later)."""
 
 
 def boot_id() -> str | None:
@@ -100,10 +102,11 @@ def lock_path(run_dir: str | Path, name: str, pid: int, boot: str) -> Path:
 
 
 class Held:
-    """A worker's lock, locked by the thread that made it (the worker's main thread)."""
+    """A worker's lock, locked by the thread that made it (the worker's main thread).
+    ``mutex`` is a ``ctypes`` array over the file's shared mapping, which it keeps."""
 
-    def __init__(self, path: Path, mm: mmap.mmap, mutex: Any) -> None:
-        self.path, self._mm, self._mutex = path, mm, mutex
+    def __init__(self, path: Path, mutex: Any) -> None:
+        self.path, self._mutex = path, mutex
         self._held = True
 
     def release(self) -> None:
@@ -142,7 +145,7 @@ def hold(run_dir: str | Path, name: str) -> Held | None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         return None
-    return Held(path, mm, mutex)
+    return Held(path, mutex)
 
 
 def _init_locked(mutex: Any) -> None:
@@ -186,12 +189,12 @@ class Watcher:
             return False
         self._tries[key] = tries + 1
         path = lock_path(self.run_dir, name, pid, self.boot)
-        mapped = _map(path)
-        if mapped is None:
+        mutex = _map(path)
+        if mutex is None:
             return False
         self.watched.add(key)
         self._tries.pop(key, None)
-        args = (name, pid, path, *mapped)
+        args = (name, pid, path, mutex)
         thread = threading.Thread(target=self._wait, args=args, daemon=True, name=f"alive-{name}")
         thread.start()
         return True
@@ -212,7 +215,9 @@ class Watcher:
         self.wake.close()
         self._poke.close()
 
-    def _wait(self, name: str, pid: int, path: Path, mm: mmap.mmap, mutex: Any) -> None:
+    def _wait(self, name: str, pid: int, path: Path, mutex: Any) -> None:
+        """Until the holder dies (queued, the coordinator woken), releases its lock, or
+        :meth:`close`; the mapping goes with the thread's last reference to ``mutex``."""
         try:
             while not self._stop.is_set():
                 rc = _lock_for(mutex, WAIT_SLICE_S)
@@ -231,13 +236,11 @@ class Watcher:
                 return  # any other answer (a file that is no lock): stop watching
         finally:
             self.watched.discard((name, pid))
-            del mutex
-            with contextlib.suppress(BufferError):
-                mm.close()
 
 
-def _map(path: Path) -> tuple[mmap.mmap, Any] | None:
-    """``path`` mapped shared, if it is a regular file of ``LOCK_BYTES`` bytes."""
+def _map(path: Path) -> Any:
+    """A ``ctypes`` array over ``path`` mapped shared (it keeps the mapping), if ``path``
+    is a regular file of ``LOCK_BYTES`` bytes; else None."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError:
@@ -251,18 +254,16 @@ def _map(path: Path) -> tuple[mmap.mmap, Any] | None:
         return None
     finally:
         os.close(fd)
-    return mm, (ctypes.c_char * LOCK_BYTES).from_buffer(mm)
+    return (ctypes.c_char * LOCK_BYTES).from_buffer(mm)
 
 
 def _lock_for(mutex: Any, seconds: float) -> int:
     """Lock ``mutex``, waiting at most ``seconds`` (the monotonic clock where glibc has
     ``pthread_mutex_clocklock``): 0, ``ETIMEDOUT``, ``EOWNERDEAD`` or another error."""
-    clocked = hasattr(_LIBC, "pthread_mutex_clocklock")
-    clock = time.CLOCK_MONOTONIC if clocked else time.CLOCK_REALTIME  # timedlock's clock
-    now = time.clock_gettime(clock)
-    deadline = now + seconds
+    clock = time.CLOCK_MONOTONIC if _CLOCKED else time.CLOCK_REALTIME  # timedlock's clock
+    deadline = time.clock_gettime(clock) + seconds
     ts = _Timespec(int(deadline), int((deadline % 1) * 1e9))
-    if clocked:
+    if _CLOCKED:
         return int(_LIBC.pthread_mutex_clocklock(mutex, clock, ctypes.byref(ts)))
     return int(_LIBC.pthread_mutex_timedlock(mutex, ctypes.byref(ts)))
 
