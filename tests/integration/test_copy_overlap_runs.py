@@ -17,10 +17,15 @@ def test_a_spare_copies_behind_the_survivors_step_and_the_weights_do_not_change(
     small_dataset: Path, tmp_path: Path
 ) -> None:
     """3 members and a warm spare; r0-1 is SIGKILLed at T/3. The spare is promoted into
-    its rank and copies the holders' committed state on the copy group while the two
+    its rank and copies the holders' committed state on the copy group while the
     survivors compute the epoch's first step with every slot (the spare has none); it
     takes part in that step's reduction and applies its update. The final parameters
-    equal the one-worker run's."""
+    equal the one-worker run's.
+
+    A survivor whose reduction failed on the killed peer's reset after the other had
+    committed the step is one step behind: it is a receiver of the same epoch too (seen
+    under load, about one kill in ten), and then the one holder serves both. The checks
+    hold for whichever members the epoch made receivers."""
     kill = STEPS // 3
     faults = [{"kind": "kill", "target": "r0-1", "at_step": kill}]
     cfg = small_config(
@@ -34,25 +39,27 @@ def test_a_spare_copies_behind_the_survivors_step_and_the_weights_do_not_change(
     assert [e["worker"] for e in events(run, "spare_promoted")] == ["spare-0"]
     started = next(e for e in events(run, "epoch_started") if "spare-0" in e["receivers"])
     assert started["start_step"] >= kill
+    receivers = set(started["receivers"])
+    assert receivers <= {"spare-0", "r0-0", "r0-2"} and len(receivers) <= 2
     first = Plan.from_dict(started["first"])
-    spare = first.members.index("spare-0")
-    assert len(first.slots_of(spare)) == 0
-    assert sum(len(first.slots_of(r)) for r in range(3) if r != spare) == 8
-    [got] = [e for e in events(run, "state_received") if e["worker"] == "spare-0"]
-    assert (got["epoch"], got["mode"], got["overlapped_step"], got["next_step"]) == (
-        started["epoch"],
-        "overlapped",
-        started["start_step"],
-        started["start_step"],
-    )
+    assert all(len(first.slots_of(first.members.index(r))) == 0 for r in receivers)
+    assert sum(len(first.slots_of(r)) for r in range(3)) == 8
+    got = {e["worker"]: e for e in events(run, "state_received") if e["epoch"] == started["epoch"]}
+    assert set(got) == receivers
+    for e in got.values():
+        assert (e["mode"], e["overlapped_step"], e["next_step"]) == (
+            "overlapped",
+            started["start_step"],
+            started["start_step"],
+        )
     sent = [e for e in events(run, "state_sent") if e["epoch"] == started["epoch"]]
-    holders = sorted(m for m in started["plan"]["members"] if m != "spare-0")
-    assert sorted(e["worker"] for e in sent) == holders
+    holders = sorted(m for m in started["plan"]["members"] if m not in receivers)
+    assert holders and sorted(e["worker"] for e in sent) == holders
     assert {(e["mode"], e["overlapped_step"], e["next_step"]) for e in sent} == {
         ("overlapped", started["start_step"], started["start_step"])
     }
-    assert sum(e["bytes"] for e in sent) == got["bytes"]
-    assert sorted(got["holders"]) == holders
+    assert sum(e["bytes"] for e in sent) == sum(e["bytes"] for e in got.values())
+    assert all(sorted(e["holders"]) == holders for e in got.values())
 
 
 def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_survivors_step(
