@@ -41,6 +41,7 @@ def _member_behind() -> Any:
     tr = SimpleNamespace(
         module=torch.nn.Linear(2, 2),
         torn=False,
+        gather=None,
         next_step=41,
         held=ALL,
         state_version=3,
@@ -94,3 +95,35 @@ def test_a_copy_that_fails_after_writing_leaves_a_member_behind_with_no_state_to
     w._ready(p.Announce(epoch=4, after=-1, members=["r0", "r1"], generation=1))
     [ready] = w.client.sent
     assert ready.has_state is not torn and ready.next_step == 41
+
+
+def test_a_copy_after_a_failed_one_receives_where_that_ones_late_bytes_cannot_land() -> None:
+    """The failed copy's receives may still land (gloo writes whenever the bytes arrive):
+    into the storage they were posted with, which the next copy no longer uses."""
+    tr = _member_behind()
+    before = tr.module.weight.detach().clone()
+    late = tr.copy_target("cpu")("model/weight", (2, 2), torch.float32)  # a receive posted
+    assert tr.torn and late.data_ptr() == tr.module.weight.data_ptr()  # the first: in place
+    target = tr.copy_target("cpu")
+    got = target("model/weight", (2, 2), torch.float32)
+    assert target("model/weight", (2, 2), torch.float32).data_ptr() == got.data_ptr()  # once
+    assert got.data_ptr() == tr.module.weight.data_ptr() != late.data_ptr()
+    got.copy_(before)
+    late.fill_(7.0)  # the failed copy's bytes, arriving now
+    assert torch.equal(tr.module.weight.detach(), before)
+    assert isinstance(tr.module.weight, torch.nn.Parameter)
+
+
+def test_a_copy_into_an_untorn_replica_writes_its_tensors_in_place() -> None:
+    tr = _member_behind()
+    ptr = tr.module.bias.data_ptr()
+    assert tr.copy_target("cpu")("model/bias", (2,), torch.float32).data_ptr() == ptr
+
+
+def test_a_torn_replica_whose_gather_holds_its_storages_is_received_in_place() -> None:
+    """An epoch's parameter gather keeps each parameter's own storage: a new one there
+    would be put back by its next free."""
+    tr = _member_behind()
+    tr.gather, tr.torn = object(), True
+    ptr = tr.module.weight.data_ptr()
+    assert tr.copy_target("cpu")("model/weight", (2, 2), torch.float32).data_ptr() == ptr
