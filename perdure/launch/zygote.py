@@ -97,6 +97,18 @@ def import_runtime() -> None:
 
     prepare(RunConfig)  # the annotations a worker's config is built from (16 ms each)
 
+    # What a worker's start-up asked of the system after its fork, answered once here:
+    # ``platform.platform()`` (a checkpoint's provenance) ran ``uname -p`` in a subprocess
+    # at each start (1.3-1.5 ms, 1 ms of it the child's CPU); Python caches the answer,
+    # so the forks inherit it. The codec of a connect by host name and fsspec's local
+    # file system were imported at a worker's first use (2-4 ms).
+    import encodings.idna  # noqa: F401
+    import platform
+
+    import fsspec.implementations.local  # noqa: F401
+
+    platform.platform()
+
 
 def serve_run(modules: Sequence[str], protocol_fd: int) -> None:
     """Preload the task's ``modules``, say ready on ``protocol_fd``, then fork a worker

@@ -91,6 +91,28 @@ def test_every_reducer_a_member_builds_is_imported_by_the_zygote() -> None:
     assert _python(code) == "[]"
 
 
+def test_a_fork_of_the_zygote_starts_no_process_for_its_provenance() -> None:
+    """``platform.platform()`` ran ``uname -p`` in a subprocess at each start (a
+    replacement's beside the members): answered once in the zygote, its forks inherit
+    the answer."""
+    code = (
+        "import os, subprocess, sys; from perdure.launch.zygote import import_runtime\n"
+        "import_runtime()\n"
+        "started = []\n"
+        "init = subprocess.Popen.__init__\n"
+        "def spy(self, *a, **k):\n"
+        "    started.append(a[0] if a else k.get('args'))\n"
+        "    init(self, *a, **k)\n"
+        "subprocess.Popen.__init__ = spy\n"
+        "before = set(sys.modules)\n"
+        "from perdure.provenance import library_versions\n"
+        "library_versions()\n"
+        "'localhost'.encode('idna')  # a connect by host name\n"
+        "print(started, sorted(set(sys.modules) - before))"
+    )
+    assert _python(code) == "[] []"
+
+
 def test_the_zygote_forks_with_every_object_it_holds_frozen() -> None:
     """A worker's collections never traverse (so never copy) the zygote's objects."""
     code = (
