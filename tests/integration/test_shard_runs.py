@@ -168,8 +168,12 @@ def test_a_spare_replacing_a_killed_rank_copies_only_its_own_shard_from_its_hold
     """4 ranks in two groups and a warm spare; r0-1 (shard 1 of group 0) is killed. The
     spare takes its place and shard, copies the state from the live holder of that shard
     (not the coordinator's source), so the exchange gives it nothing: the bytes it
-    received are its shard's, fewer than a whole replica's; the final hash is unchanged."""
-    kill = [{"kind": "kill", "target": "r0-1", "at_step": STEPS // 3}]
+    received are its shard's, fewer than a whole replica's; the final hash is unchanged.
+
+    The kill waits for 3/5 of the run: the spare is promoted only once it is prepared (its
+    trainer built, its warm-up slot run), and in a clean-clone CI beside another test's
+    run it was not yet at step 6: the killed rank's replacement took its place instead."""
+    kill = [{"kind": "kill", "target": "r0-1", "at_step": STEPS * 3 // 5}]
     run_dir = tmp_path / "run"
     cfg = _cfg(small_dataset, 4, 2, at_rest, cluster={"spares": 1}, chaos={"faults": kill})
     s = run_to_end(cfg, run_dir)
