@@ -71,7 +71,8 @@ def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_
     a range is read mid-forward here is up to timing; ``test_copy_overlap`` checks the
     clones against a forward directly.)"""
     steps = 30
-    faults = [{"kind": "kill", "target": "r0-1", "at_step": steps // 3}]
+    # at 3/5 of the run: the spare is promoted only once prepared (test_shard_runs)
+    faults = [{"kind": "kill", "target": "r0-1", "at_step": steps * 3 // 5}]
     cfg = small_config(
         small_dataset,
         workers=3,
