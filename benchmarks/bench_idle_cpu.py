@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, ensure_dataset, machine, stats, unwind_on_sigterm, write_result
 from bench_kill_cost import MODELS
-from bench_recovery import perdure_cfg
+from bench_recovery import gaps, perdure_cfg
 from bench_step import perdure_run
 
 BURN = """
@@ -108,8 +108,7 @@ def step_time(cfg: dict, steps: int, run_dir: Path) -> float:
     r = perdure_run(cfg, steps, run_dir, timeout_s=900)
     if r["rc"]:
         raise RuntimeError(f"the run failed: {r['stderr_tail']}")
-    t = {m["step"]: m["t"] for m in r["metrics"]}
-    return statistics.median(t[s] - t[s - 1] for s in t if s - 1 in t and s > 20)
+    return statistics.median(g for s, g in gaps(r["metrics"]).items() if s > 20)
 
 
 def main(argv: list[str] | None = None) -> int:

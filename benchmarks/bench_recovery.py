@@ -176,7 +176,7 @@ def perdure_goodput(dataset: str, steps: int, spares: int = 0, faulty_first: boo
     return out
 
 
-def _gaps(metrics: list[dict]) -> dict[int, float]:
+def gaps(metrics: list[dict]) -> dict[int, float]:
     """Step -> seconds from the previous step's commit to its own."""
     t = {m["step"]: m["t"] for m in metrics}
     return {s: t[s] - t[s - 1] for s in t if s - 1 in t}
@@ -190,15 +190,15 @@ def kill_costs(metrics: list[dict], events: list[dict]) -> list[dict]:
     (``stall_steps``), and where the time went, each from the kill: the coordinator's
     ``leave`` (detection), its ``epoch_started`` (the survivors abandoned the step and
     reported ready) and the receiver's ``state_received`` (the copy done)."""
-    gaps = _gaps(metrics)
-    median = statistics.median(gaps.values())
+    step_gaps = gaps(metrics)
+    median = statistics.median(step_gaps.values())
     out = []
     for f in (e for e in events if e.get("event") == "fault_injected"):
         after = [m for m in metrics if m["t"] > f["t"]]
         if not after:
             continue
         nxt = after[0]
-        stall = gaps.get(nxt["step"], median) - median
+        stall = step_gaps.get(nxt["step"], median) - median
 
         def since(name: str, f: dict = f, nxt: dict = nxt) -> float | None:
             hit = [e["t"] for e in events if e.get("event") == name and f["t"] <= e["t"]]
@@ -225,12 +225,12 @@ def in_run_goodput(metrics: list[dict], kills: list[int], every: int = 50) -> fl
     from a kill's stall, the replacement's start-up and its join), over its span. Steadier
     than the ratio of two runs, which moves with the machine's load between them; it
     misses a slowdown that lasts the whole run, which the two-run ratio catches."""
-    gaps = _gaps(metrics)
-    calm = [g for s, g in gaps.items() if s > kills[0] - every and s % every >= every // 2]
+    step_gaps = gaps(metrics)
+    calm = [g for s, g in step_gaps.items() if s > kills[0] - every and s % every >= every // 2]
     total = span(metrics)
     if not calm or not total:
         return None
-    return statistics.fmean(calm) * len(gaps) / total
+    return statistics.fmean(calm) * len(step_gaps) / total
 
 
 # -- torchrun -------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 
 from perdure.runtime.replica.param_gather import free as free  # re-exported: the at-rest helpers
 from perdure.runtime.replica.param_gather import make_resident as make_resident
-from perdure.runtime.replica.param_gather import orphan as orphan
+from perdure.runtime.replica.param_gather import renew as renew
 from perdure.runtime.replica.param_gather import resident as resident
 from perdure.runtime.replica.param_gather import resident_bytes as resident_bytes
 

@@ -552,15 +552,21 @@ def free(p: torch.Tensor) -> None:
     p.untyped_storage().resize_(0)
 
 
-def orphan(p: torch.Tensor) -> None:
-    """Back to rest on a fresh storage of zero bytes, the old one left to whoever holds it:
-    a broadcast that failed or was abandoned into ``p``'s storage may still land its bytes
-    (gloo writes a receive whenever its bytes arrive, and the operation keeps its tensors
-    until it ends), so the memory stays valid until that operation drops it. Freed with
-    :func:`free` instead, gloo wrote into freed memory: a survivor's glibc abort
-    ("corrupted double-linked list") 40 ms after it abandoned a step with a prefetched
-    gather on the wire, seen in a clean-clone CI."""
+def renew(p: torch.Tensor) -> None:
+    """``p`` on a fresh storage of its size (contents undefined), the old one left to
+    whoever holds it: a receive that failed or was abandoned into ``p``'s storage may still
+    land its bytes (gloo writes a receive whenever its bytes arrive, and the operation
+    keeps its tensors until it ends), so the old memory stays valid, and out of ``p``,
+    until that operation drops it."""
     fresh = torch.UntypedStorage(p.numel() * p.element_size(), device=p.device)
-    with torch.no_grad():  # set_ needs a storage that fits: allocated, never written
+    with torch.no_grad():  # set_ needs a storage that fits
         p.set_(fresh, 0, p.shape, p.stride())
-    fresh.resize_(0)
+
+
+def orphan(p: torch.Tensor) -> None:
+    """Back to rest on a fresh storage of zero bytes, the old one left to whoever holds it
+    (:func:`renew`). Freed with :func:`free` instead, gloo wrote into freed memory: a
+    survivor's glibc abort ("corrupted double-linked list") 40 ms after it abandoned a step
+    with a prefetched gather on the wire, seen in a clean-clone CI."""
+    renew(p)  # allocated, never written
+    p.untyped_storage().resize_(0)

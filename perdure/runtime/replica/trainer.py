@@ -36,7 +36,7 @@ from perdure.runtime.replica.deferred import (
     at_rest,
     free,
     make_resident,
-    orphan,
+    renew,
     resident,
     resident_bytes,
 )
@@ -968,14 +968,13 @@ class Trainer:
 
         On a replica already torn, each model tensor gets a fresh storage first (once per
         tensor: a weight tied under two names is one), the old one left to whoever holds
-        it: a copy that failed may still have receives on the wire into it (gloo writes a
-        receive whenever its bytes arrive, and the operation keeps its tensors until it
-        ends, up to the epoch's timeout), and their bytes landing after this copy's
-        checksums would change a parameter unseen. Not while an epoch's parameter gather
-        holds the parameters' own storages (``train.shard_params``; it is built after the
-        epoch's copy and dropped with the epoch). Limit: a model tensor that is a view of
-        another's storage (parameters flattened into one buffer by the task) stops sharing
-        it there."""
+        it: a copy that failed may still have receives on the wire into it until they
+        time out (:func:`~perdure.runtime.replica.param_gather.renew`), and their bytes
+        landing after this copy's checksums would change a parameter unseen. Not while an
+        epoch's parameter gather holds the parameters' own storages
+        (``train.shard_params``; it is built after the epoch's copy and dropped with the
+        epoch). Limit: a model tensor that is a view of another's storage (parameters
+        flattened into one buffer by the task) stops sharing it there."""
         named = self.module.state_dict(keep_vars=True)
         stale = self.torn and self.gather is None  # written by a copy that did not complete
         renewed: set[int] = set()
@@ -986,7 +985,7 @@ class Trainer:
                 t = named[key[len(MODEL) :]]
                 if stale and id(t) not in renewed:
                     renewed.add(id(t))
-                    orphan(t)  # at rest on a storage of its own, resident again below
+                    renew(t)
                 make_resident(t)
                 return t.detach()
             return torch.empty(shape, dtype=dtype, device=device)
