@@ -371,12 +371,17 @@ class Worker:
         of the optimizer state (``member/transfer.py``)."""
         tr = self.trainer
         assert tr is not None
+        shards, scatters = self.shards, self.config.train.scatters
+
+        def exchange() -> None:
+            if shards is not None:
+                self.transfer.exchange_shards(ep, tr, shards, scatters)
+
         if ep.start.recover:
             self._reload(ep.start.reload)
-        elif self.transfer.copy(ep, tr):
+            exchange()
+        elif self.transfer.copy(ep, tr, then=exchange):
             self.has_state = True
-        if self.shards is not None:
-            self.transfer.exchange_shards(ep, tr, self.shards, self.config.train.scatters)
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and

@@ -188,6 +188,10 @@ def test_a_spare_replacing_a_killed_rank_copies_only_its_own_shard_from_its_hold
     assert members.index(epoch["source"]) % 2 != shard  # the source holds the other shard
     assert members.index(got[0]["from"]) % 2 == shard
     assert got[0]["refetched"] == 0 and set(got[0]["holders"]) <= set(members) - {"spare-0"}
+    # the survivors compute the epoch's first step while it copies, where the parameters
+    # are whole on every rank (copy_rule); sharded at rest, every member waits for it
+    assert got[0]["mode"] == ("blocking" if at_rest else "overlapped"), got
+    assert got[0]["overlapped_step"] == (None if at_rest else epoch["start_step"]), got
     assert not [e for e in events(run_dir, ev.SHARD_RECEIVED) if e["worker"] == "spare-0"]
     from perdure.runtime.replica.trainer import Trainer
 

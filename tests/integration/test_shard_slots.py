@@ -175,10 +175,12 @@ def test_each_slot_reduce_scattered_gives_the_bits_of_one_reduction_with_less_he
 STEPS = 12
 
 
-def _run(dataset: Path, run_dir: Path, workers: int, how: str, **kw: Any) -> dict[str, Any]:
+def _run(
+    dataset: Path, run_dir: Path, workers: int, how: str, steps: int = STEPS, **kw: Any
+) -> dict[str, Any]:
     at_rest = kw.pop("at_rest", False)
     train = {"shard_degree": 2, "shard_reduce_slots": how, "shard_params": at_rest}
-    cfg = small_config(dataset, workers=workers, steps=STEPS, slots=5, batch=20, train=train, **kw)
+    cfg = small_config(dataset, workers=workers, steps=steps, slots=5, batch=20, train=train, **kw)
     return run_to_end(cfg, run_dir)
 
 
@@ -217,3 +219,27 @@ def test_a_killed_rank_under_each_changes_no_bit(
     s = _run(small_dataset, run_dir, 4, "each", chaos={"faults": kill})
     assert s["final_hash"] == once
     assert [e["worker"] for e in events(run_dir, ev.LEAVE)] == ["r0-0"]
+
+
+def test_a_spare_under_each_copies_blocking_and_changes_no_bit(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Two groups of two and a warm spare; r0-1 killed. Under ``each`` every slot's rounds
+    are the group's collectives from the step's first slot on, before a holder's copy
+    could be served: the copy blocks the epoch's start (``copy_rule``; overlapped, every
+    collective of the epoch timed out), and the bits are the run's without the kill.
+    30 steps, the kill at 18: a 12-step run is over in about half a second here, too soon
+    for the spare to be prepared and promoted in some runs."""
+    steps, spares = 30, {"spares": 1}
+    clean = _run(small_dataset, tmp_path / "clean", 4, "each", steps, cluster=spares)
+    kill = [{"kind": "kill", "target": "r0-1", "at_step": steps * 3 // 5}]
+    run_dir = tmp_path / "run"
+    s = _run(small_dataset, run_dir, 4, "each", steps, cluster=spares, chaos={"faults": kill})
+    assert s["final_hash"] == clean["final_hash"]
+    assert s["replica_hashes_agree"]
+    reasons = [e["reason"] for e in events(run_dir, ev.EPOCH_ANNOUNCED)]
+    assert "collective failed" not in reasons, reasons  # no epoch of timed-out collectives
+    got = [e for e in events(run_dir, ev.STATE_RECEIVED) if e["worker"] == "spare-0"]
+    assert len(got) == 1 and got[0]["mode"] == "blocking", got
+    epoch = next(e for e in events(run_dir, ev.EPOCH_STARTED) if e["epoch"] == got[0]["epoch"])
+    assert "first" not in epoch, epoch

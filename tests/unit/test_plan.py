@@ -205,16 +205,23 @@ def test_an_idle_plan_needs_a_holder() -> None:
         ({"reduction_exponents": "carried", "reduction_bits": 64}, {}, None),
         ({"reduction": "chain"}, {}, "train.reduction = 'chain'"),
         ({"reduction_exponents": "step"}, {}, "train.reduction_exponents = 'step'"),
-        ({"shard_degree": 2}, {}, "train.shard_degree = 2"),
+        ({"shard_degree": 2}, {}, None),
+        ({"shard_degree": 2, "shard_params": True}, {}, "train.shard_params = true"),
+        (
+            {"shard_degree": 2, "shard_reduce_slots": "each"},
+            {},
+            "train.shard_reduce_slots = 'each'",
+        ),
         ({"slots": 4, "global_batch": 8}, {"replicas": 4}, "outer.replicas = 4"),
     ],
 )
-def test_a_copy_overlaps_only_the_exact_reduction_with_carried_exponents_unsharded(
+def test_a_copy_overlaps_only_the_exact_reduction_with_carried_exponents_and_whole_params(
     train: dict, outer: dict, why: str | None
 ) -> None:
-    """``copy_rule``: the exact reduction with carried or streamed exponents, shard_degree
-    1 and no DiLoCo overlap the copy with the first step; anything else blocks, and says
-    which setting made it block."""
+    """``copy_rule``: the exact reduction with carried or streamed exponents, parameters
+    whole on every rank (replica groups that shard only the optimizer state included) and
+    no DiLoCo overlap the copy with the first step; anything else blocks, and says which
+    setting made it block."""
     from perdure.run_config import RunConfig, with_overrides
     from perdure.runtime.control.copy_rule import overlap_refusal, overlaps
 

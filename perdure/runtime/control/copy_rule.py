@@ -13,10 +13,16 @@ from the step is narrower:
 - exponents carried or streamed (``train.reduction_exponents``): one accumulator, opened
   and finished with no slot at all; ``step`` keeps every slot's buffer and opens with a
   MAX round, which a holder would enter before its copy is served;
-- ``train.shard_degree`` = 1: a replica group reduce-scatters and exchanges shards at the
-  epoch's start, collectives on the epoch's group before the first step that would
-  interleave with the copy's; with parameters sharded at rest every slot's gathers are
-  the group's collectives;
+- parameters whole on every rank (``train.shard_params`` false where
+  ``train.shard_degree`` > 1): sharded at rest, every slot's gathers are the replica
+  group's collectives, which a receiver without its shard's parameters cannot serve. A
+  replica group's optimizer shards are exchanged after the copy (a holder does it at its
+  gate, before the first step's reduction: the exchange is on the epoch's group, behind
+  the copy's operations, and only the update needs it). Not with
+  ``train.shard_reduce_slots = "each"``: every slot's buckets are reduce-scattered inside
+  the group as its backward finishes them, collectives a holder would enter before its
+  copy is served (the copy, the exchange and the rounds would meet the receiver's in
+  another order: measured, every collective of the epoch timed out);
 - no DiLoCo (``outer.replicas`` = 0): an outer step's pseudo-gradients go through their
   own gather (int8) and the outer state's first step is not a plain slot step.
 
@@ -38,8 +44,16 @@ def overlap_refusal(train: TrainConfig, outer: OuterConfig) -> str | None:
             f"train.reduction_exponents = {train.reduction_exponents!r} (the overlap needs "
             "'carried' or 'streamed')"
         )
-    if train.shard_degree != 1:
-        return f"train.shard_degree = {train.shard_degree} (the overlap needs 1)"
+    if train.shard_degree > 1 and train.shard_params:
+        return (
+            f"train.shard_params = true with train.shard_degree = {train.shard_degree} "
+            "(the overlap needs the parameters whole on every rank)"
+        )
+    if train.shard_degree > 1 and train.shard_reduce_slots == "each":
+        return (
+            f"train.shard_reduce_slots = 'each' with train.shard_degree = {train.shard_degree} "
+            "(every slot's rounds are collectives before a holder's copy is served)"
+        )
     if outer.on:
         return f"outer.replicas = {outer.replicas} (DiLoCo copies blocking)"
     return None

@@ -48,9 +48,15 @@ class StateTransfer:
     timeout: Callable[[], timedelta]
     should_stop: Callable[[], bool]
 
-    def copy(self, ep: Epoch, tr: Trainer) -> bool:
+    def copy(self, ep: Epoch, tr: Trainer, then: Callable[[], None] = lambda: None) -> bool:
+        """The epoch's copy; ``then``: what follows the copy before the first step's
+        collectives (the replica groups' shard exchange): at once, or, for a holder whose
+        copy overlaps the first step, at its gate, after the copy is served (the exchange
+        is on the epoch's group, where it must follow the copy's operations, and it only
+        needs to be done before the update)."""
         receivers = ep.start.receivers
         if not receivers:
+            then()
             return False
         members = ep.plan.members
         receiving = self.name in receivers
@@ -80,18 +86,25 @@ class StateTransfer:
         if overlapped and not receiving:
             server = CopyServer(ep.comm, self.state_copy, job, step=tr.next_step)
             ep.copy, step = server, tr.next_step
-            ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step), server)
+
+            def passed() -> None:
+                self._sent(ep, server, mode, step)
+                then()
+
+            ep.runner.gate = _CopyGate(passed, server)
             return False
         got = self.state_copy.copy(ep.comm, job)
         if got is None:
             stats = dict(self.state_copy.stats)
             self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
+            then()
             return False
 
         try:
             tr.adopt(got.model, got.optimizer, got.extra)
         except Exception as e:  # a peer's structure that does not load: refused
             raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
+        then()
         self.events.write(
             {
                 "event": ev.STATE_RECEIVED,
