@@ -48,10 +48,18 @@ recovery benchmark's, ~2 M parameters (three buckets: a step whose buckets strea
 
 
 def pair(
-    dataset: str, steps: int, code: Path, faulty_first: bool, keep: Path | None, model: str = "gp"
+    dataset: str,
+    steps: int,
+    code: Path,
+    faulty_first: bool,
+    keep: Path | None,
+    model: str = "gp",
+    workers: int = 3,
+    shard_degree: int = 1,
 ) -> dict:
-    cfg = perdure_cfg(MODELS[model], 12, dataset)
+    cfg = perdure_cfg(MODELS[model], 12, dataset, workers)
     cfg["cluster"]["spares"] = 1
+    cfg["train"]["shard_degree"] = shard_degree
     kills = list(range(50, steps, 50))
     os.environ["PYTHONPATH"] = str(code)  # the launcher (a console script) imports it too
     probe = [str(REPO / ".venv/bin/python"), "-c", "import perdure; print(perdure.__file__)"]
@@ -103,8 +111,18 @@ def main(argv=None) -> int:
         help="gp: the goodput setup's model (d_model 64, one reduction bucket); rec: the "
         "recovery benchmark's (~2 M parameters, three buckets)",
     )
+    ap.add_argument("--workers", type=int, default=3, help="members (a multiple of --shard-degree)")
+    ap.add_argument(
+        "--shard-degree",
+        type=int,
+        default=1,
+        help="ranks per replica group (train.shard_degree; the optimizer state sharded, the "
+        "parameters whole): 2 with --workers 4 is two groups of two",
+    )
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if a.workers < 2 or a.workers % a.shard_degree:
+        ap.error(f"--workers must be >= 2 and a multiple of --shard-degree (got {a.workers})")
     dataset = ensure_dataset()
     arms = {"after": REPO} | ({"before": a.before.resolve()} if a.before else {})
     load0, t0 = os.getloadavg(), time.perf_counter()
@@ -112,7 +130,7 @@ def main(argv=None) -> int:
     for i in range(a.repeats):
         for name, code in list(arms.items()) if i % 2 else list(arms.items())[::-1]:
             keep = a.keep / f"{name}-{i}" if a.keep else None
-            r = pair(dataset, a.steps, code, i % 2 == 1, keep, a.model)
+            r = pair(dataset, a.steps, code, i % 2 == 1, keep, a.model, a.workers, a.shard_degree)
             runs.setdefault(name, []).append(r)
             ks = [round(k["stall_steps"], 2) for k in r["faulty"].get("kills", [])]
             print(
@@ -130,6 +148,8 @@ def main(argv=None) -> int:
             "model": MODELS[a.model],
             "global_batch": 12,
             "steps": a.steps,
+            "workers": a.workers,
+            "shard_degree": a.shard_degree,
             "spares": 1,
             "kill_every": 50,
             "repeats": a.repeats,
