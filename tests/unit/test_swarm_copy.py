@@ -321,8 +321,10 @@ def test_a_sharded_joiner_copies_a_holder_of_its_own_shard_and_only_that_shard()
         ("optimizer/state/0/m", 16, 32, (0,)),
         ("optimizer/state/0/m", 32, 40, (0,)),
     ]
-    assert [r.holder(0) for r in ranges] == [0, 1, 3, 0, 0, 0]
-    assert [r.holder(1) for r in ranges] == [1, 3, 0, None, None, None]
+    # the shard's ranges, which only rank 0 offers, are assigned first: the parameters'
+    # then go to ranks 1 and 3, not a third of them to rank 0 on top of its shard
+    assert [r.holder(0) for r in ranges] == [1, 3, 1, 0, 0, 0]
+    assert [r.holder(1) for r in ranges] == [3, 0, 3, None, None, None]
 
 
 def test_a_states_small_tensors_travel_as_one_message_per_holder_bit_for_bit() -> None:
