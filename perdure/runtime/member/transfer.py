@@ -104,7 +104,6 @@ class StateTransfer:
             tr.adopt(got.model, got.optimizer, got.extra)
         except Exception as e:  # a peer's structure that does not load: refused
             raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
-        then()
         self.events.write(
             {
                 "event": ev.STATE_RECEIVED,
@@ -120,6 +119,7 @@ class StateTransfer:
                 "overlapped_step": ep.start.start_step if overlapped else None,
             }
         )
+        then()  # after the event: its seconds are the copy's, not the holders' gates too
         return True
 
     def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
