@@ -182,7 +182,9 @@ class TrainConfig:
     ``shard_reduce_slots = "each"`` a rank of several slots holds its range's integers);
     re-running a non-finite slot holds the whole parameters for a moment (a checkpoint is
     read by shard: each rank reads only its tensors' byte ranges); a
-    model whose use of parameters depends on the data (an expert router) cannot run so."""
+    model whose use of parameters depends on the data (an expert router) cannot run so;
+    a joiner's state copy blocks the epoch's start (its group's gathers need its shard:
+    ``control/copy_rule.py``), where with whole parameters it runs behind the first step."""
     shard_prefetch: bool = True
     """With ``shard_params``: the next gather unit's broadcasts start while the current
     unit computes, in the forward and in the backward (FSDP2's explicit prefetch;
@@ -218,7 +220,9 @@ class TrainConfig:
     and ``shard_degree`` > 1 (``comm/streamed.py``, ``Rounds``); it takes effect where the
     group reduce-scatters (``shard_reduce``) and the reduction is not in region tiers
     (``cluster.hierarchical_reduce`` with several regions): elsewhere a rank reduces once.
-    Measured in docs/performance.md section 12f."""
+    Measured in docs/performance.md section 12f. With ``each`` a joiner's state copy
+    blocks the epoch's start (every slot's rounds are the step's collectives:
+    ``control/copy_rule.py``)."""
     device: Literal["cpu", "cuda"] = field(default="cpu", metadata=MATH)
     """Where the model computes: ``cpu``, or ``cuda`` (each worker on one GPU of its host,
     in deterministic mode: TF32 off, deterministic cuDNN and cuBLAS; see
