@@ -75,6 +75,20 @@ def test_a_changed_epoch_abandons_the_wait(comm: Comm) -> None:
     release.set()
 
 
+def test_an_epoch_that_changes_while_its_group_forms_is_abandoned_not_a_crash() -> None:
+    """Rank 0 of two forms a group whose peer never comes (its region lost as the epoch
+    started): once the epoch changes, the constructor raises Abandoned and the Comm is
+    closed; it raised AttributeError, reading the group it had not formed yet, and the
+    worker exited (a clean-clone CI: a survivor of a region's loss, whose state then
+    lost 95 steps to a checkpoint)."""
+    changed = threading.Event()
+    threading.Timer(0.05, changed.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(Abandoned):
+        Comm(dist.HashStore(), "pg/0/", 0, 2, timedelta(seconds=1), changed.is_set)
+    assert time.monotonic() - t0 < 0.5  # left at the change, not at the group's timeout
+
+
 def test_a_notice_ends_a_wait_at_once_not_at_its_next_look(
     comm: Comm, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -107,9 +107,13 @@ class Comm:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix=f"comm-{prefix}")
         group = _Group(prefix, rank, size, timeout, backend, bind, interface)
         self._group = group
-        self.pg: Any = self.call(lambda: group.make(store))
         self.tiers: Tiers | None = None
         """The region and leader groups of a two-tier reduction (``add_tiers``)."""
+        # Closed until formed: an epoch that changes while its group forms closes this
+        # Comm in ``call`` (it raised AttributeError there instead of Abandoned, and the
+        # worker exited: seen in a clean-clone CI, a region lost as an epoch started).
+        self.pg: Any = _CLOSED
+        self.pg = self.call(lambda: group.make(store))
 
     def add_tiers(self, store: dist.Store, region: str, *, direct: bool = True) -> None:
         """Build this epoch's two-tier groups (``comm/tiers.py``); every member calls it,
