@@ -92,6 +92,39 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if kind is None or e["event"] == kind]
 
 
+_STORY = {
+    "epoch_started": ("epoch", "start_step", "source", "receivers", "reason"),
+    "leave": ("worker", "reason"),
+    "process_exit": ("worker", "code", "injected"),
+    "member_benched": ("worker",),
+    "member_unbenched": ("worker",),
+    "step_abandoned": ("worker", "step", "epoch"),
+    "collective_failed": ("worker",),
+    "slots_salvaged": ("worker", "step"),
+    "state_received": ("worker", "from", "next_step", "mode"),
+    "state_sent": ("worker", "next_step", "mode"),
+    "recovered_from_checkpoint": ("checkpoint", "start_step", "live_step"),
+    "decision": ("step", "kind"),
+    "worker_done": ("worker", "step", "final_hash"),
+}
+
+
+def story(run_dir: Path) -> str:
+    """A run's membership story, one short line an event (epochs, deaths, copies, salvage,
+    recoveries, each worker's final hash): what a failed bitwise assertion prints, so
+    that a rare failure in a clean-clone CI, whose run directory is gone, can be read."""
+    out = [f"run {run_dir}"]
+    t0 = None
+    for e in events(run_dir):
+        keys = _STORY.get(e["event"])
+        if keys is None:
+            continue
+        t0 = e["t"] if t0 is None else t0
+        fields = " ".join(f"{k}={e[k]}" for k in keys if e.get(k) is not None)
+        out.append(f"{e['t'] - t0:8.3f} {e['event']} {fields}"[:200])
+    return "\n".join(out)
+
+
 def summary(run_dir: Path) -> dict[str, Any]:
     return json.loads((run_dir / "summary.json").read_text())
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from perdure.runtime.control.detector import PhiAccrual
-from tests.runtime_support import events, run_to_end, small_config
+from tests.runtime_support import events, run_to_end, small_config, story
 
 STEPS = 400
 POISON = {"kind": "poison_part", "target": "3", "at_step": 40}
@@ -43,10 +43,10 @@ def poison_ref(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return {**run_to_end(_config(small_dataset, [POISON]), run_dir), "run_dir": run_dir}
 
 
-def _assert_absorbed(s: dict, ref: dict, kinds: list[str]) -> None:
+def _assert_absorbed(s: dict, ref: dict, kinds: list[str], run_dir: Path) -> None:
     seen = {k: s.get(k) for k in ("faults", "failures", "membership_changes", "decisions")}
-    assert s["final_hash"] == ref["final_hash"], seen
-    assert (s["survivor_restarts"], s["steps_lost"]) == (0, 0), seen
+    assert s["final_hash"] == ref["final_hash"], (seen, story(run_dir))
+    assert (s["survivor_restarts"], s["steps_lost"]) == (0, 0), (seen, story(run_dir))
     assert [f["kind"] for f in s["faults"]] == kinds
     assert all(f["absorbed"] for f in s["faults"]), s["faults"]
     # every failure the log shows is absorbed, and every member's is the schedule's doing
@@ -66,7 +66,7 @@ def test_sigstopped_worker_is_detected_within_the_horizon(
     faults = [{"kind": "hang", "target": "r0-1", "at_step": 100, "duration_s": 3.0}]
     cfg = _config(small_dataset, faults, acceptable_pause_ms=1000)
     s = run_to_end(cfg, tmp_path)
-    _assert_absorbed(s, clean_ref, ["hang"])
+    _assert_absorbed(s, clean_ref, ["hang"], tmp_path)
     horizon = PhiAccrual(expected_interval_s=0.1, acceptable_pause_s=1.0).horizon_s(10.0)
     leave = events(tmp_path, "leave")
     assert [e["worker"] for e in leave] == ["r0-1"] and "phi" in leave[0]["reason"]
@@ -79,7 +79,7 @@ def test_dropped_link_reforms_the_same_members_without_changing_a_bit(
     s = run_to_end(
         _config(small_dataset, [{"kind": "comm_error", "target": "r1-0", "at_step": 100}]), tmp_path
     )
-    _assert_absorbed(s, clean_ref, ["comm_error"])
+    _assert_absorbed(s, clean_ref, ["comm_error"], tmp_path)
     assert events(tmp_path, "leave") == []
     assert s["membership_changes"] == 0
 
@@ -95,7 +95,7 @@ def test_a_long_delay_benches_its_member_at_once_evicts_nobody_and_plans_it_back
         {"kind": "delay", "target": "r1-0", "at_step": 20, "delay_ms": 1500, "duration_s": 2.0}
     ]
     s = run_to_end(_config(small_dataset, faults, replan_interval_ms=500), tmp_path)
-    _assert_absorbed(s, clean_ref, ["delay"])
+    _assert_absorbed(s, clean_ref, ["delay"], tmp_path)
     assert events(tmp_path, "leave") == []
     assert [e["worker"] for e in events(tmp_path, "member_benched")] == ["r1-0"]
     assert [e["worker"] for e in events(tmp_path, "member_unbenched")] == ["r1-0"]
@@ -112,7 +112,7 @@ def test_region_loss_with_its_coordinator_is_absorbed_by_the_standby(
 ) -> None:
     faults = [{"kind": "region_down", "target": "r0", "at_step": 100, "duration_s": 1.0}]
     s = run_to_end(_config(small_dataset, faults), tmp_path)
-    _assert_absorbed(s, clean_ref, ["region_down"])
+    _assert_absorbed(s, clean_ref, ["region_down"], tmp_path)
     assert len(events(tmp_path, "coordinator_takeover")) == 1
     reasons = [e["reason"] for e in events(tmp_path, "epoch_started")]
     # The standby's first epoch starts as announced at the takeover, or, when the region is
@@ -126,7 +126,7 @@ def test_poisoned_part_is_quarantined_exactly_as_in_the_reference(
 ) -> None:
     faults = [POISON, {"kind": "kill", "target": "r0-0", "at_step": 30}]
     s = run_to_end(_config(small_dataset, faults), tmp_path)
-    _assert_absorbed(s, poison_ref, ["kill", "poison_part"])
+    _assert_absorbed(s, poison_ref, ["kill", "poison_part"], tmp_path)
     assert _decisions(s) == _decisions(poison_ref) != []
     assert all(d["parts"] == [3] for d in _decisions(s))
 
@@ -163,7 +163,7 @@ def test_all_four_classes_in_one_run_change_no_bit(
         {"kind": "region_down", "target": "r0", "at_step": 392, "duration_s": 1.0},
     ]
     s = run_to_end(_config(small_dataset, faults), tmp_path, timeout_s=100)
-    _assert_absorbed(s, poison_ref, ["poison_part", "kill", "delay", "region_down"])
+    _assert_absorbed(s, poison_ref, ["poison_part", "kill", "delay", "region_down"], tmp_path)
     assert _decisions(s) == _decisions(poison_ref), s["faults"]
 
 
@@ -205,7 +205,8 @@ def test_a_kill_and_a_stop_from_outside_the_schedule_are_observed_and_absorbed(
     s = run_to_end(_config(small_dataset, [], acceptable_pause_ms=1000), tmp_path)
     outsider.join(timeout=1)
     assert len(outsider.sent) == 2
-    assert s["final_hash"] == clean_ref["final_hash"] and s["faults"] == []
+    assert s["final_hash"] == clean_ref["final_hash"], story(tmp_path)
+    assert s["faults"] == []
     killed, stopped = (pid for _, pid, _ in outsider.sent)
     ours = [(f["kind"], f["worker"], f["scheduled"], f["member"]) for f in s["failures"]
             if f.get("pid") in (killed, stopped)]  # fmt: skip
