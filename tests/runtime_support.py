@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from perdure import events as ev
 from perdure.data import build_dataset
 from perdure.events import read_jsonl
 from perdure.launch.api import run
@@ -93,19 +94,19 @@ def events(run_dir: Path, kind: str | None = None) -> list[dict[str, Any]]:
 
 
 _STORY = {
-    "epoch_started": ("epoch", "start_step", "source", "receivers", "reason"),
-    "leave": ("worker", "reason"),
-    "process_exit": ("worker", "code", "injected"),
-    "member_benched": ("worker",),
-    "member_unbenched": ("worker",),
-    "step_abandoned": ("worker", "step", "epoch"),
-    "collective_failed": ("worker",),
-    "slots_salvaged": ("worker", "step"),
-    "state_received": ("worker", "from", "next_step", "mode"),
-    "state_sent": ("worker", "next_step", "mode"),
-    "recovered_from_checkpoint": ("checkpoint", "start_step", "live_step"),
-    "decision": ("step", "kind"),
-    "worker_done": ("worker", "step", "final_hash"),
+    ev.EPOCH_STARTED: ("epoch", "start_step", "source", "receivers", "reason"),
+    ev.LEAVE: ("worker", "reason"),
+    ev.PROCESS_EXIT: ("worker", "code", "injected"),
+    ev.MEMBER_BENCHED: ("worker",),
+    ev.MEMBER_UNBENCHED: ("worker",),
+    ev.STEP_ABANDONED: ("worker", "step", "epoch"),
+    ev.COLLECTIVE_FAILED: ("worker",),
+    ev.SLOTS_SALVAGED: ("worker", "step"),
+    ev.STATE_RECEIVED: ("worker", "from", "next_step", "mode"),
+    ev.STATE_SENT: ("worker", "next_step", "mode"),
+    ev.RECOVERED_FROM_CHECKPOINT: ("checkpoint", "start_step", "live_step"),
+    ev.DECISION: ("step", "kind"),
+    ev.WORKER_DONE: ("worker", "step", "final_hash"),
 }
 
 

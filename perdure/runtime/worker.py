@@ -371,17 +371,13 @@ class Worker:
         of the optimizer state (``member/transfer.py``)."""
         tr = self.trainer
         assert tr is not None
-        shards, scatters = self.shards, self.config.train.scatters
-
-        def exchange() -> None:
-            if shards is not None:
-                self.transfer.exchange_shards(ep, tr, shards, scatters)
-
         if ep.start.recover:
             self._reload(ep.start.reload)
-            exchange()
-        elif self.transfer.copy(ep, tr, then=exchange):
+        elif self.transfer.copy(ep, tr):
             self.has_state = True
+        shards, scatters = self.shards, self.config.train.scatters
+        if shards is not None:
+            self.transfer.then(ep, lambda: self.transfer.exchange_shards(ep, tr, shards, scatters))
 
     def _shard_group(self, store: dist.Store, comm: Comm, rank: int) -> None:
         """This epoch's replica group (``train.shard_degree`` > 1): its process group and

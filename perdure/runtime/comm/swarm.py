@@ -46,6 +46,7 @@ only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -656,7 +657,7 @@ def _plan(
     that shard, its parameters by every holder, and assigned in the state's order the
     shard's holder took a share of the parameters before its shard too (measured: one
     holder of three sent 11 of a spare's 16.5 MB, docs/performance.md section 17)."""
-    cut: list[tuple[int, int, str, int, int, tuple[int, ...], int]] = []
+    cut: list[tuple[Range, int]] = []  # each range (its holder not chosen yet), its slot
     for slot, dst in enumerate(sorted(job.receivers)):
         t = offers[templates[dst]]
         step = t.extra["next_step"]
@@ -669,16 +670,17 @@ def _plan(
             )
             n = t.nbytes(key)
             for lo in range(0, n, chunk):
-                cut.append((dst, index, key, lo, min(n, lo + chunk), eligible, slot))
+                cut.append((Range(dst, index, key, lo, min(n, lo + chunk), eligible, 0), slot))
                 index += 1
     load: dict[int, int] = dict.fromkeys(offers, 0)
-    first: dict[int, int] = {}
-    for i in sorted(range(len(cut)), key=lambda i: len(cut[i][5])):  # stable: global order
-        _, _, _, lo, hi, eligible, slot = cut[i]
-        k = len(eligible)
-        first[i] = min(range(k), key=lambda j: (load[eligible[j]], (j - slot) % k))
-        load[eligible[first[i]]] += hi - lo + MESSAGE_COST
-    return [Range(*c[:6], first[i]) for i, c in enumerate(cut)]
+    ranges = [r for r, _ in cut]
+    for i in sorted(range(len(cut)), key=lambda i: len(ranges[i].eligible)):  # stable
+        r, slot = cut[i]
+        k = len(r.eligible)
+        first = min(range(k), key=lambda j: (load[r.eligible[j]], (j - slot) % k))
+        load[r.eligible[first]] += r.hi - r.lo + MESSAGE_COST
+        ranges[i] = dataclasses.replace(r, first=first)
+    return ranges
 
 
 def _exchange_failed(

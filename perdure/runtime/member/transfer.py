@@ -48,15 +48,9 @@ class StateTransfer:
     timeout: Callable[[], timedelta]
     should_stop: Callable[[], bool]
 
-    def copy(self, ep: Epoch, tr: Trainer, then: Callable[[], None] = lambda: None) -> bool:
-        """The epoch's copy; ``then``: what follows the copy before the first step's
-        collectives (the replica groups' shard exchange): at once, or, for a holder whose
-        copy overlaps the first step, at its gate, after the copy is served (the exchange
-        is on the epoch's group, where it must follow the copy's operations, and it only
-        needs to be done before the update)."""
+    def copy(self, ep: Epoch, tr: Trainer) -> bool:
         receivers = ep.start.receivers
         if not receivers:
-            then()
             return False
         members = ep.plan.members
         receiving = self.name in receivers
@@ -86,18 +80,12 @@ class StateTransfer:
         if overlapped and not receiving:
             server = CopyServer(ep.comm, self.state_copy, job, step=tr.next_step)
             ep.copy, step = server, tr.next_step
-
-            def passed() -> None:
-                self._sent(ep, server, mode, step)
-                then()
-
-            ep.runner.gate = _CopyGate(passed, server)
+            ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step), server)
             return False
         got = self.state_copy.copy(ep.comm, job)
         if got is None:
             stats = dict(self.state_copy.stats)
             self._sent_event(ep, mode, tr.next_step, round(time.monotonic() - t0, 4), stats)
-            then()
             return False
 
         try:
@@ -119,8 +107,23 @@ class StateTransfer:
                 "overlapped_step": ep.start.start_step if overlapped else None,
             }
         )
-        then()  # after the event: its seconds are the copy's, not the holders' gates too
         return True
+
+    def then(self, ep: Epoch, after: Callable[[], None]) -> None:
+        """``after`` (the replica groups' shard exchange) once this member's copy is done:
+        now, or, for a holder whose copy overlaps the first step, at its gate, after the
+        copy is served (the exchange is on the epoch's group, where it must follow the
+        copy's operations, and only the update needs it)."""
+        gate, server = ep.runner.gate, ep.copy  # both set by an overlapping holder's copy
+        if gate is None or server is None:
+            after()
+            return
+
+        def passed() -> None:
+            gate()
+            after()
+
+        ep.runner.gate = _CopyGate(passed, server)
 
     def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
         """A holder's gate: its copy served, before the first step's reduction."""
