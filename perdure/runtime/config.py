@@ -490,6 +490,20 @@ class ClusterConfig:
     (R - 1)(R - 2)/R x N/B > (2R - 3) d: at R = 4, N/B > 3.3 d.)"""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
+    copy_step_mb: float = 0.0
+    """A replacement's state copy paced over steps: at most this many MB (10**6 bytes) of
+    the state a step, whole parameters with their optimizer state, each part sent by the
+    holders behind one step's compute while the receiver takes part in every step's
+    reduction with no slot and applies each update to what it holds
+    (``runtime/member/copy_pacing.py``). Set it to about the holders' link rate times
+    their compute of one step, so that a state whose copy outlasts a step still costs the
+    run no more than one step (the holders carry the receiver's slots meanwhile). 0 (the
+    default): the whole state behind the epoch's first step, which a copy longer than
+    that step delays by the difference. Not part of the math: the received bits are the
+    holders'. Takes effect where the copy overlaps the first step
+    (``control/copy_rule.py``) and ``train.shard_degree`` = 1; elsewhere the copy is whole.
+    Limits: a checkpoint or an evaluation due before the last part completes the copy
+    first (blocking), as does the run's end."""
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -555,6 +569,12 @@ class ClusterConfig:
         c.non_negative("bench_lag_ms", self.bench_lag_ms)
         c.positive("evict_after_suspect", self.evict_after_suspect)
         c.positive("fingerprint_every", self.fingerprint_every)
+        c.check(
+            math.isfinite(self.copy_step_mb) and self.copy_step_mb >= 0,
+            "copy_step_mb",
+            "must be a finite number >= 0",
+            self.copy_step_mb,
+        )
         c.done()
 
     @property

@@ -185,6 +185,12 @@ class StepRunner:
         if reducer.scatters:
             self.verdicts = make_reducer(trainer.config.train, rank, len(plan.members))
         self.first = first
+        self.first_until = first[0] + 1 if first is not None else 0
+        """The first step after ``first``'s plan: later than the step after it while a
+        paced state copy's receivers have no slot (``member/copy_pacing.py``)."""
+        self.partial: frozenset[int] = frozenset()
+        """Ranks whose state is partial (a paced copy's receivers until its last part):
+        no non-finite slot is re-run there."""
         self.slots = plan.slots_of(rank)
         self.bufs: list[torch.Tensor] = []
         train = trainer.config.train
@@ -231,8 +237,18 @@ class StepRunner:
         return len(self.plan.members)
 
     def plan_at(self, t: int) -> Plan:
-        """The plan of step ``t``: ``first``'s for its step, else the epoch's."""
-        return self.first[1] if self.first is not None and self.first[0] == t else self.plan
+        """The plan of step ``t``: ``first``'s for its steps, else the epoch's."""
+        first = self.first
+        return first[1] if first is not None and first[0] <= t < self.first_until else self.plan
+
+    def rerunner(self, owner: int) -> int:
+        """The rank that re-runs a non-finite slot of ``owner``'s: the next one whose
+        state is whole."""
+        for i in range(1, self.size + 1):
+            r = (owner + i) % self.size
+            if r not in self.partial:
+                return r
+        raise AssertionError("every member's state is partial")
 
     def gradient(self, t: int, t0: float) -> torch.Tensor:
         """Steps 1-4 of :func:`train_step`: step ``t``'s exact sum, clean of non-finite
@@ -624,7 +640,7 @@ class StepRunner:
         probe = min(overflow, default=None)
         with self.tr.params_whole():  # the reruns are on some ranks only
             for s in bad:
-                if (owner[s] + 1) % self.size != self.rank or (s in overflow and s != probe):
+                if self.rerunner(owner[s]) != self.rank or (s in overflow and s != probe):
                     continue
                 if s == probe:  # 1: it overflows here too
                     vec[s * per] = float(self.tr.rerun_overflows(t, s))

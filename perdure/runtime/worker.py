@@ -51,6 +51,7 @@ from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.liveness import hold
 from perdure.runtime.member import saves
 from perdure.runtime.member.epoch import Epoch
+from perdure.runtime.member.evaluate import due as eval_due
 from perdure.runtime.member.heartbeat import Heartbeat
 from perdure.runtime.member.metrics import Evaluation, step_line
 from perdure.runtime.member.priority import normal_priority, prompt_threads
@@ -168,6 +169,8 @@ class Worker:
             shard_degree=config.train.shard_degree,
             timeout=self._timeout,
             should_stop=lambda: self._should_stop(self.inflight),
+            copy_step_bytes=int(config.cluster.copy_step_mb * 1e6),
+            last_step=lambda: self.client.last_step(self.config.train.steps),
         )
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat().run, daemon=True, name="heartbeat").start()
@@ -496,12 +499,14 @@ class Worker:
     def _step(self, ep: Epoch, t: int) -> None:
         """One step: ``step.train_step`` (the flow, top to bottom), with this worker's
         side of its end (the checkpoint snapshot before the update, then the commit)."""
-        assert ep.ckpt is not None
+        assert ep.ckpt is not None and self.trainer is not None
         saves.check_saves(ep.ckpt, self.name)
         end = StepEnd(
             before_update=ep.ckpt.wait_snapshot,
             after_update=lambda t, loss, step_s: self._commit(ep, t, loss, step_s),
         )
+        if self.transfer.pace(ep, self.trainer, t):  # a paced copy's part (copy_pacing)
+            self.has_state = True
         train_step(ep.runner, t, end)
         self._log_repairs()
 
@@ -527,6 +532,9 @@ class Worker:
         assert tr is not None
         if loss is not None:
             self._line(ep, t, loss, step_s)
+        last = self.client.last_step(self.config.train.steps)
+        if saves.due(self.config, tr.next_step, last) or eval_due(self.config.eval, tr.next_step):
+            self._flush(ep, t)  # a paced copy's receivers whole first
         self.evaluation.after(tr, t, self.metrics.write if ep.rank == 0 else _drop)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
@@ -541,6 +549,7 @@ class Worker:
         tr = self.trainer
         assert tr is not None and ep.ckpt is not None
         ep.runner.settle()  # an overlapped outer step's reduction: in the final state
+        self._flush(ep, tr.next_step - 1)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every and not ep.runner.compare_fingerprints():
             self.has_state = False  # no run ends with replicas that disagree
@@ -554,6 +563,13 @@ class Worker:
             saves.save_final(tr, ep, state, self.name)
             self.final_saved = tr.next_step
         self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest(state.optimizer)))
+
+    def _flush(self, ep: Epoch, t: int) -> None:
+        """A paced copy not complete at step ``t``'s commit, which needs every member's
+        whole state: its parts left, now (``StateTransfer.flush``)."""
+        assert self.trainer is not None
+        if self.transfer.flush(ep, self.trainer, t):
+            self.has_state = True
 
     def _heartbeat(self) -> Heartbeat:
         return Heartbeat(

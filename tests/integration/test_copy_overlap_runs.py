@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from perdure.runtime.plan import Plan
 from tests.runtime_support import events, run_to_end, small_config
 
@@ -87,3 +89,104 @@ def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_
     assert s["final_hash"] == ref["final_hash"]
     [got] = [e for e in events(tmp_path / "run", "state_received") if e["worker"] == "spare-0"]
     assert got["mode"] == "overlapped" and got["overlapped_step"] == got["next_step"]
+
+
+def _paced_run(
+    small_dataset: Path, run: Path, *, every: int, steps: int = STEPS
+) -> tuple[dict, list[dict], list[dict], dict]:
+    """3 members and a warm spare, r0-1 killed at T/3, the spare's copy paced over steps
+    (``cluster.copy_step_mb`` of 2 kB: a tiny_lm's parameters a few at a time)."""
+    faults = [{"kind": "kill", "target": "r0-1", "at_step": steps // 3}]
+    cfg = small_config(
+        small_dataset,
+        workers=3,
+        steps=steps,
+        cluster={"spares": 1, "copy_step_mb": 0.002},
+        chaos={"faults": faults},
+        checkpoint={"every_steps": every, "keep_last": 100},
+    )
+    s = run_to_end(cfg, run)
+    started = next(e for e in events(run, "epoch_started") if "spare-0" in e["receivers"])
+    got = [
+        e
+        for e in events(run, "state_received")
+        if e["epoch"] == started["epoch"] and e["worker"] == "spare-0"
+    ]
+    sent = [e for e in events(run, "state_sent") if e["epoch"] == started["epoch"]]
+    return s, got, sent, started
+
+
+def test_a_copy_paced_over_steps_leaves_the_weights_of_the_uninterrupted_run(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """Paced, the spare receives the state a few parameters a step, part j in step s + j,
+    while it takes part in every step's reduction with no slot and applies each update to
+    what it holds: the parts it received earlier stay at the holders' version, the later
+    ones are written over. Every holder serves every part behind its step, and the final
+    parameters are the one-worker run's, bit for bit (the fingerprints every 10 steps
+    compare the holders alone while the spare is partial)."""
+    ref = run_to_end(small_config(small_dataset, workers=1, steps=STEPS), tmp_path / "ref")
+    s, got, sent, started = _paced_run(small_dataset, tmp_path / "run", every=STEPS)
+    assert s["final_hash"] == ref["final_hash"]
+    assert s["survivor_restarts"] == 0
+    parts = got[0]["parts"]
+    assert parts > 2
+    start = started["start_step"]
+    assert [(e["part"], e["parts"], e["next_step"]) for e in got] == [
+        (j, parts, start + j) for j in range(parts)
+    ]
+    assert {e["mode"] for e in got} == {"paced"}
+    holders = sorted(m for m in started["plan"]["members"] if m not in started["receivers"])
+    for j in range(parts):
+        part = [e for e in sent if e["part"] == j]
+        assert sorted(e["worker"] for e in part) == holders
+        assert {(e["next_step"], e["mode"]) for e in part} == {(start + j, "paced")}
+        assert sum(e["bytes"] for e in part) == got[j]["bytes"]
+
+
+def test_a_save_due_while_a_copy_is_paced_completes_it_first_and_holds_the_runs_bits(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """A checkpoint due every 2 steps falls in the paced copy's window: the parts left go
+    at that step's commit, all at once (``flushed``), before the save, so the spare's
+    share of the checkpoint is the run's. Every checkpoint of the faulty run holds the
+    same model and optimizer bits as the one-worker run's of the same step, and the final parameters
+    too."""
+    steps = 30
+    one = small_config(
+        small_dataset, workers=1, steps=steps, checkpoint={"every_steps": 2, "keep_last": 100}
+    )
+    ref = run_to_end(one, tmp_path / "ref")
+    s, got, sent, _ = _paced_run(small_dataset, tmp_path / "run", every=2, steps=steps)
+    assert s["final_hash"] == ref["final_hash"]
+    mine, theirs = _checkpoints(tmp_path / "run"), _checkpoints(tmp_path / "ref")
+    for step, path in mine.items():
+        assert _state_bits(path) == _state_bits(theirs[step]), step
+    assert got[-1]["next_step"] in mine
+    assert got[-1]["mode"] == "flushed"
+    assert got[-1]["part"] + 1 < got[-1]["parts"]  # it ended before its last paced part
+    flushed = [e for e in sent if e["mode"] == "flushed"]
+    assert flushed and {e["next_step"] for e in flushed} == {got[-1]["next_step"]}
+    assert got[-1]["next_step"] % 2 == 0  # a save's step
+
+
+def _checkpoints(run: Path) -> dict[int, Path]:
+    from perdure.checkpoint.loader import load_checkpoint
+
+    out = {}
+    for p in sorted((run / "checkpoints").glob("step-*")):
+        if p.is_dir():
+            out[load_checkpoint(p).step] = p
+    return out
+
+
+def _state_bits(path: Path) -> dict[str, bytes]:
+    """Every tensor of a checkpoint's model and optimizer state, as bytes."""
+    from perdure.checkpoint.loader import load_checkpoint
+    from perdure.checkpoint.tensors import flatten
+
+    ckpt = load_checkpoint(path)
+    tensors, _ = flatten(ckpt.model, ckpt.optimizer)
+    return {
+        k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()
+    }

@@ -131,6 +131,11 @@ class CopyJob:
     resident, or a fresh optimizer tensor."""
     timeout: timedelta = timedelta(seconds=60)
     """Each operation's timeout (the epoch's collective timeout)."""
+    select: Callable[[list[tuple[str, int]]], frozenset[str]] | None = None
+    """The template's tensors this copy moves, from its keys and sizes in order (a paced
+    copy's part, ``member/copy_pacing.py``); None: all. Every rank must derive the same
+    keys from the same template. A receiver's storage is still asked for every tensor
+    (``target``): the ones not moved keep what it holds."""
 
 
 @dataclass
@@ -406,15 +411,18 @@ class _Sink:
         self.tensors: dict[str, torch.Tensor] = {}
         self._flat: dict[str, torch.Tensor] = {}
         self._later: dict[str, torch.Tensor] = {}
+        moved = _moved(template, job)
         for key, (shape, dtype) in template.tensors.items():
             t = job.target(key, shape, TORCH_DTYPES[dtype])
             self.tensors[key] = t
+            if key not in moved:  # a paced copy's other parts: kept as they are
+                continue
             if not t.is_contiguous():  # received whole, copied in once complete
                 stand_in = torch.empty(shape, dtype=t.dtype, device=t.device)
                 self._later[key] = stand_in
                 t = stand_in
             self._flat[key] = t.detach().reshape(-1).view(torch.uint8)
-        self.nbytes = sum(template.nbytes(k) for k in template.tensors)
+        self.nbytes = sum(template.nbytes(k) for k in moved)
 
     def message(
         self, ranges: list[Range], device: torch.device, bad: list[int]
@@ -662,7 +670,10 @@ def _plan(
         t = offers[templates[dst]]
         step = t.extra["next_step"]
         index = 0
+        moved = _moved(t, job)
         for key, meta in t.tensors.items():
+            if key not in moved:
+                continue
             eligible = tuple(
                 r
                 for r, o in sorted(offers.items())
@@ -681,6 +692,13 @@ def _plan(
         load[r.eligible[first]] += r.hi - r.lo + MESSAGE_COST
         ranges[i] = dataclasses.replace(r, first=first)
     return ranges
+
+
+def _moved(template: Offer, job: CopyJob) -> frozenset[str] | set[str]:
+    """The template's keys this copy moves (``CopyJob.select``)."""
+    if job.select is None:
+        return set(template.tensors)
+    return job.select([(k, template.nbytes(k)) for k in template.tensors])
 
 
 def _exchange_failed(

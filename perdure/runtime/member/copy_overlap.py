@@ -84,8 +84,12 @@ class CopyServer:
     it: measured, a copy group of its own formed 0.10-0.13 s after the epoch's (about
     0.01 s) and was the largest share of a kill's cost (docs/performance.md, section 17)."""
 
-    def __init__(self, comm: Comm, copy: StateCopy, job: CopyJob, *, step: int) -> None:
+    def __init__(
+        self, comm: Comm, copy: StateCopy, job: CopyJob, *, step: int, mode: str = "overlapped"
+    ) -> None:
         self.job = job
+        self.mode = mode
+        """``overlapped``, or ``paced`` for a paced copy's part (its events' mode)."""
         self.step = step
         """The step the holder's committed state is at: its ``state_sent`` event's."""
         self.sent: dict[str, Any] | None = None

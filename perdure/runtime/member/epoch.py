@@ -8,6 +8,7 @@ from perdure.checkpoint import AsyncCheckpointer
 from perdure.runtime.comm.group import Comm
 from perdure.runtime.control import protocol as p
 from perdure.runtime.member.copy_overlap import CopyServer
+from perdure.runtime.member.copy_pacing import Pacing
 from perdure.runtime.plan import Plan
 from perdure.runtime.step import StepRunner
 
@@ -27,6 +28,8 @@ class Epoch:
     ckpt: AsyncCheckpointer | None = None
     copy: CopyServer | None = None
     """A holder's overlapped state copy, served behind the first step (``copy_overlap``)."""
+    pacing: Pacing | None = None
+    """The epoch's paced state copy, if any (``copy_pacing``)."""
 
     @property
     def generation(self) -> int:

@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from perdure import events as ev
+from perdure.checkpoint.tensors import flatten
 from perdure.events import JsonLines
 from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed
 from perdure.runtime.member.copy_overlap import (
@@ -26,6 +27,7 @@ from perdure.runtime.member.copy_overlap import (
     committed_offer,
     is_overlapped,
 )
+from perdure.runtime.member.copy_pacing import Pacing, param_units
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.shard_group import Shards
 from perdure.runtime.replica.trainer import Trainer
@@ -47,30 +49,41 @@ class StateTransfer:
     shard_degree: int
     timeout: Callable[[], timedelta]
     should_stop: Callable[[], bool]
+    copy_step_bytes: int = 0
+    """``cluster.copy_step_mb`` in bytes: 0, the whole state behind the first step."""
+    last_step: Callable[[], int] = lambda: 1 << 62
+    """The step the run ends at (a paced copy's last part lands before it)."""
 
     def copy(self, ep: Epoch, tr: Trainer) -> bool:
+        """The epoch's copy, or a paced copy's first part (``copy_pacing.py``): True
+        once this member received a replica's whole state."""
         receivers = ep.start.receivers
         if not receivers:
             return False
         members = ep.plan.members
         receiving = self.name in receivers
         overlapped = is_overlapped(ep.runner.first and ep.runner.first[1], receivers)
+        paced = self._pacing(ep, tr) if overlapped else None
 
         offer = None
         if not receiving:
             offer = tr.export()
             if overlapped:
                 offer = committed_offer(offer, list(tr.module.parameters()))
+            if paced is not None:
+                paced.derive(_sizes(offer))
+                self._window(ep, paced)
         job = CopyJob(
-            receivers=tuple(sorted(members.index(r) for r in receivers)),
+            receivers=self._ranks(ep),
             source=members.index(ep.start.source),
             shard_degree=self.shard_degree,
             layout=tr.copy_layout(),
             offer=offer,
-            target=tr.copy_target(ep.comm.device) if receiving else None,
+            target=self._target(tr, ep, paced) if receiving else None,
             timeout=self.timeout(),
+            select=None if paced is None else paced.select(0),
         )
-        mode = "overlapped" if overlapped else "blocking"
+        mode = "paced" if paced is not None else "overlapped" if overlapped else "blocking"
         t0 = time.monotonic()
         # Overlapped or not, the copy runs on the epoch's own group: a holder's step
         # enters no collective before its gate (the copy served), a receiver none before
@@ -78,9 +91,7 @@ class StateTransfer:
         # (A group of its own cost every member a second rendezvous and the receiver its
         # drop, ~0.02 s, on a kill's critical path: docs/performance.md, section 17.)
         if overlapped and not receiving:
-            server = CopyServer(ep.comm, self.state_copy, job, step=tr.next_step)
-            ep.copy, step = server, tr.next_step
-            ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step), server)
+            self._serve(ep, tr, job, mode, 0)
             return False
         got = self.state_copy.copy(ep.comm, job)
         if got is None:
@@ -92,22 +103,160 @@ class StateTransfer:
             tr.adopt(got.model, got.optimizer, got.extra)
         except Exception as e:  # a peer's structure that does not load: refused
             raise StateCopyFailed(f"state copy from {members[got.template]}: {e}") from e
-        self.events.write(
-            {
-                "event": ev.STATE_RECEIVED,
-                "worker": self.name,
-                "epoch": ep.number,
-                "from": members[got.template],
-                "holders": [members[h] for h in got.holders],
-                "bytes": got.nbytes,
-                "refetched": got.refetched,
-                "seconds": round(time.monotonic() - t0, 4),
-                "next_step": tr.next_step,
-                "mode": mode,
-                "overlapped_step": ep.start.start_step if overlapped else None,
-            }
+        seconds = round(time.monotonic() - t0, 4)
+        if paced is None:
+            self._received(ep, got, mode, seconds, tr.next_step)
+            return True
+        self._window(ep, paced)
+        tr.partial = paced.count > 1
+        return self._part_in(ep, tr, paced, got, seconds, 0)
+
+    def _target(self, tr: Trainer, ep: Epoch, paced: Pacing | None) -> Any:
+        """A receiver's storage: paced, the optimizer tensors of the later parts zeros."""
+        if paced is None:
+            return tr.copy_target(ep.comm.device)
+        return tr.copy_target(ep.comm.device, zeroed=True)
+
+    # -- a paced copy's later parts (``copy_pacing.py``) ---------------------------------
+
+    def _pacing(self, ep: Epoch, tr: Trainer) -> Pacing | None:
+        """The epoch's paced copy, where ``copy_step_bytes`` asks for one and the copy
+        can be paced (whole replicas: ``train.shard_degree`` = 1)."""
+        if self.copy_step_bytes <= 0 or self.shard_degree != 1:
+            return None
+        start = ep.start.start_step
+        groups = [g["params"] for g in tr.optimizer.param_groups]
+        most = max(1, self.last_step() - start)
+        paced = Pacing(start, param_units(tr.module, groups), self.copy_step_bytes, most)
+        ep.pacing = paced
+        return paced
+
+    def _window(self, ep: Epoch, paced: Pacing) -> None:
+        """The receivers have no slot until the last part is in, and are partial."""
+        ep.runner.first_until = paced.end
+        ep.runner.partial = frozenset(self._ranks(ep)) if paced.count > 1 else frozenset()
+
+    def _ranks(self, ep: Epoch) -> tuple[int, ...]:
+        return tuple(sorted(ep.plan.members.index(r) for r in ep.start.receivers))
+
+    def pace(self, ep: Epoch, tr: Trainer, step: int) -> bool:
+        """Before step ``step``: the part it moves, if any. A holder serves it behind the
+        step (its gate before the reduction waits for it); a receiver receives it now.
+        True once this member received the whole state."""
+        paced = ep.pacing
+        part = None if paced is None else paced.part_at(step)
+        if paced is None or part is None:
+            return False
+        select = paced.select(part)
+        if self.name not in ep.start.receivers:
+            offer = committed_offer(tr.export(), list(tr.module.parameters()))
+            self._serve(ep, tr, self._job(ep, tr, offer, select), "paced", part)
+            return False
+        t0 = time.monotonic()
+        got = self._part(ep, tr, self._job(ep, tr, None, select))
+        return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4), part)
+
+    def flush(self, ep: Epoch, tr: Trainer, step: int) -> bool:
+        """At step ``step``'s commit, where it needs every member's whole state (a save,
+        an evaluation, the run's end): the parts not moved yet, all at once, blocking.
+        True once this member received the whole state."""
+        paced = ep.pacing
+        if paced is None or paced.parts is None or paced.complete:
+            return False
+        part = paced.sent
+        paced.flushed = step
+        ep.runner.first_until = paced.end
+        job = self._job(
+            ep, tr, None if self.name in ep.start.receivers else tr.export(), paced.rest()
         )
+        t0 = time.monotonic()
+        if job.offer is not None:
+            self.state_copy.copy(ep.comm, job)
+            paced.sent = paced.count
+            ep.runner.partial = frozenset()
+            stats = dict(self.state_copy.stats)
+            seconds = round(time.monotonic() - t0, 4)
+            self._sent_event(ep, "flushed", step + 1, seconds, stats, (part, paced.count))
+            return False
+        got = self._part(ep, tr, job)
+        return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4), part)
+
+    def _job(
+        self,
+        ep: Epoch,
+        tr: Trainer,
+        offer: tuple[Any, Any, Any] | None,
+        select: Callable[[list[tuple[str, int]]], frozenset[str]],
+    ) -> CopyJob:
+        receiving = offer is None
+        return CopyJob(
+            receivers=self._ranks(ep),
+            source=ep.plan.members.index(ep.start.source),
+            shard_degree=self.shard_degree,
+            layout=tr.copy_layout(),
+            offer=offer,
+            target=tr.part_target() if receiving else None,
+            timeout=self.timeout(),
+            select=select,
+        )
+
+    def _part(self, ep: Epoch, tr: Trainer, job: CopyJob) -> Any:
+        """A receiver's later part, into its live tensors."""
+        try:
+            got = self.state_copy.copy(ep.comm, job)
+        except ValueError as e:  # ``part_target``: a structure the first part did not build
+            raise StateCopyFailed(str(e)) from e
+        assert got is not None
+        return got
+
+    def _part_in(
+        self, ep: Epoch, tr: Trainer, paced: Pacing, got: Any, seconds: float, part: int
+    ) -> bool:
+        """A receiver's part is in: its event; the last one makes the replica whole."""
+        tr.torn = False
+        paced.sent = paced.count if paced.flushed is not None else part + 1
+        mode = "flushed" if paced.flushed is not None else "paced"
+        self._received(ep, got, mode, seconds, tr.next_step, (part, paced.count))
+        if not paced.complete:
+            return False
+        tr.partial = False
+        ep.runner.partial = frozenset()
         return True
+
+    def _serve(self, ep: Epoch, tr: Trainer, job: CopyJob, mode: str, part: int) -> None:
+        """A holder's copy (or part) served behind the step: its gate before the step's
+        reduction waits for it."""
+        step = tr.next_step
+        server = CopyServer(ep.comm, self.state_copy, job, step=step, mode=mode)
+        ep.copy = server
+        ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step, part), server)
+
+    def _received(
+        self,
+        ep: Epoch,
+        got: Any,
+        mode: str,
+        seconds: float,
+        next_step: int,
+        part: tuple[int, int] | None = None,
+    ) -> None:
+        members = ep.plan.members
+        event = {
+            "event": ev.STATE_RECEIVED,
+            "worker": self.name,
+            "epoch": ep.number,
+            "from": members[got.template],
+            "holders": [members[h] for h in got.holders],
+            "bytes": got.nbytes,
+            "refetched": got.refetched,
+            "seconds": seconds,
+            "next_step": next_step,
+            "mode": mode,
+            "overlapped_step": ep.start.start_step if mode != "blocking" else None,
+        }
+        if part is not None:
+            event["part"], event["parts"] = part
+        self.events.write(event)
 
     def then(self, ep: Epoch, after: Callable[[], None]) -> None:
         """``after`` (the replica groups' shard exchange) once this member's copy is done:
@@ -125,12 +274,20 @@ class StateTransfer:
 
         ep.runner.gate = _CopyGate(passed, server)
 
-    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
-        """A holder's gate: its copy served, before the first step's reduction."""
+    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int, part: int) -> None:
+        """A holder's gate: its copy (or a paced copy's part) served, before the step's
+        reduction."""
         sent = dict(server.wait(self.should_stop))
         ep.copy = None
         seconds = sent.pop("seconds")
-        self._sent_event(ep, mode, step, seconds, sent)
+        paced = ep.pacing
+        where = None
+        if paced is not None:
+            paced.sent = part + 1
+            where = (part, paced.count)
+            if paced.complete:
+                ep.runner.partial = frozenset()
+        self._sent_event(ep, mode, step, seconds, sent, where)
 
     def settle(self, ep: Epoch) -> None:
         """An epoch that ends while its overlapped copy is out: a holder whose copy was
@@ -147,25 +304,32 @@ class StateTransfer:
         server.close()
         if sent is not None:
             seconds = sent.pop("seconds")
-            self._sent_event(ep, "overlapped", server.step, seconds, sent)
+            self._sent_event(ep, server.mode, server.step, seconds, sent)
 
     def _sent_event(
-        self, ep: Epoch, mode: str, step: int, seconds: float, stats: dict[str, Any]
+        self,
+        ep: Epoch,
+        mode: str,
+        step: int,
+        seconds: float,
+        stats: dict[str, Any],
+        part: tuple[int, int] | None = None,
     ) -> None:
-        self.events.write(
-            {
-                "event": ev.STATE_SENT,
-                "worker": self.name,
-                "epoch": ep.number,
-                "to": list(ep.start.receivers),
-                "next_step": step,
-                "bytes": stats.get("bytes_sent", 0),
-                "ranges": stats.get("ranges_sent", 0),
-                "seconds": seconds,
-                "mode": mode,
-                "overlapped_step": ep.start.start_step if mode == "overlapped" else None,
-            }
-        )
+        event = {
+            "event": ev.STATE_SENT,
+            "worker": self.name,
+            "epoch": ep.number,
+            "to": list(ep.start.receivers),
+            "next_step": step,
+            "bytes": stats.get("bytes_sent", 0),
+            "ranges": stats.get("ranges_sent", 0),
+            "seconds": seconds,
+            "mode": mode,
+            "overlapped_step": ep.start.start_step if mode != "blocking" else None,
+        }
+        if part is not None:
+            event["part"], event["parts"] = part
+        self.events.write(event)
 
     def exchange_shards(self, ep: Epoch, tr: Trainer, shards: Shards, scatters: bool) -> None:
         """Every member holds its own shard's optimizer state before the first step."""
@@ -208,6 +372,12 @@ class StateTransfer:
                     "seconds": round(time.monotonic() - t0, 4),
                 }
             )
+
+
+def _sizes(offer: tuple[Any, Any, Any]) -> list[tuple[str, int]]:
+    """An offer's flattened keys and their bytes, in its order (what a template shows)."""
+    tensors, _ = flatten(offer[0], offer[1])
+    return [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from perdure.checkpoint import (
     state_digest,
 )
 from perdure.checkpoint.ranges import Lazy, open_lazy
-from perdure.checkpoint.tensors import MODEL, byte_view, to_cpu_contiguous
+from perdure.checkpoint.tensors import MODEL, byte_view, flatten, to_cpu_contiguous
 from perdure.data import DataError, Dataset, DataState, SlotLoader
 from perdure.data.retry import ReadPolicy
 from perdure.provenance import provenance
@@ -219,6 +219,11 @@ class Trainer:
         and did not complete. A member behind its peers whose copy failed halfway reported
         its old state before, and a coordinator that lost every holder with the copy could
         have taken that mixture of two states as the run's. Loading a state clears it."""
+        self.partial = False
+        """A receiver of a paced state copy between its first and its last part
+        (``runtime/member/copy_pacing.py``): the tensors of the parts still to come are
+        not the run's. It fingerprints as holding nothing, exports nothing, and reports
+        no state; the last part, or loading a state, clears it."""
         self.held = ALL
         """Which shard's optimizer state this replica holds (``shard_plan.ALL``: all), and
         with ``train.shard_params`` which shard's parameters are resident."""
@@ -664,9 +669,10 @@ class Trainer:
         """A CRC per tensor of the model's state (parameters and buffers, in state-dict
         order: see ``fingerprint_names``), compared across replicas every K steps; -1 for a
         parameter this rank does not hold (sharded at rest)."""
+        partial = self.partial  # a paced copy's receiver holds nothing it can vouch for
         return [
             zlib.crc32(byte_view(to_cpu_contiguous(t)))  # not .numpy(): see ``byte_view``
-            if resident(t)
+            if resident(t) and not partial
             else -1
             for t in self.module.state_dict().values()
         ]
@@ -890,7 +896,7 @@ class Trainer:
         self.next_step = self.loader.restore(DataState.from_dict(ckpt.data, source=str(path)))
         self.decisions = list(ckpt.decisions)
         self.held = ALL
-        self.torn = False
+        self.torn = self.partial = False
         self._undo_step = None
         self.state_version += 1
         assert self.next_step == ckpt.step, (self.next_step, ckpt.step)
@@ -927,6 +933,7 @@ class Trainer:
     def export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """What a joiner needs: model, optimizer, and the JSON extras. Sharded at rest,
         the model's tensors this rank holds (its shard's parameters and the buffers)."""
+        assert not self.partial, "a paced copy's receiver exported its partial state"
         extra = {
             "next_step": self.next_step,
             "data": self.loader.state(self.next_step).to_dict(),
@@ -949,7 +956,7 @@ class Trainer:
         self.next_step = int(extra["next_step"])
         self.held = int(extra.get("held", ALL))
         self._drop_pending()
-        self.torn = False
+        self.torn = self.partial = False
         self._undo_step = None
         self.state_version += 1
 
@@ -959,7 +966,9 @@ class Trainer:
         named = self.module.state_dict(keep_vars=True)
         return {n: (tuple(t.shape), t.dtype) for n, t in named.items()}
 
-    def copy_target(self, device: torch.device) -> Callable[..., torch.Tensor]:
+    def copy_target(
+        self, device: torch.device, *, zeroed: bool = False
+    ) -> Callable[..., torch.Tensor]:
         """Where a state copy writes each tensor it receives: the model's own tensors
         (made resident: sharded at rest, those of the shard received), fresh optimizer
         tensors on ``device`` (the group's, as a received state's always were); ``adopt``
@@ -974,7 +983,10 @@ class Trainer:
         epoch's parameter gather holds the parameters' own storages
         (``train.shard_params``; it is built after the epoch's copy and dropped with the
         epoch). Limit: a model tensor that is a view of another's storage (parameters
-        flattened into one buffer by the task) stops sharing it there."""
+        flattened into one buffer by the task) stops sharing it there.
+
+        ``zeroed``: fresh optimizer tensors are zeros (a paced copy's first part: the
+        optimizer state of the parts still to come is updated as it is until they come)."""
         named = self.module.state_dict(keep_vars=True)
         stale = self.torn and self.gather is None  # written by a copy that did not complete
         renewed: set[int] = set()
@@ -988,7 +1000,29 @@ class Trainer:
                     renew(t)
                 make_resident(t)
                 return t.detach()
+            if zeroed:
+                return torch.zeros(shape, dtype=dtype, device=device)
             return torch.empty(shape, dtype=dtype, device=device)
+
+        return target
+
+    def part_target(self) -> Callable[..., torch.Tensor]:
+        """Where a paced copy's later part writes each tensor: the model's own and the
+        optimizer's live ones, in place (the first part built their structure). The
+        replica is torn while a part is on its way (see :meth:`copy_target`)."""
+        named = self.module.state_dict(keep_vars=True)
+        live, _ = flatten({}, self._optimizer_state())
+
+        def target(key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            t = named.get(key[len(MODEL) :]) if key.startswith(MODEL) else live.get(key)
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                raise ValueError(
+                    f"paced state copy: {key} ({dtype} {list(shape)}) is not in this "
+                    "replica's state as its first part built it"
+                )
+            if key.startswith(MODEL):
+                self.torn = True
+            return t.detach()
 
         return target
 
