@@ -190,3 +190,38 @@ def _state_bits(path: Path) -> dict[str, bytes]:
     return {
         k: v.contiguous().view(-1).view(torch.uint8).numpy().tobytes() for k, v in tensors.items()
     }
+
+
+def test_a_paced_receiver_cut_off_by_another_kill_copies_again_whole(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """A second kill lands inside the paced copy's window: the spare, partial, reports no
+    state, so the next epoch copies it again from its first part (it is never a source),
+    and the final parameters are still the one-worker run's."""
+    kill = STEPS // 3
+    faults = [
+        {"kind": "kill", "target": "r0-1", "at_step": kill},
+        {"kind": "kill", "target": "r0-2", "at_step": kill + 3},
+    ]
+    cfg = small_config(
+        small_dataset,
+        workers=3,
+        steps=STEPS,
+        cluster={"spares": 1, "copy_step_mb": 0.002},
+        chaos={"faults": faults},
+        checkpoint={"every_steps": STEPS, "keep_last": 5},
+    )
+    ref = run_to_end(small_config(small_dataset, workers=1, steps=STEPS), tmp_path / "ref")
+    run = tmp_path / "run"
+    s = run_to_end(cfg, run)
+    assert s["final_hash"] == ref["final_hash"]
+    got = [e for e in events(run, "state_received") if e["worker"] == "spare-0"]
+    epochs = sorted({e["epoch"] for e in got})
+    assert len(epochs) >= 2, got
+    cut = [e for e in got if e["epoch"] == epochs[0]]
+    assert cut[-1]["part"] + 1 < cut[-1]["parts"]  # the first copy did not complete
+    again = [e for e in got if e["epoch"] == epochs[1]]
+    assert again[0]["part"] == 0
+    started = {e["epoch"]: e for e in events(run, "epoch_started")}
+    assert "spare-0" in started[epochs[1]]["receivers"]
+    assert "spare-0" != started[epochs[1]]["source"]
