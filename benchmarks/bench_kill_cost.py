@@ -42,9 +42,13 @@ from bench_recovery import (
 )
 from bench_step import perdure_run
 
-MODELS = {"gp": GP_MODEL, "rec": REC_MODEL}
+MODELS = {"gp": GP_MODEL, "rec": REC_MODEL, "frozen": GP_MODEL}
 """``gp``: the goodput setup's model (its gradient is one reduction bucket); ``rec``: the
-recovery benchmark's, ~2 M parameters (three buckets: a step whose buckets stream)."""
+recovery benchmark's, ~2 M parameters (three buckets: a step whose buckets stream);
+``frozen``: ``gp`` beside a frozen base of ``--frozen-mb`` (``benchmarks/frozen_lm.py``: a
+state much larger than its step, for the paced copy)."""
+
+FROZEN_ENTRY = "benchmarks.frozen_lm:make_task"
 
 
 def pair(
@@ -56,8 +60,14 @@ def pair(
     model: str = "gp",
     workers: int = 3,
     shard_degree: int = 1,
+    cluster: dict | None = None,
+    frozen_mb: float = 0.0,
 ) -> dict:
     cfg = perdure_cfg(MODELS[model], 12, dataset, workers)
+    if model == "frozen":
+        cfg["task"]["entry"] = FROZEN_ENTRY
+        cfg["task"]["options"].update(frozen_mb=frozen_mb, frozen_tensors=32)
+    cfg["cluster"].update(cluster or {})
     cfg["cluster"]["spares"] = 1
     cfg["train"]["shard_degree"] = shard_degree
     kills = list(range(50, steps, 50))
@@ -91,7 +101,8 @@ def row(runs: list[dict]) -> dict:
         "bitwise_equal": all(r["bitwise_equal"] for r in runs),
         "kills": len(kills),
     }
-    for key in ("stall_steps", "stall_s", "kill_to_next_s", "detected_s", "epoch_started_s"):
+    keys = ("stall_steps", "cost_steps", "stall_s", "kill_to_next_s", "detected_s")
+    for key in (*keys, "epoch_started_s"):
         out[key] = stats([k.get(key) for k in kills if k.get(key) is not None])
     out["kills_over_one_step"] = sum(1 for k in kills if k["stall_steps"] > 1)
     out["runs"] = runs
@@ -119,18 +130,51 @@ def main(argv=None) -> int:
         help="ranks per replica group (train.shard_degree; the optimizer state sharded, the "
         "parameters whole): 2 with --workers 4 is two groups of two",
     )
+    ap.add_argument(
+        "--paced-mb",
+        type=float,
+        default=0.0,
+        help="instead of --before: two arms of this checkout, 'whole' (cluster.copy_step_mb "
+        "0, the copy behind the first step) and 'paced' (copy_step_mb this many MB)",
+    )
+    ap.add_argument(
+        "--frozen-mb",
+        type=float,
+        default=64.0,
+        help="with --model frozen: the frozen base's MB (32 tensors)",
+    )
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if a.workers < 2 or a.workers % a.shard_degree:
         ap.error(f"--workers must be >= 2 and a multiple of --shard-degree (got {a.workers})")
+    if a.paced_mb < 0 or (a.paced_mb and a.before):
+        ap.error("--paced-mb must be > 0, and not with --before")
     dataset = ensure_dataset()
-    arms = {"after": REPO} | ({"before": a.before.resolve()} if a.before else {})
+    arms: dict[str, tuple[Path, dict]] = {"after": (REPO, {})}
+    if a.before:
+        arms["before"] = (a.before.resolve(), {})
+    if a.paced_mb:
+        arms = {
+            "whole": (REPO, {"copy_step_mb": 0.0}),
+            "paced": (REPO, {"copy_step_mb": a.paced_mb}),
+        }
     load0, t0 = os.getloadavg(), time.perf_counter()
     runs: dict[str, list[dict]] = {}
     for i in range(a.repeats):
-        for name, code in list(arms.items()) if i % 2 else list(arms.items())[::-1]:
+        for name, (code, cluster) in list(arms.items()) if i % 2 else list(arms.items())[::-1]:
             keep = a.keep / f"{name}-{i}" if a.keep else None
-            r = pair(dataset, a.steps, code, i % 2 == 1, keep, a.model, a.workers, a.shard_degree)
+            r = pair(
+                dataset,
+                a.steps,
+                code,
+                i % 2 == 1,
+                keep,
+                a.model,
+                a.workers,
+                a.shard_degree,
+                cluster,
+                a.frozen_mb,
+            )
             runs.setdefault(name, []).append(r)
             ks = [round(k["stall_steps"], 2) for k in r["faulty"].get("kills", [])]
             print(
@@ -150,6 +194,8 @@ def main(argv=None) -> int:
             "steps": a.steps,
             "workers": a.workers,
             "shard_degree": a.shard_degree,
+            "frozen_mb": a.frozen_mb if a.model == "frozen" else None,
+            "arms": {name: cluster for name, (_, cluster) in arms.items()},
             "spares": 1,
             "kill_every": 50,
             "repeats": a.repeats,

@@ -182,6 +182,10 @@ def gaps(metrics: list[dict]) -> dict[int, float]:
     return {s: t[s] - t[s - 1] for s in t if s - 1 in t}
 
 
+COST_WINDOW = 20
+"""Steps after a kill over which ``kill_costs`` sums its cost."""
+
+
 def kill_costs(metrics: list[dict], events: list[dict]) -> list[dict]:
     """Per injected kill, from the faulty run's own logs (no second run, so no drift of
     the shared machine between runs): seconds from the kill to the commit of the next new
@@ -189,7 +193,9 @@ def kill_costs(metrics: list[dict], events: list[dict]) -> list[dict]:
     gap (what the kill added to the step it hit), also in median step times
     (``stall_steps``), and where the time went, each from the kill: the coordinator's
     ``leave`` (detection), its ``epoch_started`` (the survivors abandoned the step and
-    reported ready) and the receiver's ``state_received`` (the copy done)."""
+    reported ready) and the receiver's ``state_received`` (the copy done). ``cost_steps``:
+    what the kill added over the ``COST_WINDOW`` steps from it (each gap less the median,
+    summed, in median step times), which a copy paced over steps spreads its cost on."""
     step_gaps = gaps(metrics)
     median = statistics.median(step_gaps.values())
     out = []
@@ -210,6 +216,10 @@ def kill_costs(metrics: list[dict], events: list[dict]) -> list[dict]:
                 "kill_to_next_s": nxt["t"] - f["t"],
                 "stall_s": stall,
                 "stall_steps": stall / median,
+                "cost_steps": sum(
+                    step_gaps.get(m["step"], median) - median for m in after[:COST_WINDOW]
+                )
+                / median,
                 "median_step_s": median,
                 "detected_s": since("leave"),
                 "epoch_started_s": since("epoch_started"),

@@ -87,3 +87,29 @@ def test_a_template_whose_parts_differ_from_a_holders_own_is_refused() -> None:
     pacing.sent, pacing.flushed = 2, 12
     assert pacing.end == 13 and pacing.part_at(12) is None
     assert pacing.rest()(sizes) == frozenset().union(*pacing.parts[2:])
+
+
+def test_a_frozen_parameter_is_a_unit_of_its_own_not_the_first_parts() -> None:
+    """A frozen base (no optimizer state) is most of a fine-tuning run's state: each of
+    its tensors travels in a part of its own, not all in the first part."""
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    for p in [*m[1].parameters(), *m[2].parameters()]:
+        p.requires_grad_(False)
+    o = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
+    units = _units(m, o)
+    assert units == {
+        "0.weight": 0,
+        "0.bias": 1,
+        "1.weight": 2,
+        "1.bias": 3,
+        "2.weight": 4,
+        "2.bias": 5,
+    }
+    tensors, _ = flatten(m.state_dict(), o.state_dict())
+    sizes = [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
+    got = parts(sizes, units, budget=16384 + 256, most=100)  # a weight and a bias
+    assert [sorted(p) for p in got] == [
+        ["model/0.bias", "model/0.weight", "model/1.weight"],
+        ["model/1.bias", "model/2.weight"],
+        ["model/2.bias"],
+    ]

@@ -59,8 +59,11 @@ def param_units(
 ) -> dict[str, int]:
     """Each parameter's state-dict names (a tied weight has several) -> its index in the
     optimizer's order (``groups``: its param groups' params, the order its state dict
-    numbers them)."""
+    numbers them); a parameter the optimizer does not hold (frozen) a unit of its own
+    after those, in the model's order. Buffers have none: the first part's."""
     index = {id(p): i for i, p in enumerate(p for g in groups for p in g)}
+    for p in module.parameters():
+        index.setdefault(id(p), len(index))
     named = module.state_dict(keep_vars=True)
     return {n: index[id(t)] for n, t in named.items() if id(t) in index}
 
