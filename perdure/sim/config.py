@@ -32,7 +32,7 @@ RENAMED_KINDS: dict[str, str] = {"nan_shard": "nan_part"}
 Reduction = Literal["chain", "exact_flat", "exact_hier"]
 Overlap = Literal["streamed", "bucketed", "last_slot"]
 Precision = Literal["fp32", "int8"]
-StateCopy = Literal["overlapped", "stall"]
+StateCopy = Literal["overlapped", "stall", "paced"]
 STATE_COPIES: tuple[str, ...] = StateCopy.__args__  # type: ignore[attr-defined]
 
 
@@ -337,7 +337,10 @@ class PerduePolicyConfig:
     the copy is shorter than that step. Only where the runtime overlaps
     (``runtime/control/copy_rule.py``: an exact reduction with ``overlap`` ``bucketed`` or
     ``streamed``, ``workload.shard`` = 1, not DiLoCo); elsewhere it stalls. ``stall``:
-    every member waits at the epoch's start until the copy is done."""
+    every member waits at the epoch's start until the copy is done. ``paced`` (the
+    runtime's ``cluster.copy_step_mb``, ``runtime/member/copy_pacing.py``, where it
+    overlaps): the copy is spread over the steps it takes, a part behind each step's
+    compute, so no member waits for it; the joiner has no slot until it is done."""
     copy_gbps: float | None = None
     """Caps every link a state copy uses at this rate, Gbit/s a GPU (the copy-rate sweep:
     the swarm copy is measured on 0.1-0.3 Gbit/s links, not at NIC rates); unset: the

@@ -103,14 +103,14 @@ def _state_copies(
     cfg: SimConfig, label: str, pp: PerduePolicyConfig
 ) -> list[tuple[str, str, SimConfig]]:
     """perdure with ``pp``, once per state copy listed (labels ending ``/<copy>``); no
-    ``/overlapped`` row where the runtime's copy rule makes the copy stall
+    ``/overlapped`` or ``/paced`` row where the runtime's copy rule makes the copy stall
     (:func:`scenario.copy_overlaps`) and a ``/stall`` row is listed: it would repeat it."""
     p = cfg.policies
     out = []
     for sc in p.perdure_state_copies or [pp.state_copy]:
         one = replace(pp, state_copy=sc)
         refused = not scenario.copy_overlaps(one, cfg.workload.shard)
-        if sc == "overlapped" and refused and "stall" in p.perdure_state_copies:
+        if sc != "stall" and refused and "stall" in p.perdure_state_copies:
             continue
         tail = f"/{sc}" if p.perdure_state_copies else ""
         out.append((label + tail, "perdure", replace(cfg, policies=replace(p, perdure=one))))

@@ -150,14 +150,14 @@ class Environment:
 
 def copy_overlaps(p: PerduePolicyConfig, shard: int = 1, diloco: bool = False) -> bool:
     """Whether a joiner's copy overlaps the epoch's first step, the runtime's rule
-    (``runtime/control/copy_rule.py``): ``state_copy = "overlapped"`` asked, the exact
-    reduction with exponents carried or streamed (``overlap`` ``bucketed`` or
+    (``runtime/control/copy_rule.py``): ``state_copy`` ``"overlapped"`` or ``"paced"``
+    asked, the exact reduction with exponents carried or streamed (``overlap`` ``bucketed`` or
     ``streamed``; ``last_slot`` is the step exponents' form), no FSDP sharding inside a
     replica (``workload.shard`` = 1) and no DiLoCo. Elsewhere the copy stalls the members,
     as the runtime's does. Tensor and pipeline parallel groups are not in the runtime:
     the model assumes each of their GPUs copies its own share as a replica of one GPU."""
     return (
-        p.state_copy == "overlapped"
+        p.state_copy in ("overlapped", "paced")
         and p.reduction != "chain"
         and p.overlap != "last_slot"
         and shard == 1
@@ -186,6 +186,7 @@ def perdure_costs(
         copy_s=env.copy_s(local=True, cap_bps=cap),
         far_copy_s=env.copy_s(local=False, cap_bps=cap),
         overlapped=copy_overlaps(p, shard, diloco),
+        paced=p.state_copy == "paced" and copy_overlaps(p, shard, diloco),
         replace_after_s=p.replace_after_ms / 1000,
         start_s=cal.perdure_replacement_start_s,
         boundary_s=boundary_s(env.step_s, hb),

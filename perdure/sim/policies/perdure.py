@@ -11,7 +11,8 @@ What each failure costs, as ``docs/architecture.md`` describes the runtime:
   in at a step boundary (an epoch change). Either joiner gets its state by a copy
   (:func:`_plan_in`): with ``state_copy = "stall"`` every member waits for it, with
   ``"overlapped"`` (where the runtime overlaps, ``scenario.copy_overlaps``) the members
-  compute the epoch's first step without the joiner while it copies;
+  compute the epoch's first step without the joiner while it copies, with ``"paced"``
+  every step while its copy lasts, a part behind each;
 - a node dies silently, or a worker hangs: nothing closes, so the survivors wait in the
   blocked collective until phi accrual crosses its threshold (``horizon_s``); a hang
   shorter than that evicts nobody; a hung worker that wakes rejoins like a replacement;
@@ -77,6 +78,9 @@ class Costs:
     overlapped: bool = False
     """``state_copy = "overlapped"``: a joiner copies while the members compute without
     it; false: every member waits for the copy."""
+    paced: bool = False
+    """``state_copy = "paced"`` (with ``overlapped``): the copy is spread over the steps it
+    takes, so no member waits for it."""
     reform_wait_s: float = 0.05
     """After a failed collective with nobody lost, the wait before the same members
     re-form (``cluster.reform_backoff_ms``, the first of a row)."""
@@ -156,7 +160,11 @@ def _plan_in(
     epoch's first step is planned with no slot on a joiner; the members compute it while
     the joiners copy, and its reduction waits for the copy, so that step takes
     ``max(first, copy)`` (``first``: the step time without the joiners); the joiners
-    take their slots from the next step on."""
+    take their slots from the next step on. Paced (``cluster.copy_step_mb``,
+    ``runtime/member/copy_pacing.py``): a part of the copy behind each step's compute, so
+    no step waits for it; the joiners take their slots once it is done, ``max(first,
+    copy)`` after the epoch starts (the parts' own fixed costs, 23 ms each where a part
+    outlasts its step's compute, are left out)."""
     c: Costs = ctx.costs
     if n <= 0:
         return pay(s, **epoch), ()
@@ -164,6 +172,11 @@ def _plan_in(
     first = step_time(ctx, s)
     if not c.overlapped or not math.isfinite(first):  # no member computes: nothing to overlap
         return pay(add_members(s, ctx, region, n), copy=copy, **epoch), ()
+    if c.paced:
+        s = add_copying(pay(s, **epoch), region, n)
+        return s, (
+            Event(t=s.stall_until + max(first, copy), kind="copied", region=region, count=n),
+        )
     s = add_copying(pay(s, copy=max(0.0, copy - first), **epoch), region, n)
     return s, (Event(t=s.stall_until + first, kind="copied", region=region, count=n),)
 
