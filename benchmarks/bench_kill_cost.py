@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,8 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO, ensure_dataset, machine, stats, write_result
 from bench_recovery import (
+    COST_WINDOW,
     GP_MODEL,
     REC_MODEL,
+    gaps,
     in_order,
     in_run_goodput,
     kill_costs,
@@ -75,11 +78,13 @@ def pair(
     probe = [str(REPO / ".venv/bin/python"), "-c", "import perdure; print(perdure.__file__)"]
     imported = subprocess.run(probe, cwd=code, capture_output=True, text=True).stdout.strip()
     res: dict = {"imports": imported}
+    runs_metrics: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory(prefix="perdure-bench-kill-") as d:
         root = keep or Path(d)
         runs = [("clean", None), ("faulty", kill_schedule(kills, ["local-1", "local-2"]))]
         for name, chaos in in_order(runs, faulty_first):
             r = perdure_run(cfg, steps, root / name, chaos=chaos, timeout_s=900, cwd=code)
+            runs_metrics[name] = r["metrics"]
             res[name] = {"rc": r["rc"], "span_s": span(r["metrics"])}
             res[name]["final_hash"] = r["summary"].get("final_hash")
             if r["rc"]:
@@ -88,8 +93,29 @@ def pair(
                 res[name]["kills"] = kill_costs(r["metrics"], r["events"])
                 res[name]["goodput_in_run"] = in_run_goodput(r["metrics"], kills)
     out = {**res, "bitwise_equal": res["clean"]["final_hash"] == res["faulty"]["final_hash"]}
+    if len(runs_metrics) == 2 and not res["faulty"]["rc"] and not res["clean"]["rc"]:
+        out["window_cost_steps"] = against_clean(
+            runs_metrics["faulty"], runs_metrics["clean"], kills
+        )
     if res["clean"]["span_s"] and res["faulty"]["span_s"]:
         out["goodput"] = res["clean"]["span_s"] / res["faulty"]["span_s"]
+    return out
+
+
+def against_clean(faulty: list[dict], clean: list[dict], kills: list[int]) -> list[float]:
+    """Per kill at step ``k``: the faulty run's time from step ``k - 1``'s commit to step
+    ``k + COST_WINDOW - 1``'s, less the clean run's over the same steps, in the clean
+    run's median step times. What the kill cost over the window, whatever else those
+    steps hold (a fingerprint every 10 steps is in both runs); a copy paced over steps
+    spreads its cost there."""
+    tf = {m["step"]: m["t"] for m in faulty}
+    tc = {m["step"]: m["t"] for m in clean}
+    median = statistics.median(gaps(clean).values())
+    out = []
+    for k in kills:
+        a, b = k - 1, k + COST_WINDOW - 1
+        if all(s in tf and s in tc for s in (a, b)):
+            out.append(((tf[b] - tf[a]) - (tc[b] - tc[a])) / median)
     return out
 
 
@@ -105,6 +131,7 @@ def row(runs: list[dict]) -> dict:
     for key in (*keys, "epoch_started_s"):
         out[key] = stats([k.get(key) for k in kills if k.get(key) is not None])
     out["kills_over_one_step"] = sum(1 for k in kills if k["stall_steps"] > 1)
+    out["window_cost_steps"] = stats([c for r in runs for c in r.get("window_cost_steps", [])])
     out["runs"] = runs
     return out
 

@@ -502,8 +502,10 @@ class ClusterConfig:
     that step delays by the difference. Not part of the math: the received bits are the
     holders'. Takes effect where the copy overlaps the first step
     (``control/copy_rule.py``) and ``train.shard_degree`` = 1; elsewhere the copy is whole.
-    Limits: a checkpoint or an evaluation due before the last part completes the copy
-    first (blocking), as does the run's end."""
+    Until its last part the receiver writes no share of a checkpoint (the holders write
+    it) and evaluates nothing. Limits: a run that ends before the last part (a drain)
+    completes the copy first (blocking); the parts are sized by this value, not by the
+    step (a part that outlasts the holders' compute shows by the difference)."""
 
     def __post_init__(self) -> None:
         c = Checker()

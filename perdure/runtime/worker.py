@@ -51,7 +51,6 @@ from perdure.runtime.control.fence import Fence, Fenced
 from perdure.runtime.control.liveness import hold
 from perdure.runtime.member import saves
 from perdure.runtime.member.epoch import Epoch
-from perdure.runtime.member.evaluate import due as eval_due
 from perdure.runtime.member.heartbeat import Heartbeat
 from perdure.runtime.member.metrics import Evaluation, step_line
 from perdure.runtime.member.priority import normal_priority, prompt_threads
@@ -170,7 +169,7 @@ class Worker:
             timeout=self._timeout,
             should_stop=lambda: self._should_stop(self.inflight),
             copy_step_bytes=int(config.cluster.copy_step_mb * 1e6),
-            last_step=lambda: self.client.last_step(self.config.train.steps),
+            steps=config.train.steps,
         )
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat().run, daemon=True, name="heartbeat").start()
@@ -532,10 +531,10 @@ class Worker:
         assert tr is not None
         if loss is not None:
             self._line(ep, t, loss, step_s)
-        last = self.client.last_step(self.config.train.steps)
-        if saves.due(self.config, tr.next_step, last) or eval_due(self.config.eval, tr.next_step):
-            self._flush(ep, t)  # a paced copy's receivers whole first
-        self.evaluation.after(tr, t, self.metrics.write if ep.rank == 0 else _drop)
+        partial = ep.runner.partial  # a paced copy's receivers: they evaluate nothing
+        writer = min(r for r in range(ep.size) if r not in partial)
+        if ep.rank not in partial:
+            self.evaluation.after(tr, t, self.metrics.write if ep.rank == writer else _drop)
         every = self.config.cluster.fingerprint_every
         if ep.size > 1 and tr.next_step % every == 0 and not ep.runner.compare_fingerprints():
             self.has_state = False  # receive a live peer's state in the next epoch
@@ -565,8 +564,9 @@ class Worker:
         self.client.send(p.Done(next_step=tr.next_step, final_hash=tr.digest(state.optimizer)))
 
     def _flush(self, ep: Epoch, t: int) -> None:
-        """A paced copy not complete at step ``t``'s commit, which needs every member's
-        whole state: its parts left, now (``StateTransfer.flush``)."""
+        """A paced copy not complete at the run's end (a drain asked for before its last
+        part), whose final save and hash need every member's whole state: its parts
+        left, now (``StateTransfer.flush``)."""
         assert self.trainer is not None
         if self.transfer.flush(ep, self.trainer, t):
             self.has_state = True

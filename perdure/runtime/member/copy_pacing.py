@@ -30,15 +30,17 @@ first step's idle plan, ``plan.idle_plan``); from ``s + n`` on the receivers com
 share. Until its last part is in, a receiver is *partial* (``Trainer.partial``): its
 fingerprint holds nothing (-1s), a non-finite slot is re-run on another member, and it
 reports no state to the coordinator (an epoch that ends in the window copies it again,
-whole). A commit that needs every member's whole state (a checkpoint's save, an
-evaluation, the run's end) *flushes* the copy first: the parts left, all at once,
+whole); a checkpoint due in the window is written by the others (its share of the
+tensors too: ``saves.holders``) and an evaluation by the lowest rank that is whole. The
+run's end, whose final save and hash need every member's whole state, *flushes* the copy
+first where it comes before the last part (a drain): the parts left, all at once,
 blocking, from the holders' state after that step.
 
 All members derive the same parts: a holder from its own export, a receiver from the
 template's offer (the swarm copy's ``select``), both by :func:`parts` over the same keys
 and sizes; a template whose parts differ from a holder's own ends the copy
-(``StateCopyFailed``). The number of parts is capped by the steps the run has left, so
-the last part lands before its end.
+(``StateCopyFailed``). The number of parts is capped by the steps the run has left
+(``train.steps``, the same on every member), so the last part lands before its end.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from perdure import events as ev
 from perdure.checkpoint import AsyncCheckpointer, CheckpointSaveError, CheckpointState
 from perdure.checkpoint.config import checkpoint_root
+from perdure.checkpoint.tensors import flatten
 from perdure.events import JsonLines
 from perdure.run_config import RunConfig
 from perdure.runtime.comm.exchange import StoreExchange
@@ -91,9 +92,25 @@ def topology(config: RunConfig, ep: Epoch) -> dict[str, Any]:
 
 
 def save(trainer: Trainer, ep: Epoch, state: CheckpointState) -> None:
-    """Start saving ``state``, each rank writing what it holds (``save_holders``)."""
+    """Start saving ``state``, each rank writing what it holds (``save_holders``), none
+    of it on a rank whose state is partial (a paced copy's receiver: its share goes to
+    the others, :func:`holders`)."""
     assert ep.ckpt is not None
-    ep.ckpt.save(state, holders=trainer.save_holders(state, ep.size))
+    ep.ckpt.save(state, holders=holders(trainer, ep, state))
+
+
+def holders(trainer: Trainer, ep: Epoch, state: CheckpointState) -> dict[str, tuple[int, ...]]:
+    """Who writes each tensor that not every rank writes: ``Trainer.save_holders``, less
+    the partial ranks (``StepRunner.partial``), which then write no tensor at all; their
+    state's JSON fields are every member's (step, data offsets, decision log move with
+    every update)."""
+    held = trainer.save_holders(state, ep.size)
+    partial = ep.runner.partial
+    if not partial:
+        return held
+    whole = tuple(r for r in range(ep.size) if r not in partial)
+    keys, _ = flatten(state.model, state.optimizer)
+    return {k: tuple(r for r in held.get(k, whole) if r not in partial) for k in keys}
 
 
 def save_due(trainer: Trainer, ep: Epoch, config: RunConfig, name: str) -> None:

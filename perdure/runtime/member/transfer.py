@@ -51,8 +51,9 @@ class StateTransfer:
     should_stop: Callable[[], bool]
     copy_step_bytes: int = 0
     """``cluster.copy_step_mb`` in bytes: 0, the whole state behind the first step."""
-    last_step: Callable[[], int] = lambda: 1 << 62
-    """The step the run ends at (a paced copy's last part lands before it)."""
+    steps: int = 1 << 62
+    """``train.steps``: a paced copy's last part lands before the run's last step (the
+    config's, the same on every member; a drain that ends the run earlier flushes it)."""
 
     def copy(self, ep: Epoch, tr: Trainer) -> bool:
         """The epoch's copy, or a paced copy's first part (``copy_pacing.py``): True
@@ -126,7 +127,7 @@ class StateTransfer:
             return None
         start = ep.start.start_step
         groups = [g["params"] for g in tr.optimizer.param_groups]
-        most = max(1, self.last_step() - start)
+        most = max(1, self.steps - start)
         paced = Pacing(start, param_units(tr.module, groups), self.copy_step_bytes, most)
         ep.pacing = paced
         return paced
@@ -157,9 +158,9 @@ class StateTransfer:
         return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4), part)
 
     def flush(self, ep: Epoch, tr: Trainer, step: int) -> bool:
-        """At step ``step``'s commit, where it needs every member's whole state (a save,
-        an evaluation, the run's end): the parts not moved yet, all at once, blocking.
-        True once this member received the whole state."""
+        """At the run's end, whose final save and hash need every member's whole state
+        (a drain asked for before the last part): the parts not moved yet, all at once,
+        blocking, after step ``step``. True once this member received the whole state."""
         paced = ep.pacing
         if paced is None or paced.parts is None or paced.complete:
             return False
