@@ -223,3 +223,69 @@ def test_a_paced_receiver_cut_off_by_another_kill_copies_again_whole(
     started = {e["epoch"]: e for e in events(run, "epoch_started")}
     assert "spare-0" in started[epochs[1]]["receivers"]
     assert started[epochs[1]]["source"] != "spare-0"
+
+
+_DRAINED = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from tests.runtime_support import run_to_end, small_config
+cfg = small_config(Path(sys.argv[1]), workers=3, steps=int(sys.argv[4]), **json.loads(sys.argv[5]))
+run_to_end(cfg, Path(sys.argv[2]), timeout_s=120)
+"""
+
+
+def test_a_drain_inside_a_paced_copy_completes_it_before_the_final_checkpoint(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to the launcher as the spare's paced copy begins (a part per parameter of a
+    four-layer model: about 50 steps): the run drains at a step inside the window, whose
+    final save and hash need every member's whole state, so the parts left go at once
+    (``flushed``), and the final checkpoint holds the bits of a one-worker run's
+    checkpoint of the same step."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from perdure import events as ev
+    from perdure.checkpoint import latest_checkpoint
+
+    steps = 400
+    optim = {"warmup_steps": 5, "schedule": "constant"}
+    task = {"options": {"d_model": 32, "n_layers": 4, "n_heads": 2, "dropout": 0.1, "max_len": 128}}
+    sections = {
+        "task": task,
+        "cluster": {"spares": 1, "copy_step_mb": 1e-6},
+        "chaos": {"faults": [{"kind": "kill", "target": "r0-1", "at_step": 30}]},
+        "checkpoint": {"every_steps": steps, "keep_last": 5},
+        "optim": optim,
+    }
+    root = str(Path(__file__).resolve().parents[2])
+    run = tmp_path / "run"
+    argv = [sys.executable, "-c", _DRAINED, str(small_dataset), str(run), root, str(steps)]
+    launcher = subprocess.Popen([*argv, json.dumps(sections)])
+    try:
+        end = time.monotonic() + 90
+        while not [e for e in events(run, "state_received") if e["worker"] == "spare-0"]:
+            assert time.monotonic() < end and launcher.poll() is None, "no copy began"
+            time.sleep(0.02)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(60) == 0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    [drain] = events(run, ev.RUN_DRAINING)
+    got = [e for e in events(run, "state_received") if e["worker"] == "spare-0"]
+    assert got[0]["parts"] > 20
+    assert got[-1]["mode"] == "flushed" and got[-1]["part"] + 1 < got[-1]["parts"], got[-1]
+    assert got[-1]["next_step"] == drain["step"]
+    ckpt = latest_checkpoint(run / "checkpoints")
+    assert ckpt is not None
+    # A constant rate: the reference's schedule does not depend on its shorter length.
+    ref = small_config(small_dataset, workers=1, steps=drain["step"], task=task, optim=optim)
+    run_to_end(ref, tmp_path / "ref")
+    mine, theirs = _checkpoints(run), _checkpoints(tmp_path / "ref")
+    assert max(mine) == max(theirs) == drain["step"]
+    assert _state_bits(ckpt) == _state_bits(theirs[drain["step"]])
