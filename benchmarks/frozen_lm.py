@@ -13,10 +13,13 @@ accelerator whose step is short against its link.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import torch
 from torch import nn
 
-from examples.tiny_lm.task import TinyLM, init, loss_fn
+from examples.tiny_lm.task import make_task as tiny_lm_task
 from perdure.runtime.replica.task import Task
 
 
@@ -24,7 +27,7 @@ class FrozenBase(nn.Module):
     """tiny_lm and its frozen base (zeros: cheap to build for the replacement that starts
     beside the members, and a copy moves bytes whatever they hold)."""
 
-    def __init__(self, lm: TinyLM, frozen_mb: float, frozen_tensors: int) -> None:
+    def __init__(self, lm: nn.Module, frozen_mb: float, frozen_tensors: int) -> None:
         super().__init__()
         self.lm = lm
         n = max(1, int(frozen_mb * 1e6 / 4 / frozen_tensors))
@@ -36,23 +39,7 @@ class FrozenBase(nn.Module):
         return self.lm(tokens)
 
 
-def make_task(
-    d_model: int = 64,
-    n_layers: int = 2,
-    n_heads: int = 4,
-    dropout: float = 0.1,
-    max_len: int = 512,
-    vocab: int = 256,
-    frozen_mb: float = 64.0,
-    frozen_tensors: int = 16,
-) -> Task:
-    lm = TinyLM(
-        vocab=vocab,
-        d_model=d_model,
-        n_layers=n_layers,
-        n_heads=n_heads,
-        dropout=dropout,
-        max_len=max_len,
-    )
-    model = FrozenBase(lm, frozen_mb, frozen_tensors)
-    return Task(model=model, loss_fn=loss_fn, vocab_size=vocab, max_len=max_len, init=init)
+def make_task(frozen_mb: float = 64.0, frozen_tensors: int = 16, **lm: Any) -> Task:
+    """tiny_lm's task (``lm``: its options) with the frozen base beside its model."""
+    task = tiny_lm_task(**lm)
+    return dataclasses.replace(task, model=FrozenBase(task.model, frozen_mb, frozen_tensors))

@@ -92,11 +92,18 @@ def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_
 
 
 def _paced_run(
-    small_dataset: Path, run: Path, *, every: int, steps: int = STEPS
+    small_dataset: Path,
+    run: Path,
+    *,
+    every: int,
+    steps: int = STEPS,
+    faults: list[dict] | None = None,
 ) -> tuple[dict, list[dict], list[dict], dict]:
-    """3 members and a warm spare, r0-1 killed at T/3, the spare's copy paced over steps
-    (``cluster.copy_step_mb`` of 2 kB: a tiny_lm's parameters a few at a time)."""
-    faults = [{"kind": "kill", "target": "r0-1", "at_step": steps // 3}]
+    """3 members and a warm spare, r0-1 killed at T/3 (or ``faults``), the spare's copy
+    paced over steps (``cluster.copy_step_mb`` of 2 kB: a tiny_lm's parameters a few at a
+    time); the summary, the spare's parts and the holders' of its first paced epoch, and
+    that epoch's start."""
+    faults = faults or [{"kind": "kill", "target": "r0-1", "at_step": steps // 3}]
     cfg = small_config(
         small_dataset,
         workers=3,
@@ -201,17 +208,9 @@ def test_a_paced_receiver_cut_off_by_another_kill_copies_again_whole(
         {"kind": "kill", "target": "r0-1", "at_step": kill},
         {"kind": "kill", "target": "r0-2", "at_step": kill + 3},
     ]
-    cfg = small_config(
-        small_dataset,
-        workers=3,
-        steps=STEPS,
-        cluster={"spares": 1, "copy_step_mb": 0.002},
-        chaos={"faults": faults},
-        checkpoint={"every_steps": STEPS, "keep_last": 5},
-    )
     ref = run_to_end(small_config(small_dataset, workers=1, steps=STEPS), tmp_path / "ref")
     run = tmp_path / "run"
-    s = run_to_end(cfg, run)
+    s, _, _, _ = _paced_run(small_dataset, run, every=STEPS, faults=faults)
     assert s["final_hash"] == ref["final_hash"]
     got = [e for e in events(run, "state_received") if e["worker"] == "spare-0"]
     epochs = sorted({e["epoch"] for e in got})
