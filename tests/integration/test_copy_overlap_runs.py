@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from perdure.runtime.plan import Plan
@@ -64,12 +65,15 @@ def test_a_spare_copies_behind_the_survivors_step_and_the_weights_do_not_change(
     assert all(sorted(e["holders"]) == holders for e in got.values())
 
 
+@pytest.mark.parametrize("copy_step_mb", [0.0, 0.002], ids=["overlapped", "paced"])
 def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_survivors_step(
-    small_dataset: Path, tmp_path: Path
+    small_dataset: Path, tmp_path: Path, copy_step_mb: float
 ) -> None:
     """BatchNorm and a counter move their buffers in every slot's forward (and are put back
     after it): the holders serve clones of the committed buffers while they compute, so
-    the spare's replica and the final parameters are still the one-worker run's. (Whether
+    the spare's replica and the final parameters are still the one-worker run's. Paced,
+    the buffers travel in the first part and the spare applies each step's buffer moves
+    from the reduced sum to them, as to every parameter it holds. (Whether
     a range is read mid-forward here is up to timing; ``test_copy_overlap`` checks the
     clones against a forward directly.)"""
     steps = 30
@@ -80,15 +84,19 @@ def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_
         workers=3,
         steps=steps,
         task=BUFFER_TASK,
-        cluster={"spares": 1},
+        cluster={"spares": 1, "copy_step_mb": copy_step_mb},
         chaos={"faults": faults},
     )
     one = small_config(small_dataset, workers=1, steps=steps, task=BUFFER_TASK)
     ref = run_to_end(one, tmp_path / "ref")
     s = run_to_end(cfg, tmp_path / "run")
     assert s["final_hash"] == ref["final_hash"]
-    [got] = [e for e in events(tmp_path / "run", "state_received") if e["worker"] == "spare-0"]
-    assert got["mode"] == "overlapped" and got["overlapped_step"] == got["next_step"]
+    got = [e for e in events(tmp_path / "run", "state_received") if e["worker"] == "spare-0"]
+    assert got[0]["overlapped_step"] == got[0]["next_step"]
+    if copy_step_mb:  # the buffers in the first part, the receiver moving them since
+        assert {e["mode"] for e in got} == {"paced"} and len(got) == got[0]["parts"] > 1
+    else:
+        assert [e["mode"] for e in got] == ["overlapped"]
 
 
 def _paced_run(
@@ -288,3 +296,25 @@ def test_a_drain_inside_a_paced_copy_completes_it_before_the_final_checkpoint(
     mine, theirs = _checkpoints(run), _checkpoints(tmp_path / "ref")
     assert max(mine) == max(theirs) == drain["step"]
     assert _state_bits(ckpt) == _state_bits(theirs[drain["step"]])
+
+
+def test_a_poisoned_part_inside_a_paced_copy_is_quarantined_as_in_the_reference(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """A part of the data set yields NaN three steps into the spare's paced copy: the bad
+    slot is re-run on a member whose state is whole (never the partial spare), the part
+    is quarantined exactly as in the one-worker run with the same poison, and the final
+    parameters are that run's."""
+    poison = {"kind": "poison_part", "target": "3", "at_step": STEPS // 3 + 3}
+    kill = {"kind": "kill", "target": "r0-1", "at_step": STEPS // 3}
+    one = small_config(small_dataset, workers=1, steps=STEPS, chaos={"faults": [poison]})
+    ref = run_to_end(one, tmp_path / "ref")
+    s, got, _, started = _paced_run(
+        small_dataset, tmp_path / "run", every=STEPS, faults=[kill, poison]
+    )
+    assert s["final_hash"] == ref["final_hash"]
+    decisions = [{k: v for k, v in d.items() if k not in ("t", "event")} for d in s["decisions"]]
+    theirs = [{k: v for k, v in d.items() if k not in ("t", "event")} for d in ref["decisions"]]
+    assert decisions == theirs != []
+    window = range(started["start_step"], got[-1]["next_step"] + 1)
+    assert all(d["step"] in window for d in decisions), (decisions, window)
