@@ -158,11 +158,16 @@ def main(argv=None) -> int:
         "parameters whole): 2 with --workers 4 is two groups of two",
     )
     ap.add_argument(
+        "--paces",
+        default="",
+        help="instead of --before: arms of this checkout, one per cluster.copy_pace listed "
+        "(comma-separated: whole, fixed, auto), each with --paced-mb",
+    )
+    ap.add_argument(
         "--paced-mb",
         type=float,
-        default=0.0,
-        help="instead of --before: two arms of this checkout, 'whole' (cluster.copy_step_mb "
-        "0, the copy behind the first step) and 'paced' (copy_step_mb this many MB)",
+        default=64.0,
+        help="with --paces: cluster.copy_step_mb (a fixed part's MB, an automatic first part's)",
     )
     ap.add_argument(
         "--frozen-mb",
@@ -174,17 +179,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.workers < 2 or a.workers % a.shard_degree:
         ap.error(f"--workers must be >= 2 and a multiple of --shard-degree (got {a.workers})")
-    if a.paced_mb < 0 or (a.paced_mb and a.before):
-        ap.error("--paced-mb must be > 0, and not with --before")
+    paces = [p for p in a.paces.split(",") if p]
+    if a.paced_mb <= 0 or (paces and a.before) or set(paces) - {"whole", "fixed", "auto"}:
+        ap.error("--paces lists whole, fixed or auto, not with --before; --paced-mb > 0")
     dataset = ensure_dataset()
     arms: dict[str, tuple[Path, dict]] = {"after": (REPO, {})}
     if a.before:
         arms["before"] = (a.before.resolve(), {})
-    if a.paced_mb:
-        arms = {
-            "whole": (REPO, {"copy_step_mb": 0.0}),
-            "paced": (REPO, {"copy_step_mb": a.paced_mb}),
-        }
+    if paces:
+        arms = {p: (REPO, {"copy_pace": p, "copy_step_mb": a.paced_mb}) for p in paces}
     load0, t0 = os.getloadavg(), time.perf_counter()
     runs: dict[str, list[dict]] = {}
     for i in range(a.repeats):

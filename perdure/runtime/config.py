@@ -490,22 +490,26 @@ class ClusterConfig:
     (R - 1)(R - 2)/R x N/B > (2R - 3) d: at R = 4, N/B > 3.3 d.)"""
     fingerprint_every: int = 10
     """Compare a fingerprint of every replica's parameters every this many steps."""
-    copy_step_mb: float = 0.0
-    """A replacement's state copy paced over steps: at most this many MB (10**6 bytes) of
-    the state a step, whole parameters with their optimizer state, each part sent by the
-    holders behind one step's compute while the receiver takes part in every step's
-    reduction with no slot and applies each update to what it holds
-    (``runtime/member/copy_pacing.py``). Set it to about the holders' link rate times
-    their compute of one step, so that a state whose copy outlasts a step still costs the
-    run no more than one step (the holders carry the receiver's slots meanwhile). 0 (the
-    default): the whole state behind the epoch's first step, which a copy longer than
-    that step delays by the difference. Not part of the math: the received bits are the
-    holders'. Takes effect where the copy overlaps the first step
-    (``control/copy_rule.py``) and ``train.shard_degree`` = 1; elsewhere the copy is whole.
+    copy_pace: Literal["auto", "fixed", "whole"] = "auto"
+    """How a joiner's state copy spreads over steps, where it overlaps the survivors'
+    steps (``control/copy_rule.py``) and ``train.shard_degree`` = 1; elsewhere it is whole.
+    Paced, the state moves in parts, whole parameters with their optimizer state, each
+    served by the holders behind one step's compute while the receiver takes part in every
+    step's reduction with no slot and applies each update to what it holds
+    (``runtime/member/copy_pacing.py``), so that a copy longer than a step still costs no
+    member a wait: the holders carry the receiver's slots until the last part is in.
+    ``auto`` (the default): the first part ``copy_step_mb``, each later one what the
+    source measured the copy to move in its compute of a step (a state within the first
+    part copies as ``whole`` does). ``fixed``: ``copy_step_mb`` a part. ``whole``: the
+    whole state behind the epoch's first step, whose reduction waits for the rest of a copy
+    longer than that step. Not part of the math: the received bits are the holders'.
     Until its last part the receiver writes no share of a checkpoint (the holders write
     it) and evaluates nothing. Limits: a run that ends before the last part (a drain)
-    completes the copy first (blocking); the parts are sized by this value, not by the
-    step (a part that outlasts the holders' compute shows by the difference)."""
+    completes the copy first (blocking); an automatic part is sized by the last one's rate,
+    so a link that slows down shows by the difference for a step."""
+    copy_step_mb: float = 64.0
+    """MB (10**6 bytes) of a paced copy's part: every part's with ``copy_pace = "fixed"``,
+    the first one's with ``"auto"`` (its measured rate sizes the next)."""
 
     def __post_init__(self) -> None:
         c = Checker()
@@ -572,11 +576,12 @@ class ClusterConfig:
         c.positive("evict_after_suspect", self.evict_after_suspect)
         c.positive("fingerprint_every", self.fingerprint_every)
         c.check(
-            math.isfinite(self.copy_step_mb) and self.copy_step_mb >= 0,
+            math.isfinite(self.copy_step_mb) and self.copy_step_mb > 0,
             "copy_step_mb",
-            "must be a finite number >= 0",
+            "must be a finite number > 0",
             self.copy_step_mb,
         )
+        c.one_of("copy_pace", self.copy_pace, ("auto", "fixed", "whole"))
         c.done()
 
     @property

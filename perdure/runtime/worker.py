@@ -168,8 +168,10 @@ class Worker:
             shard_degree=config.train.shard_degree,
             timeout=self._timeout,
             should_stop=lambda: self._should_stop(self.inflight),
+            copy_pace=config.cluster.copy_pace,
             copy_step_bytes=int(config.cluster.copy_step_mb * 1e6),
             steps=config.train.steps,
+            slot_s=lambda: self.timer.slot_s,
         )
         # Beat from admission on: building the trainer can take seconds on a busy machine.
         threading.Thread(target=self._heartbeat().run, daemon=True, name="heartbeat").start()

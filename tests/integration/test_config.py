@@ -236,10 +236,11 @@ def test_a_prepared_config_class_builds_without_evaluating_an_annotation(
     assert config_from_dict(data) == want
 
 
-def test_a_negative_or_infinite_copy_step_is_refused_and_it_is_not_part_of_the_hash() -> None:
-    assert _problems({"cluster": {"copy_step_mb": -1.0}}) == [
-        ("cluster.copy_step_mb", "must be a finite number >= 0", -1.0)
+def test_a_bad_copy_pace_or_step_is_refused_and_neither_is_part_of_the_hash() -> None:
+    assert _problems({"cluster": {"copy_step_mb": 0.0}}) == [
+        ("cluster.copy_step_mb", "must be a finite number > 0", 0.0)
     ]
     assert _problems({"cluster": {"copy_step_mb": float("inf")}})[0][0] == "cluster.copy_step_mb"
-    paced = config_from_dict({"cluster": {"copy_step_mb": 64.0}})
+    assert _problems({"cluster": {"copy_pace": "sometimes"}})[0][0] == "cluster.copy_pace"
+    paced = config_from_dict({"cluster": {"copy_pace": "fixed", "copy_step_mb": 8.0}})
     assert config_hash(paced) == config_hash(config_from_dict({}))

@@ -65,9 +65,9 @@ def test_a_spare_copies_behind_the_survivors_step_and_the_weights_do_not_change(
     assert all(sorted(e["holders"]) == holders for e in got.values())
 
 
-@pytest.mark.parametrize("copy_step_mb", [0.0, 0.002], ids=["overlapped", "paced"])
+@pytest.mark.parametrize("pace", ["whole", "fixed"], ids=["overlapped", "paced"])
 def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_survivors_step(
-    small_dataset: Path, tmp_path: Path, copy_step_mb: float
+    small_dataset: Path, tmp_path: Path, pace: str
 ) -> None:
     """BatchNorm and a counter move their buffers in every slot's forward (and are put back
     after it): the holders serve clones of the committed buffers while they compute, so
@@ -84,7 +84,7 @@ def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_
         workers=3,
         steps=steps,
         task=BUFFER_TASK,
-        cluster={"spares": 1, "copy_step_mb": copy_step_mb},
+        cluster={"spares": 1, "copy_pace": pace, "copy_step_mb": 0.002},
         chaos={"faults": faults},
     )
     one = small_config(small_dataset, workers=1, steps=steps, task=BUFFER_TASK)
@@ -93,8 +93,9 @@ def test_a_model_whose_forward_moves_buffers_copies_its_committed_buffers_while_
     assert s["final_hash"] == ref["final_hash"]
     got = [e for e in events(tmp_path / "run", "state_received") if e["worker"] == "spare-0"]
     assert got[0]["overlapped_step"] == got[0]["next_step"]
-    if copy_step_mb:  # the buffers in the first part, the receiver moving them since
-        assert {e["mode"] for e in got} == {"paced"} and len(got) == got[0]["parts"] > 1
+    if pace == "fixed":  # the buffers in the first part, the receiver moving them since
+        assert {e["mode"] for e in got} == {"paced"} and len(got) > 1
+        assert [e["complete"] for e in got] == [False] * (len(got) - 1) + [True]
     else:
         assert [e["mode"] for e in got] == ["overlapped"]
 
@@ -106,9 +107,11 @@ def _paced_run(
     every: int,
     steps: int = STEPS,
     faults: list[dict] | None = None,
+    pace: str = "fixed",
+    step_mb: float = 0.002,
 ) -> tuple[dict, list[dict], list[dict], dict]:
     """3 members and a warm spare, r0-1 killed at T/3 (or ``faults``), the spare's copy
-    paced over steps (``cluster.copy_step_mb`` of 2 kB: a tiny_lm's parameters a few at a
+    paced over steps (``copy_pace = "fixed"``, 2 kB a part: a tiny_lm's parameters a few at a
     time); the summary, the spare's parts and the holders' of its first paced epoch, and
     that epoch's start."""
     faults = faults or [{"kind": "kill", "target": "r0-1", "at_step": steps // 3}]
@@ -116,7 +119,7 @@ def _paced_run(
         small_dataset,
         workers=3,
         steps=steps,
-        cluster={"spares": 1, "copy_step_mb": 0.002},
+        cluster={"spares": 1, "copy_pace": pace, "copy_step_mb": step_mb},
         chaos={"faults": faults},
         checkpoint={"every_steps": every, "keep_last": 100},
     )
@@ -144,11 +147,11 @@ def test_a_copy_paced_over_steps_leaves_the_weights_of_the_uninterrupted_run(
     s, got, sent, started = _paced_run(small_dataset, tmp_path / "run", every=STEPS)
     assert s["final_hash"] == ref["final_hash"]
     assert s["survivor_restarts"] == 0
-    parts = got[0]["parts"]
+    parts = len(got)
     assert parts > 2
     start = started["start_step"]
-    assert [(e["part"], e["parts"], e["next_step"]) for e in got] == [
-        (j, parts, start + j) for j in range(parts)
+    assert [(e["part"], e["complete"], e["next_step"]) for e in got] == [
+        (j, j == parts - 1, start + j) for j in range(parts)
     ]
     assert {e["mode"] for e in got} == {"paced"}
     holders = sorted(m for m in started["plan"]["members"] if m not in started["receivers"])
@@ -157,6 +160,29 @@ def test_a_copy_paced_over_steps_leaves_the_weights_of_the_uninterrupted_run(
         assert sorted(e["worker"] for e in part) == holders
         assert {(e["next_step"], e["mode"]) for e in part} == {(start + j, "paced")}
         assert sum(e["bytes"] for e in part) == got[j]["bytes"]
+
+
+def test_an_automatic_pace_sizes_the_next_part_from_the_first_ones_rate(
+    small_dataset: Path, tmp_path: Path
+) -> None:
+    """``copy_pace = "auto"`` with a first part of 100 bytes (the buffers and the first
+    parameter): the source measured that part's rate and its compute of a step, and
+    budgets the next part from them, far more than 100 bytes (here tens of kB: parts
+    this small are mostly the copy's fixed cost, so their measured rate is low). The
+    final bits are the one-worker run's."""
+    ref = run_to_end(small_config(small_dataset, workers=1, steps=STEPS), tmp_path / "ref")
+    s, got, _, _ = _paced_run(
+        small_dataset, tmp_path / "run", every=STEPS, pace="auto", step_mb=0.0001
+    )
+    assert s["final_hash"] == ref["final_hash"]
+    assert len(got) >= 2 and got[-1]["complete"]
+    assert max(e["bytes"] for e in got[1:]) > 100 * got[0]["bytes"] > 0
+    # fixed at 100 bytes, every parameter would travel alone: a part per group
+    from examples.tiny_lm.task import make_task
+
+    model = make_task(d_model=32, n_layers=1, n_heads=2, max_len=128).model
+    assert len(got) < len(list(model.parameters())) + 1
+    assert {e["mode"] for e in got} == {"paced"}
 
 
 def test_a_save_due_while_a_copy_is_paced_is_written_by_the_holders_with_the_runs_bits(
@@ -180,7 +206,7 @@ def test_a_save_due_while_a_copy_is_paced_is_written_by_the_holders_with_the_run
     window = range(started["start_step"] + 1, got[-1]["next_step"] + 1)
     assert sum(1 for step in mine if step in window) >= 2
     assert {e["mode"] for e in got} | {e["mode"] for e in sent} == {"paced"}
-    assert got[-1]["part"] + 1 == got[-1]["parts"]
+    assert got[-1]["complete"] and got[-1]["part"] + 1 == len(got)
 
 
 def _checkpoints(run: Path) -> dict[int, Path]:
@@ -224,7 +250,7 @@ def test_a_paced_receiver_cut_off_by_another_kill_copies_again_whole(
     epochs = sorted({e["epoch"] for e in got})
     assert len(epochs) >= 2, got
     cut = [e for e in got if e["epoch"] == epochs[0]]
-    assert cut[-1]["part"] + 1 < cut[-1]["parts"]  # the first copy did not complete
+    assert not cut[-1]["complete"]  # the first copy did not complete
     again = [e for e in got if e["epoch"] == epochs[1]]
     assert again[0]["part"] == 0
     started = {e["epoch"]: e for e in events(run, "epoch_started")}
@@ -264,7 +290,7 @@ def test_a_drain_inside_a_paced_copy_completes_it_before_the_final_checkpoint(
     task = {"options": {"d_model": 32, "n_layers": 4, "n_heads": 2, "dropout": 0.1, "max_len": 128}}
     sections = {
         "task": task,
-        "cluster": {"spares": 1, "copy_step_mb": 1e-6},
+        "cluster": {"spares": 1, "copy_pace": "fixed", "copy_step_mb": 1e-6},
         "chaos": {"faults": [{"kind": "kill", "target": "r0-1", "at_step": 30}]},
         "checkpoint": {"every_steps": steps, "keep_last": 5},
         "optim": optim,
@@ -285,8 +311,8 @@ def test_a_drain_inside_a_paced_copy_completes_it_before_the_final_checkpoint(
             launcher.kill()
     [drain] = events(run, ev.RUN_DRAINING)
     got = [e for e in events(run, "state_received") if e["worker"] == "spare-0"]
-    assert got[0]["parts"] > 20
-    assert got[-1]["mode"] == "flushed" and got[-1]["part"] + 1 < got[-1]["parts"], got[-1]
+    assert [e["mode"] for e in got] == ["paced"] * (len(got) - 1) + ["flushed"], got
+    assert got[-1]["complete"] and not got[-2]["complete"]
     assert got[-1]["next_step"] == drain["step"]
     ckpt = latest_checkpoint(run / "checkpoints")
     assert ckpt is not None

@@ -1,4 +1,5 @@
-"""The paced copy's parts (``runtime/member/copy_pacing.py``): pure functions."""
+"""The paced copy's parts (``runtime/member/copy_pacing.py``): pure functions, and the
+agreement every member reaches from the template alone."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ import torch
 
 from perdure.checkpoint.tensors import flatten
 from perdure.runtime.comm.swarm import StateCopyFailed
-from perdure.runtime.member.copy_pacing import Pacing, param_units, parts, unit_of
+from perdure.runtime.member.copy_pacing import (
+    PACE_KEY,
+    Pacing,
+    auto_budget,
+    budget_of,
+    groups,
+    param_units,
+    take,
+    unit_of,
+)
 
 
 def _state() -> tuple[torch.nn.Module, torch.optim.Optimizer, list[tuple[str, int]]]:
@@ -26,8 +36,8 @@ def _units(m: torch.nn.Module, o: torch.optim.Optimizer) -> dict[str, int]:
     return param_units(m, [g["params"] for g in o.param_groups])
 
 
-def test_a_parameter_and_its_optimizer_state_are_one_unit() -> None:
-    m, o, _ = _state()
+def test_a_parameter_and_its_optimizer_state_are_one_group() -> None:
+    m, o, sizes = _state()
     units = _units(m, o)
     assert units == {
         "0.weight": 0,
@@ -39,77 +49,93 @@ def test_a_parameter_and_its_optimizer_state_are_one_unit() -> None:
     }
     assert unit_of("model/0.weight", units) == 0
     assert unit_of("optimizer/state/4/exp_avg_sq", units) == 4
-    assert unit_of("model/1.running_mean", units) is None  # a buffer: the first part
-    assert unit_of("optimizer/param_groups/0/lr", units) is None
+    assert unit_of("model/1.running_mean", units) is None  # a buffer: the first group
+    gs = groups(sizes, units)
+    assert len(gs) == 7
+    assert set(gs[0][0]) == {
+        "model/1.running_mean",
+        "model/1.running_var",
+        "model/1.num_batches_tracked",
+    }
+    assert set(gs[1][0]) == {
+        "model/0.weight",
+        "optimizer/state/0/step",
+        "optimizer/state/0/exp_avg",
+        "optimizer/state/0/exp_avg_sq",
+    }
+    assert gs[1][1] == 3 * 8 * 16 * 4 + 4  # the weight, its two moments, its step
+    assert sorted(k for keys, _ in gs for k in keys) == sorted(k for k, _ in sizes)
 
 
-def test_parts_hold_whole_units_within_the_budget_and_every_key_once() -> None:
-    m, o, sizes = _state()
-    units = _units(m, o)
-    got = parts(sizes, units, budget=600, most=100)
-    assert sorted(k for p in got for k in p) == sorted(k for k, _ in sizes)
-    by_key = dict(sizes)
-    for p in got:
-        ids = {unit_of(k, units) for k in p} - {None}
-        for u in ids:  # every key of each of its units
-            assert {k for k, _ in sizes if unit_of(k, units) == u} <= p
-        if len(ids) > 1:
-            assert sum(by_key[k] for k in p) <= 600
-    assert {k for k, _ in sizes if unit_of(k, units) is None} <= got[0]
-    # 0.weight (8x16 floats, x3 with its moments: 1536 bytes) is larger than the budget:
-    # a part of its own
-    first_weight = next(p for p in got if "model/0.weight" in p)
-    assert {unit_of(k, units) for k in first_weight} - {None} == {0}
+def test_a_part_takes_whole_groups_within_its_budget_and_at_least_one() -> None:
+    gs = [(("a",), 10), (("b",), 100), (("c",), 30), (("d",), 30)]
+    assert take(gs, 0, 10) == 1
+    assert take(gs, 1, 10) == 2  # a group larger than the budget goes alone
+    assert take(gs, 2, 60) == 4
+    assert take(gs, 0, 1 << 62) == 4
+    assert take(gs, 4, 100) == 4
 
 
-def test_parts_are_capped_by_the_steps_left_and_one_part_is_the_whole_state() -> None:
-    m, o, sizes = _state()
-    units = _units(m, o)
-    many = parts(sizes, units, budget=1, most=100)
-    assert len(many) == 7  # the loose keys and each parameter's unit
-    capped = parts(sizes, units, budget=1, most=3)
-    assert len(capped) == 3 and capped[:2] == many[:2]
-    assert capped[2] == frozenset().union(*many[2:])
-    assert parts(sizes, units, budget=1 << 30, most=100) == [frozenset(k for k, _ in sizes)]
-    with pytest.raises(ValueError, match="budget and most"):
-        parts(sizes, units, budget=0, most=1)
-
-
-def test_a_template_whose_parts_differ_from_a_holders_own_is_refused() -> None:
-    m, o, sizes = _state()
-    pacing = Pacing(10, _units(m, o), 600, 100)
-    pacing.derive(sizes)
-    assert pacing.count > 2 and pacing.end == 10 + pacing.count
-    assert pacing.part_at(10) is None and pacing.part_at(11) == 1
-    assert pacing.part_at(10 + pacing.count) is None
-    with pytest.raises(StateCopyFailed, match="differ"):
-        pacing.derive(sizes[:-1])
-    pacing.sent, pacing.flushed = 2, 12
-    assert pacing.end == 13 and pacing.part_at(12) is None
-    assert pacing.rest()(sizes) == frozenset().union(*pacing.parts[2:])
-
-
-def test_a_frozen_parameter_is_a_unit_of_its_own_not_the_first_parts() -> None:
+def test_a_frozen_parameter_is_a_group_of_its_own_not_the_first_ones() -> None:
     """A frozen base (no optimizer state) is most of a fine-tuning run's state: each of
-    its tensors travels in a part of its own, not all in the first part."""
+    its tensors travels in a group of its own, not all in the first one."""
     m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     for p in [*m[1].parameters(), *m[2].parameters()]:
         p.requires_grad_(False)
     o = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad])
     units = _units(m, o)
-    assert units == {
-        "0.weight": 0,
-        "0.bias": 1,
-        "1.weight": 2,
-        "1.bias": 3,
-        "2.weight": 4,
-        "2.bias": 5,
-    }
+    assert units["1.weight"] == 2 and units["2.bias"] == 5
     tensors, _ = flatten(m.state_dict(), o.state_dict())
-    sizes = [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
-    got = parts(sizes, units, budget=16384 + 256, most=100)  # a weight and a bias
-    assert [sorted(p) for p in got] == [
-        ["model/0.bias", "model/0.weight", "model/1.weight"],
-        ["model/1.bias", "model/2.weight"],
-        ["model/2.bias"],
+    gs = groups([(k, t.numel() * t.element_size()) for k, t in tensors.items()], units)
+    assert [keys for keys, _ in gs[3:]] == [
+        ("model/1.weight",),
+        ("model/1.bias",),
+        ("model/2.weight",),
+        ("model/2.bias",),
     ]
+
+
+def test_every_member_advances_through_the_templates_parts_alike() -> None:
+    """Two members' views (a holder, a receiver) of a copy whose template budgets 600
+    bytes a part: the same keys each part, the same end, nothing twice, nothing left."""
+    m, o, sizes = _state()
+    views = [Pacing(10, _units(m, o)), Pacing(10, _units(m, o))]
+    seen: list[str] = []
+    while not views[0].complete:
+        keys = [v.select()(sizes, {PACE_KEY: 600}) for v in views]
+        assert keys[0] == keys[1] and keys[0]
+        assert views[0].select()(sizes, {PACE_KEY: 600}) == keys[0]  # the same on a 2nd call
+        seen += keys[0]
+        for v in views:
+            v.advance()
+    assert views[1].complete and views[0].parts == views[1].parts > 2
+    assert sorted(seen) == sorted(k for k, _ in sizes)
+
+
+def test_a_flush_takes_every_group_left_and_a_changed_template_is_refused() -> None:
+    m, o, sizes = _state()
+    p = Pacing(10, _units(m, o))
+    p.select()(sizes, {PACE_KEY: 1})
+    p.advance()
+    rest = p.select(rest=True)(sizes, {PACE_KEY: 1})
+    assert rest == {k for k, _ in sizes} - set(groups(sizes, _units(m, o))[0][0])
+    p.advance()
+    assert p.complete
+    q = Pacing(10, _units(m, o))
+    q.select()(sizes, {PACE_KEY: 1})
+    with pytest.raises(StateCopyFailed, match="groups"):
+        q.select()([x for x in sizes if unit_of(x[0], _units(m, o)) != 5], {PACE_KEY: 1})
+
+
+@pytest.mark.parametrize("bad", [None, 0, -5, 1.5, "64", True])
+def test_a_templates_budget_is_a_peers_input_checked(bad: object) -> None:
+    with pytest.raises(StateCopyFailed, match=PACE_KEY):
+        budget_of({PACE_KEY: bad} if bad is not None else {})
+    assert budget_of({PACE_KEY: 7}) == 7
+
+
+def test_an_automatic_part_fills_the_sources_compute_at_the_last_parts_rate() -> None:
+    # 100 MB in 0.5 s, a step's compute 2 s: 80 % of 400 MB
+    assert auto_budget(100_000_000, 0.5, 2.0) == 320_000_000
+    assert auto_budget(100_000_000, 0.5, None) is None  # no slot measured yet
+    assert auto_budget(0, 0.5, 2.0) is None

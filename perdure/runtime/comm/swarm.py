@@ -131,11 +131,11 @@ class CopyJob:
     resident, or a fresh optimizer tensor."""
     timeout: timedelta = timedelta(seconds=60)
     """Each operation's timeout (the epoch's collective timeout)."""
-    select: Callable[[list[tuple[str, int]]], frozenset[str]] | None = None
-    """The template's tensors this copy moves, from its keys and sizes in order (a paced
-    copy's part, ``member/copy_pacing.py``); None: all. Every rank must derive the same
-    keys from the same template. A receiver's storage is still asked for every tensor
-    (``target``): the ones not moved keep what it holds."""
+    select: Callable[[list[tuple[str, int]], dict[str, Any]], frozenset[str]] | None = None
+    """The template's tensors this copy moves, from its keys and sizes in order and its
+    extras (a paced copy's part, ``member/copy_pacing.py``); None: all. Every rank must
+    derive the same keys from the same template. A receiver's storage is still asked for
+    every tensor (``target``): the ones not moved keep what it holds."""
 
 
 @dataclass
@@ -698,7 +698,7 @@ def _moved(template: Offer, job: CopyJob) -> frozenset[str] | set[str]:
     """The template's keys this copy moves (``CopyJob.select``)."""
     if job.select is None:
         return set(template.tensors)
-    return job.select([(k, template.nbytes(k)) for k in template.tensors])
+    return job.select([(k, template.nbytes(k)) for k in template.tensors], template.extra)
 
 
 def _exchange_failed(

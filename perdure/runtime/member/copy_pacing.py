@@ -1,13 +1,12 @@
-"""A state copy paced over steps (``cluster.copy_step_mb``): a copy longer than one step
+"""A state copy paced over steps (``cluster.copy_pace``): a copy longer than one step
 costs the run no more than one step, whatever the state's size.
 
 The overlapped copy (``copy_overlap.py``) hides a copy behind the epoch's first step only
 as far as that step's compute goes: the holders' gate before its reduction waits for the
-rest (a 1.2 TB state at link rate is an hour). Paced, the state is cut into *parts*,
-each a run of whole parameters with their optimizer state (and the first part the model's
-other tensors, the optimizer's other tensors and the JSON extras), of at most
-``copy_step_mb`` each, and part ``j`` travels in step ``s + j`` (``s``: the epoch's start
-step):
+rest (a 1.2 TB state at link rate is an hour). Paced, the state moves in *parts*, each a
+run of whole parameters with their optimizer state (the first part also the model's other
+tensors, the optimizer's other tensors and the JSON extras), one part a step, part ``j``
+in step ``s + j`` (``s``: the epoch's start step):
 
 - a *holder* serves part ``j`` from its committed state (after step ``s + j - 1``) on the
   server thread while it computes step ``s + j``, and passes its gate before that step's
@@ -20,27 +19,30 @@ step):
   move them on as every member's do.
 
 The receiver's update of a tensor needs that tensor's optimizer state at the same version:
-a parameter and its optimizer state travel in one part (a unit, :func:`parts`), which is
-why a part is whole parameters, not byte ranges. Where the optimizer's state of one
+a parameter and its optimizer state travel in one part (a *group*, :func:`groups`), which
+is why a part is whole parameters, not byte ranges. Where the optimizer's state of one
 parameter depended on another's (none of torch's do), the paced copy would be wrong; the
 receivers' first full step's fingerprint comparison would say so.
 
-Every step of the window ``[s, s + n)`` is planned with no slot on a receiver (the
-first step's idle plan, ``plan.idle_plan``); from ``s + n`` on the receivers compute their
-share. Until its last part is in, a receiver is *partial* (``Trainer.partial``): its
-fingerprint holds nothing (-1s), a non-finite slot is re-run on another member, and it
-reports no state to the coordinator (an epoch that ends in the window copies it again,
-whole); a checkpoint due in the window is written by the others (its share of the
-tensors too: ``saves.holders``) and an evaluation by the lowest rank that is whole. The
-run's end, whose final save and hash need every member's whole state, *flushes* the copy
-first where it comes before the last part (a drain): the parts left, all at once,
-blocking, from the holders' state after that step.
+*How big a part is.* The template (the copy's source) names each part's budget in its
+offer (``PACE_KEY`` in its extras, checked as a peer's input), and every member takes the
+same groups from the same point (:func:`take`): the agreement costs no message beyond the
+offers each part exchanges anyway. ``copy_pace = "fixed"``: ``copy_step_mb`` a part.
+``"auto"``: the first part ``copy_step_mb`` (small states: the whole copy, as overlapped),
+each later one what the source measured the copy to move in the time it computes a step
+(its last part's bytes over its seconds, times its slots' time, times ``FILL``). A step
+left to the run's end takes every group left, so the last part lands before it.
 
-All members derive the same parts: a holder from its own export, a receiver from the
-template's offer (the swarm copy's ``select``), both by :func:`parts` over the same keys
-and sizes; a template whose parts differ from a holder's own ends the copy
-(``StateCopyFailed``). The number of parts is capped by the steps the run has left
-(``train.steps``, the same on every member), so the last part lands before its end.
+Every step until the last part is in is planned with no slot on a receiver (the first
+step's idle plan, ``plan.idle_plan``; ``StepRunner.first_until``); from the step after it
+the receivers compute their share. Until then a receiver is *partial*
+(``Trainer.partial``): its fingerprint holds nothing (-1s), a non-finite slot is re-run on
+another member, and it reports no state to the coordinator (an epoch that ends in the
+window copies it again, whole); a checkpoint due in the window is written by the others
+(its share of the tensors too: ``saves.holders``) and an evaluation by the lowest rank
+that is whole. The run's end, whose final save and hash need every member's whole state,
+*flushes* the copy first where it comes before the last part (a drain): the groups left,
+all at once, blocking, from the holders' state after that step.
 """
 
 from __future__ import annotations
@@ -57,13 +59,13 @@ STATE = OPTIMIZER + "state/"
 
 
 def param_units(
-    module: torch.nn.Module, groups: Iterable[Iterable[torch.Tensor]]
+    module: torch.nn.Module, param_groups: Iterable[Iterable[torch.Tensor]]
 ) -> dict[str, int]:
     """Each parameter's state-dict names (a tied weight has several) -> its index in the
-    optimizer's order (``groups``: its param groups' params, the order its state dict
+    optimizer's order (``param_groups``: its groups' params, the order its state dict
     numbers them); a parameter the optimizer does not hold (frozen) a unit of its own
     after those, in the model's order. Buffers have none: the first part's."""
-    index = {id(p): i for i, p in enumerate(p for g in groups for p in g)}
+    index = {id(p): i for i, p in enumerate(p for g in param_groups for p in g)}
     for p in module.parameters():
         index.setdefault(id(p), len(index))
     named = module.state_dict(keep_vars=True)
@@ -82,16 +84,19 @@ def unit_of(key: str, units: Mapping[str, int]) -> int | None:
     return None
 
 
-def parts(
-    sizes: Sequence[tuple[str, int]], units: Mapping[str, int], budget: int, most: int
-) -> list[frozenset[str]]:
-    """The state's keys (``sizes``: key and bytes, in the state's order) cut into parts of
-    at most ``budget`` bytes, whole units each (a unit larger than the budget alone), in
-    the optimizer's order of the parameters; the first part also holds every key of no
-    unit. At most ``most`` parts (the steps left): the tail joins the last one. A pure
-    function."""
-    if budget < 1 or most < 1:
-        raise ValueError(f"parts: budget and most must be >= 1 (got {budget}, {most})")
+PACE_KEY = "pace_bytes"
+"""The template's budget for the part it offers, bytes (in its offer's extras)."""
+
+FILL = 0.8
+"""The share of a step's compute an automatic part is sized to fill."""
+
+Group = tuple[tuple[str, ...], int]
+
+
+def groups(sizes: Sequence[tuple[str, int]], units: Mapping[str, int]) -> list[Group]:
+    """The state's keys (``sizes``: key and bytes, in the state's order) in the order the
+    parts take them, with their bytes: first every key of no unit (one group, possibly
+    empty), then each unit's keys, by unit index. A pure function."""
     loose: list[str] = []
     grouped: dict[int, list[str]] = {}
     nbytes: dict[int, int] = {}
@@ -102,74 +107,87 @@ def parts(
             continue
         grouped.setdefault(u, []).append(key)
         nbytes[u] = nbytes.get(u, 0) + n
-    out: list[list[str]] = [list(loose)]
-    used = sum(n for k, n in sizes if k in set(loose))
-    for u in sorted(grouped):
-        if used > 0 and used + nbytes[u] > budget:
-            out.append([])
-            used = 0
-        out[-1] += grouped[u]
-        used += nbytes[u]
-    if len(out) > most:
-        out[most - 1 :] = [[k for part in out[most - 1 :] for k in part]]
-    return [frozenset(p) for p in out]
+    first = (tuple(loose), sum(n for k, n in sizes if unit_of(k, units) is None))
+    return [first, *((tuple(grouped[u]), nbytes[u]) for u in sorted(grouped))]
+
+
+def take(gs: Sequence[Group], start: int, budget: int) -> int:
+    """The end of the part that starts at group ``start``: the groups up to ``budget``
+    bytes, at least one (a group larger than the budget alone). A pure function."""
+    end, used = start, 0
+    while end < len(gs) and (end == start or used + gs[end][1] <= budget):
+        used += gs[end][1]
+        end += 1
+    return end
+
+
+def budget_of(extra: Mapping[str, object]) -> int:
+    """The template's budget for its part: a peer's input, checked."""
+    b = extra.get(PACE_KEY)
+    if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+        raise StateCopyFailed(
+            f"paced state copy: the template's {PACE_KEY} must be an int >= 1 (got {b!r})"
+        )
+    return b
+
+
+def auto_budget(nbytes: int, seconds: float, compute_s: float | None) -> int | None:
+    """An automatic part's bytes: what the last part's rate (``nbytes`` in ``seconds``)
+    moves in ``FILL`` of the source's compute of a step (``compute_s``); None where
+    either is not measured."""
+    if compute_s is None or compute_s <= 0 or seconds <= 0 or nbytes <= 0:
+        return None
+    return max(1, int(nbytes / seconds * compute_s * FILL))
 
 
 @dataclass
 class Pacing:
-    """One member's view of the epoch's paced copy: its parts (set once, by the holder's
-    own export or the template's offer) and how far it went."""
+    """One member's view of the epoch's paced copy: how far it went (every member
+    advances through the same groups, after each part is in)."""
 
     start: int
     """The epoch's start step: part 0's."""
     units: Mapping[str, int]
-    budget: int
-    most: int
-    parts: list[frozenset[str]] | None = None
-    sent: int = 0
-    """The parts moved so far (their steps' gates passed, or received)."""
+    done: int = 0
+    """Groups moved (their parts' gates passed, or received)."""
+    total: int | None = None
+    """Groups in all (the first part's template tells)."""
+    parts: int = 0
+    """Parts moved."""
     flushed: int | None = None
-    """The step whose commit flushed the copy, if one did."""
+    """The step whose end flushed the copy, if one did."""
+    moving: tuple[int, int] = (0, 0)
+    """The part in flight: its end group and its bytes (set by its ``select``)."""
+    last: tuple[int, float] | None = None
+    """A holder's last part served: its bytes and seconds (the next automatic part's
+    rate)."""
 
-    def derive(self, sizes: Sequence[tuple[str, int]]) -> list[frozenset[str]]:
-        """The parts of a state of these keys and sizes; a second call must agree."""
-        got = parts(sizes, self.units, self.budget, self.most)
-        if self.parts is not None and got != self.parts:
-            raise StateCopyFailed(
-                f"paced state copy: the template's parts ({len(got)}) differ from this "
-                f"member's own ({len(self.parts)})"
-            )
-        self.parts = got
-        return got
+    def select(
+        self, rest: bool = False
+    ) -> Callable[[Sequence[tuple[str, int]], Mapping[str, object]], frozenset[str]]:
+        """The swarm copy's ``select`` for the next part (``rest``: every group left):
+        from the template's keys, sizes and budget. The same on every call of one copy."""
 
-    def select(self, part: int) -> Callable[[Sequence[tuple[str, int]]], frozenset[str]]:
-        """The swarm copy's ``select`` for part ``part``: the keys it moves, from the
-        template's offer."""
-        return lambda sizes: self.derive(sizes)[part]
+        def pick(sizes: Sequence[tuple[str, int]], extra: Mapping[str, object]) -> frozenset[str]:
+            gs = groups(sizes, self.units)
+            if self.total is None:
+                self.total = len(gs)
+            elif self.total != len(gs):
+                raise StateCopyFailed(
+                    f"paced state copy: the template's state has {len(gs)} groups, the "
+                    f"first part's had {self.total}"
+                )
+            end = len(gs) if rest else take(gs, self.done, budget_of(extra))
+            self.moving = (end, sum(n for _, n in gs[self.done : end]))
+            return frozenset(k for keys, _ in gs[self.done : end] for k in keys)
 
-    def rest(self) -> Callable[[Sequence[tuple[str, int]]], frozenset[str]]:
-        """``select`` of a flush: every part not moved yet."""
-        return lambda sizes: frozenset().union(*self.derive(sizes)[self.sent :])
+        return pick
 
-    @property
-    def count(self) -> int:
-        assert self.parts is not None
-        return len(self.parts)
-
-    @property
-    def end(self) -> int:
-        """The first step whose plan gives the receivers slots again."""
-        if self.flushed is not None:
-            return self.flushed + 1
-        return self.start + self.count
-
-    def part_at(self, step: int) -> int | None:
-        """The part step ``step`` moves, if any (part 0 moves at the epoch's start)."""
-        if self.flushed is not None or self.parts is None:
-            return None
-        j = step - self.start
-        return j if 0 < j < self.count else None
+    def advance(self) -> None:
+        """The part in flight is in."""
+        self.done = self.moving[0]
+        self.parts += 1
 
     @property
     def complete(self) -> bool:
-        return self.parts is not None and self.sent >= len(self.parts)
+        return self.total is not None and self.done >= self.total

@@ -13,13 +13,12 @@ on a holder.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from perdure import events as ev
-from perdure.checkpoint.tensors import flatten
 from perdure.events import JsonLines
 from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed
 from perdure.runtime.member.copy_overlap import (
@@ -27,7 +26,7 @@ from perdure.runtime.member.copy_overlap import (
     committed_offer,
     is_overlapped,
 )
-from perdure.runtime.member.copy_pacing import Pacing, param_units
+from perdure.runtime.member.copy_pacing import PACE_KEY, Pacing, auto_budget, param_units
 from perdure.runtime.member.epoch import Epoch
 from perdure.runtime.member.shard_group import Shards
 from perdure.runtime.replica.trainer import Trainer
@@ -49,11 +48,15 @@ class StateTransfer:
     shard_degree: int
     timeout: Callable[[], timedelta]
     should_stop: Callable[[], bool]
-    copy_step_bytes: int = 0
-    """``cluster.copy_step_mb`` in bytes: 0, the whole state behind the first step."""
+    copy_pace: str = "whole"
+    """``cluster.copy_pace``: ``auto``, ``fixed`` or ``whole``."""
+    copy_step_bytes: int = 64_000_000
+    """``cluster.copy_step_mb`` in bytes: a fixed part's, an automatic first part's."""
     steps: int = 1 << 62
     """``train.steps``: a paced copy's last part lands before the run's last step (the
     config's, the same on every member; a drain that ends the run earlier flushes it)."""
+    slot_s: Callable[[], float | None] = lambda: None
+    """This member's measured seconds a slot (an automatic part fills its compute)."""
 
     def copy(self, ep: Epoch, tr: Trainer) -> bool:
         """The epoch's copy, or a paced copy's first part (``copy_pacing.py``): True
@@ -72,8 +75,7 @@ class StateTransfer:
             if overlapped:
                 offer = committed_offer(offer, list(tr.module.parameters()))
             if paced is not None:
-                paced.derive(_sizes(offer))
-                self._window(ep, paced)
+                offer = self._budgeted(ep, offer, tr.next_step, paced)
         job = CopyJob(
             receivers=self._ranks(ep),
             source=members.index(ep.start.source),
@@ -82,9 +84,9 @@ class StateTransfer:
             offer=offer,
             target=self._target(tr, ep, paced) if receiving else None,
             timeout=self.timeout(),
-            select=None if paced is None else paced.select(0),
+            select=None if paced is None else paced.select(),
         )
-        mode = "paced" if paced is not None else "overlapped" if overlapped else "blocking"
+        mode = "overlapped" if overlapped else "blocking"
         t0 = time.monotonic()
         # Overlapped or not, the copy runs on the epoch's own group: a holder's step
         # enters no collective before its gate (the copy served), a receiver none before
@@ -92,7 +94,7 @@ class StateTransfer:
         # (A group of its own cost every member a second rendezvous and the receiver its
         # drop, ~0.02 s, on a kill's critical path: docs/performance.md, section 17.)
         if overlapped and not receiving:
-            self._serve(ep, tr, job, mode, 0)
+            self._serve(ep, tr, job, mode)
             return False
         got = self.state_copy.copy(ep.comm, job)
         if got is None:
@@ -108,9 +110,7 @@ class StateTransfer:
         if paced is None:
             self._received(ep, got, mode, seconds, tr.next_step)
             return True
-        self._window(ep, paced)
-        tr.partial = paced.count > 1
-        return self._part_in(ep, tr, paced, got, seconds, 0)
+        return self._part_in(ep, tr, paced, got, seconds)
 
     def _target(self, tr: Trainer, ep: Epoch, paced: Pacing | None) -> Any:
         """A receiver's storage: paced, the optimizer tensors of the later parts zeros."""
@@ -118,76 +118,86 @@ class StateTransfer:
             return tr.copy_target(ep.comm.device)
         return tr.copy_target(ep.comm.device, zeroed=True)
 
-    # -- a paced copy's later parts (``copy_pacing.py``) ---------------------------------
-
-    def _pacing(self, ep: Epoch, tr: Trainer) -> Pacing | None:
-        """The epoch's paced copy, where ``copy_step_bytes`` asks for one and the copy
-        can be paced (whole replicas: ``train.shard_degree`` = 1)."""
-        if self.copy_step_bytes <= 0 or self.shard_degree != 1:
-            return None
-        start = ep.start.start_step
-        groups = [g["params"] for g in tr.optimizer.param_groups]
-        most = max(1, self.steps - start)
-        paced = Pacing(start, param_units(tr.module, groups), self.copy_step_bytes, most)
-        ep.pacing = paced
-        return paced
-
-    def _window(self, ep: Epoch, paced: Pacing) -> None:
-        """The receivers have no slot until the last part is in, and are partial."""
-        ep.runner.first_until = paced.end
-        ep.runner.partial = frozenset(self._ranks(ep)) if paced.count > 1 else frozenset()
-
     def _ranks(self, ep: Epoch) -> tuple[int, ...]:
         return tuple(sorted(ep.plan.members.index(r) for r in ep.start.receivers))
 
+    # -- a paced copy (``copy_pacing.py``) ----------------------------------------------
+
+    def _pacing(self, ep: Epoch, tr: Trainer) -> Pacing | None:
+        """The epoch's paced copy, where ``copy_pace`` asks for one and the copy can be
+        paced (whole replicas: ``train.shard_degree`` = 1). Until its parts are in, the
+        receivers have no slot and are partial (a copy whole in its first part ends that
+        at the first step's gate, as the overlapped copy does)."""
+        if self.copy_pace == "whole" or self.shard_degree != 1:
+            return None
+        groups = [g["params"] for g in tr.optimizer.param_groups]
+        paced = Pacing(ep.start.start_step, param_units(tr.module, groups))
+        ep.pacing = paced
+        ep.runner.first_until = OPEN
+        ep.runner.partial = frozenset(self._ranks(ep))
+        return paced
+
+    def _budgeted(
+        self, ep: Epoch, offer: tuple[Any, Any, Any], step: int, paced: Pacing
+    ) -> tuple[Any, Any, Any]:
+        """A holder's offer with its budget for the part of step ``step`` (the template's
+        is every member's): every group left at the run's last step; else an automatic
+        one from the last part's rate and this member's compute of a step, or
+        ``copy_step_bytes``."""
+        model, optim, extra = offer
+        budget = self.copy_step_bytes
+        if step >= self.steps - 1:
+            budget = ALL_LEFT
+        elif self.copy_pace == "auto" and paced.last is not None:
+            slot_s, slots = self.slot_s(), len(ep.runner.plan_at(step).slots_of(ep.rank))
+            compute = None if slot_s is None else slot_s * slots
+            budget = auto_budget(*paced.last, compute) or budget
+        return model, optim, {**extra, PACE_KEY: budget}
+
     def pace(self, ep: Epoch, tr: Trainer, step: int) -> bool:
-        """Before step ``step``: the part it moves, if any. A holder serves it behind the
-        step (its gate before the reduction waits for it); a receiver receives it now.
-        True once this member received the whole state."""
+        """Before step ``step``: the paced copy's part it moves, if any. A holder serves it
+        behind the step (its gate before the reduction waits for it); a receiver receives
+        it now. True once this member received the whole state."""
         paced = ep.pacing
-        part = None if paced is None else paced.part_at(step)
-        if paced is None or part is None:
+        if paced is None or paced.complete or step <= paced.start:
             return False
-        select = paced.select(part)
+        if step - paced.start != paced.parts:  # the part before did not move: none now
+            return False
         if self.name not in ep.start.receivers:
             offer = committed_offer(tr.export(), list(tr.module.parameters()))
-            self._serve(ep, tr, self._job(ep, tr, offer, select), "paced", part)
+            offer = self._budgeted(ep, offer, step, paced)
+            self._serve(ep, tr, self._job(ep, tr, offer, paced.select()), "paced")
             return False
         t0 = time.monotonic()
-        got = self._part(ep, tr, self._job(ep, tr, None, select))
-        return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4), part)
+        got = self._part(ep, tr, self._job(ep, tr, None, paced.select()))
+        return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4))
 
     def flush(self, ep: Epoch, tr: Trainer, step: int) -> bool:
         """At the run's end, whose final save and hash need every member's whole state
-        (a drain asked for before the last part): the parts not moved yet, all at once,
-        blocking, after step ``step``. True once this member received the whole state."""
+        (a drain asked for before the last part): the groups left, all at once, blocking,
+        after step ``step``. True once this member received the whole state."""
         paced = ep.pacing
-        if paced is None or paced.parts is None or paced.complete:
+        if paced is None or paced.total is None or paced.complete:
             return False
-        part = paced.sent
         paced.flushed = step
-        ep.runner.first_until = paced.end
-        job = self._job(
-            ep, tr, None if self.name in ep.start.receivers else tr.export(), paced.rest()
-        )
+        receiving = self.name in ep.start.receivers
+        offer = None if receiving else self._budgeted(ep, tr.export(), step, paced)
+        job = self._job(ep, tr, offer, paced.select(rest=True))
         t0 = time.monotonic()
-        if job.offer is not None:
-            self.state_copy.copy(ep.comm, job)
-            paced.sent = paced.count
-            ep.runner.partial = frozenset()
-            stats = dict(self.state_copy.stats)
-            seconds = round(time.monotonic() - t0, 4)
-            self._sent_event(ep, "flushed", step + 1, seconds, stats, (part, paced.count))
-            return False
-        got = self._part(ep, tr, job)
-        return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4), part)
+        if offer is None:
+            got = self._part(ep, tr, job)
+            return self._part_in(ep, tr, paced, got, round(time.monotonic() - t0, 4))
+        self.state_copy.copy(ep.comm, job)
+        seconds = round(time.monotonic() - t0, 4)
+        self._advanced(ep, paced, step + 1, "flushed", seconds, dict(self.state_copy.stats))
+        return False
 
     def _job(
         self,
         ep: Epoch,
         tr: Trainer,
         offer: tuple[Any, Any, Any] | None,
-        select: Callable[[list[tuple[str, int]]], frozenset[str]],
+        select: Callable[[Sequence[tuple[str, int]], Mapping[str, object]], frozenset[str]],
     ) -> CopyJob:
         receiving = offer is None
         return CopyJob(
@@ -210,27 +220,35 @@ class StateTransfer:
         assert got is not None
         return got
 
-    def _part_in(
-        self, ep: Epoch, tr: Trainer, paced: Pacing, got: Any, seconds: float, part: int
-    ) -> bool:
+    def _part_in(self, ep: Epoch, tr: Trainer, paced: Pacing, got: Any, seconds: float) -> bool:
         """A receiver's part is in: its event; the last one makes the replica whole."""
         tr.torn = False
-        paced.sent = paced.count if paced.flushed is not None else part + 1
-        mode = "flushed" if paced.flushed is not None else "paced"
-        self._received(ep, got, mode, seconds, tr.next_step, (part, paced.count))
-        if not paced.complete:
-            return False
-        tr.partial = False
-        ep.runner.partial = frozenset()
-        return True
+        part = paced.parts
+        paced.advance()
+        tr.partial = not paced.complete
+        self._window(ep, paced, tr.next_step)
+        self._received(ep, got, self._mode(paced, part), seconds, tr.next_step, (part, paced))
+        return paced.complete
 
-    def _serve(self, ep: Epoch, tr: Trainer, job: CopyJob, mode: str, part: int) -> None:
+    def _window(self, ep: Epoch, paced: Pacing, step: int) -> None:
+        """After step ``step``'s part: a complete copy gives the receivers their slots
+        from the next step on (and none is partial any more)."""
+        if paced.complete:
+            ep.runner.first_until = step + 1
+            ep.runner.partial = frozenset()
+
+    def _mode(self, paced: Pacing, part: int) -> str:
+        if paced.flushed is not None:
+            return "flushed"
+        return "overlapped" if part == 0 and paced.complete else "paced"
+
+    def _serve(self, ep: Epoch, tr: Trainer, job: CopyJob, mode: str) -> None:
         """A holder's copy (or part) served behind the step: its gate before the step's
         reduction waits for it."""
         step = tr.next_step
         server = CopyServer(ep.comm, self.state_copy, job, step=step, mode=mode)
         ep.copy = server
-        ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step, part), server)
+        ep.runner.gate = _CopyGate(lambda: self._sent(ep, server, mode, step), server)
 
     def _received(
         self,
@@ -239,7 +257,7 @@ class StateTransfer:
         mode: str,
         seconds: float,
         next_step: int,
-        part: tuple[int, int] | None = None,
+        part: tuple[int, Pacing] | None = None,
     ) -> None:
         members = ep.plan.members
         event = {
@@ -255,9 +273,7 @@ class StateTransfer:
             "mode": mode,
             "overlapped_step": ep.start.start_step if mode != "blocking" else None,
         }
-        if part is not None:
-            event["part"], event["parts"] = part
-        self.events.write(event)
+        self.events.write(event | _part_fields(mode, part))
 
     def then(self, ep: Epoch, after: Callable[[], None]) -> None:
         """``after`` (the replica groups' shard exchange) once this member's copy is done:
@@ -275,20 +291,30 @@ class StateTransfer:
 
         ep.runner.gate = _CopyGate(passed, server)
 
-    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int, part: int) -> None:
+    def _sent(self, ep: Epoch, server: CopyServer, mode: str, step: int) -> None:
         """A holder's gate: its copy (or a paced copy's part) served, before the step's
         reduction."""
         sent = dict(server.wait(self.should_stop))
         ep.copy = None
         seconds = sent.pop("seconds")
         paced = ep.pacing
-        where = None
-        if paced is not None:
-            paced.sent = part + 1
-            where = (part, paced.count)
-            if paced.complete:
-                ep.runner.partial = frozenset()
-        self._sent_event(ep, mode, step, seconds, sent, where)
+        if paced is None:
+            self._sent_event(ep, mode, step, seconds, sent)
+            return
+        self._advanced(ep, paced, step, mode, seconds, sent)
+
+    def _advanced(
+        self, ep: Epoch, paced: Pacing, step: int, mode: str, seconds: float, stats: dict
+    ) -> None:
+        """A holder's part is served: every member moves on alike; its rate sizes the
+        next automatic part."""
+        part = paced.parts
+        paced.last = (paced.moving[1], seconds)
+        paced.advance()
+        self._window(ep, paced, step)
+        if mode != "flushed":
+            mode = self._mode(paced, part)
+        self._sent_event(ep, mode, step, seconds, stats, (part, paced))
 
     def settle(self, ep: Epoch) -> None:
         """An epoch that ends while its overlapped copy is out: a holder whose copy was
@@ -314,7 +340,7 @@ class StateTransfer:
         step: int,
         seconds: float,
         stats: dict[str, Any],
-        part: tuple[int, int] | None = None,
+        part: tuple[int, Pacing] | None = None,
     ) -> None:
         event = {
             "event": ev.STATE_SENT,
@@ -328,9 +354,7 @@ class StateTransfer:
             "mode": mode,
             "overlapped_step": ep.start.start_step if mode != "blocking" else None,
         }
-        if part is not None:
-            event["part"], event["parts"] = part
-        self.events.write(event)
+        self.events.write(event | _part_fields(mode, part))
 
     def exchange_shards(self, ep: Epoch, tr: Trainer, shards: Shards, scatters: bool) -> None:
         """Every member holds its own shard's optimizer state before the first step."""
@@ -375,10 +399,19 @@ class StateTransfer:
             )
 
 
-def _sizes(offer: tuple[Any, Any, Any]) -> list[tuple[str, int]]:
-    """An offer's flattened keys and their bytes, in its order (what a template shows)."""
-    tensors, _ = flatten(offer[0], offer[1])
-    return [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
+OPEN = 1 << 62
+"""``StepRunner.first_until`` while a paced copy's parts are on their way."""
+
+ALL_LEFT = 1 << 62
+"""A part's budget that takes every group left."""
+
+
+def _part_fields(mode: str, part: tuple[int, Pacing] | None) -> dict[str, Any]:
+    """A paced copy's part in its events: its index, whether it completed the copy."""
+    if part is None or mode == "overlapped":
+        return {}
+    index, paced = part
+    return {"part": index, "complete": paced.complete}
 
 
 @dataclass(frozen=True)
