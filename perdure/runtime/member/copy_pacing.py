@@ -183,6 +183,14 @@ class Pacing:
 
         return pick
 
+    def whole_in_one(self, sizes: Sequence[tuple[str, int]], extra: Mapping[str, object]) -> bool:
+        """Whether the first part of a state of these keys and sizes, at this budget, is
+        the whole state (a holder's own view before its copy starts: the receivers then
+        get their slots from the next step on, as with the overlapped copy; every holder
+        of a replica offers the same structure and the same first budget)."""
+        gs = groups(sizes, self.units)
+        return take(gs, 0, budget_of(extra)) == len(gs)
+
     def advance(self) -> None:
         """The part in flight is in."""
         self.done = self.moving[0]

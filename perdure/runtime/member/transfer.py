@@ -19,6 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from perdure import events as ev
+from perdure.checkpoint.tensors import flatten
 from perdure.events import JsonLines
 from perdure.runtime.comm.swarm import CopyJob, StateCopy, StateCopyFailed
 from perdure.runtime.member.copy_overlap import (
@@ -76,6 +77,8 @@ class StateTransfer:
                 offer = committed_offer(offer, list(tr.module.parameters()))
             if paced is not None:
                 offer = self._budgeted(ep, offer, tr.next_step, paced)
+                if paced.whole_in_one(_sizes(offer), offer[2]):  # as the overlapped copy
+                    ep.runner.first_until = ep.start.start_step + 1
         job = CopyJob(
             receivers=self._ranks(ep),
             source=members.index(ep.start.source),
@@ -161,8 +164,7 @@ class StateTransfer:
         paced = ep.pacing
         if paced is None or paced.complete or step <= paced.start:
             return False
-        if step - paced.start != paced.parts:  # the part before did not move: none now
-            return False
+        assert step - paced.start == paced.parts, (step, paced.start, paced.parts)
         if self.name not in ep.start.receivers:
             offer = committed_offer(tr.export(), list(tr.module.parameters()))
             offer = self._budgeted(ep, offer, step, paced)
@@ -231,11 +233,15 @@ class StateTransfer:
         return paced.complete
 
     def _window(self, ep: Epoch, paced: Pacing, step: int) -> None:
-        """After step ``step``'s part: a complete copy gives the receivers their slots
-        from the next step on (and none is partial any more)."""
+        """After step ``step``'s part, before its reduction: a complete copy gives the
+        receivers their slots from the next step on (and none is partial any more); else
+        they have none in the next step either (whatever a holder's view before the copy
+        predicted: it set only the next step's read-ahead)."""
         if paced.complete:
             ep.runner.first_until = step + 1
             ep.runner.partial = frozenset()
+        else:
+            ep.runner.first_until = OPEN
 
     def _mode(self, paced: Pacing, part: int) -> str:
         if paced.flushed is not None:
@@ -397,6 +403,12 @@ class StateTransfer:
                     "seconds": round(time.monotonic() - t0, 4),
                 }
             )
+
+
+def _sizes(offer: tuple[Any, Any, Any]) -> list[tuple[str, int]]:
+    """An offer's flattened keys and their bytes, in its order (what a template shows)."""
+    tensors, _ = flatten(offer[0], offer[1])
+    return [(k, t.numel() * t.element_size()) for k, t in tensors.items()]
 
 
 OPEN = 1 << 62

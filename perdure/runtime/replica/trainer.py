@@ -540,6 +540,12 @@ class Trainer:
         return self.next_step
 
     def _check_update(self, step: int, lr: float) -> None:
+        """Parameters that the update made non-finite stop the run (a ``MathError``). Not
+        on a paced copy's partial receiver: the tensors of its parts still to come are not
+        the run's (a failed copy's renewed storages hold whatever memory held), and every
+        member that is whole checks the same update."""
+        if self.partial:
+            return
         if not self._params_finite():
             raise MathError(
                 f"step {step}: the optimizer made parameters non-finite from a finite gradient "
@@ -985,8 +991,9 @@ class Trainer:
         epoch). Limit: a model tensor that is a view of another's storage (parameters
         flattened into one buffer by the task) stops sharing it there.
 
-        ``zeroed``: fresh optimizer tensors are zeros (a paced copy's first part: the
-        optimizer state of the parts still to come is updated as it is until they come)."""
+        ``zeroed``: fresh optimizer tensors and renewed model tensors are zeros (a paced
+        copy's first part: the state of the parts still to come is updated as it is until
+        they come, and undefined memory may hold bits that make the update non-finite)."""
         named = self.module.state_dict(keep_vars=True)
         stale = self.torn and self.gather is None  # written by a copy that did not complete
         renewed: set[int] = set()
@@ -998,6 +1005,8 @@ class Trainer:
                 if stale and id(t) not in renewed:
                     renewed.add(id(t))
                     renew(t)
+                    if zeroed:  # a paced copy's later parts update it until they come
+                        t.detach().zero_()
                 make_resident(t)
                 return t.detach()
             if zeroed:
