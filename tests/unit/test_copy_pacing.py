@@ -139,3 +139,35 @@ def test_an_automatic_part_fills_the_sources_compute_at_the_last_parts_rate() ->
     assert auto_budget(100_000_000, 0.5, 2.0) == 320_000_000
     assert auto_budget(100_000_000, 0.5, None) is None  # no slot measured yet
     assert auto_budget(0, 0.5, 2.0) is None
+
+
+def test_a_partial_receiver_writes_no_tensor_of_a_checkpoint() -> None:
+    """``saves.holders``: in a paced copy's window the others write the receiver's share
+    (every tensor's holders less the partial ranks); outside it, the trainer's own."""
+    from types import SimpleNamespace
+
+    from perdure.runtime.member.saves import holders
+
+    m, o, _ = _state()
+    state = SimpleNamespace(model=m.state_dict(), optimizer=o.state_dict())
+    trainer = SimpleNamespace(save_holders=lambda state, world: {})
+    ep = SimpleNamespace(size=4, runner=SimpleNamespace(partial=frozenset({1})))
+    got = holders(trainer, ep, state)  # type: ignore[arg-type]
+    keys, _ = flatten(state.model, state.optimizer)
+    assert got == {k: (0, 2, 3) for k in keys}
+    ep.runner.partial = frozenset()
+    assert holders(trainer, ep, state) == {}  # type: ignore[arg-type]
+
+
+def test_a_non_finite_slot_is_re_run_on_the_next_whole_member() -> None:
+    """``StepRunner.rerunner``: the next rank after the slot's owner, skipping the
+    partial ones (a paced copy's receivers), wrapping around."""
+    from types import SimpleNamespace
+
+    from perdure.runtime.step import StepRunner
+
+    run = SimpleNamespace(size=4, partial=frozenset({2, 3}))
+    assert StepRunner.rerunner(run, 1) == 0  # type: ignore[arg-type]
+    assert StepRunner.rerunner(run, 0) == 1  # type: ignore[arg-type]
+    run.partial = frozenset()
+    assert StepRunner.rerunner(run, 3) == 0  # type: ignore[arg-type]
