@@ -338,7 +338,7 @@ class PerduePolicyConfig:
     (``runtime/control/copy_rule.py``: an exact reduction with ``overlap`` ``bucketed`` or
     ``streamed``, ``workload.shard`` = 1, not DiLoCo); elsewhere it stalls. ``stall``:
     every member waits at the epoch's start until the copy is done. ``paced`` (the
-    runtime's ``cluster.copy_step_mb``, ``runtime/member/copy_pacing.py``, where it
+    runtime's default ``cluster.copy_pace = "auto"``, ``runtime/member/copy_pacing.py``, where it
     overlaps): the copy is spread over the steps it takes, a part behind each step's
     compute, so no member waits for it; the joiner has no slot until it is done."""
     copy_gbps: float | None = None

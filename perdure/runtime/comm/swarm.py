@@ -51,7 +51,7 @@ import functools
 import itertools
 import json
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -235,7 +235,9 @@ class SwarmCopy:
         raws = _exchange_bytes(comm, raw, job.timeout, frozenset(job.receivers))
         offers = _parse_all(raws, set(job.receivers))
         templates = {r: _template(r, job, offers) for r in job.receivers}
-        ranges = _plan(job, offers, templates, self.chunk_bytes)
+        # the template's keys this copy moves, once per template (a paced part's select)
+        moved = {t: _moved(offers[t], job) for t in sorted(set(templates.values()))}
+        ranges = _plan(job, offers, templates, self.chunk_bytes, moved)
         self.stats = {
             "ranges_sent": 0,
             "bytes_sent": 0,
@@ -244,7 +246,7 @@ class SwarmCopy:
             "messages_received": 0,
             "refetched": 0,
         }
-        sink = _Sink(offers[templates[me]], job) if receiving else None
+        sink = _Sink(offers[templates[me]], job, moved[templates[me]]) if receiving else None
         attempts = {(r.dst, r.index): 0 for r in ranges}
         todo = ranges
         sources: set[int] = set()
@@ -405,13 +407,12 @@ class _Source:
 class _Sink:
     """A receiver's storage for its template's tensors, filled range by range."""
 
-    def __init__(self, template: Offer, job: CopyJob) -> None:
+    def __init__(self, template: Offer, job: CopyJob, moved: Set[str]) -> None:
         assert job.target is not None
         self.template = template
         self.tensors: dict[str, torch.Tensor] = {}
         self._flat: dict[str, torch.Tensor] = {}
         self._later: dict[str, torch.Tensor] = {}
-        moved = _moved(template, job)
         for key, (shape, dtype) in template.tensors.items():
             t = job.target(key, shape, TORCH_DTYPES[dtype])
             self.tensors[key] = t
@@ -652,7 +653,11 @@ def _check_template(offer: Offer, layout: Layout) -> None:
 
 
 def _plan(
-    job: CopyJob, offers: dict[int, Offer], templates: dict[int, int], chunk: int
+    job: CopyJob,
+    offers: dict[int, Offer],
+    templates: dict[int, int],
+    chunk: int,
+    moved: dict[int, Set[str]] | None = None,
 ) -> list[Range]:
     """Every receiver's ranges, in the global order (receiver, index), each first asked
     of the eligible holder with the fewest bytes assigned so far (ties: the receiver's
@@ -670,9 +675,9 @@ def _plan(
         t = offers[templates[dst]]
         step = t.extra["next_step"]
         index = 0
-        moved = _moved(t, job)
+        keys = _moved(t, job) if moved is None else moved[templates[dst]]
         for key, meta in t.tensors.items():
-            if key not in moved:
+            if key not in keys:
                 continue
             eligible = tuple(
                 r
@@ -694,7 +699,7 @@ def _plan(
     return ranges
 
 
-def _moved(template: Offer, job: CopyJob) -> frozenset[str] | set[str]:
+def _moved(template: Offer, job: CopyJob) -> Set[str]:
     """The template's keys this copy moves (``CopyJob.select``)."""
     if job.select is None:
         return set(template.tensors)

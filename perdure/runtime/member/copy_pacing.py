@@ -97,18 +97,14 @@ def groups(sizes: Sequence[tuple[str, int]], units: Mapping[str, int]) -> list[G
     """The state's keys (``sizes``: key and bytes, in the state's order) in the order the
     parts take them, with their bytes: first every key of no unit (one group, possibly
     empty), then each unit's keys, by unit index. A pure function."""
-    loose: list[str] = []
-    grouped: dict[int, list[str]] = {}
-    nbytes: dict[int, int] = {}
+    grouped: dict[int | None, list[str]] = {None: []}  # None: the keys of no unit
+    nbytes: dict[int | None, int] = {None: 0}
     for key, n in sizes:
         u = unit_of(key, units)
-        if u is None:
-            loose.append(key)
-            continue
         grouped.setdefault(u, []).append(key)
         nbytes[u] = nbytes.get(u, 0) + n
-    first = (tuple(loose), sum(n for k, n in sizes if unit_of(k, units) is None))
-    return [first, *((tuple(grouped[u]), nbytes[u]) for u in sorted(grouped))]
+    order = [None, *sorted(u for u in grouped if u is not None)]
+    return [(tuple(grouped[u]), nbytes[u]) for u in order]
 
 
 def take(gs: Sequence[Group], start: int, budget: int) -> int:

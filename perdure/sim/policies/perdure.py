@@ -160,7 +160,7 @@ def _plan_in(
     epoch's first step is planned with no slot on a joiner; the members compute it while
     the joiners copy, and its reduction waits for the copy, so that step takes
     ``max(first, copy)`` (``first``: the step time without the joiners); the joiners
-    take their slots from the next step on. Paced (``cluster.copy_step_mb``,
+    take their slots from the next step on. Paced (``cluster.copy_pace``,
     ``runtime/member/copy_pacing.py``): a part of the copy behind each step's compute, so
     no step waits for it; the joiners take their slots once it is done, ``max(first,
     copy)`` after the epoch starts (the parts' own fixed costs, 23 ms each where a part
